@@ -1,0 +1,323 @@
+"""Typed schema of one moe_rl experiment: every section a YAML file may hold.
+
+Owns field names, types, defaults and cross-field coherence rules. Field names
+mirror Megatron-Core's ``TransformerConfig`` where one exists, so a Megatron
+user reads them without a glossary. It must not import torch or Megatron.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    """Base of every section: unknown keys are errors, assignments re-validate."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class FP8Config(Section):
+    """Transformer Engine FP8 training (GPU only; rejected at build time without TE)."""
+
+    format: Literal["e4m3", "hybrid"] = "e4m3"
+    recipe: Literal["delayed", "tensorwise", "blockwise"] = "blockwise"
+    amax_history_len: int = Field(1024, ge=1)
+    amax_compute_algo: Literal["max", "most_recent"] = "max"
+    param_gather: bool = False
+
+
+class ModelConfig(Section):
+    """Decoder-only MoE transformer (Qwen3-MoE / DeepSeek-V3 family), Megatron names."""
+
+    num_layers: int = Field(2, ge=1)
+    hidden_size: int = Field(64, ge=1)
+    ffn_hidden_size: int = Field(128, ge=1, description="dense MLP width (dense layers only)")
+    num_attention_heads: int = Field(4, ge=1)
+    num_query_groups: int = Field(2, ge=1, description="GQA key/value heads")
+    kv_channels: int = Field(16, ge=1, description="head dim")
+    qk_layernorm: bool = True
+    vocab_size: int = Field(512, ge=2)
+    seq_length: int = Field(256, ge=2, description="max positions (prompt + response)")
+    rotary_base: float = Field(1_000_000.0, gt=0)
+    layernorm_epsilon: float = Field(1e-6, gt=0)
+    init_method_std: float = Field(0.02, gt=0)
+    num_moe_experts: int = Field(8, ge=1)
+    moe_router_topk: int = Field(2, ge=1)
+    moe_ffn_hidden_size: int = Field(32, ge=1)
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    moe_router_pre_softmax: bool = False
+    moe_router_enable_expert_bias: bool = False
+    moe_router_num_groups: int | None = Field(None, ge=1)
+    moe_router_group_topk: int | None = Field(None, ge=1)
+    moe_router_topk_scaling_factor: float | None = Field(None, gt=0)
+    moe_router_dtype: Literal["fp32", "fp64"] | None = None
+    moe_aux_loss_coeff: float = Field(0.0, ge=0)
+    moe_z_loss_coeff: float | None = Field(None, ge=0)
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "sinkhorn", "none"] = "aux_loss"
+    moe_token_dispatcher_type: Literal["allgather", "alltoall", "flex"] = "alltoall"
+    moe_expert_capacity_factor: float | None = Field(None, gt=0)
+    moe_router_fusion: bool = False
+    moe_layer_freq: int | list[Literal[0, 1]] = 1
+    first_k_dense_layers: int = Field(0, ge=0)
+    mtp_num_layers: int = Field(0, ge=0)
+
+    def moe_layer_pattern(self) -> list[int]:
+        """Per decoder layer 1 = MoE, 0 = dense, combining moe_layer_freq and first_k_dense_layers."""
+        if isinstance(self.moe_layer_freq, list):
+            pattern = list(self.moe_layer_freq)
+        else:
+            pattern = [1 if i % self.moe_layer_freq == 0 else 0 for i in range(self.num_layers)]
+        for i in range(min(self.first_k_dense_layers, self.num_layers)):
+            pattern[i] = 0
+        return pattern
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.moe_layer_pattern())
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelConfig:
+        if self.moe_router_topk > self.num_moe_experts:
+            raise ValueError(
+                f"model.moe_router_topk={self.moe_router_topk} must be <= model.num_moe_experts={self.num_moe_experts}"
+            )
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"model.num_query_groups={self.num_query_groups} must divide "
+                f"model.num_attention_heads={self.num_attention_heads}"
+            )
+        if isinstance(self.moe_layer_freq, list) and len(self.moe_layer_freq) != self.num_layers:
+            raise ValueError(
+                f"model.moe_layer_freq has {len(self.moe_layer_freq)} entries; expected one per layer "
+                f"(model.num_layers={self.num_layers})"
+            )
+        if isinstance(self.moe_layer_freq, int) and self.moe_layer_freq < 1:
+            raise ValueError(f"model.moe_layer_freq={self.moe_layer_freq} must be >= 1 or a 0/1 list")
+        if self.num_moe_layers == 0:
+            raise ValueError("model has no MoE layer (moe_layer_freq / first_k_dense_layers leave none)")
+        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
+        if (groups is None) != (group_topk is None):
+            raise ValueError("model.moe_router_num_groups and model.moe_router_group_topk must be set together")
+        if groups is not None:
+            if self.num_moe_experts % groups:
+                raise ValueError(f"model.moe_router_num_groups={groups} must divide num_moe_experts={self.num_moe_experts}")
+            if group_topk > groups:
+                raise ValueError(f"model.moe_router_group_topk={group_topk} must be <= moe_router_num_groups={groups}")
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+            raise ValueError("model.moe_router_enable_expert_bias requires model.moe_router_score_function='sigmoid'")
+        if self.num_moe_experts > 65536:
+            raise ValueError(f"model.num_moe_experts={self.num_moe_experts} exceeds the 65536 a uint16 route holds")
+        return self
+
+
+class ParallelConfig(Section):
+    """Megatron-Core parallel sizes for the learner."""
+
+    tp: int = Field(1, ge=1, description="tensor_model_parallel_size")
+    pp: int = Field(1, ge=1, description="pipeline_model_parallel_size")
+    ep: int = Field(1, ge=1, description="expert_model_parallel_size")
+    cp: int = Field(1, ge=1, description="context_parallel_size")
+    etp: int | None = Field(None, ge=1, description="expert_tensor_parallel_size (None: same as tp)")
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+
+
+class PrecisionConfig(Section):
+    params_dtype: Literal["float32", "bfloat16"] = "float32"
+    fp8: FP8Config | None = None
+
+
+class RolloutConfig(Section):
+    """SGLang rollout engine: where it is (or how to launch it) and how it samples."""
+
+    addresses: list[str] = Field(default_factory=list, description="http://host:port of running servers; empty = launch")
+    host: str = "127.0.0.1"
+    port: int | None = Field(None, ge=1, le=65535, description="None = pick a free port")
+    device: Literal["cpu", "cuda"] = "cpu"
+    dtype: Literal["bfloat16", "float32"] = "float32"
+    weight_quantization: Literal["none", "fp8_e4m3", "fp8_e5m2"] = "none"
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1, description="-1 = no top-k")
+    max_new_tokens: int = Field(16, ge=1)
+    samples_per_prompt: int = Field(4, ge=1)
+    deterministic: bool = True
+    seed: int = 0
+    sampling_mask_max_tokens: int = Field(4096, ge=1)
+    request_timeout_s: float = Field(120.0, gt=0)
+    startup_timeout_s: float = Field(180.0, gt=0)
+    max_concurrency: int = Field(16, ge=1)
+    max_retries: int = Field(3, ge=0)
+    mem_fraction_static: float = Field(0.05, gt=0, le=1)
+    max_total_tokens: int = Field(4096, ge=16)
+    extra_server_args: list[str] = Field(default_factory=list)
+
+
+class ReplayConfig(Section):
+    routing: Literal["none", "r2", "r3"] = "none"
+    keep_sampling_mask: bool = False
+
+
+RejectionMode = Literal[
+    "token_k1", "token_k2", "token_k3",
+    "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
+    "seq_max_k2", "seq_max_k3",
+]  # fmt: skip
+
+
+class CorrectionConfig(Section):
+    """Off-policy correction between rollout (mu), old (pi_old) and current (pi_theta) policies."""
+
+    mode: Literal["bypass", "decoupled"] = "decoupled"
+    is_level: Literal["none", "token", "sequence"] = "none"
+    is_threshold: float = Field(2.0, gt=0)
+    is_batch_normalize: bool = False
+    rs_mode: RejectionMode | None = None
+    rs_lower: float | None = Field(None, ge=0)
+    rs_upper: float | None = Field(None, gt=0)
+    icepop: bool = False
+    icepop_low: float = Field(0.5, ge=0)
+    icepop_high: float = Field(5.0, gt=0)
+    icepop_weighted: bool = True
+    token_veto_threshold: float | None = Field(None, gt=0, lt=1)
+    opsm_delta: float | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> CorrectionConfig:
+        if self.icepop_low >= self.icepop_high:
+            raise ValueError(f"correction.icepop_low={self.icepop_low} must be < correction.icepop_high={self.icepop_high}")
+        if self.rs_mode is not None and self.rs_upper is None:
+            raise ValueError(f"correction.rs_upper is required when correction.rs_mode={self.rs_mode!r}")
+        if self.rs_mode is not None and self.rs_mode.endswith("k1"):
+            if self.rs_lower is None:
+                raise ValueError(f"correction.rs_lower is required for ratio-bound mode {self.rs_mode!r}")
+            if self.rs_lower >= self.rs_upper:
+                raise ValueError(f"correction.rs_lower={self.rs_lower} must be < correction.rs_upper={self.rs_upper}")
+        return self
+
+
+class LossConfig(Section):
+    type: Literal["ppo_clip", "gspo", "gspo_token", "cispo", "reinforce"] = "ppo_clip"
+    clip_low: float = Field(0.2, ge=0, description="epsilon_low")
+    clip_high: float = Field(0.28, ge=0, description="epsilon_high")
+    dual_clip_c: float | None = Field(None, gt=1)
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    kl_coef: float = Field(0.0, ge=0)
+    kl_estimator: Literal["k1", "k2", "k3", "k3_plus"] = "k3"
+    entropy_coef: float = Field(0.0, ge=0)
+
+
+class AdvantageConfig(Section):
+    estimator: Literal["grpo", "grpo_no_std", "rloo"] = "grpo"
+    eps: float = Field(1e-6, gt=0)
+
+
+class OptimConfig(Section):
+    optimizer: Literal["adam"] = "adam"
+    lr: float = Field(1e-3, gt=0)
+    min_lr: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    adam_eps: float = Field(1e-8, gt=0)
+    clip_grad: float = Field(1.0, ge=0)
+    lr_warmup_steps: int = Field(0, ge=0)
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+
+
+class TrainConfig(Section):
+    steps: int = Field(10, ge=1)
+    prompts_per_step: int = Field(8, ge=1)
+    minibatches_per_step: int = Field(1, ge=1, description="N: optimizer steps per rollout batch")
+    epochs_per_step: int = Field(1, ge=1)
+    micro_batch_size: int = Field(8, ge=1)
+    recompute: Literal["none", "full"] = "none"
+    seed: int = 1234
+    task: str = "reverse"
+    reward_fn: str | None = Field(None, description="'module:function' overriding the task's reward")
+    output_dir: str = "runs/default"
+
+
+class LoggingConfig(Section):
+    jsonl: bool = True
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "moe_rl"
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    progress: bool = True
+
+
+class CheckpointConfig(Section):
+    dir: str | None = Field(None, description="None = <train.output_dir>/checkpoints")
+    save_interval: int = Field(0, ge=0, description="0 = only at the end")
+    keep_last: int = Field(2, ge=1)
+    resume: Literal["auto", "never"] = "auto"
+    init_from_hf: str | None = Field(None, description="HF checkpoint dir to initialise the learner from")
+
+
+class SlurmConfig(Section):
+    rollout_nodes: int = Field(1, ge=0)
+    learner_nodes: int = Field(1, ge=1)
+    gpus_per_node: int = Field(8, ge=1)
+    rollout_port: int = Field(30000, ge=1, le=65535)
+    master_port: int = Field(29500, ge=1, le=65535)
+    partition: str | None = None
+    time: str = "24:00:00"
+
+
+class ExperimentConfig(Section):
+    """A whole experiment; each section validated on its own, then together."""
+
+    name: str = "experiment"
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    replay: ReplayConfig = Field(default_factory=ReplayConfig)
+    correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    launch: SlurmConfig = Field(default_factory=SlurmConfig)
+
+    @model_validator(mode="after")
+    def _check_coherence(self) -> ExperimentConfig:
+        m, p = self.model, self.parallel
+        if m.num_moe_experts % p.ep:
+            raise ValueError(f"parallel.ep={p.ep} must divide model.num_moe_experts={m.num_moe_experts}")
+        if m.num_attention_heads % p.tp or m.num_query_groups % p.tp:
+            raise ValueError(
+                f"parallel.tp={p.tp} must divide model.num_attention_heads={m.num_attention_heads} "
+                f"and model.num_query_groups={m.num_query_groups}"
+            )
+        if m.num_layers % p.pp:
+            raise ValueError(f"parallel.pp={p.pp} must divide model.num_layers={m.num_layers}")
+        if self.replay.routing == "r2" and self.correction.mode == "bypass":
+            raise ValueError(
+                "replay.routing='r2' records the learner's old-policy routes, which bypass mode never computes; "
+                "use correction.mode='decoupled' or replay.routing in {'none', 'r3'}"
+            )
+        if self.replay.routing != "none":
+            if m.moe_router_fusion:
+                raise ValueError("model.moe_router_fusion=true bypasses router replay; set it false or replay.routing='none'")
+            if m.moe_router_load_balancing_type == "sinkhorn":
+                raise ValueError("model.moe_router_load_balancing_type='sinkhorn' bypasses router replay")
+            if m.moe_expert_capacity_factor is not None:
+                raise ValueError(
+                    "model.moe_expert_capacity_factor drops tokens, including replayed assignments; "
+                    "set it null (dropless) when replay.routing != 'none'"
+                )
+        if self.train.prompts_per_step * self.rollout.samples_per_prompt % self.train.minibatches_per_step:
+            raise ValueError(
+                f"train.minibatches_per_step={self.train.minibatches_per_step} must divide the rollout batch "
+                f"(train.prompts_per_step * rollout.samples_per_prompt = "
+                f"{self.train.prompts_per_step * self.rollout.samples_per_prompt})"
+            )
+        if self.rollout.top_k != -1 and self.rollout.top_k > m.vocab_size:
+            raise ValueError(f"rollout.top_k={self.rollout.top_k} must be -1 or <= model.vocab_size={m.vocab_size}")
+        return self
