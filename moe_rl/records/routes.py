@@ -1,0 +1,96 @@
+"""Compact storage of MoE routes: dtype choice, wire (int32) conversion, validation, pad rows.
+
+Routes are ``[rows, moe_layers, top_k]`` expert ids. On the SGLang wire they are
+int32 (4 bytes); here 1 byte per id when experts <= 256, 2 bytes otherwise.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class RecordError(ValueError):
+    """A rollout record that disagrees with the model or is malformed; the message names the field."""
+
+
+def route_dtype(num_experts: int) -> np.dtype:
+    """Smallest unsigned dtype holding expert ids ``0..num_experts-1`` (uint8 up to 256 experts)."""
+    if num_experts < 1:
+        raise RecordError(f"num_experts must be >= 1, got {num_experts}")
+    if num_experts <= 256:
+        return np.dtype(np.uint8)
+    if num_experts <= 65536:
+        return np.dtype(np.uint16)
+    raise RecordError(f"num_experts={num_experts} exceeds 65536, the most a uint16 route holds")
+
+
+def compact_routes(routes: np.ndarray, num_experts: int, field: str = "routes") -> np.ndarray:
+    """Check ``routes[rows, L, K]`` ids are in ``[0, num_experts)`` and cast to the compact dtype."""
+    if routes.ndim != 3:
+        raise RecordError(f"{field} must be [rows, moe_layers, top_k], got shape {tuple(routes.shape)}")
+    if routes.size:
+        lo, hi = int(routes.min()), int(routes.max())
+        if lo < 0 or hi >= num_experts:
+            raise RecordError(f"{field}: expert ids must be in [0, {num_experts}), got range [{lo}, {hi}]")
+    return routes.astype(route_dtype(num_experts), copy=False)
+
+
+def check_distinct_experts(routes: np.ndarray, field: str = "routes") -> None:
+    """Raise if any ``routes[row, layer, :]`` repeats an expert (they collapse in Megatron's routing map)."""
+    if routes.shape[-1] < 2 or routes.size == 0:
+        return
+    ordered = np.sort(routes, axis=-1)
+    dup = (ordered[..., 1:] == ordered[..., :-1]).any(axis=-1)
+    if dup.any():
+        row, layer = (int(i) for i in np.argwhere(dup)[0])
+        raise RecordError(
+            f"{field}[{row}, {layer}] repeats an expert: {routes[row, layer].tolist()} "
+            f"({int(dup.sum())} rows with duplicates); top-k experts of a token must be distinct"
+        )
+
+
+def pad_routes(num_rows: int, num_layers: int, top_k: int, num_experts: int, start: int = 0) -> np.ndarray:
+    """Pad rows ``[num_rows, num_layers, top_k]`` with distinct experts per row, spread over all experts.
+
+    Row ``r``, layer ``l`` holds ``(c + arange(top_k)) % E`` with ``c = (start + r) * top_k + l``:
+    distinct within a row (top_k <= E) and cycling through every expert across rows, so padded
+    tokens neither collapse in the routing map nor pile onto expert 0 (EP load imbalance).
+    """
+    if top_k > num_experts:
+        raise RecordError(f"top_k={top_k} must be <= num_experts={num_experts}")
+    rows = np.arange(start, start + num_rows, dtype=np.int64)[:, None, None]
+    layers = np.arange(num_layers, dtype=np.int64)[None, :, None]
+    slots = np.arange(top_k, dtype=np.int64)[None, None, :]
+    ids = (rows * top_k + layers + slots) % num_experts
+    return ids.astype(route_dtype(num_experts))
+
+
+def wire_to_routes(
+    raw: bytes, num_rows: int, num_hidden_layers: int, top_k: int, moe_layer_ids: list[int], num_experts: int
+) -> np.ndarray:
+    """Decode SGLang's raw int32 ``[rows, num_hidden_layers, top_k]`` bytes into compact MoE-layer routes.
+
+    Dense layers (zeros on the wire) are dropped by keeping only ``moe_layer_ids``.
+    """
+    expected = num_rows * num_hidden_layers * top_k * 4
+    if len(raw) != expected:
+        have = len(raw) / 4 / max(num_hidden_layers * top_k, 1)
+        raise RecordError(
+            f"routed_experts has {len(raw)} bytes = {have:g} rows of [{num_hidden_layers} layers x top_k {top_k}] "
+            f"int32; expected {num_rows} rows (prompt + response - 1 - start_len) = {expected} bytes"
+        )
+    full = np.frombuffer(raw, dtype="<i4").reshape(num_rows, num_hidden_layers, top_k)
+    if moe_layer_ids == list(range(num_hidden_layers)):
+        selected = full
+    else:
+        selected = full[:, moe_layer_ids, :]
+    routes = compact_routes(selected, num_experts, field="routed_experts")
+    return np.ascontiguousarray(routes)
+
+
+def routes_to_wire(routes: np.ndarray, num_hidden_layers: int, moe_layer_ids: list[int]) -> bytes:
+    """Inverse of ``wire_to_routes``: int32 bytes with dense layers as zeros (for fixtures and tests)."""
+    rows, _, top_k = routes.shape
+    full = np.zeros((rows, num_hidden_layers, top_k), dtype="<i4")
+    full[:, moe_layer_ids, :] = routes
+    return full.tobytes()

@@ -1,0 +1,135 @@
+"""Decode one SGLang ``/generate`` reply's ``meta_info`` into record fields, with validation.
+
+Owns the wire contract (field-facts.md, "SGLang <-> trainer wire format"):
+``routed_experts`` is base64 int32 ``[seqlen - 1 - start_len, num_hidden_layers, top_k]``
+with no row for the last generated token (it is never forwarded) and dense layers
+as zeros; ``output_token_logprobs`` rows are ``(logprob, token_id, text)``;
+``output_token_sampling_mask`` lists, per output token, the kept token ids.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from moe_rl.records.routes import RecordError, check_distinct_experts, wire_to_routes
+
+try:  # pybase64 is ~5x faster; plain base64 gives identical bytes
+    import pybase64 as _b64
+except ImportError:  # pragma: no cover - depends on the environment
+    _b64 = base64
+
+
+@dataclass(frozen=True)
+class RouteSpec:
+    """What the model says routes must look like."""
+
+    num_hidden_layers: int
+    moe_layer_ids: tuple[int, ...]
+    top_k: int
+    num_experts: int
+
+    @classmethod
+    def from_model_config(cls, model_cfg) -> RouteSpec:
+        pattern = model_cfg.moe_layer_pattern()
+        return cls(
+            num_hidden_layers=model_cfg.num_layers,
+            moe_layer_ids=tuple(i for i, moe in enumerate(pattern) if moe),
+            top_k=model_cfg.moe_router_topk,
+            num_experts=model_cfg.num_moe_experts,
+        )
+
+
+@dataclass
+class DecodedMeta:
+    """Per-sample arrays decoded from ``meta_info``."""
+
+    rollout_logp: np.ndarray  # float32 [R]
+    routes: np.ndarray | None  # compact [P + R - 1 - start_len, L_moe, K]
+    sampling_mask: list[np.ndarray] | None  # R x int32 kept ids
+    weight_version: str
+    finish_reason: str
+
+
+def decode_logprobs(meta_info: dict, response_ids: np.ndarray) -> np.ndarray:
+    """``output_token_logprobs`` -> float32 ``[R]``; checks length, token ids and finiteness."""
+    rows = meta_info.get("output_token_logprobs")
+    if rows is None:
+        raise RecordError("meta_info has no 'output_token_logprobs': send return_logprob=true in the request")
+    if len(rows) != len(response_ids):
+        raise RecordError(
+            f"output_token_logprobs has {len(rows)} entries; expected one per response token ({len(response_ids)})"
+        )
+    values = np.empty(len(rows), dtype=np.float32)
+    for t, row in enumerate(rows):
+        logp, token_id = row[0], row[1]
+        if logp is None or not math.isfinite(logp) or logp > 1e-4:
+            raise RecordError(f"output_token_logprobs[{t}] = {logp!r}; expected a finite log-prob <= 0")
+        if token_id is not None and int(token_id) != int(response_ids[t]):
+            raise RecordError(
+                f"output_token_logprobs[{t}] is for token {token_id}, but response token {t} is {int(response_ids[t])}"
+            )
+        values[t] = logp
+    return values
+
+
+def decode_sampling_mask(meta_info: dict, response_len: int, vocab_size: int | None) -> list[np.ndarray] | None:
+    """``output_token_sampling_mask`` -> R int32 arrays of kept ids (None when the server sent none)."""
+    masks = meta_info.get("output_token_sampling_mask")
+    if masks is None:
+        return None
+    if len(masks) != response_len:
+        raise RecordError(
+            f"output_token_sampling_mask has {len(masks)} entries; expected one per response token ({response_len})"
+        )
+    out = []
+    for t, kept in enumerate(masks):
+        ids = np.asarray(kept, dtype=np.int64)
+        if ids.ndim != 1 or ids.size == 0:
+            raise RecordError(f"output_token_sampling_mask[{t}] must be a non-empty list of token ids")
+        if vocab_size is not None and (ids.min() < 0 or ids.max() >= vocab_size):
+            raise RecordError(f"output_token_sampling_mask[{t}] has ids outside [0, {vocab_size})")
+        out.append(ids.astype(np.int32))
+    return out
+
+
+def decode_routes(meta_info: dict, prompt_len: int, response_len: int, spec: RouteSpec, start_len: int = 0) -> np.ndarray:
+    """``routed_experts`` -> compact ``[P + R - 1 - start_len, L_moe, K]`` (dense layers dropped)."""
+    encoded = meta_info.get("routed_experts")
+    if encoded is None:
+        raise RecordError(
+            "meta_info has no 'routed_experts': the request must send return_routed_experts=true and the server "
+            "must run with --enable-return-routed-experts"
+        )
+    if not 0 <= start_len <= prompt_len:
+        raise RecordError(f"routed_experts_start_len={start_len} must be in [0, prompt_len={prompt_len}]")
+    raw = _b64.b64decode(encoded) if isinstance(encoded, (str, bytes)) else np.asarray(encoded, "<i4").tobytes()
+    num_rows = prompt_len + response_len - 1 - start_len
+    routes = wire_to_routes(raw, num_rows, spec.num_hidden_layers, spec.top_k, list(spec.moe_layer_ids), spec.num_experts)
+    check_distinct_experts(routes, field="routed_experts")
+    return routes
+
+
+def decode_sglang_meta(
+    meta_info: dict,
+    prompt_len: int,
+    response_ids: np.ndarray,
+    spec: RouteSpec | None,
+    vocab_size: int | None = None,
+    start_len: int = 0,
+) -> DecodedMeta:
+    """Decode a whole ``meta_info``; ``spec=None`` means routes were not requested."""
+    response_ids = np.asarray(response_ids)
+    routes = None if spec is None else decode_routes(meta_info, prompt_len, len(response_ids), spec, start_len)
+    finish = meta_info.get("finish_reason")
+    finish_type = finish.get("type", "") if isinstance(finish, dict) else str(finish or "")
+    return DecodedMeta(
+        rollout_logp=decode_logprobs(meta_info, response_ids),
+        routes=routes,
+        sampling_mask=decode_sampling_mask(meta_info, len(response_ids), vocab_size),
+        weight_version=str(meta_info.get("weight_version", "")),
+        finish_reason=finish_type,
+    )
