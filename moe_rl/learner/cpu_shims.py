@@ -1,0 +1,247 @@
+"""CPU support for Megatron-Core 0.16: the minimal set of runtime shims.
+
+Owns every patch moe_rl applies to Megatron-Core / torch so that the *same*
+Megatron model code runs on a machine without a GPU (tests, the tiny demo).
+Nothing here runs when CUDA is available. Each shim is guarded by a probe of
+the failure it prevents, so on a release that fixed the problem it is a no-op.
+Measured obstacles: /work/shared/notes/megatron-core-on-cpu.md.
+
+Shims (name -> failure prevented):
+  cuda_current_device   ``AssertionError: Torch not compiled with CUDA`` from
+                        ``torch.cuda.current_device()`` in RoPE ``get_emb`` and
+                        ``Router.gating`` (they move CPU params "to the GPU").
+  te_general_gemm       ``NameError: te_general_gemm`` in the router GEMM when
+                        Transformer Engine is absent.
+  dispatcher_stream     ``torch.cuda.Stream requires CUDA`` when the alltoall
+                        token dispatcher creates its device->host side stream.
+  split_sizes_numpy     ``all_to_all_single(): incompatible function arguments``:
+                        ``maybe_move_tensor_to_cpu(as_numpy=True)`` leaves CPU
+                        split sizes as tensors.
+  cuda_rng_state        ``Torch not compiled with CUDA`` from
+                        ``_get/_set_cuda_rng_state`` in activation recompute and
+                        the RNG tracker's ``fork``.
+
+The RNG tracker itself needs no patch, only a different call: see
+``seed_model_parallel_rng``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+import torch
+
+__all__ = ["CPU_SHIMS", "apply_cpu_shims", "applied_shims", "seed_model_parallel_rng"]
+
+
+class _HostEvent:
+    """Stand-in for ``torch.cuda.Event``: on the host every op has already happened."""
+
+    def synchronize(self) -> None:  # noqa: D102
+        return None
+
+    def wait(self, stream=None) -> None:  # noqa: D102
+        return None
+
+    def query(self) -> bool:  # noqa: D102
+        return True
+
+
+class _HostStream:
+    """Stand-in for ``torch.cuda.Stream`` on CPU: host ops are already ordered."""
+
+    device = torch.device("cpu")
+
+    def wait_stream(self, stream) -> None:  # noqa: D102 - no-op by design
+        return None
+
+    def wait_event(self, event) -> None:  # noqa: D102
+        return None
+
+    def record_event(self, event=None):  # noqa: D102
+        return _HostEvent() if event is None else event
+
+    def synchronize(self) -> None:  # noqa: D102
+        return None
+
+    def query(self) -> bool:  # noqa: D102
+        return True
+
+
+_HOST_STREAM = _HostStream()
+
+
+def _source_mentions(obj, needle: str) -> bool:
+    try:
+        return needle in inspect.getsource(obj)
+    except (OSError, TypeError):
+        return False
+
+
+def _raises(fn: Callable[[], object]) -> bool:
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - any failure means the shim is needed
+        return True
+    return False
+
+
+# --- cuda_current_device ---------------------------------------------------
+
+
+def _need_current_device() -> bool:
+    from megatron.core.models.common.embeddings import rotary_pos_embedding
+    from megatron.core.transformer.moe import router
+
+    calls = _source_mentions(rotary_pos_embedding, "torch.cuda.current_device()") or (
+        _source_mentions(router, "torch.cuda.current_device()")
+    )
+    return calls and _raises(torch.cuda.current_device)
+
+
+def _apply_current_device() -> None:
+    # On a CPU-only build this function can only raise, so redirecting Megatron's
+    # "move to the current GPU" to the host device changes no working behaviour.
+    torch.cuda.current_device = lambda: "cpu"
+
+
+# --- te_general_gemm ---------------------------------------------------------
+
+
+def _need_te_general_gemm() -> bool:
+    from megatron.core.transformer.moe import moe_utils
+
+    return not hasattr(moe_utils, "te_general_gemm") and _source_mentions(
+        moe_utils, "te_general_gemm is not None"
+    )
+
+
+def _apply_te_general_gemm() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.te_general_gemm = None  # the code path checks ``is not None``
+
+
+# --- dispatcher_stream -------------------------------------------------------
+
+
+def _need_dispatcher_stream() -> bool:
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    return (
+        getattr(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", _HOST_STREAM) is None
+        and _raises(torch.cuda.Stream)
+    )
+
+
+def _apply_dispatcher_stream() -> None:
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _HOST_STREAM
+    # The dispatcher compares the current stream with its side stream; returning
+    # the same stand-in makes it take the "not on a side stream" branch.
+    torch.cuda.current_stream = lambda device=None: _HOST_STREAM
+
+
+# --- split_sizes_numpy -------------------------------------------------------
+
+
+def _need_split_sizes_numpy() -> bool:
+    from megatron.core.transformer.moe import token_dispatcher
+
+    move = getattr(token_dispatcher, "maybe_move_tensor_to_cpu", None)
+    if move is None or getattr(move, "_moe_rl_shim", False):
+        return False
+    return torch.is_tensor(move(torch.tensor([1, 2]), as_numpy=True))
+
+
+def _apply_split_sizes_numpy() -> None:
+    from megatron.core.transformer.moe import token_dispatcher
+
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        out = original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+        # torch.distributed.all_to_all_single wants python/numpy split sizes.
+        if as_numpy and torch.is_tensor(out):
+            return out.cpu().numpy()
+        return out
+
+    maybe_move_tensor_to_cpu._moe_rl_shim = True
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+# --- cuda_rng_state ----------------------------------------------------------
+
+_EMPTY_RNG_STATE = torch.zeros(0, dtype=torch.uint8)
+
+
+def _need_cuda_rng_state() -> bool:
+    from megatron.core.tensor_parallel import random as tp_random
+
+    return _raises(tp_random._get_cuda_rng_state)
+
+
+def _apply_cuda_rng_state() -> None:
+    from megatron.core.tensor_parallel import random as tp_random
+
+    # There is no device generator on CPU; the CPU generator state is saved and
+    # restored separately by the recompute code (``torch.get_rng_state``).
+    tp_random._get_cuda_rng_state = lambda *a, **k: _EMPTY_RNG_STATE
+    tp_random._set_cuda_rng_state = lambda *a, **k: None
+
+
+CPU_SHIMS: dict[str, tuple[Callable[[], bool], Callable[[], None]]] = {
+    "cuda_current_device": (_need_current_device, _apply_current_device),
+    "te_general_gemm": (_need_te_general_gemm, _apply_te_general_gemm),
+    "dispatcher_stream": (_need_dispatcher_stream, _apply_dispatcher_stream),
+    "split_sizes_numpy": (_need_split_sizes_numpy, _apply_split_sizes_numpy),
+    "cuda_rng_state": (_need_cuda_rng_state, _apply_cuda_rng_state),
+}
+
+_APPLIED: list[str] = []
+
+
+def apply_cpu_shims(only: tuple[str, ...] | None = None) -> list[str]:
+    """Apply the CPU shims whose failure probe fires; return the names applied.
+
+    A no-op when CUDA is available. Idempotent: a shim already applied is not
+    applied again (its probe no longer fires). ``only`` restricts the set (tests).
+    """
+    if torch.cuda.is_available():
+        return []
+    names = CPU_SHIMS if only is None else only
+    unknown = set(names) - set(CPU_SHIMS)
+    if unknown:
+        raise ValueError(f"unknown CPU shim(s) {sorted(unknown)}; expected names from {list(CPU_SHIMS)}")
+    for name in names:
+        needed, apply = CPU_SHIMS[name]
+        if name not in _APPLIED and needed():
+            apply()
+            _APPLIED.append(name)
+    return list(_APPLIED)
+
+
+def applied_shims() -> list[str]:
+    """Names of the shims applied in this process, in application order."""
+    return list(_APPLIED)
+
+
+def seed_model_parallel_rng(seed: int) -> None:
+    """Seed Megatron's model-parallel RNG tracker (tp / ep / etp streams).
+
+    On GPU this is Megatron's ``model_parallel_cuda_manual_seed``. On CPU the
+    default tracker stores CUDA generator states it cannot create; the
+    "inference" tracker forks the CPU generator instead, which is what dropout
+    and init then draw from.
+    """
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:
+        tensor_parallel.model_parallel_cuda_manual_seed(
+            seed, inference_rng_tracker=True, force_reset_rng=True
+        )

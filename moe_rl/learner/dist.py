@@ -1,0 +1,135 @@
+"""Process-group and Megatron parallel-state setup for the learner.
+
+Owns: reading the launcher's environment (torchrun or SLURM), creating the
+default process group (gloo on CPU, nccl on GPU) and Megatron's tp/pp/ep/cp/etp
+groups. It must not build models or touch optimizer state.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["LaunchEnv", "launch_env", "init_distributed", "destroy_distributed", "free_port"]
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in the job, as told by the launcher."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    launcher: str  # "torchrun" | "slurm" | "single"
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """First hostname of a SLURM nodelist such as ``gpu[03-05,07],cpu1``."""
+    m = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
+    if m is None:
+        raise ValueError(f"cannot parse SLURM_JOB_NODELIST={nodelist!r}; set MASTER_ADDR instead")
+    prefix, _, ranges = m.groups()
+    if ranges is None:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
+    """Read rank/world/master from torchrun (``RANK``...) or SLURM (``SLURM_PROCID``...).
+
+    torchrun variables win when both are present (``srun torchrun`` sets both).
+    Without a launcher this is a single process on 127.0.0.1 with a free port.
+    """
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return LaunchEnv(
+            rank=int(env["RANK"]),
+            world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", 29500)),
+            launcher="torchrun",
+        )
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        addr = env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
+        # A job-id-derived port lets every task agree without talking first.
+        port = int(env.get("MASTER_PORT", 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+        return LaunchEnv(
+            rank=int(env["SLURM_PROCID"]),
+            world_size=int(env["SLURM_NTASKS"]),
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            master_addr=addr,
+            master_port=port,
+            launcher="slurm",
+        )
+    return LaunchEnv(0, 1, 0, "127.0.0.1", free_port(), "single")
+
+
+def init_distributed(parallel_cfg, environ: dict[str, str] | None = None) -> LaunchEnv:
+    """Create the default process group and Megatron's model-parallel groups.
+
+    ``parallel_cfg`` has ``tp, pp, ep, cp, etp`` (etp None -> tp) and ``backend``
+    ("auto": gloo on CPU, nccl on GPU). Re-entrant: an existing default group is reused (the sizes must
+    then match the config).
+    """
+    from megatron.core import parallel_state
+
+    from moe_rl.learner.cpu_shims import apply_cpu_shims
+
+    apply_cpu_shims()
+    env = launch_env(environ)
+    tp, pp, ep, cp = (int(getattr(parallel_cfg, k)) for k in ("tp", "pp", "ep", "cp"))
+    etp = getattr(parallel_cfg, "etp", None)
+    etp = tp if etp is None else int(etp)
+    need = tp * pp * cp
+    if env.world_size % need or env.world_size % (etp * ep * pp):
+        raise ValueError(
+            f"parallel sizes tp={tp} pp={pp} cp={cp} ep={ep} etp={etp} do not divide "
+            f"world_size={env.world_size}; expected world_size % (tp*pp*cp) == 0 and "
+            f"world_size % (etp*ep*pp) == 0"
+        )
+    if not dist.is_initialized():
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(env.local_rank)
+        backend = getattr(parallel_cfg, "backend", "auto")
+        dist.init_process_group(
+            backend=("nccl" if cuda else "gloo") if backend == "auto" else backend,
+            init_method=f"tcp://{env.master_addr}:{env.master_port}",
+            rank=env.rank,
+            world_size=env.world_size,
+        )
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+    )
+    return env
+
+
+def destroy_distributed() -> None:
+    """Tear down Megatron's groups and the default process group."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

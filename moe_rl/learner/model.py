@@ -1,0 +1,231 @@
+"""Megatron-Core MoE GPT model for the learner: config mapping, build, forward.
+
+Owns turning ``ExperimentConfig`` (model / parallel / precision / train sections)
+into a Megatron ``TransformerConfig`` + layer spec + ``GPTModel``, and the plain
+forward ``input_ids[B, T] -> logits[B, T, V/tp]``. The architecture follows
+Qwen3-MoE (GQA, qk RMSNorm, RoPE rotate-half, SwiGLU experts, no linear bias) and
+exposes the DeepSeek-V3 router options Megatron 0.16 has (sigmoid + expert bias,
+grouped top-k). It must not hold optimizer or replay state.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moe_rl.learner.cpu_shims import apply_cpu_shims, seed_model_parallel_rng
+from moe_rl.learner.fp8 import fp8_runtime_missing, fp8_transformer_fields, te_available
+
+__all__ = [
+    "transformer_config_from",
+    "use_transformer_engine",
+    "build_model",
+    "attention_mask",
+    "forward_logits",
+    "moe_routers",
+    "unwrap",
+]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def use_transformer_engine() -> bool:
+    """TE layer spec when TE is importable and a GPU is present, else the local spec."""
+    return te_available() and torch.cuda.is_available()
+
+
+def transformer_config_from(cfg):
+    """Megatron ``TransformerConfig`` for ``cfg`` (an ``ExperimentConfig``).
+
+    Fixed choices (the Qwen3-MoE family): RMSNorm, SwiGLU, no linear/qkv bias,
+    rotate-half RoPE, no dropout (RL log-probs must be deterministic), router in
+    fp32 unless ``model.moe_router_dtype`` says fp64, SequentialMLP experts off-GPU.
+    ``moe_enable_routing_replay`` is always on: it only attaches an idle
+    ``RouterReplay`` to each router, and lets ``moe_rl.replay`` drive any model.
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    m, p, prec = cfg.model, cfg.parallel, cfg.precision
+    if m.mtp_num_layers:
+        raise ValueError(
+            f"model.mtp_num_layers={m.mtp_num_layers}: multi-token prediction is not supported by the "
+            "moe_rl learner yet; expected 0"
+        )
+    fp8 = fp8_transformer_fields(prec.fp8)
+    if fp8:
+        missing = fp8_runtime_missing()
+        if missing:
+            raise ValueError(
+                f"precision.fp8={prec.fp8.model_dump()} needs " + " and ".join(missing)
+                + "; set precision.fp8=null on this machine"
+            )
+    params_dtype = _DTYPES[prec.params_dtype]
+    on_gpu = torch.cuda.is_available()
+    recompute = cfg.train.recompute == "full"
+    return TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        kv_channels=m.kv_channels,
+        qk_layernorm=m.qk_layernorm,
+        layernorm_epsilon=m.layernorm_epsilon,
+        init_method_std=m.init_method_std,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,  # also avoids an in-place-on-view error on CPU
+        add_qkv_bias=False,
+        bias_activation_fusion=False,
+        apply_rope_fusion=False,
+        rotary_interleaved=False,  # HF rotate-half
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        # MoE
+        num_moe_experts=m.num_moe_experts,
+        moe_layer_freq=m.moe_layer_pattern(),
+        moe_ffn_hidden_size=m.moe_ffn_hidden_size,
+        moe_router_topk=m.moe_router_topk,
+        moe_router_score_function=m.moe_router_score_function,
+        moe_router_pre_softmax=m.moe_router_pre_softmax,
+        moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
+        moe_router_num_groups=m.moe_router_num_groups,
+        moe_router_group_topk=m.moe_router_group_topk,
+        moe_router_topk_scaling_factor=m.moe_router_topk_scaling_factor,
+        moe_router_dtype=m.moe_router_dtype or "fp32",
+        moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+        moe_z_loss_coeff=m.moe_z_loss_coeff,
+        moe_router_load_balancing_type=m.moe_router_load_balancing_type,
+        moe_token_dispatcher_type=m.moe_token_dispatcher_type,
+        moe_expert_capacity_factor=m.moe_expert_capacity_factor,
+        moe_router_fusion=m.moe_router_fusion,
+        moe_grouped_gemm=on_gpu and use_transformer_engine(),
+        moe_enable_routing_replay=True,
+        # parallel
+        tensor_model_parallel_size=p.tp,
+        pipeline_model_parallel_size=p.pp,
+        context_parallel_size=p.cp,
+        expert_model_parallel_size=p.ep,
+        expert_tensor_parallel_size=p.etp if p.etp is not None else p.tp,
+        sequence_parallel=p.tp > 1,
+        # precision
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        use_cpu_initialization=not on_gpu,
+        **fp8,
+        # activation recompute
+        recompute_granularity="full" if recompute else None,
+        recompute_method="uniform" if recompute else None,
+        recompute_num_layers=1 if recompute else None,
+    )
+
+
+def _layer_spec(tcfg, use_te: bool):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    return get_gpt_decoder_block_spec(tcfg, use_transformer_engine=use_te, normalization="RMSNorm")
+
+
+def build_model(cfg, seed: int | None = None):
+    """Build the ``GPTModel`` for ``cfg``; ``init_distributed`` must have run.
+
+    Weights are initialised from ``seed`` (default ``cfg.train.seed``) through
+    Megatron's model-parallel RNG tracker. Experts draw from a per-ep-rank stream,
+    so ep=1 and ep=2 builds differ in expert values: load the same weights (HF
+    import or checkpoint) when runs must match.
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    apply_cpu_shims()
+    tcfg = transformer_config_from(cfg)
+    seed_model_parallel_rng(cfg.train.seed if seed is None else seed)
+    use_te = use_transformer_engine()
+    model = GPTModel(
+        config=tcfg,
+        transformer_layer_spec=_layer_spec(tcfg, use_te),
+        vocab_size=cfg.model.vocab_size,
+        max_sequence_length=cfg.model.seq_length,
+        pre_process=True,
+        post_process=True,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_base=int(cfg.model.rotary_base),
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model
+
+
+def unwrap(model):
+    """The bare ``GPTModel`` under DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def attention_mask(input_ids: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean mask ``masked[B|1, 1, T, T]`` (True = may not attend) for ``input_ids[B, T]``.
+
+    Causal; with ``segment_ids[B, T]`` (packed batch, one id per sequence) also
+    block-diagonal. Megatron 0.16 would build its default causal mask on "cuda",
+    so the CPU path always passes one explicitly.
+    """
+    B, T = input_ids.shape
+    future = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).triu(1)
+    if segment_ids is None:
+        return future.view(1, 1, T, T)
+    if segment_ids.shape != input_ids.shape:
+        raise ValueError(f"segment_ids must have shape {tuple(input_ids.shape)} [B, T]; got {tuple(segment_ids.shape)}")
+    other_segment = segment_ids[:, :, None] != segment_ids[:, None, :]
+    return (future[None] | other_segment)[:, None]
+
+
+def packed_position_ids(segment_ids: torch.Tensor) -> torch.Tensor:
+    """``position_ids[B, T]`` restarting at 0 at each new value of ``segment_ids[B, T]``."""
+    B, T = segment_ids.shape
+    idx = torch.arange(T, device=segment_ids.device).expand(B, T)
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    start_pos = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return idx - start_pos
+
+
+def forward_logits(
+    model,
+    input_ids: torch.Tensor,
+    *,
+    segment_ids: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Run the model: ``input_ids[B, T]`` -> ``logits[B, T, V/tp]`` (vocab-sharded when tp > 1).
+
+    Padded batches need nothing extra (right padding never influences earlier
+    tokens under the causal mask). Packed batches pass ``segment_ids[B, T]``:
+    attention stays within a sequence and positions restart per sequence.
+    """
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [B, T]; got shape {tuple(input_ids.shape)}")
+    if position_ids is None:
+        if segment_ids is None:
+            T = input_ids.shape[1]
+            position_ids = torch.arange(T, device=input_ids.device).expand_as(input_ids)
+        else:
+            position_ids = packed_position_ids(segment_ids)
+    mask = attention_mask(input_ids, segment_ids)
+    return model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask)
+
+
+def moe_routers(model) -> list:
+    """The ``TopKRouter`` of each MoE decoder layer, in layer order (dense layers skipped)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    routers = []
+    for layer in unwrap(model).decoder.layers:
+        router = getattr(layer.mlp, "router", None)
+        if isinstance(router, TopKRouter):
+            routers.append(router)
+    return routers
