@@ -1,0 +1,1 @@
+"""Rollout side: SGLang launcher and client, synthetic tasks, rewards, task tokenizer."""
