@@ -1,0 +1,5 @@
+"""CPU stand-in for `torchvision`: importable, no attributes; every lookup is logged and fails. See ../_moe_rl_standin.py."""
+
+from _moe_rl_standin import make_getattr as _make_getattr
+
+__getattr__ = _make_getattr("torchvision")
