@@ -1,0 +1,121 @@
+"""Keep Sampling Mask: the learner's log-prob of a sampled token renormalised over the
+rollout's kept set (top-k / top-p truncation), for old, current and reference passes.
+
+Owns only the math on ``logits[N, V]``; it must not know about models or batches.
+Semantics: seed 000 and field-facts.md "Recurring user bugs" #10 -- the sampled token is
+always part of its kept set, even where the engine's returned mask disagrees at the cutoff.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["KeptSets", "keep_mask_logprobs", "KeepMaskResult"]
+
+
+@dataclass(frozen=True)
+class KeptSets:
+    """Ragged kept sets of ``N`` tokens: row ``i`` keeps ``ids[offsets[i]:offsets[i+1]]``.
+
+    ``ids[M]`` int, ``offsets[N+1]`` int64, non-decreasing, ``offsets[0] == 0``,
+    ``offsets[-1] == M``. An empty row means "no truncation" (full vocabulary): a real kept
+    set is never empty because it contains at least the sampled token.
+    """
+
+    ids: torch.Tensor
+    offsets: torch.Tensor
+
+    @classmethod
+    def from_lists(cls, rows: list, device=None) -> KeptSets:
+        """Build from one id sequence (or ``None`` = no truncation) per token."""
+        lengths = [0 if r is None else len(r) for r in rows]
+        offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
+        offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
+        flat = [int(x) for r in rows if r is not None for x in r]
+        return cls(torch.tensor(flat, dtype=torch.int64, device=device), offsets.to(device))
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.offsets.numel()) - 1
+
+
+@dataclass(frozen=True)
+class KeepMaskResult:
+    """``logp[N]`` renormalised log-probs; ``outside_mask[N]`` True where the sampled token
+    was missing from a non-empty kept set (engine/learner cutoff disagreement)."""
+
+    logp: torch.Tensor
+    outside_mask: torch.Tensor
+
+    @property
+    def num_outside(self) -> int:
+        return int(self.outside_mask.sum())
+
+
+def _check(logits: torch.Tensor, targets: torch.Tensor, kept: KeptSets | None, temperature: float) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [N, V]; got shape {tuple(logits.shape)}")
+    N, V = logits.shape
+    if targets.shape != (N,):
+        raise ValueError(f"targets must be [N]={N}; got shape {tuple(targets.shape)}")
+    if N and (int(targets.min()) < 0 or int(targets.max()) >= V):
+        raise ValueError(f"targets must be token ids in [0, {V}); got range [{int(targets.min())}, {int(targets.max())}]")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0; got {temperature}")
+    if kept is None:
+        return
+    if kept.offsets.dim() != 1 or kept.num_rows != N:
+        raise ValueError(f"kept.offsets must be [N+1]={N + 1}; got shape {tuple(kept.offsets.shape)}")
+    M = kept.ids.numel()
+    if int(kept.offsets[0]) != 0 or int(kept.offsets[-1]) != M or bool((kept.offsets.diff() < 0).any()):
+        raise ValueError(
+            f"kept.offsets must start at 0, end at len(kept.ids)={M} and never decrease; "
+            f"got first={int(kept.offsets[0])} last={int(kept.offsets[-1])}"
+        )
+    if M and (int(kept.ids.min()) < 0 or int(kept.ids.max()) >= V):
+        raise ValueError(f"kept.ids must be token ids in [0, {V}); got range [{int(kept.ids.min())}, {int(kept.ids.max())}]")
+
+
+def keep_mask_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, kept: KeptSets | None, temperature: float = 1.0
+) -> KeepMaskResult:
+    """``logits[N, V]``, ``targets[N]`` -> ``logp[N] = z[y] - logsumexp(z[kept ∪ {y}])``, ``z = logits / T``.
+
+    Rows with an empty kept set (and every row when ``kept`` is None) use the full softmax.
+    Vectorised over the ``M`` kept ids: cost O(M log M) for the sets plus O(N_full * V) for
+    untruncated rows, never a Python loop over tokens. Differentiable w.r.t. ``logits``.
+    """
+    _check(logits, targets, kept, temperature)
+    N, V = logits.shape
+    # One fp32 upcast shared by every term, as in the full log-softmax.
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    rows = torch.arange(N, device=logits.device)
+    z_target = z[rows, targets]
+    lse = torch.empty(N, dtype=z.dtype, device=z.device)
+    outside = torch.zeros(N, dtype=torch.bool, device=z.device)
+    if kept is None:
+        return KeepMaskResult(z_target - torch.logsumexp(z, dim=-1), outside)
+
+    lengths = kept.offsets.diff().to(z.device)
+    full = lengths == 0
+    if bool(full.any()):
+        lse[full] = torch.logsumexp(z[full], dim=-1)
+    trunc_rows = rows[~full]
+    if trunc_rows.numel():
+        ids = kept.ids.to(device=z.device, dtype=torch.int64)
+        seg = torch.repeat_interleave(rows, lengths)
+        # Keys row*V + id make set membership and de-duplication one sort each.
+        keys = seg * V + ids
+        target_keys = trunc_rows * V + targets[trunc_rows]
+        outside[trunc_rows] = ~torch.isin(target_keys, keys)
+        keys = torch.unique(torch.cat([keys, target_keys]))
+        seg, ids = keys // V, keys % V
+        vals = z[seg, ids]
+        # Stable segment logsumexp: subtract a per-row max (detached; it cancels in the gradient).
+        row_max = torch.full((N,), float("-inf"), dtype=z.dtype, device=z.device)
+        row_max = row_max.scatter_reduce(0, seg, vals.detach(), reduce="amax", include_self=True)
+        sums = torch.zeros(N, dtype=z.dtype, device=z.device).index_add(0, seg, torch.exp(vals - row_max[seg]))
+        lse[trunc_rows] = (torch.log(sums) + row_max)[trunc_rows]
+    return KeepMaskResult(z_target - lse, outside)
