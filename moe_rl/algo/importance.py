@@ -1,0 +1,143 @@
+"""Per-token importance weights that correct the engine mismatch π_old / μ.
+
+Owns IcePop (band-masked ratio) and truncated IS (token / sequence), plus the
+IS-weight health statistics. Every weight returned here is detached: it is a
+change of measure, never something to differentiate (seed 003, "Implementation
+in verl: The Three-Policy Framework"; seed 001, "Truncated Importance Sampling").
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+
+from moe_rl.algo._tensors import (
+    LOG_RATIO_BOUND,
+    check_logp,
+    check_mask,
+    check_positive,
+    log_ratio,
+    masked_mean,
+    masked_sum,
+    metric,
+    seq_valid,
+)
+
+Metrics = dict[str, torch.Tensor]
+
+
+def weight_stats(prefix: str, w: torch.Tensor) -> Metrics:
+    """Health statistics of a flat weight vector ``w[N]`` (N ≥ 1).
+
+    ``ess`` is the normalised effective sample size (Σw)² / (N·Σw²) ∈ (0, 1]
+    (seed 000, "IS weight health and rejection sampling metrics"); it is 1 when
+    all weights are equal and → 1/N when one weight dominates.
+    """
+    w = w.detach().double()  # sums of squares over ~1M weights: float64 keeps ESS exact
+    n = w.numel()
+    sq = (w * w).sum()
+    ess = (w.sum() ** 2) / (n * sq) if bool(sq > 0) else torch.zeros((), dtype=w.dtype)
+    return {
+        f"{prefix}/weight_mean": metric(w.mean()),
+        f"{prefix}/weight_std": metric(w.std(correction=0)),
+        f"{prefix}/weight_min": metric(w.min()),
+        f"{prefix}/weight_max": metric(w.max()),
+        f"{prefix}/ess": metric(ess),
+    }
+
+
+@torch.no_grad()
+def icepop_weights(
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    low: float = 0.5,
+    high: float = 5.0,
+    weighted: bool = True,
+) -> tuple[torch.Tensor, Metrics]:
+    """IcePop token weights ``w[B, T]`` from ``old_logp[B, T]``, ``rollout_logp[B, T]``, ``mask[B, T]``.
+
+    With k_t = π_old(y_t) / μ(y_t) (training vs inference engine, same weights):
+    ``weighted=True``  → w_t = k_t · 1[low ≤ k_t ≤ high]   (Ring-1T §2.3.2 / slime / verl);
+    ``weighted=False`` → w_t = 1[low ≤ k_t ≤ high]          (plain two-sided mask).
+    Seed 000, section "MoE-specific alignment" (IcePop); seed 004, "IcePop: Token-Level
+    Two-Sided Masking in MoE". Default band [0.5, 5.0] is Ring-1T's (field-facts item 11).
+
+    Out-of-band tokens get weight 0 but stay in the mask: the Ring-1T objective keeps
+    them in the 1/Σ|y| normaliser. Padding gets weight 0. Returns detached weights and
+    ``icepop/masked_frac`` (+ low/high split) over valid tokens.
+    """
+    mask = check_mask(mask)
+    old_logp = check_logp("old_logp", old_logp, mask)
+    rollout_logp = check_logp("rollout_logp", rollout_logp, mask)
+    low = check_positive("icepop low", low)
+    high = check_positive("icepop high", high)
+    if not high > low:
+        raise ValueError(f"icepop band: expected low < high, got low={low}, high={high}")
+    k = torch.exp(log_ratio(old_logp, rollout_logp))
+    below = (k < low) & mask
+    above = (k > high) & mask
+    keep = mask & ~below & ~above
+    w = torch.where(keep, k if weighted else torch.ones_like(k), torch.zeros_like(k))
+    n = mask.sum()
+    return w, {
+        "icepop/masked_frac": metric((below.sum() + above.sum()) / n),
+        "icepop/masked_frac_low": metric(below.sum() / n),
+        "icepop/masked_frac_high": metric(above.sum() / n),
+    }
+
+
+@torch.no_grad()
+def truncated_is_weights(
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    level: Literal["token", "sequence"] = "token",
+    threshold: float = 2.0,
+    batch_normalize: bool = False,
+) -> tuple[torch.Tensor, Metrics]:
+    """Truncated IS weights ``w[B, T]`` from ``old_logp[B, T]``, ``rollout_logp[B, T]``, ``mask[B, T]``.
+
+    ρ_t = π_old(y_t) / μ(y_t), computed in log space.
+    ``level="token"``:    w_t = min(ρ_t, C).
+    ``level="sequence"``: w_i = min(Π_t ρ_t, C), broadcast to every valid token of sequence i.
+    ``batch_normalize``: divide by the batch mean of the truncated weights, over valid
+    tokens (token level) or over sequences with ≥1 valid token (sequence level), so the
+    batch mean is exactly 1 (seed 003, "Batch Normalization"; seed 000, "Importance
+    sampling correction"). Truncation happens first, so a normalised weight can exceed C.
+
+    Returns detached weights (0 on padding) and ``is/*`` metrics: weight stats, ESS,
+    ``is/truncated_frac`` (fraction of tokens or sequences with ρ > C) and
+    ``is/batch_norm_factor`` (the mean divided out; 1 when not normalising).
+    """
+    mask = check_mask(mask)
+    old_logp = check_logp("old_logp", old_logp, mask)
+    rollout_logp = check_logp("rollout_logp", rollout_logp, mask)
+    threshold = check_positive("is threshold", threshold)
+    zero = torch.zeros((), dtype=old_logp.dtype, device=old_logp.device)
+    if level == "token":
+        log_rho = log_ratio(old_logp, rollout_logp)
+        truncated = (log_rho > math.log(threshold)) & mask
+        w = torch.where(mask, torch.exp(log_rho).clamp(max=threshold), zero)
+        norm = masked_mean(w, mask) if batch_normalize else torch.ones((), dtype=w.dtype)
+        w = w / norm
+        flat, trunc_frac = w[mask], truncated.sum() / mask.sum()
+    elif level == "sequence":
+        # Sum the unclamped token log-ratios, then bound the *sequence* log-ratio: the
+        # product of ratios is the quantity that overflows (seed 000, "The length trap").
+        valid = seq_valid(mask)
+        log_rho_seq = masked_sum(old_logp - rollout_logp, mask, dim=1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        truncated = (log_rho_seq > math.log(threshold)) & valid
+        w_seq = torch.exp(log_rho_seq).clamp(max=threshold)
+        norm = w_seq[valid].mean() if batch_normalize else torch.ones((), dtype=w_seq.dtype)
+        w_seq = w_seq / norm
+        w = torch.where(mask, w_seq[:, None], zero)
+        flat, trunc_frac = w_seq[valid], truncated.sum() / valid.sum()
+    else:
+        raise ValueError(f"is level: expected 'token' or 'sequence', got {level!r}")
+    metrics = weight_stats("is", flat)
+    metrics["is/truncated_frac"] = metric(trunc_frac)
+    metrics["is/batch_norm_factor"] = metric(norm)
+    return w, metrics

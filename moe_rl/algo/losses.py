@@ -1,0 +1,207 @@
+"""Policy-gradient surrogate losses on ``[B, T]`` log-probs: PPO-clip, GSPO, CISPO, REINFORCE.
+
+Each loss returns ``(scalar loss to minimise, metrics)``. Shared contract:
+``logp[B, T]`` is π_θ (carries the gradient), ``old_logp[B, T]`` is the trust-region
+anchor (π_old, or μ in bypass mode), ``advantages`` is ``[B]`` or ``[B, T]``,
+``mask[B, T]`` the final loss mask (after rejection), ``is_weights[B, T]`` optional
+detached per-token importance weights that multiply each token's loss term before
+aggregation (seed 001, "TIS × Multi-Epoch": r_TIS · min(r·A, clip(r)·A)).
+Ratios are formed in log space and clamped to ±20 before exp.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_rl.algo._tensors import (
+    LOG_RATIO_BOUND,
+    check_logp,
+    check_mask,
+    check_positive,
+    check_seq_or_token,
+    log_ratio,
+    masked_max,
+    masked_mean,
+    metric,
+    seq_valid,
+)
+from moe_rl.algo.aggregation import aggregate
+
+Metrics = dict[str, torch.Tensor]
+
+
+def _inputs(logp, old_logp, advantages, mask, is_weights):
+    mask = check_mask(mask)
+    logp = check_logp("logp", logp, mask)
+    old_logp = None if old_logp is None else check_logp("old_logp", old_logp.detach(), mask)
+    adv = check_seq_or_token("advantages", advantages.detach(), mask)
+    if is_weights is not None:
+        is_weights = check_logp("is_weights", is_weights.detach(), mask)
+        if bool((is_weights < 0).any()):
+            raise ValueError("is_weights: expected non-negative importance weights, got a negative value")
+    return logp, old_logp, adv, mask, is_weights
+
+
+def _clip_bounds(clip_low: float, clip_high: float) -> tuple[float, float]:
+    lo = check_positive("clip_low", clip_low, upper_exclusive=1.0)
+    hi = check_positive("clip_high", clip_high)
+    return 1.0 - lo, 1.0 + hi
+
+
+def _finish(per_token, mask, is_weights, aggregation, loss_denominator, metrics):
+    if is_weights is not None:
+        per_token = per_token * is_weights
+    loss = aggregate(per_token, mask, aggregation, denominator=loss_denominator)
+    metrics["loss/pg_loss"] = metric(loss)
+    return loss, metrics
+
+
+def ppo_clip_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip_c: float | None = None,
+    is_weights: torch.Tensor | None = None,
+    aggregation: str = "token_mean",
+    loss_denominator: float | None = None,
+) -> tuple[torch.Tensor, Metrics]:
+    """PPO clipped surrogate with asymmetric range and optional dual clip.
+
+    r_t = π_θ / π_old;  ℓ_t = max(−A_t r_t, −A_t clip(r_t, 1−ε_low, 1+ε_high))
+    and, with dual clip c > 1, for A_t < 0: ℓ_t = min(ℓ_t, −c·A_t) (seed 000,
+    "Vanilla PPO clip": verl's clip_ratio_c floor on negative-advantage tokens).
+    Metrics: clip_frac (tokens where the clipped branch is active), clip_frac_low /
+    clip_frac_high (which side), dual_clip_frac, ratio_mean/max, approx_kl (mean log π_old − log π_θ).
+    """
+    logp, old_logp, adv, mask, is_weights = _inputs(logp, old_logp, advantages, mask, is_weights)
+    lo, hi = _clip_bounds(clip_low, clip_high)
+    lr = log_ratio(logp, old_logp)
+    ratio = torch.exp(lr)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(lo, hi)
+    per_token = torch.maximum(unclipped, clipped)
+    clip_active = (clipped > unclipped) & mask
+    metrics: Metrics = {
+        "loss/clip_frac": metric(clip_active.sum() / mask.sum().clamp_min(1)),
+        "loss/clip_frac_low": metric((clip_active & (ratio < lo)).sum() / mask.sum().clamp_min(1)),
+        "loss/clip_frac_high": metric((clip_active & (ratio > hi)).sum() / mask.sum().clamp_min(1)),
+    }
+    if dual_clip_c is not None:
+        c = float(dual_clip_c)
+        if not c > 1.0:
+            raise ValueError(f"dual_clip_c: expected > 1 (a floor at c·|A| for negative advantages), got {dual_clip_c}")
+        floor = -adv * c
+        dual_active = (adv < 0) & (per_token > floor)
+        per_token = torch.where(dual_active, floor, per_token)
+        metrics["loss/dual_clip_frac"] = metric((dual_active & mask).sum() / mask.sum().clamp_min(1))
+    with torch.no_grad():
+        metrics["loss/ratio_mean"] = metric(masked_mean(ratio, mask))
+        metrics["loss/ratio_max"] = metric(masked_max(ratio, mask))
+        metrics["loss/approx_kl"] = metric(masked_mean(-lr, mask))
+    return _finish(per_token, mask, is_weights, aggregation, loss_denominator, metrics)
+
+
+def gspo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    token_level: bool = False,
+    is_weights: torch.Tensor | None = None,
+    aggregation: str = "seq_mean_token_mean",
+    loss_denominator: float | None = None,
+) -> tuple[torch.Tensor, Metrics]:
+    """GSPO / GSPO-token: PPO clipping on the geometric-mean sequence ratio.
+
+    s_i = exp((1/|y_i|) Σ_t m·(log π_θ − log π_old)), the mean over *valid* tokens only
+    (seed 000, "GSPO — geometric sequence ratios"; field-facts item 12).
+    ``token_level=False``: ℓ_i = max(−A_i s_i, −A_i clip(s_i, 1−ε_low, 1+ε_high)) with the
+    ordinary gradient through log s_i; A_i is the masked mean of ``advantages`` over the
+    sequence; ℓ_i is broadcast to the sequence's tokens before aggregation.
+    ``token_level=True`` (GSPO-token): s_{i,t} = sg[s_i] · π_θ(y_t) / sg[π_θ(y_t)] — equal to
+    s_i in value, gradient only through the token's own log-prob — with per-token A_{i,t}.
+    With A constant per sequence and ``seq_mean_token_mean`` both variants give the
+    same loss and gradient. Metrics: clip_frac (tokens in clipped sequences), seq_ratio_*.
+    """
+    logp, old_logp, adv, mask, is_weights = _inputs(logp, old_logp, advantages, mask, is_weights)
+    lo, hi = _clip_bounds(clip_low, clip_high)
+    log_s = masked_mean(logp - old_logp, mask, dim=1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # [B]
+    if token_level:
+        log_s_tok = log_s.detach()[:, None] + logp - logp.detach()
+        s = torch.exp(log_s_tok)  # [B, T]; value s_i, d/dlogp_t = s_i
+        unclipped, clipped = -adv * s, -adv * s.clamp(lo, hi)
+        per_token = torch.maximum(unclipped, clipped)
+        clip_active = (clipped > unclipped) & mask
+    else:
+        s = torch.exp(log_s)  # [B]
+        adv_seq = masked_mean(adv, mask, dim=1)
+        unclipped, clipped = -adv_seq * s, -adv_seq * s.clamp(lo, hi)
+        per_seq = torch.maximum(unclipped, clipped)
+        per_token = per_seq[:, None].expand_as(mask)
+        clip_active = (clipped > unclipped)[:, None] & mask
+    valid = seq_valid(mask)
+    with torch.no_grad():
+        s_seq = torch.exp(log_s)[valid]
+        metrics: Metrics = {
+            "loss/clip_frac": metric(clip_active.sum() / mask.sum().clamp_min(1)),
+            "loss/seq_ratio_mean": metric(s_seq.mean() if s_seq.numel() else 1.0),
+            "loss/seq_ratio_min": metric(s_seq.min() if s_seq.numel() else 1.0),
+            "loss/seq_ratio_max": metric(s_seq.max() if s_seq.numel() else 1.0),
+            "loss/approx_kl": metric(masked_mean(old_logp - logp, mask)),
+        }
+    return _finish(per_token, mask, is_weights, aggregation, loss_denominator, metrics)
+
+
+def cispo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float | None = None,
+    clip_high: float = 0.2,
+    is_weights: torch.Tensor | None = None,
+    aggregation: str = "token_mean",
+    loss_denominator: float | None = None,
+) -> tuple[torch.Tensor, Metrics]:
+    """CISPO: ℓ_t = −sg[clip(r_t, 1−ε_low, 1+ε_high)] · A_t · log π_θ(y_t).
+
+    The clipped ratio is a stop-gradient weight, so every token keeps a gradient
+    (seed 000, "CISPO — stop-gradient clipping"; seed 001 table). ``clip_low=None``
+    means no lower bound (MiniMax-M1 only truncates from above).
+    Metrics: clip_frac (tokens whose ratio was changed by the clip), ratio_mean/max.
+    """
+    logp, old_logp, adv, mask, is_weights = _inputs(logp, old_logp, advantages, mask, is_weights)
+    lo = 0.0 if clip_low is None else _clip_bounds(clip_low, clip_high)[0]
+    hi = 1.0 + check_positive("clip_high", clip_high)
+    with torch.no_grad():
+        ratio = torch.exp(log_ratio(logp, old_logp))
+        weight = ratio.clamp(lo, hi)
+        metrics: Metrics = {
+            "loss/clip_frac": metric(((weight != ratio) & mask).sum() / mask.sum().clamp_min(1)),
+            "loss/ratio_mean": metric(masked_mean(ratio, mask)),
+            "loss/ratio_max": metric(masked_max(ratio, mask)),
+        }
+    per_token = -weight * adv * logp
+    return _finish(per_token, mask, is_weights, aggregation, loss_denominator, metrics)
+
+
+def reinforce_loss(
+    logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    is_weights: torch.Tensor | None = None,
+    aggregation: str = "token_mean",
+    loss_denominator: float | None = None,
+) -> tuple[torch.Tensor, Metrics]:
+    """REINFORCE: ℓ_t = −w_t · A_t · log π_θ(y_t) with detached IS weights w_t (1 if None).
+
+    Off-policy REINFORCE with truncated IS (seed 003, "REINFORCE"; seed 002 TIS form;
+    seed 000, "Bypass mode loss": for REINFORCE the IS weights are applied explicitly).
+    """
+    logp, _, adv, mask, is_weights = _inputs(logp, None, advantages, mask, is_weights)
+    return _finish(-adv * logp, mask, is_weights, aggregation, loss_denominator, {})

@@ -1,0 +1,192 @@
+"""Rejection masks: drop tokens or whole sequences whose policies disagree too much.
+
+Owns the 11 verl rejection-sampling modes (k1/k2/k3 × token / seq_sum / seq_mean /
+seq_max), the token veto and DeepSeek-V3.2 off-policy sequence masking (OPSM).
+Every function returns a *keep* mask ``keep[B, T]`` (bool) that is a subset of the
+input mask — rejection only ever removes tokens — plus its metrics.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from moe_rl.algo._tensors import (
+    LOG_RATIO_BOUND,
+    check_logp,
+    check_mask,
+    check_positive,
+    check_seq_or_token,
+    masked_max,
+    masked_mean,
+    masked_sum,
+    metric,
+    seq_valid,
+)
+
+Metrics = dict[str, torch.Tensor]
+
+RS_MODES = (
+    "token_k1", "token_k2", "token_k3",
+    "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
+    "seq_max_k2", "seq_max_k3",
+)  # fmt: skip
+
+
+def token_divergence(log_rho: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token divergence ``d[B, T]`` from ``log_rho[B, T]`` = log π_old − log μ.
+
+    k1: log ρ (compared against ratio bounds by the caller);
+    k2: ½ (log ρ)²;  k3: ρ − log ρ − 1, written as expm1(x) − x so that it is ≥ 0 up to
+    rounding even for |x| ≪ 1 (seed 000, "Rejection sampling correction").
+    """
+    if estimator == "k1":
+        return log_rho
+    if estimator == "k2":
+        return 0.5 * log_rho * log_rho
+    if estimator == "k3":
+        x = log_rho.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        return torch.expm1(x) - x
+    raise ValueError(f"divergence estimator: expected 'k1', 'k2' or 'k3', got {estimator!r}")
+
+
+def _rs_bounds(mode: str, lower: float | None, upper: float | None) -> tuple[float | None, float]:
+    if upper is None:
+        raise ValueError(f"rs_upper: rejection mode {mode!r} needs an upper threshold, got None")
+    upper = check_positive("rs_upper", upper)
+    if mode.endswith("k1"):
+        # k1 bounds are ratio bounds; verl's default lower bound is the reciprocal.
+        lower = 1.0 / upper if lower is None else check_positive("rs_lower", lower)
+        if not lower <= upper:
+            raise ValueError(f"rs_lower/rs_upper: expected lower ≤ upper for {mode!r}, got lower={lower}, upper={upper}")
+        return lower, upper
+    if lower is not None:
+        raise ValueError(f"rs_lower: mode {mode!r} takes only an upper threshold on the divergence, got rs_lower={lower}")
+    return None, upper
+
+
+@torch.no_grad()
+def rejection_mask(
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    lower: float | None = None,
+    upper: float | None = None,
+) -> tuple[torch.Tensor, Metrics]:
+    """Rejection-sampling keep mask ``keep[B, T]`` from ``old_logp[B, T]``, ``rollout_logp[B, T]``, ``mask[B, T]``.
+
+    ``mode = <aggregation>_<estimator>`` (seed 000, "Rejection sampling correction";
+    seed 003, "Rejection Sampling"):
+
+    - k1 uses ratio bounds ``[lower, upper]`` (lower defaults to 1/upper):
+      token_k1 keeps tokens with ρ_t in bounds; seq_sum_k1 keeps sequences with
+      Π_t ρ_t in bounds; seq_mean_k1 keeps sequences whose geometric-mean ratio
+      exp(mean_t log ρ_t) is in bounds (length-invariant: the length-trap fix).
+    - k2 / k3 use an upper threshold on d_t (½(log ρ)² or ρ − log ρ − 1): token_*
+      rejects tokens with d_t > upper; seq_sum / seq_mean / seq_max reject the whole
+      sequence when Σ_t d_t / mean_t d_t / max_t d_t exceeds upper.
+
+    Comparisons for k1 happen in log space, so no ratio is ever exponentiated.
+    Metrics: ``rs/masked_frac`` (valid tokens removed), ``rs/seq_masked_frac``
+    (sequences that lost ≥1 token), ``rs/stat_mean`` / ``rs/stat_max`` (the
+    aggregated statistic: log-ratio for k1, divergence for k2/k3).
+    """
+    if mode not in RS_MODES:
+        raise ValueError(f"rs_mode: expected one of {RS_MODES}, got {mode!r}")
+    mask = check_mask(mask)
+    old_logp = check_logp("old_logp", old_logp, mask)
+    rollout_logp = check_logp("rollout_logp", rollout_logp, mask)
+    lower, upper = _rs_bounds(mode, lower, upper)
+    agg, estimator = mode.rsplit("_", 1)
+    d = token_divergence(old_logp - rollout_logp, estimator)
+    valid = seq_valid(mask)
+    if agg == "token":
+        stat, stat_mask = d, mask
+    elif agg == "seq_sum":
+        stat, stat_mask = masked_sum(d, mask, dim=1), valid
+    elif agg == "seq_mean":
+        stat, stat_mask = masked_mean(d, mask, dim=1), valid
+    else:  # seq_max
+        stat, stat_mask = masked_max(d, mask, dim=1), valid
+    if estimator == "k1":
+        reject = (stat < math.log(lower)) | (stat > math.log(upper))
+    else:
+        reject = stat > upper
+    reject = reject & stat_mask
+    keep = mask & ~reject if agg == "token" else mask & ~reject[:, None]
+    removed = mask & ~keep
+    flat = stat[stat_mask]
+    return keep, {
+        "rs/masked_frac": metric(removed.sum() / mask.sum()),
+        "rs/seq_masked_frac": metric(removed.any(dim=1).sum() / valid.sum()),
+        "rs/stat_mean": metric(flat.mean()),
+        "rs/stat_max": metric(flat.max()),
+    }
+
+
+@torch.no_grad()
+def token_veto(
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    threshold: float,
+) -> tuple[torch.Tensor, Metrics]:
+    """Veto keep mask ``keep[B, T]``: drop a sequence if any valid token has ρ_t < threshold.
+
+    ρ_t = π_old(y_t) / μ(y_t) on the *unclamped* log ratio (a catastrophic token must
+    not be rescued by the ±20 safety bound). Seed 003, "Veto Mechanism"; seed 004,
+    "Worst Token Reject Sampling" (typical thresholds 1e-4 … 1e-6).
+    Metrics: ``veto/seq_masked_frac``, ``veto/token_frac`` (catastrophic tokens).
+    """
+    mask = check_mask(mask)
+    old_logp = check_logp("old_logp", old_logp, mask)
+    rollout_logp = check_logp("rollout_logp", rollout_logp, mask)
+    threshold = check_positive("token_veto_threshold", threshold)
+    catastrophic = ((old_logp - rollout_logp) < math.log(threshold)) & mask
+    vetoed = catastrophic.any(dim=1)
+    keep = mask & ~vetoed[:, None]
+    return keep, {
+        "veto/seq_masked_frac": metric(vetoed.sum() / seq_valid(mask).sum()),
+        "veto/token_frac": metric(catastrophic.sum() / mask.sum()),
+    }
+
+
+@torch.no_grad()
+def opsm_mask(
+    logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    delta: float,
+) -> tuple[torch.Tensor, Metrics]:
+    """DeepSeek-V3.2 off-policy sequence mask ``keep[B, T]``.
+
+    Inputs: ``logp[B, T]`` (current π_θ, or π_old), ``rollout_logp[B, T]`` (μ, the
+    inference engine's log-probs), ``mask[B, T]``, ``advantages[B]`` or ``[B, T]``
+    (a token tensor is reduced to its per-sequence masked mean).
+    Drops sequence i iff A_i < 0 and (1/|y_i|) Σ_t (log μ(y_t) − log π(y_t)) > delta.
+    Using μ from the inference engine makes one gate catch both engine mismatch and
+    minibatch staleness (seed 000, "Asynchronous training lag" and "Industrial
+    adoption: DeepSeek-V3.2's stack"). ``logp`` is read detached.
+    Metrics: ``opsm/seq_masked_frac``, ``opsm/token_masked_frac``, ``opsm/kl_mean``.
+    """
+    mask = check_mask(mask)
+    logp = check_logp("logp", logp.detach(), mask)
+    rollout_logp = check_logp("rollout_logp", rollout_logp, mask)
+    adv = check_seq_or_token("advantages", advantages.detach(), mask)
+    delta = float(delta)
+    if not math.isfinite(delta):
+        raise ValueError(f"opsm_delta: expected a finite threshold, got {delta}")
+    valid = seq_valid(mask)
+    kl_seq = masked_mean(rollout_logp - logp, mask, dim=1)
+    adv_seq = masked_mean(adv, mask, dim=1)
+    drop = (adv_seq < 0) & (kl_seq > delta) & valid
+    keep = mask & ~drop[:, None]
+    return keep, {
+        "opsm/seq_masked_frac": metric(drop.sum() / valid.sum()),
+        "opsm/token_masked_frac": metric((mask & ~keep).sum() / mask.sum()),
+        "opsm/kl_mean": metric(kl_seq[valid].mean()),
+    }
