@@ -1,0 +1,279 @@
+"""HF Qwen3-MoE <-> Megatron-Core (local spec) weight conversion and HF checkpoint I/O.
+
+Owns the name/layout mapping between a HuggingFace Qwen3-MoE safetensors
+checkpoint (on-disk names, one tensor per expert projection) and the learner's
+``GPTModel`` state, plus importing an HF directory into a (possibly expert-
+parallel) model and exporting one for SGLang weight sync. Measured mapping
+details: /work/shared/notes/megatron-core-on-cpu.md ("HF Qwen3-MoE <-> ...").
+
+Layout facts that a parity test catches when broken:
+  * ``linear_qkv`` rows are grouped per query group: ``[q heads of group g; k_g; v_g]``.
+  * ``linear_fc1`` is ``cat([gate_proj, up_proj])`` (gate first, SwiGLU).
+Scope: tp=1 and pp=1 for import/export (ep any); other layouts raise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from moe_rl.learner.model import unwrap
+
+__all__ = [
+    "hf_to_megatron",
+    "megatron_to_hf",
+    "read_hf_state_dict",
+    "load_hf_weights",
+    "full_megatron_state_dict",
+    "export_hf_checkpoint",
+]
+
+_HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                  "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
+
+
+def _qkv_split_sizes(m) -> tuple[int, int, int]:
+    heads_per_group = m.num_attention_heads // m.num_query_groups
+    return heads_per_group * m.kv_channels, m.kv_channels, m.kv_channels
+
+
+def _pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m) -> torch.Tensor:
+    """HF ``q[nh*d, H], k[ng*d, H], v[ng*d, H]`` -> Megatron ``qkv[ng*(nh/ng+2)*d, H]``."""
+    g = m.num_query_groups
+    hidden = q.shape[-1]
+    qs, ks, vs = _qkv_split_sizes(m)
+    per_group = torch.cat([q.reshape(g, qs, hidden), k.reshape(g, ks, hidden), v.reshape(g, vs, hidden)], dim=1)
+    return per_group.reshape(-1, hidden)
+
+
+def _unpack_qkv(qkv: torch.Tensor, m) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = m.num_query_groups
+    hidden = qkv.shape[-1]
+    q, k, v = qkv.reshape(g, -1, hidden).split(_qkv_split_sizes(m), dim=1)
+    return q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)
+
+
+def _layer_names(i: int, is_moe: bool, num_experts: int):
+    """Yield ``(kind, hf_names, megatron_name)`` for decoder layer ``i`` (global expert ids)."""
+    hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
+    yield "copy", (hf + "input_layernorm.weight",), mg + "input_layernorm.weight"
+    yield "qkv", tuple(hf + f"self_attn.{p}_proj.weight" for p in "qkv"), mg + "self_attention.linear_qkv.weight"
+    yield "copy", (hf + "self_attn.o_proj.weight",), mg + "self_attention.linear_proj.weight"
+    yield "copy", (hf + "self_attn.q_norm.weight",), mg + "self_attention.q_layernorm.weight"
+    yield "copy", (hf + "self_attn.k_norm.weight",), mg + "self_attention.k_layernorm.weight"
+    yield "copy", (hf + "post_attention_layernorm.weight",), mg + "pre_mlp_layernorm.weight"
+    if not is_moe:
+        yield "fc1", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"), mg + "mlp.linear_fc1.weight"
+        yield "copy", (hf + "mlp.down_proj.weight",), mg + "mlp.linear_fc2.weight"
+        return
+    yield "copy", (hf + "mlp.gate.weight",), mg + "mlp.router.weight"
+    for e in range(num_experts):
+        he, me = hf + f"mlp.experts.{e}.", mg + f"mlp.experts.local_experts.{e}."
+        yield "fc1", (he + "gate_proj.weight", he + "up_proj.weight"), me + "linear_fc1.weight"
+        yield "copy", (he + "down_proj.weight",), me + "linear_fc2.weight"
+
+
+def _all_names(m):
+    yield "copy", ("model.embed_tokens.weight",), "embedding.word_embeddings.weight"
+    for i, is_moe in enumerate(m.moe_layer_pattern()):
+        yield from _layer_names(i, bool(is_moe), m.num_moe_experts)
+    yield "copy", ("model.norm.weight",), "decoder.final_layernorm.weight"
+    yield "copy", ("lm_head.weight",), "output_layer.weight"
+
+
+def _expert_bias_names(m):
+    """Sigmoid routers with expert bias: DeepSeek-V3's ``e_score_correction_bias``."""
+    if not m.moe_router_enable_expert_bias:
+        return
+    for i, is_moe in enumerate(m.moe_layer_pattern()):
+        if is_moe:
+            yield f"model.layers.{i}.mlp.gate.e_score_correction_bias", f"decoder.layers.{i}.mlp.router.expert_bias"
+
+
+def hf_to_megatron(hf: Mapping[str, torch.Tensor], model_cfg) -> dict[str, torch.Tensor]:
+    """HF on-disk ``{name: tensor}`` -> full Megatron state (all experts, global ids, tp=1)."""
+    missing = [n for _, names, _ in _all_names(model_cfg) for n in names if n not in hf]
+    if missing:
+        raise KeyError(f"HF checkpoint lacks {len(missing)} tensors the config needs, e.g. {missing[:3]}")
+    out: dict[str, torch.Tensor] = {}
+    for kind, names, mg_name in _all_names(model_cfg):
+        ts = [hf[n] for n in names]
+        if kind == "qkv":
+            out[mg_name] = _pack_qkv(*ts, model_cfg)
+        elif kind == "fc1":
+            out[mg_name] = torch.cat(ts, dim=0)  # gate first: Megatron's SwiGLU chunks [gate, up]
+        else:
+            out[mg_name] = ts[0]
+    for hf_name, mg_name in _expert_bias_names(model_cfg):
+        if hf_name in hf:
+            out[mg_name] = hf[hf_name]
+    return out
+
+
+def megatron_to_hf(mg: Mapping[str, torch.Tensor], model_cfg) -> dict[str, torch.Tensor]:
+    """Full Megatron state (global expert ids, tp=1) -> HF on-disk ``{name: tensor}``."""
+    out: dict[str, torch.Tensor] = {}
+    for kind, names, mg_name in _all_names(model_cfg):
+        if mg_name not in mg:
+            raise KeyError(f"Megatron state lacks {mg_name!r} (expected a full, ep-gathered, tp=1 state)")
+        t = mg[mg_name]
+        if kind == "qkv":
+            parts = _unpack_qkv(t, model_cfg)
+        elif kind == "fc1":
+            parts = t.chunk(2, dim=0)
+        else:
+            parts = (t,)
+        for n, p in zip(names, parts):
+            out[n] = p.contiguous()
+    for hf_name, mg_name in _expert_bias_names(model_cfg):
+        if mg_name in mg:
+            out[hf_name] = mg[mg_name].contiguous()
+    return out
+
+
+def read_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of an HF safetensors checkpoint dir (single file or sharded with index)."""
+    hf_dir = Path(hf_dir)
+    index = hf_dir / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (hf_dir / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{hf_dir} has neither model.safetensors nor model.safetensors.index.json")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(hf_dir / f))
+    return state
+
+
+def _require_convertible(model_cfg_or_tcfg) -> None:
+    from megatron.core import parallel_state as ps
+
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    if tp != 1 or pp != 1:
+        raise NotImplementedError(f"HF conversion supports tp=1, pp=1; this job has tp={tp}, pp={pp}")
+
+
+def _expert_slot(name: str) -> tuple[str, int, str] | None:
+    """``decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight`` -> (prefix, 5, suffix)."""
+    key = ".mlp.experts.local_experts."
+    if key not in name:
+        return None
+    prefix, rest = name.split(key, 1)
+    idx, suffix = rest.split(".", 1)
+    return prefix + key, int(idx), suffix
+
+
+def _local_expert_range(model) -> tuple[int, int]:
+    from megatron.core import parallel_state as ps
+
+    m = unwrap(model)
+    num_local = m.config.num_moe_experts // ps.get_expert_model_parallel_world_size()
+    start = ps.get_expert_model_parallel_rank() * num_local
+    return start, num_local
+
+
+def load_hf_weights(model, hf_dir: str | Path, model_cfg) -> None:
+    """Copy an HF checkpoint into ``model`` in place (this rank's experts only under ep > 1)."""
+    _require_convertible(model_cfg)
+    full = hf_to_megatron(read_hf_state_dict(hf_dir), model_cfg)
+    start, num_local = _local_expert_range(model)
+    target = unwrap(model).state_dict()
+    loaded = set()
+    with torch.no_grad():
+        for name, tensor in target.items():
+            slot = _expert_slot(name)
+            src = name if slot is None else f"{slot[0]}{start + slot[1]}.{slot[2]}"
+            if src not in full:
+                continue
+            if full[src].shape != tensor.shape:
+                raise ValueError(f"{name}: HF tensor has shape {tuple(full[src].shape)}, model expects {tuple(tensor.shape)}")
+            tensor.copy_(full[src].to(tensor.dtype))
+            loaded.add(name)
+    params = {n for n, _ in unwrap(model).named_parameters()}
+    if params - loaded:
+        raise KeyError(f"{len(params - loaded)} model parameters not found in {hf_dir}, e.g. {sorted(params - loaded)[:3]}")
+
+
+def full_megatron_state_dict(model) -> dict[str, torch.Tensor]:
+    """This model's parameters (and expert-bias buffers) with experts gathered over the ep group.
+
+    Collective over the expert-parallel group: every ep rank must call it. Returns
+    CPU tensors named with global expert ids.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    m = unwrap(model)
+    local = {n: p.detach() for n, p in m.named_parameters()}
+    local.update({n: b.detach() for n, b in m.named_buffers() if n.endswith("router.expert_bias")})
+    start, num_local = _local_expert_range(model)
+    ep = ps.get_expert_model_parallel_world_size()
+    out: dict[str, torch.Tensor] = {}
+    for name in sorted(local):
+        t = local[name]
+        slot = _expert_slot(name)
+        if slot is None:
+            out[name] = t.cpu().clone()
+            continue
+        if ep == 1:
+            out[f"{slot[0]}{start + slot[1]}.{slot[2]}"] = t.cpu().clone()
+            continue
+        gathered = [torch.empty_like(t) for _ in range(ep)]
+        dist.all_gather(gathered, t.contiguous(), group=ps.get_expert_model_parallel_group())
+        for r, g in enumerate(gathered):
+            out[f"{slot[0]}{r * num_local + slot[1]}.{slot[2]}"] = g.cpu()
+    return out
+
+
+def _write_side_files(out: Path, model_cfg, template_dir: Path | None) -> None:
+    if template_dir is not None:
+        for f in _HF_SIDE_FILES:
+            if (template_dir / f).exists():
+                shutil.copy2(template_dir / f, out / f)
+        return
+    from moe_rl.learner.hf_init import hf_config_from_model_config
+
+    hf_config_from_model_config(model_cfg).save_pretrained(out)
+
+
+def export_hf_checkpoint(model, model_cfg, out_dir: str | Path, template_dir: str | Path | None = None,
+                         dtype: torch.dtype | None = None) -> Path | None:
+    """Write the model as an HF Qwen3-MoE checkpoint dir (for SGLang ``update_weights_from_disk``).
+
+    Collective over the ep group; rank 0 writes. ``config.json`` / tokenizer files
+    come from ``template_dir`` (e.g. the dir the learner was initialised from),
+    else from ``hf_init``. The directory appears atomically (written under a temp
+    name, then renamed); an existing ``out_dir`` is replaced. Returns the path on
+    the writing rank, None elsewhere.
+    """
+    import torch.distributed as dist
+
+    _require_convertible(model_cfg)
+    state = full_megatron_state_dict(model)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    hf = megatron_to_hf(state, model_cfg)
+    if dtype is not None:
+        hf = {k: v.to(dtype) for k, v in hf.items()}
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    save_file(hf, tmp / "model.safetensors", metadata={"format": "pt"})
+    _write_side_files(tmp, model_cfg, Path(template_dir) if template_dir is not None else None)
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, out)
+    return out
