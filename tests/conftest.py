@@ -1,0 +1,25 @@
+"""Shared fixtures: tiny model configs and a locally written tiny Qwen3-MoE HF checkpoint."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_cfg():
+    """2-layer, 8-expert, top-2 Qwen3-MoE-shaped model config (the CPU test size)."""
+    from moe_rl.config import ModelConfig
+
+    return ModelConfig(num_layers=2, hidden_size=64, num_moe_experts=8, moe_router_topk=2, vocab_size=512)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory, tiny_model_cfg):
+    """A random-init tiny Qwen3-MoE checkpoint (weights, config, tokenizer) written with save_pretrained."""
+    from moe_rl.learner.hf_init import write_random_hf_checkpoint
+
+    return write_random_hf_checkpoint(tiny_model_cfg, tmp_path_factory.mktemp("tiny_hf"), seed=0)
