@@ -1,0 +1,105 @@
+"""Per-token log-probs and entropy from (possibly vocab-sharded) learner logits.
+
+Owns the fp32, temperature-scaled log-softmax over the *global* vocabulary when
+the logits are split across tensor-parallel ranks (``logits[B, T, V/tp]``), and
+the forward-then-score convenience used by the trainer and router replay.
+Convention (see ``moe_rl.records.batch``): the learner input is ``tokens[:-1]``
+and ``targets = tokens[1:]``, so ``logp[b, t] = log p(targets[b, t] | tokens[b, :t+1])``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["logprobs_from_logits", "response_logprobs"]
+
+
+def _tp_group():
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized() or ps.get_tensor_model_parallel_world_size() == 1:
+        return None
+    return ps.get_tensor_model_parallel_group()
+
+
+def _all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
+    """Differentiable sum over ``group``: backward is the identity on each rank's shard."""
+    if group is None:
+        return t
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    return reduce_from_tensor_model_parallel_region(t, group=group)
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+    tp_group="auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``logits[B, T, V/tp]``, ``targets[B, T]`` -> ``(logp[B, T], entropy[B, T] | None)``, fp32.
+
+    ``logits / temperature`` is normalised over the full vocabulary (all tp
+    shards). ``targets < 0`` (padding) give ``logp = 0``. Both outputs carry
+    gradients. ``tp_group="auto"`` uses Megatron's tensor-parallel group when
+    tp > 1; pass ``None`` for unsharded logits.
+    """
+    if logits.dim() != 3 or targets.shape != logits.shape[:2]:
+        raise ValueError(
+            f"expected logits[B, T, V] and targets[B, T]; got logits {tuple(logits.shape)}, "
+            f"targets {tuple(targets.shape)}"
+        )
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0; got {temperature}")
+    group = _tp_group() if tp_group == "auto" else tp_group
+    # One fp32 upcast shared by log-probs and entropy: bf16 log-softmax loses ~1e-2 nats.
+    z = logits.float() / temperature
+    local_v = z.shape[-1]
+    v_start = dist.get_rank(group) * local_v if group is not None else 0
+
+    # Global max for stability; it cancels analytically, so no gradient flows through it.
+    z_max = z.detach().amax(dim=-1, keepdim=True)
+    if group is not None:
+        dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group)
+    shifted = z - z_max
+    exp = shifted.exp()
+    sum_exp = _all_reduce_sum(exp.sum(dim=-1), group)
+    log_z = sum_exp.log()  # [B, T], log-partition of the shifted logits
+
+    local_t = targets - v_start
+    in_shard = (local_t >= 0) & (local_t < local_v) & (targets >= 0)
+    picked = shifted.gather(-1, local_t.clamp(0, local_v - 1).unsqueeze(-1)).squeeze(-1)
+    target_logit = _all_reduce_sum(torch.where(in_shard, picked, torch.zeros_like(picked)), group)
+    logp = torch.where(targets >= 0, target_logit - log_z, torch.zeros_like(log_z))
+
+    entropy = None
+    if with_entropy:
+        # H = log Z - E_p[z]  (shifted logits; the shift cancels).
+        expected = _all_reduce_sum((exp * shifted).sum(dim=-1), group) / sum_exp
+        entropy = log_z - expected
+    return logp, entropy
+
+
+def response_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    segment_ids: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Forward ``input_ids[B, T]`` and score ``targets[B, T]``: ``(logp[B, T], entropy[B, T] | None)``.
+
+    Padded batch: right-pad ``input_ids`` with any id and ``targets`` with -1.
+    Packed batch: concatenate samples along T and pass ``segment_ids[B, T]``; the
+    last input of each sample has its own next token as target, so no target
+    crosses a sample boundary. Select response tokens with the caller's mask.
+    """
+    from moe_rl.learner.model import forward_logits
+
+    logits = forward_logits(model, input_ids, segment_ids=segment_ids)
+    return logprobs_from_logits(logits, targets, temperature=temperature, with_entropy=with_entropy)
