@@ -1,0 +1,387 @@
+"""Routing replay bound to one built Megatron-Core model: record and replay MoE routes.
+
+Owns the per-router replay state of one model instance and the stage switch, exposed as
+context managers (``record()`` / ``replay(routes)``). It drives Megatron's own hook
+(``TopKRouter.router_replay.get_replay_topk``, megatron/core/transformer/moe/router_replay.py)
+and must not keep module-global state or read environment variables.
+
+Design decision on Megatron's class-level ``RouterReplay.global_router_replay_instances``:
+a ``RoutingReplay`` takes ownership of its model's routers. Each router's Megatron
+``RouterReplay`` is removed from the global list and replaced by a ``_LayerReplay`` (a
+``RouterReplay`` subclass) that never enters it. The global list therefore never holds a
+bound model (building a second model cannot shift its layers), and Megatron's static
+``set_global_*`` helpers cannot reach it: only this object's context managers can.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+from moe_rl.replay.layout import (
+    check_routes,
+    context_parallel_shard,
+    from_megatron_layout,
+    sequence_parallel_shard,
+    to_megatron_layout,
+)
+
+__all__ = ["RoutingReplay", "RouteCapture", "ReplayError", "unsupported_router_options"]
+
+
+class ReplayError(RuntimeError):
+    """Routes were not applied exactly as given (unconsumed, over-consumed, wrong shape)."""
+
+
+@dataclass
+class _PassState:
+    """Shared by the layers of one model: whether the current model forward will see a backward."""
+
+    grad_at_entry: bool = False
+    training: bool = False
+    observe_natural: bool = True
+
+
+def _in_backward() -> bool:
+    # The autograd engine sets a graph task id while it runs backward; Megatron's activation
+    # recompute re-runs the layer forward inside it, which is when REPLAY_BACKWARD applies.
+    return torch._C._current_graph_task_id() != -1
+
+
+class _LayerReplay(RouterReplay):
+    """Replay state of one MoE router, owned by a ``RoutingReplay`` (not in the global list).
+
+    Forward calls consume ``forward_queue`` (one ``[S*B, K]`` int64 entry per microbatch) in
+    order; a recomputed layer also pushes each consumed entry on Megatron's backward FIFO
+    ``replay_backward_list``, popped when the recompute runs inside backward.
+    """
+
+    def __init__(self, pass_state: _PassState, moe_index: int, recompute: str | None):
+        super().__init__()
+        RouterReplay.global_router_replay_instances.remove(self)
+        self.pass_state = pass_state
+        self.moe_index = moe_index
+        self.recompute = recompute  # None | "full" (training only) | "selective" (always)
+        self.forward_queue: deque[torch.Tensor] = deque()
+        self.given = 0
+        self.recorded: list[torch.Tensor] = []  # RECORD: natural top-k per forward
+        self.natural: list[torch.Tensor] = []  # REPLAY: natural top-k the layer would have chosen
+        self.applied: list[torch.Tensor] = []  # REPLAY: indices actually used
+        self.shapes: list[tuple[int, int]] = []  # (S_local, B) of each forward, from the pre-hook
+        self.pending_shape: tuple[int, int] | None = None
+
+    def reset(self) -> None:
+        self.clear_indices()
+        self.clear_router_replay_action()
+        self.forward_queue.clear()
+        self.given = 0
+        self.recorded, self.natural, self.applied, self.shapes = [], [], [], []
+
+    def _will_recompute(self) -> bool:
+        st = self.pass_state
+        if not st.grad_at_entry or self.recompute is None:
+            return False
+        return self.recompute == "selective" or st.training
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        """Megatron's hook: ``scores[S*B, E]`` -> ``(probs[S*B, K], indices[S*B, K])``."""
+        action = self.router_replay_action
+        if action is None:
+            return default_compute_topk(scores, topk, num_groups, group_topk)
+        backward = _in_backward()
+        if action == RouterReplayAction.RECORD:
+            probs, idx = default_compute_topk(scores, topk, num_groups, group_topk)
+            if not backward:  # a recompute re-derives the same routes; record each forward once
+                self.recorded.append(idx.detach().clone())
+                self.shapes.append(self.pending_shape)
+            return probs, idx
+        if backward or action == RouterReplayAction.REPLAY_BACKWARD:
+            if not self.replay_backward_list:
+                raise ReplayError(
+                    f"MoE layer {self.moe_index}: activation recompute asked for replayed routes but the "
+                    "backward FIFO is empty (backward run twice, or outside the replay context?)"
+                )
+            idx = self.replay_backward_list.pop(0)
+        else:
+            idx = self._next_forward(scores, topk, num_groups, group_topk, default_compute_topk)
+        idx = idx.to(scores.device)
+        # gather keeps the router differentiable: gradients reach the replayed experts' scores
+        return scores.gather(1, idx), idx
+
+    def _next_forward(self, scores, topk, num_groups, group_topk, default_compute_topk) -> torch.Tensor:
+        used = len(self.applied)
+        if not self.forward_queue:
+            raise ReplayError(
+                f"MoE layer {self.moe_index}: forward #{used + 1} needs routes but only {self.given} "
+                "microbatch(es) were given to replay()"
+            )
+        idx = self.forward_queue.popleft()
+        if idx.shape != (scores.shape[0], topk):
+            raise ReplayError(
+                f"MoE layer {self.moe_index}, microbatch {used}: routes have shape {tuple(idx.shape)}, the router "
+                f"sees [S*B={scores.shape[0]}, top_k={topk}] (S, B = {self.pending_shape}); check padding / seq_len"
+            )
+        if self.pass_state.observe_natural:
+            with torch.no_grad():
+                self.natural.append(default_compute_topk(scores.detach(), topk, num_groups, group_topk)[1])
+        self.applied.append(idx)
+        self.shapes.append(self.pending_shape)
+        self.target_topk_idx = idx
+        if self._will_recompute():
+            self.replay_backward_list.append(idx)
+        return idx
+
+
+@dataclass
+class RouteCapture:
+    """What one ``record()`` / ``replay()`` context saw, per forward (microbatch) in call order.
+
+    All getters return ``routes[B, S_local, L_local, K]`` int64 for forward ``i``: local to this
+    rank (its pipeline stage's MoE layers, its sequence shard).
+    """
+
+    layers: list[_LayerReplay] = field(default_factory=list)
+    _frozen: dict = field(default_factory=dict)
+
+    def _get(self, kind: str, i: int) -> torch.Tensor:
+        per_layer = self._frozen[kind]
+        if not 0 <= i < min(len(x) for x in per_layer):
+            raise IndexError(f"no {kind} routes for forward #{i}; this context saw {self.num_forwards} forward(s)")
+        S, B = self._frozen["shapes"][i]
+        return from_megatron_layout([layer[i] for layer in per_layer], B)
+
+    def _freeze(self) -> None:
+        self._frozen = {
+            "recorded": [list(l.recorded) for l in self.layers],
+            "natural": [list(l.natural) for l in self.layers],
+            "applied": [list(l.applied) for l in self.layers],
+            "shapes": list(self.layers[0].shapes) if self.layers else [],
+        }
+
+    @property
+    def num_forwards(self) -> int:
+        return len(self._frozen.get("shapes", []))
+
+    def recorded(self, i: int) -> torch.Tensor:
+        """Natural routes chosen during ``record()``."""
+        return self._get("recorded", i)
+
+    def natural(self, i: int) -> torch.Tensor:
+        """Routes the learner would have chosen during ``replay()`` (for flip-rate metrics)."""
+        return self._get("natural", i)
+
+    def applied(self, i: int) -> torch.Tensor:
+        """Routes actually used during ``replay()``."""
+        return self._get("applied", i)
+
+
+def unsupported_router_options(tcfg) -> list[str]:
+    """Router options of a Megatron ``TransformerConfig`` under which replay is bypassed or broken."""
+    bad = []
+    if getattr(tcfg, "moe_router_fusion", False):
+        bad.append("moe_router_fusion=True (the fused top-k kernel never calls the replay hook)")
+    if getattr(tcfg, "moe_router_load_balancing_type", None) == "sinkhorn":
+        bad.append("moe_router_load_balancing_type='sinkhorn' (sinkhorn routing bypasses the replay hook)")
+    if getattr(tcfg, "moe_expert_capacity_factor", None) is not None:
+        bad.append(
+            f"moe_expert_capacity_factor={tcfg.moe_expert_capacity_factor} (capacity dropping would drop replayed assignments)"
+        )
+    if not getattr(tcfg, "moe_enable_routing_replay", False):
+        bad.append("moe_enable_routing_replay=False (routers have no replay hook; build with it True)")
+    return bad
+
+
+def _moe_pattern(tcfg) -> list[int]:
+    freq = tcfg.moe_layer_freq
+    if isinstance(freq, int):
+        return [1 if i % freq == 0 else 0 for i in range(tcfg.num_layers)]
+    return [int(x) for x in freq]
+
+
+def _unwrap(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _layer_recompute(tcfg, local_idx: int) -> str | None:
+    """How Megatron re-runs this decoder layer's router inside backward (transformer_block.py,
+    moe_layer.py): full recompute only in training mode, selective "moe" always."""
+    if tcfg.recompute_granularity == "full":
+        if tcfg.recompute_method == "block" and local_idx >= (tcfg.recompute_num_layers or 0):
+            return None
+        return "full"
+    if tcfg.recompute_granularity == "selective" and "moe" in (tcfg.recompute_modules or []):
+        return "selective"
+    return None
+
+
+class RoutingReplay:
+    """Record / replay the routes of one built Megatron-Core ``GPTModel`` (or one PP stage of it).
+
+    ``RoutingReplay(model)`` finds the ``TopKRouter`` of every MoE decoder layer in layer order
+    (dense layers have none; MTP layers live outside ``model.decoder`` and are only detached
+    from the global list, so they always route naturally) and takes ownership of their replay
+    hooks. Routes are given per microbatch as ``routes[B, S, L_moe, K]`` (any int dtype, all
+    MoE layers of the whole model, full sequence); this object picks its stage's layers and its
+    sequence / context-parallel shard and converts to Megatron's ``[S*B, K]`` int64 layout.
+    """
+
+    def __init__(self, model):
+        self.model = _unwrap(model)
+        tcfg = self.model.config
+        bad = unsupported_router_options(tcfg)
+        if bad:
+            raise ValueError("routing replay cannot be trusted with this model config: " + "; ".join(bad))
+        self.config = tcfg
+        pattern = _moe_pattern(tcfg)
+        self.num_moe_layers = sum(pattern)
+        self.top_k = tcfg.moe_router_topk
+        self.num_experts = tcfg.num_moe_experts
+        self._state = _PassState()
+        self.layers: list[_LayerReplay] = []
+        self.moe_layer_ids: list[int] = []  # global MoE-layer index of each local router
+        self._routers: list[TopKRouter] = []
+        decoder_routers = set()
+        for local_idx, layer in enumerate(self.model.decoder.layers):
+            router = getattr(getattr(layer, "mlp", None), "router", None)
+            if not isinstance(router, TopKRouter):
+                continue
+            moe_index = sum(pattern[: layer.layer_number - 1])  # layer_number is global, 1-based
+            layer_replay = _LayerReplay(self._state, moe_index, _layer_recompute(tcfg, local_idx))
+            self._adopt(router, layer_replay)
+            self.layers.append(layer_replay)
+            self.moe_layer_ids.append(moe_index)
+            self._routers.append(router)
+            decoder_routers.add(id(router))
+        # MTP (and any other) routers: detach from the global list, leave the hook idle.
+        self._idle_routers = [
+            m for m in self.model.modules() if isinstance(m, TopKRouter) and id(m) not in decoder_routers
+        ]
+        for router in self._idle_routers:
+            self._adopt(router, _LayerReplay(self._state, -1, None))
+        if not self.layers:
+            raise ValueError("model has no MoE router in model.decoder.layers; nothing to replay")
+        self._hooks = [self.model.register_forward_pre_hook(self._on_model_forward)]
+        for layer, router in zip(self.layers, self._routers):
+            self._hooks.append(router.register_forward_pre_hook(self._shape_hook(layer)))
+        self._active = False
+
+    @staticmethod
+    def _adopt(router: TopKRouter, replacement: _LayerReplay) -> None:
+        old = router.router_replay
+        if old is not None and any(inst is old for inst in RouterReplay.global_router_replay_instances):
+            RouterReplay.global_router_replay_instances[:] = [
+                inst for inst in RouterReplay.global_router_replay_instances if inst is not old
+            ]
+        router.router_replay = replacement
+
+    def _on_model_forward(self, module, args) -> None:
+        self._state.grad_at_entry = torch.is_grad_enabled()
+        self._state.training = module.training
+
+    @staticmethod
+    def _shape_hook(layer: _LayerReplay):
+        def hook(module, args):
+            hidden = args[0]
+            layer.pending_shape = (int(hidden.shape[0]), int(hidden.shape[1]))  # router input [S, B, H]
+
+        return hook
+
+    # ------------------------------------------------------------------ stages
+    @contextlib.contextmanager
+    def record(self) -> Iterator[RouteCapture]:
+        """Natural routing; every forward's top-k is captured (``capture.recorded(i)``)."""
+        with self._stage(RouterReplayAction.RECORD, observe_natural=False) as capture:
+            yield capture
+
+    @contextlib.contextmanager
+    def replay(
+        self, microbatches: Sequence[torch.Tensor], *, local: bool = False, observe_natural: bool = True
+    ) -> Iterator[RouteCapture]:
+        """Forward ``i`` inside the context uses ``microbatches[i]`` (``routes[B, S, L_moe, K]``).
+
+        ``local=True``: routes are already this rank's ``[B, S_local, L_local, K]`` (as a
+        ``RouteCapture`` returns them; used by R2). On a clean exit every microbatch must have
+        been consumed exactly once by every layer, and every recompute entry popped; otherwise
+        ``ReplayError``. Keep the backward of a recomputed model inside the context.
+        ``observe_natural`` also captures the natural top-k (one extra top-k per layer).
+        """
+        per_layer = [self._to_local(r, i, local) for i, r in enumerate(microbatches)]
+        with self._stage(RouterReplayAction.REPLAY_FORWARD, observe_natural=observe_natural) as capture:
+            for j, layer in enumerate(self.layers):
+                layer.forward_queue.extend(mb[j] for mb in per_layer)
+                layer.given = len(per_layer)
+            yield capture
+            self._check_consumed(len(per_layer))
+
+    def _to_local(self, routes: torch.Tensor, i: int, local: bool) -> torch.Tensor:
+        if not torch.is_tensor(routes) or routes.dim() != 4:
+            raise ValueError(f"microbatches[{i}] must be a tensor routes[B, S, L_moe, K]; got {getattr(routes, 'shape', type(routes))}")
+        L = len(self.layers) if local else self.num_moe_layers
+        if routes.shape[2:] != (L, self.top_k):
+            raise ValueError(
+                f"microbatches[{i}] must be routes[B, S, L_moe={L}, K={self.top_k}]; got shape {tuple(routes.shape)}"
+            )
+        check_routes(routes, self.num_experts, field=f"microbatches[{i}]")
+        if local:
+            return to_megatron_layout(routes)
+        tcfg = self.config
+        routes = routes[:, :, self.moe_layer_ids]
+        if tcfg.context_parallel_size > 1:
+            from megatron.core import parallel_state
+
+            routes = context_parallel_shard(routes, tcfg.context_parallel_size, parallel_state.get_context_parallel_rank())
+        per_layer = to_megatron_layout(routes)
+        if tcfg.sequence_parallel and tcfg.tensor_model_parallel_size > 1:
+            from megatron.core import parallel_state
+
+            per_layer = sequence_parallel_shard(
+                per_layer, routes.shape[0], tcfg.tensor_model_parallel_size, parallel_state.get_tensor_model_parallel_rank()
+            )
+        return per_layer
+
+    @contextlib.contextmanager
+    def _stage(self, action: RouterReplayAction, observe_natural: bool) -> Iterator[RouteCapture]:
+        if self._active:
+            raise RuntimeError("a record()/replay() context is already active on this model; they do not nest")
+        self._active = True
+        self._state.observe_natural = observe_natural
+        capture = RouteCapture(layers=self.layers)
+        for layer in self.layers:
+            layer.reset()
+            layer.set_router_replay_action(action)
+        try:
+            yield capture
+        finally:
+            capture._freeze()
+            # Nothing survives the context: Megatron's FIFO, targets, queues and the action.
+            for layer in self.layers:
+                layer.reset()
+            self._active = False
+
+    def _check_consumed(self, given: int) -> None:
+        for layer in self.layers:
+            used = len(layer.applied)
+            if used != given or layer.forward_queue:
+                raise ReplayError(
+                    f"MoE layer {layer.moe_index}: {given} microbatch route set(s) given but {used} consumed; "
+                    "each must be used by exactly one forward"
+                )
+            if layer.replay_backward_list:
+                raise ReplayError(
+                    f"MoE layer {layer.moe_index}: {len(layer.replay_backward_list)} recompute route set(s) never "
+                    "consumed; run backward inside the replay() context"
+                )
+
+    def close(self) -> None:
+        """Remove the hooks this object registered (the routers keep their idle replay objects)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

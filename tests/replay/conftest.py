@@ -1,0 +1,42 @@
+"""Replay test fixtures: a gloo world of size 1 and tiny real Megatron-Core MoE models built by the learner."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def make_cfg(**model_overrides):
+    """ExperimentConfig of a tiny MoE model (3 layers, 8 experts, top-2) with overrides on ``model``."""
+    from moe_rl.config import ExperimentConfig
+
+    model = dict(num_layers=3, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                 kv_channels=8, vocab_size=128, seq_length=64, num_moe_experts=8, moe_router_topk=2,
+                 moe_ffn_hidden_size=16, moe_token_dispatcher_type="allgather")
+    train = model_overrides.pop("train", {})
+    model.update(model_overrides)
+    return ExperimentConfig(model=model, train=train)
+
+
+@pytest.fixture(scope="session")
+def megatron_world():
+    from moe_rl.learner.dist import init_distributed
+
+    return init_distributed(make_cfg().parallel, environ={})
+
+
+@pytest.fixture
+def build(megatron_world):
+    """``build(seed=0, **model_overrides) -> GPTModel`` (a real Megatron-Core model on CPU)."""
+    from moe_rl.learner.model import build_model
+
+    def _build(seed: int = 0, **overrides):
+        return build_model(make_cfg(**overrides), seed=seed)
+
+    return _build
+
+
+def forward(model, input_ids: torch.Tensor) -> torch.Tensor:
+    from moe_rl.learner.model import forward_logits
+
+    return forward_logits(model, input_ids)
