@@ -6,7 +6,13 @@ users can read and test each formula on its own (formula reference: docs/algo.md
 """
 
 from moe_rl.algo._tensors import LOG_RATIO_BOUND, metrics_to_floats
-from moe_rl.algo.advantages import broadcast_to_tokens, grpo_advantages, rloo_advantages
+from moe_rl.algo.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    broadcast_to_tokens,
+    compute_advantages,
+    grpo_advantages,
+    rloo_advantages,
+)
 from moe_rl.algo.aggregation import AGGREGATIONS, aggregate
 from moe_rl.algo.importance import icepop_weights, truncated_is_weights, weight_stats
 from moe_rl.algo.kl import KL_ESTIMATORS, kl_penalty
@@ -21,6 +27,7 @@ from moe_rl.algo.policy_loss import (
 from moe_rl.algo.rejection import RS_MODES, opsm_mask, rejection_mask, token_divergence, token_veto
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
     "AGGREGATIONS",
     "KL_ESTIMATORS",
     "LOG_RATIO_BOUND",
@@ -31,6 +38,7 @@ __all__ = [
     "aggregate",
     "broadcast_to_tokens",
     "cispo_loss",
+    "compute_advantages",
     "compute_policy_loss",
     "grpo_advantages",
     "gspo_loss",

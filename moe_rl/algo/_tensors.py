@@ -74,6 +74,14 @@ def check_positive(name: str, value: float, *, upper_exclusive: float | None = N
     return v
 
 
+def check_nonneg(name: str, value: float) -> float:
+    """Return ``value`` as float if it is a finite number ≥ 0."""
+    v = float(value)
+    if not (v >= 0 and v != float("inf")):
+        raise ValueError(f"{name}: expected a finite number ≥ 0, got {value!r}")
+    return v
+
+
 def log_ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     """``clamp(num - den, ±20)`` elementwise: a log-ratio that is safe to exponentiate."""
     return (num - den).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)

@@ -51,3 +51,21 @@ def broadcast_to_tokens(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     if adv.dim() != 1 or adv.shape[0] != mask.shape[0]:
         raise ValueError(f"adv: expected shape ({mask.shape[0]},), got {tuple(adv.shape)}")
     return adv[:, None] * mask.to(adv.dtype)
+
+
+ADVANTAGE_ESTIMATORS = ("grpo", "grpo_no_std", "rloo")
+
+
+def compute_advantages(adv_cfg, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``adv[B]`` from ``rewards[B]`` as the config's ``advantage`` section asks.
+
+    ``adv_cfg`` needs ``estimator`` ("grpo" | "grpo_no_std" | "rloo") and ``eps``.
+    """
+    estimator = adv_cfg.estimator
+    if estimator == "grpo":
+        return grpo_advantages(rewards, group_size, normalize_std=True, eps=adv_cfg.eps)
+    if estimator == "grpo_no_std":
+        return grpo_advantages(rewards, group_size, normalize_std=False)
+    if estimator == "rloo":
+        return rloo_advantages(rewards, group_size)
+    raise ValueError(f"advantage.estimator: expected one of {ADVANTAGE_ESTIMATORS}, got {estimator!r}")

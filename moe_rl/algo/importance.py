@@ -17,6 +17,7 @@ from moe_rl.algo._tensors import (
     LOG_RATIO_BOUND,
     check_logp,
     check_mask,
+    check_nonneg,
     check_positive,
     log_ratio,
     masked_mean,
@@ -72,7 +73,7 @@ def icepop_weights(
     mask = check_mask(mask)
     old_logp = check_logp("old_logp", old_logp, mask)
     rollout_logp = check_logp("rollout_logp", rollout_logp, mask)
-    low = check_positive("icepop low", low)
+    low = check_nonneg("icepop low", low)
     high = check_positive("icepop high", high)
     if not high > low:
         raise ValueError(f"icepop band: expected low < high, got low={low}, high={high}")

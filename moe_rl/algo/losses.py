@@ -17,7 +17,7 @@ from moe_rl.algo._tensors import (
     LOG_RATIO_BOUND,
     check_logp,
     check_mask,
-    check_positive,
+    check_nonneg,
     check_seq_or_token,
     log_ratio,
     masked_max,
@@ -43,8 +43,10 @@ def _inputs(logp, old_logp, advantages, mask, is_weights):
 
 
 def _clip_bounds(clip_low: float, clip_high: float) -> tuple[float, float]:
-    lo = check_positive("clip_low", clip_low, upper_exclusive=1.0)
-    hi = check_positive("clip_high", clip_high)
+    lo = check_nonneg("clip_low", clip_low)
+    hi = check_nonneg("clip_high", clip_high)
+    if lo >= 1.0:
+        raise ValueError(f"clip_low: expected ε_low in [0, 1) so that 1 − ε_low > 0, got {clip_low}")
     return 1.0 - lo, 1.0 + hi
 
 
@@ -177,7 +179,7 @@ def cispo_loss(
     """
     logp, old_logp, adv, mask, is_weights = _inputs(logp, old_logp, advantages, mask, is_weights)
     lo = 0.0 if clip_low is None else _clip_bounds(clip_low, clip_high)[0]
-    hi = 1.0 + check_positive("clip_high", clip_high)
+    hi = 1.0 + check_nonneg("clip_high", clip_high)
     with torch.no_grad():
         ratio = torch.exp(log_ratio(logp, old_logp))
         weight = ratio.clamp(lo, hi)

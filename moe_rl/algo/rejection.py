@@ -16,6 +16,7 @@ from moe_rl.algo._tensors import (
     LOG_RATIO_BOUND,
     check_logp,
     check_mask,
+    check_nonneg,
     check_positive,
     check_seq_or_token,
     masked_max,
@@ -58,7 +59,7 @@ def _rs_bounds(mode: str, lower: float | None, upper: float | None) -> tuple[flo
     upper = check_positive("rs_upper", upper)
     if mode.endswith("k1"):
         # k1 bounds are ratio bounds; verl's default lower bound is the reciprocal.
-        lower = 1.0 / upper if lower is None else check_positive("rs_lower", lower)
+        lower = 1.0 / upper if lower is None else check_nonneg("rs_lower", lower)
         if not lower <= upper:
             raise ValueError(f"rs_lower/rs_upper: expected lower ≤ upper for {mode!r}, got lower={lower}, upper={upper}")
         return lower, upper
@@ -112,7 +113,8 @@ def rejection_mask(
     else:  # seq_max
         stat, stat_mask = masked_max(d, mask, dim=1), valid
     if estimator == "k1":
-        reject = (stat < math.log(lower)) | (stat > math.log(upper))
+        log_lower = math.log(lower) if lower > 0 else float("-inf")  # lower = 0: no lower bound
+        reject = (stat < log_lower) | (stat > math.log(upper))
     else:
         reject = stat > upper
     reject = reject & stat_mask
