@@ -1,5 +1,9 @@
-"""CPU stand-in for `torchvision`: importable, no attributes; every lookup is logged and fails. See ../_moe_rl_standin.py."""
+"""CPU stand-in for `torchvision` (SGLang server process only): imports succeed, any call fails loudly.
 
-from _moe_rl_standin import make_getattr as _make_getattr
+See ../_moe_rl_standin.py for why and how.
+"""
 
-__getattr__ = _make_getattr("torchvision")
+import _moe_rl_standin
+
+__version__ = "0.0.0+moe_rl.standin"
+_moe_rl_standin.install(globals())

@@ -1,0 +1,241 @@
+"""Generate a batch of rollout records from SGLang servers over HTTP `/generate`.
+
+Owns the request (sampling params, per-sample `sampling_seed`, log-probs, routed experts,
+sampling masks), bounded concurrency, round-robin over servers, retries with backoff on
+connection errors and 5xx, and the all-or-nothing rule: a batch either comes back whole or the
+call raises RolloutError. Decoding and validating `meta_info` is `moe_rl.records.decode_sglang_meta`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import httpx
+import numpy as np
+
+from moe_rl.records import RecordError, RolloutSample, RouteSpec, decode_sglang_meta
+
+
+class RolloutError(RuntimeError):
+    """A batch could not be generated whole (server unreachable, 4xx, malformed reply)."""
+
+
+class RolloutRequestError(RolloutError):
+    """The server rejected a request (HTTP 4xx or an aborted generation): not retried."""
+
+
+class RolloutResponseError(RolloutError):
+    """A reply did not match the request or the model (e.g. routes of the wrong size): not retried."""
+
+
+class _Retryable(Exception):
+    """Connection error or 5xx: worth another try, possibly on another server."""
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """Per-request sampling; `top_k=-1` means no top-k (sent as vocab_size when masks are asked for)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 16
+
+    @classmethod
+    def from_rollout_config(cls, rollout) -> SamplingSettings:
+        return cls(rollout.temperature, rollout.top_p, rollout.top_k, rollout.max_new_tokens)
+
+
+def sample_seed(base_seed: int, step: int, group_id: int, sample_index: int) -> int:
+    """The `sampling_seed` of one sample: a uint32 hash of (seed, step, group, index), stable across runs."""
+    entropy = [int(base_seed), int(step), int(group_id), int(sample_index)]
+    if min(entropy) < 0:
+        raise ValueError(f"seed, step, group_id and sample_index must be >= 0; got {entropy}")
+    return int(np.random.SeedSequence(entropy).generate_state(1, np.uint32)[0])
+
+
+class RolloutClient:
+    """Sends prompts x n samples to `addresses` and returns `RolloutSample`s in request order.
+
+    `route_spec=None` skips routes (no `return_routed_experts`); `return_sampling_mask=False` skips
+    masks. Sample `j` of prompt `i` is result `i * n + j`, with `group_id = group_ids[i]`.
+    """
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        route_spec: RouteSpec | None,
+        vocab_size: int,
+        sampling: SamplingSettings = SamplingSettings(),
+        *,
+        seed: int = 0,
+        return_sampling_mask: bool = True,
+        sampling_mask_max_tokens: int = 4096,
+        request_timeout_s: float = 120.0,
+        max_concurrency: int = 16,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+    ):
+        if not addresses:
+            raise ValueError("addresses is empty; expected at least one http://host:port")
+        self.addresses = [a.rstrip("/") for a in addresses]
+        self.route_spec = route_spec
+        self.vocab_size = vocab_size
+        self.sampling = sampling
+        self.seed = seed
+        self.return_sampling_mask = return_sampling_mask
+        self.request_timeout_s = request_timeout_s
+        self.max_concurrency = max_concurrency
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self._next_server = itertools.count()
+        self._top_k = self._wire_top_k(sampling.top_k, sampling_mask_max_tokens)
+
+    @classmethod
+    def from_config(cls, cfg, addresses: Sequence[str], **overrides) -> RolloutClient:
+        """Client for an ExperimentConfig: routes when replay needs them, masks for keep-sampling-mask."""
+        r = cfg.rollout
+        kwargs = dict(
+            route_spec=RouteSpec.from_model_config(cfg.model) if cfg.replay.routing != "none" else None,
+            vocab_size=cfg.model.vocab_size,
+            sampling=SamplingSettings.from_rollout_config(r),
+            seed=r.seed,
+            return_sampling_mask=cfg.replay.keep_sampling_mask,
+            sampling_mask_max_tokens=r.sampling_mask_max_tokens,
+            request_timeout_s=r.request_timeout_s,
+            max_concurrency=r.max_concurrency,
+            max_retries=r.max_retries,
+        )
+        kwargs.update(overrides)
+        return cls(addresses, **kwargs)
+
+    def _wire_top_k(self, top_k: int, cap: int) -> int:
+        if not self.return_sampling_mask or top_k != -1:
+            if self.return_sampling_mask and top_k > cap:
+                raise ValueError(f"rollout.top_k={top_k} exceeds rollout.sampling_mask_max_tokens={cap}")
+            return top_k
+        # SGLang returns masks only for a finite top_k <= its cap; top_k = vocab keeps every token.
+        if self.vocab_size > cap:
+            raise ValueError(
+                f"sampling masks with rollout.top_k=-1 need rollout.sampling_mask_max_tokens >= vocab size "
+                f"({self.vocab_size}), got {cap}; set a finite top_k or raise the cap"
+            )
+        return self.vocab_size
+
+    def request_body(self, prompt_ids: Sequence[int], seed: int | None) -> dict:
+        """JSON body of one `/generate` request for `prompt_ids[P]`."""
+        params = {
+            "temperature": self.sampling.temperature,
+            "top_p": self.sampling.top_p,
+            "top_k": self._top_k,
+            "max_new_tokens": self.sampling.max_new_tokens,
+        }
+        if seed is not None:
+            params["sampling_seed"] = seed  # honoured only with --enable-deterministic-inference
+        return {
+            "input_ids": [int(t) for t in prompt_ids],
+            "sampling_params": params,
+            "return_logprob": True,
+            "return_routed_experts": self.route_spec is not None,
+            "return_sampling_mask": self.return_sampling_mask,
+        }
+
+    def generate(self, prompts: Sequence[Sequence[int]], n: int = 1, **kwargs) -> list[RolloutSample]:
+        """Blocking `agenerate` (runs its own event loop)."""
+        return asyncio.run(self.agenerate(prompts, n, **kwargs))
+
+    async def agenerate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int = 1,
+        *,
+        group_ids: Sequence[int] | None = None,
+        step: int = 0,
+        seeded: bool = True,
+    ) -> list[RolloutSample]:
+        """`len(prompts) * n` samples, or RolloutError; never fewer. `seeded=False` sends no seed."""
+        if n < 1:
+            raise ValueError(f"n={n}; expected >= 1 samples per prompt")
+        group_ids = list(range(len(prompts))) if group_ids is None else list(group_ids)
+        if len(group_ids) != len(prompts):
+            raise ValueError(f"group_ids has {len(group_ids)} entries; expected one per prompt ({len(prompts)})")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompts[{i}] is empty; expected at least one token id")
+        jobs = [
+            (np.asarray(p, dtype=np.int32), g, sample_seed(self.seed, step, g, j) if seeded else None)
+            for p, g in zip(prompts, group_ids)
+            for j in range(n)
+        ]
+        gate = asyncio.Semaphore(self.max_concurrency)
+        limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
+        async with httpx.AsyncClient(timeout=self.request_timeout_s, limits=limits) as http:
+            try:
+                async with asyncio.TaskGroup() as tg:  # first failure cancels the rest: no partial batch
+                    tasks = [tg.create_task(self._one(http, gate, *job)) for job in jobs]
+            except* RolloutError as group:
+                raise group.exceptions[0] from None
+        return [t.result() for t in tasks]
+
+    async def _one(self, http: httpx.AsyncClient, gate: asyncio.Semaphore, prompt, group_id, seed) -> RolloutSample:
+        body = self.request_body(prompt, seed)
+        errors = []
+        async with gate:
+            for attempt in range(self.max_retries + 1):
+                url = self.addresses[next(self._next_server) % len(self.addresses)]
+                try:
+                    reply = await self._post(http, url, body)
+                    return self._to_sample(reply, prompt, group_id, url)
+                except _Retryable as err:
+                    errors.append(f"attempt {attempt + 1} at {url}: {err}")
+                if attempt < self.max_retries:
+                    await asyncio.sleep(self.backoff_s * 2**attempt)
+        raise RolloutError(
+            f"/generate failed after {self.max_retries + 1} attempts (max_retries={self.max_retries}); "
+            + "; ".join(errors)
+        )
+
+    async def _post(self, http: httpx.AsyncClient, url: str, body: dict) -> dict:
+        try:
+            resp = await http.post(f"{url}/generate", json=body)
+        except httpx.TransportError as err:  # refused, reset, timed out, closed mid-reply
+            raise _Retryable(f"{type(err).__name__}: {err}") from err
+        if resp.status_code >= 500:
+            raise _Retryable(f"HTTP {resp.status_code}: {resp.text[:300]}")
+        if resp.status_code >= 400:
+            raise RolloutRequestError(f"{url}/generate rejected the request, HTTP {resp.status_code}: {resp.text[:500]}")
+        try:
+            reply = resp.json()
+        except ValueError as err:
+            raise RolloutResponseError(f"{url}/generate replied with non-JSON: {resp.text[:300]!r}") from err
+        if not isinstance(reply, dict) or not isinstance(reply.get("meta_info"), dict) or "output_ids" not in reply:
+            raise RolloutResponseError(f"{url}/generate reply lacks 'output_ids'/'meta_info': {str(reply)[:300]}")
+        return reply
+
+    def _to_sample(self, reply: dict, prompt: np.ndarray, group_id: int, url: str) -> RolloutSample:
+        meta = reply["meta_info"]
+        finish = meta.get("finish_reason")
+        if isinstance(finish, dict) and finish.get("type") == "abort":
+            raise RolloutRequestError(f"{url} aborted the generation: {finish.get('message', finish)}")
+        if meta.get("prompt_tokens", len(prompt)) != len(prompt):
+            raise RolloutResponseError(
+                f"{url} reports prompt_tokens={meta.get('prompt_tokens')}; the request had {len(prompt)}"
+            )
+        response = np.asarray(reply["output_ids"], dtype=np.int32)
+        try:
+            decoded = decode_sglang_meta(meta, len(prompt), response, self.route_spec, vocab_size=self.vocab_size)
+        except RecordError as err:
+            raise RolloutResponseError(f"malformed /generate reply from {url}: {err}") from err
+        return RolloutSample(
+            prompt_ids=prompt,
+            response_ids=response,
+            rollout_logp=decoded.rollout_logp,
+            routes=decoded.routes,
+            sampling_mask=decoded.sampling_mask,
+            group_id=group_id,
+            weight_version=decoded.weight_version,
+            finish_reason=decoded.finish_reason,
+        )

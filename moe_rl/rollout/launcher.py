@@ -1,0 +1,269 @@
+"""Start, health-check and always stop local SGLang rollout servers; or use given addresses.
+
+Owns the server process lifecycle: the command line (CPU or GPU flags, routed experts always on,
+deterministic inference when asked, the sampling-mask cap), the server's environment (CPU
+stand-ins on its path only), the log file, waiting for ``/health``, and teardown of the whole
+process group (SIGTERM, then SIGKILL) on exit, on exceptions and on SIGTERM/SIGINT to the parent.
+It does not talk the generation protocol (client.py) or sync weights (weights.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+STUBS_DIR = REPO_ROOT / "patches" / "stubs"
+
+
+class ServerStartError(RuntimeError):
+    """The server exited or did not become healthy in time; the message carries its log tail."""
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """How to launch one SGLang server for `model_path` (mirrors the `rollout` config section)."""
+
+    model_path: str
+    device: str = "cpu"  # "cpu" | "cuda"
+    host: str = "127.0.0.1"
+    port: int | None = None  # None = a free port
+    dtype: str = "float32"
+    deterministic: bool = True
+    seed: int = 0
+    sampling_mask_max_tokens: int = 4096
+    mem_fraction_static: float = 0.05
+    max_total_tokens: int = 4096
+    startup_timeout_s: float = 180.0
+    cpu_threads: int | None = None  # CPU engine: torch intra-op threads (None = all cores)
+    extra_args: tuple[str, ...] = ()
+
+    @classmethod
+    def from_rollout_config(cls, rollout, model_path: str | Path, **overrides) -> ServerSpec:
+        """Spec from a `moe_rl.config` RolloutConfig; keyword overrides win."""
+        values = dict(
+            model_path=str(model_path),
+            device=rollout.device,
+            host=rollout.host,
+            port=rollout.port,
+            dtype=rollout.dtype,
+            deterministic=rollout.deterministic,
+            seed=rollout.seed,
+            sampling_mask_max_tokens=rollout.sampling_mask_max_tokens,
+            mem_fraction_static=rollout.mem_fraction_static,
+            max_total_tokens=rollout.max_total_tokens,
+            startup_timeout_s=rollout.startup_timeout_s,
+            extra_args=tuple(rollout.extra_server_args),
+        )
+        values.update(overrides)
+        return cls(**values)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (bind to port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def server_command(spec: ServerSpec, port: int, python: str = sys.executable) -> list[str]:
+    """The `sglang.launch_server` argv for `spec` on `port`."""
+    cmd = [
+        python, "-m", "sglang.launch_server",
+        "--model-path", spec.model_path,
+        "--device", spec.device,
+        "--host", spec.host,
+        "--port", str(port),
+        "--dtype", spec.dtype,
+        "--random-seed", str(spec.seed),
+        "--mem-fraction-static", str(spec.mem_fraction_static),
+        "--max-total-tokens", str(spec.max_total_tokens),
+        "--sampling-mask-max-tokens", str(spec.sampling_mask_max_tokens),
+        # Routing replay (R2/R3) needs the router's top-k of every forwarded token.
+        "--enable-return-routed-experts",
+        "--skip-server-warmup",
+    ]  # fmt: skip
+    if spec.deterministic:
+        # Batch-invariant numerics + per-request `sampling_seed`; without the flag the seed is ignored.
+        cmd.append("--enable-deterministic-inference")
+    return cmd + list(spec.extra_args)
+
+
+def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The server's environment: on CPU, the CPU engine switch and the stand-ins on PYTHONPATH."""
+    env = dict(os.environ if base is None else base)
+    if spec.device == "cpu":
+        env["SGLANG_USE_CPU_ENGINE"] = "1"  # otherwise is_cpu() is false and CUDA paths are taken
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(STUBS_DIR), env.get("PYTHONPATH", "")) if p)
+        if spec.cpu_threads is not None:
+            env["OMP_NUM_THREADS"] = str(spec.cpu_threads)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: the kernel sends SIGTERM to the server if the launching process dies (Linux)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+
+
+def _log_tail(path: Path, lines: int = 40) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    return "<no log>"
+
+
+@dataclass
+class SGLangServer:
+    """One local SGLang server process (context manager). `url` is valid after `start()`."""
+
+    spec: ServerSpec
+    log_path: Path
+    url: str = ""
+    process: subprocess.Popen | None = field(default=None, repr=False)
+
+    def start(self) -> SGLangServer:
+        """Spawn the server in its own process group and wait for `/health` (ServerStartError)."""
+        port = self.spec.port or free_port(self.spec.host)
+        self.url = f"http://{self.spec.host}:{port}"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                server_command(self.spec, port),
+                env=server_env(self.spec),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # own process group: stop() kills the scheduler children too
+                preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread() else None,
+            )
+        try:
+            self.wait_healthy(self.spec.startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise ServerStartError(
+                    f"SGLang server exited with code {self.process.returncode} before it was healthy; "
+                    f"log {self.log_path}:\n{_log_tail(self.log_path)}"
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return
+            time.sleep(0.5)
+        raise ServerStartError(
+            f"SGLang server at {self.url} was not healthy within startup_timeout_s={timeout_s}; "
+            f"log {self.log_path}:\n{_log_tail(self.log_path)}"
+        )
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM the process group, SIGKILL what is left after `grace_s`; idempotent."""
+        proc, self.process = self.process, None
+        if proc is None:
+            return
+        pgid = proc.pid  # start_new_session=True: the group id is the leader's pid
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=wait_s)
+            if not _group_alive(pgid):
+                break
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=1.0)
+
+    def __enter__(self) -> SGLangServer:
+        return self.start() if self.process is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def _terminate_on_signals() -> Iterator[None]:
+    """In the main thread, turn SIGTERM/SIGHUP into SystemExit so `finally` blocks stop servers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _raise(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    previous = {s: signal.signal(s, _raise) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def rollout_servers(
+    rollout, model_path: str | Path, log_dir: str | Path, num_servers: int = 1, **spec_overrides
+) -> Iterator[list[str]]:
+    """Yield server base URLs: `rollout.addresses` as given, else `num_servers` local servers.
+
+    Local servers are started one after another (a 2-core machine cannot overlap their imports),
+    and all of them are stopped when the block exits for any reason, including SIGTERM.
+    """
+    if rollout.addresses:
+        yield [a.rstrip("/") for a in rollout.addresses]
+        return
+    if num_servers < 1:
+        raise ValueError(f"num_servers={num_servers}; expected >= 1")
+    servers: list[SGLangServer] = []
+    with _terminate_on_signals():
+        try:
+            for i in range(num_servers):
+                spec = ServerSpec.from_rollout_config(rollout, model_path, **spec_overrides)
+                if spec.port is not None and num_servers > 1:
+                    spec = ServerSpec(**{**spec.__dict__, "port": spec.port + i})
+                servers.append(SGLangServer(spec, Path(log_dir) / f"sglang_{i}.log"))
+                servers[-1].start()
+            yield [s.url for s in servers]
+        finally:
+            for s in servers:
+                s.stop()
+
+
+def check_addresses(addresses: Sequence[str], timeout_s: float = 5.0) -> None:
+    """Raise ConnectionError naming every address whose `/health` is not 200."""
+    bad = []
+    for a in addresses:
+        try:
+            if httpx.get(f"{a}/health", timeout=timeout_s).status_code != 200:
+                bad.append(a)
+        except httpx.HTTPError:
+            bad.append(a)
+    if bad:
+        raise ConnectionError(f"SGLang servers not healthy: {bad}")
