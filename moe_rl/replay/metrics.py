@@ -1,0 +1,62 @@
+"""Router alignment metrics: how often two routings of the same tokens pick different expert sets.
+
+Owns the flip-rate math and its accumulation over microbatches. Inputs are routes captured
+during passes that run anyway (``RouteCapture``), so no extra forward is needed.
+A flip at (token, layer) means the two top-k expert *sets* differ (order is irrelevant).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["expert_set_flips", "FlipCounter"]
+
+
+def expert_set_flips(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a[..., L, K]``, ``b[..., L, K]`` expert ids -> ``flips[..., L]`` bool (sets differ)."""
+    if a.shape != b.shape:
+        raise ValueError(f"routes to compare must have the same shape [..., L, K]; got {tuple(a.shape)} and {tuple(b.shape)}")
+    return (a.sort(dim=-1).values != b.sort(dim=-1).values).any(dim=-1)
+
+
+class FlipCounter:
+    """Accumulates flips of one comparison (e.g. rollout vs learner-natural) over microbatches.
+
+    ``layer_ids`` are the global MoE-layer indices of the compared layers (the names in the
+    summary). ``summary()`` gives ``{name}/flip_rate`` (over valid token-layers),
+    ``{name}/flip_rate/layer{l}`` and ``{name}/tokens_with_flip`` (fraction of valid tokens with
+    at least one flipped layer).
+    """
+
+    def __init__(self, name: str, layer_ids: Sequence[int]):
+        self.name = name
+        self.layer_ids = list(layer_ids)
+        self.layer_flips = torch.zeros(len(self.layer_ids), dtype=torch.float64)
+        self.tokens = 0
+        self.tokens_any = 0
+
+    def add(self, reference: torch.Tensor, other: torch.Tensor, valid: torch.Tensor) -> None:
+        """Count ``reference[B, S, L, K]`` vs ``other[B, S, L, K]`` on tokens where ``valid[B, S]``."""
+        if reference.dim() != 4 or reference.shape[2] != len(self.layer_ids):
+            raise ValueError(
+                f"{self.name}: routes must be [B, S, L={len(self.layer_ids)}, K]; got {tuple(reference.shape)}"
+            )
+        if valid.shape != reference.shape[:2]:
+            raise ValueError(f"{self.name}: valid must be [B, S]={tuple(reference.shape[:2])}; got {tuple(valid.shape)}")
+        flips = expert_set_flips(reference.cpu(), other.cpu())[valid.cpu().bool()]  # [N_valid, L]
+        self.layer_flips += flips.sum(dim=0).double()
+        self.tokens += int(flips.shape[0])
+        self.tokens_any += int(flips.any(dim=-1).sum())
+
+    def summary(self) -> dict[str, float]:
+        if self.tokens == 0:
+            return {}
+        out = {
+            f"{self.name}/flip_rate": float(self.layer_flips.sum() / (self.tokens * len(self.layer_ids))),
+            f"{self.name}/tokens_with_flip": self.tokens_any / self.tokens,
+        }
+        for lid, n in zip(self.layer_ids, self.layer_flips.tolist()):
+            out[f"{self.name}/flip_rate/layer{lid}"] = n / self.tokens
+        return out
