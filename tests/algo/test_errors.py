@@ -1,0 +1,107 @@
+"""Bad input gets one clear error naming the field and what was expected."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_rl.algo import (
+    gspo_loss,
+    icepop_weights,
+    offpolicy_metrics,
+    opsm_mask,
+    ppo_clip_loss,
+    rejection_mask,
+    token_veto,
+    truncated_is_weights,
+)
+
+MASK = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+LP = torch.full((2, 3), -1.0)
+
+
+def test_shape_mismatch_names_the_field_and_shapes():
+    with pytest.raises(ValueError, match=r"rollout_logp: expected shape \(2, 3\).*got \(2, 4\)"):
+        icepop_weights(LP, torch.zeros(2, 4), MASK)
+
+
+def test_integer_mask_is_rejected():
+    with pytest.raises(TypeError, match="mask: expected dtype bool"):
+        truncated_is_weights(LP, LP, MASK.long())
+
+
+def test_mask_of_wrong_rank_is_rejected():
+    with pytest.raises(ValueError, match=r"mask: expected 2 dims \[B, T\]"):
+        offpolicy_metrics(LP, LP, MASK[0])
+
+
+def test_float_mask_must_be_zero_one():
+    with pytest.raises(ValueError, match="0.0 and 1.0"):
+        offpolicy_metrics(LP, LP, MASK.float() * 0.5)
+    offpolicy_metrics(LP, LP, MASK.float())  # a 0/1 float mask is fine
+
+
+def test_empty_mask_is_rejected():
+    with pytest.raises(ValueError, match="at least one valid"):
+        rejection_mask(LP, LP, torch.zeros_like(MASK), "token_k1", upper=2.0)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_valid_values_are_rejected_with_position(bad):
+    x = LP.clone()
+    x[1, 0] = bad
+    with pytest.raises(ValueError, match=r"old_logp: expected finite.*\(1, 0\)"):
+        token_veto(x, LP, MASK, threshold=1e-4)
+
+
+def test_non_finite_padding_is_allowed():
+    x = LP.clone()
+    x[1, 2] = float("nan")
+    x[0, 2] = float("-inf")
+    m = offpolicy_metrics(x, LP, MASK)
+    assert all(torch.isfinite(v) for v in m.values())
+
+
+def test_advantages_shape_is_checked():
+    with pytest.raises(ValueError, match="advantages: expected shape"):
+        ppo_clip_loss(LP, LP, torch.zeros(3), MASK)
+    with pytest.raises(ValueError, match="advantages: expected shape"):
+        opsm_mask(LP, LP, MASK, torch.zeros(2, 2), delta=0.1)
+
+
+def test_non_tensor_and_integer_logp():
+    with pytest.raises(TypeError, match="logp"):
+        gspo_loss([[0.0]], LP, torch.zeros(2), MASK)
+    with pytest.raises(TypeError, match="old_logp: expected a floating tensor"):
+        icepop_weights(LP.long(), LP, MASK)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"mode": "seq_mean_k4", "upper": 1.0}, "rs_mode: expected one of"),
+        ({"mode": "token_k1", "upper": None}, "rs_upper"),
+        ({"mode": "seq_sum_k2", "lower": 0.1, "upper": 1.0}, "rs_lower"),
+        ({"mode": "seq_mean_k1", "lower": 3.0, "upper": 2.0}, "lower ≤ upper"),
+        ({"mode": "token_k3", "upper": -1.0}, "rs_upper: expected a finite number > 0"),
+    ],
+)
+def test_rejection_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        rejection_mask(LP, LP, MASK, **kwargs)
+
+
+def test_loss_hyperparameters_are_checked():
+    adv = torch.zeros(2)
+    with pytest.raises(ValueError, match="dual_clip_c"):
+        ppo_clip_loss(LP, LP, adv, MASK, dual_clip_c=1.0)
+    with pytest.raises(ValueError, match="clip_low"):
+        ppo_clip_loss(LP, LP, adv, MASK, clip_low=1.0)
+    with pytest.raises(ValueError, match="aggregation"):
+        ppo_clip_loss(LP, LP, adv, MASK, aggregation="mean")
+    with pytest.raises(ValueError, match="is_weights: expected non-negative"):
+        ppo_clip_loss(LP, LP, adv, MASK, is_weights=-torch.ones(2, 3))
+    with pytest.raises(ValueError, match="icepop band"):
+        icepop_weights(LP, LP, MASK, low=2.0, high=1.0)
+    with pytest.raises(ValueError, match="is level"):
+        truncated_is_weights(LP, LP, MASK, level="geometric")
