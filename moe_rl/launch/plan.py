@@ -1,0 +1,283 @@
+"""Turn an experiment config + SLURM environment into a launch plan: who runs what, on which node.
+
+Owns node assignment (first ``launch.rollout_nodes`` hosts serve SGLang, the next
+``launch.learner_nodes`` run torchrun), the srun/sglang/torchrun argv of every step, the rollout
+addresses handed to the learner, and the world-size checks Megatron-Core would otherwise fail late
+on. It is pure (env passed in, nothing executed); ``script.py`` renders and runs the plan.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+
+from moe_rl.config import ConfigError, ExperimentConfig, dump_config
+from moe_rl.launch.hostlist import HostlistError, expand_hostlist
+from moe_rl.rollout.launcher import ServerSpec, server_command
+
+PYTHON = "python"  # interpreter on the compute nodes: whatever `python` the job's environment puts first
+CONFIG_HEREDOC_END = "MOE_RL_CONFIG_EOF"
+_OVERRIDE = re.compile(r"^\w+(\.\w+)+=")  # a dotted config override token: one per line when rendered
+# Flags the launcher sets from the config; a copy in rollout.extra_server_args would silently win.
+_OWNED_SERVER_FLAGS = ("--model-path", "--model", "--host", "--port", "--nnodes", "--node-rank", "--dist-init-addr")
+
+
+class LaunchError(ConfigError):
+    """A config or SLURM environment that cannot be launched; the message names the key or variable."""
+
+
+@dataclass(frozen=True)
+class SrunStep:
+    """One ``srun`` job step: ``srun_args`` place it on ``nodes``; ``command`` is what each task runs."""
+
+    role: str  # "rollout" | "learner"
+    nodes: tuple[str, ...]
+    srun_args: tuple[str, ...]
+    command: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def argv(self) -> list[str]:
+        """Full argv: ``[*env assignments via env(1)?, srun, *srun_args, *command]``."""
+        prefix = ["env", *(f"{k}={v}" for k, v in self.env)] if self.env else []
+        return [*prefix, "srun", *self.srun_args, *self.command]
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything a multi-node run starts, in start order (rollout servers, then the learner)."""
+
+    name: str
+    job_id: str
+    run_dir: str
+    config_path: str  # where the script writes the resolved config the learner reads
+    config_yaml: str
+    rollout_steps: tuple[SrunStep, ...]
+    rollout_urls: tuple[str, ...]  # servers the script waits for (empty when using rollout.addresses)
+    rollout_addresses: tuple[str, ...]  # what the learner is told (rollout.addresses)
+    learner_step: SrunStep
+    startup_timeout_s: float
+    sbatch_args: tuple[str, ...]
+    notes: tuple[str, ...] = ()
+
+
+def sbatch_args(cfg: ExperimentConfig) -> list[str]:
+    """``sbatch`` options that allocate the nodes ``cfg.launch`` asks for (one task per node)."""
+    ln = cfg.launch
+    args = [
+        f"--job-name={cfg.name}",
+        f"--nodes={ln.rollout_nodes + ln.learner_nodes}",
+        "--ntasks-per-node=1",
+        f"--gpus-per-node={ln.gpus_per_node}",
+        "--exclusive",
+        f"--time={ln.time}",
+    ]
+    if ln.partition:
+        args.append(f"--partition={ln.partition}")
+    return args
+
+
+def check_learner_world(cfg: ExperimentConfig, world_size: int, where: str) -> tuple[int, int]:
+    """Megatron-Core's divisibility rules for ``world_size`` ranks -> ``(dp, expert_dp)``.
+
+    ``tp*pp*cp`` must divide the world (dense data parallel) and ``etp*ep*pp`` too (expert data
+    parallel; ``etp`` defaults to ``tp``). ``where`` names the keys that set ``world_size``.
+    """
+    p = cfg.parallel
+    etp = p.etp if p.etp is not None else p.tp
+    model = p.tp * p.pp * p.cp
+    if world_size % model:
+        raise LaunchError(
+            f"learner world size {world_size} ({where}) is not divisible by parallel.tp*parallel.pp*parallel.cp "
+            f"= {p.tp}*{p.pp}*{p.cp} = {model}"
+        )
+    expert = etp * p.ep * p.pp
+    if world_size % expert:
+        raise LaunchError(
+            f"learner world size {world_size} ({where}) is not divisible by parallel.etp*parallel.ep*parallel.pp "
+            f"= {etp}*{p.ep}*{p.pp} = {expert} (parallel.etp=null means parallel.tp)"
+        )
+    return world_size // model, world_size // expert
+
+
+def _server_flag_int(args: list[str], *names: str, default: int = 1) -> int:
+    """Integer value of an SGLang flag in ``args`` (``--tp-size 4`` or ``--tp-size=4``)."""
+    value = None
+    for i, arg in enumerate(args):
+        flag, eq, inline = arg.partition("=")
+        if flag in names:
+            if eq:
+                value = inline
+            elif i + 1 < len(args):
+                value = args[i + 1]
+            else:
+                raise LaunchError(f"rollout.extra_server_args: {flag} has no value")
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise LaunchError(f"rollout.extra_server_args: {names[0]} expects an integer, got {value!r}") from None
+
+
+def rollout_gpus_per_server(cfg: ExperimentConfig) -> int:
+    """GPUs one SGLang server occupies: tp*pp, times dp unless DP attention shares the TP GPUs."""
+    args = list(cfg.rollout.extra_server_args)
+    for arg in args:
+        if arg.partition("=")[0] in _OWNED_SERVER_FLAGS:
+            raise LaunchError(
+                f"rollout.extra_server_args sets {arg.partition('=')[0]}, which the launcher sets itself "
+                "(model from checkpoint.init_from_hf, port from launch.rollout_port, one server per node)"
+            )
+    tp = _server_flag_int(args, "--tp-size", "--tensor-parallel-size")
+    pp = _server_flag_int(args, "--pp-size", "--pipeline-parallel-size")
+    dp = _server_flag_int(args, "--dp-size", "--data-parallel-size")
+    return tp * pp * (1 if "--enable-dp-attention" in args else dp)
+
+
+def _nodes_from_env(env: Mapping[str, str], needed: int) -> list[str]:
+    raw = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not raw:
+        raise LaunchError(
+            "SLURM_JOB_NODELIST is not set: run inside an allocation (launch/slurm/submit.sh) or, to review "
+            f"the commands, set it by hand, e.g. SLURM_JOB_NODELIST='node[01-{needed:02d}]' moe-rl launch ... --dry-run"
+        )
+    try:
+        nodes = expand_hostlist(raw)
+    except HostlistError as exc:
+        raise LaunchError(f"SLURM_JOB_NODELIST: {exc}") from None
+    count = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
+    if count and count.isdigit() and int(count) != len(nodes):
+        raise LaunchError(f"SLURM_JOB_NODELIST={raw!r} expands to {len(nodes)} hosts but SLURM_JOB_NUM_NODES={count}")
+    if len(nodes) < needed:
+        raise LaunchError(
+            f"the allocation has {len(nodes)} nodes ({raw}) but launch.rollout_nodes + launch.learner_nodes = {needed}"
+        )
+    return nodes
+
+
+def _check_gpus_on_node(cfg: ExperimentConfig, env: Mapping[str, str]) -> None:
+    gpus = env.get("SLURM_GPUS_ON_NODE")
+    if gpus and gpus.isdigit() and int(gpus) < cfg.launch.gpus_per_node:
+        raise LaunchError(
+            f"launch.gpus_per_node={cfg.launch.gpus_per_node} but SLURM_GPUS_ON_NODE={gpus}; "
+            "allocate more GPUs per node or lower launch.gpus_per_node"
+        )
+
+
+def _rollout_steps(cfg: ExperimentConfig, nodes: list[str], log_dir: str) -> tuple[list[SrunStep], list[str], list[str]]:
+    """One SGLang server per rollout node, listening on all interfaces at ``launch.rollout_port``."""
+    ln, notes = cfg.launch, []
+    if cfg.checkpoint.init_from_hf is None:
+        raise LaunchError(
+            "rollout servers need a HF checkpoint to serve: set checkpoint.init_from_hf "
+            "(the learner initialises from the same directory)"
+        )
+    per_server = rollout_gpus_per_server(cfg)
+    if cfg.rollout.device == "cuda":
+        if per_server > ln.gpus_per_node:
+            raise LaunchError(
+                f"one SGLang server needs tp*pp*dp = {per_server} GPUs (rollout.extra_server_args) but "
+                f"launch.gpus_per_node={ln.gpus_per_node}; multi-node SGLang servers are not launched by moe_rl"
+            )
+        if per_server < ln.gpus_per_node:
+            notes.append(
+                f"each SGLang server uses {per_server} of {ln.gpus_per_node} GPUs per rollout node; add "
+                f"'--dp-size {ln.gpus_per_node // per_server}' to rollout.extra_server_args to use them all"
+            )
+    spec = ServerSpec.from_rollout_config(cfg.rollout, cfg.checkpoint.init_from_hf, host="0.0.0.0", port=ln.rollout_port)
+    steps, urls = [], []
+    for node in nodes:
+        srun = ["--nodes=1", "--ntasks=1", f"--nodelist={node}"]
+        if cfg.rollout.device == "cuda":
+            srun.append(f"--gpus-per-node={ln.gpus_per_node}")
+        srun += ["--kill-on-bad-exit=1", f"--output={log_dir}/rollout-{node}.log"]
+        env = (("SGLANG_USE_CPU_ENGINE", "1"),) if cfg.rollout.device == "cpu" else ()
+        steps.append(SrunStep("rollout", (node,), tuple(srun), tuple(server_command(spec, ln.rollout_port, PYTHON)), env))
+        urls.append(f"http://{node}:{ln.rollout_port}")
+    return steps, urls, notes
+
+
+def _learner_step(cfg: ExperimentConfig, nodes: list[str], addresses: list[str], config_path: str,
+                  job_id: str, log_dir: str) -> SrunStep:  # fmt: skip
+    """``torchrun`` on every learner node (c10d rendezvous at the first one) running ``moe-rl train``."""
+    ln, p = cfg.launch, cfg.parallel
+    srun = (
+        f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}", "--ntasks-per-node=1",
+        f"--nodelist={','.join(nodes)}", f"--gpus-per-node={ln.gpus_per_node}",
+        "--kill-on-bad-exit=1", f"--output={log_dir}/learner-%N.log",
+    )  # fmt: skip
+    # Parallel sizes are repeated as overrides so the reviewed command shows the learner layout.
+    addr_yaml = "[" + ",".join(f'"{a}"' for a in addresses) + "]"
+    overrides = (
+        f"parallel.tp={p.tp}", f"parallel.pp={p.pp}", f"parallel.cp={p.cp}", f"parallel.ep={p.ep}",
+        f"parallel.etp={'null' if p.etp is None else p.etp}", f"rollout.addresses={addr_yaml}",
+    )  # fmt: skip
+    command = (
+        "torchrun", f"--nnodes={len(nodes)}", f"--nproc-per-node={ln.gpus_per_node}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint={nodes[0]}:{ln.master_port}", f"--rdzv-id={job_id}",
+        "-m", "moe_rl.cli", "train", config_path, *overrides,
+    )  # fmt: skip
+    return SrunStep("learner", tuple(nodes), srun, command)
+
+
+def build_launch_plan(cfg: ExperimentConfig, env: Mapping[str, str]) -> LaunchPlan:
+    """The plan for ``cfg`` inside the SLURM allocation described by ``env`` (``SLURM_*`` variables)."""
+    ln = cfg.launch
+    world = ln.learner_nodes * ln.gpus_per_node
+    dp, edp = check_learner_world(cfg, world, f"launch.learner_nodes*launch.gpus_per_node = {ln.learner_nodes}*{ln.gpus_per_node}")
+    if ln.rollout_nodes and cfg.rollout.addresses:
+        raise LaunchError(
+            f"rollout.addresses={cfg.rollout.addresses} points at running servers but launch.rollout_nodes="
+            f"{ln.rollout_nodes} would start new ones; set launch.rollout_nodes=0 or rollout.addresses=[]"
+        )
+    if not ln.rollout_nodes and not cfg.rollout.addresses:
+        raise LaunchError("launch.rollout_nodes=0 needs rollout.addresses (http://host:port of running SGLang servers)")
+    _check_gpus_on_node(cfg, env)
+    needed = ln.rollout_nodes + ln.learner_nodes
+    nodes = _nodes_from_env(env, needed)
+    job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or "manual"
+    run_dir = cfg.train.output_dir
+    log_dir = str(PurePosixPath(run_dir) / "launch" / f"logs-{job_id}")
+    config_path = str(PurePosixPath(run_dir) / "launch" / f"config-{job_id}.yaml")
+    notes = [f"learner world {world} = {ln.learner_nodes} nodes x {ln.gpus_per_node} GPUs: "
+             f"dp {dp} (tp*pp*cp = {world // dp}), expert dp {edp} (etp*ep*pp = {world // edp})"]  # fmt: skip
+    if len(nodes) > needed:
+        notes.append(f"{len(nodes) - needed} allocated node(s) stay idle: {' '.join(nodes[needed:])}")
+    rollout_nodes, learner_nodes = nodes[: ln.rollout_nodes], nodes[ln.rollout_nodes : needed]
+    rollout_steps, urls, rollout_notes = (
+        _rollout_steps(cfg, rollout_nodes, log_dir) if ln.rollout_nodes else ([], [], [])
+    )
+    addresses = urls or list(cfg.rollout.addresses)
+    if CONFIG_HEREDOC_END in (yaml_text := dump_config(cfg)):
+        raise LaunchError(f"the config text contains the heredoc terminator {CONFIG_HEREDOC_END!r}")
+    return LaunchPlan(
+        name=cfg.name,
+        job_id=job_id,
+        run_dir=run_dir,
+        config_path=config_path,
+        config_yaml=yaml_text,
+        rollout_steps=tuple(rollout_steps),
+        rollout_urls=tuple(urls),
+        rollout_addresses=tuple(addresses),
+        learner_step=_learner_step(cfg, learner_nodes, addresses, config_path, job_id, log_dir),
+        startup_timeout_s=cfg.rollout.startup_timeout_s,
+        sbatch_args=tuple(sbatch_args(cfg)),
+        notes=tuple(notes + rollout_notes),
+    )
+
+
+def quote_argv(argv: list[str]) -> str:
+    """Shell text of ``argv`` with one flag per continuation line (bash-equivalent to ``shlex.join``)."""
+    lines, current = [], []
+    for tok in argv:
+        starts_group = tok.startswith("--") or tok in ("srun", "torchrun", PYTHON) or _OVERRIDE.match(tok)
+        if current and (starts_group or (tok == "-m" and current != [PYTHON])):
+            lines.append(" ".join(current))
+            current = []
+        current.append(shlex.quote(tok))
+    lines.append(" ".join(current))
+    return " \\\n    ".join(lines)
