@@ -1,0 +1,131 @@
+"""One optimizer step of the learner: microbatches -> loss -> backward -> clip -> step.
+
+Owns the ``Learner`` (DDP-wrapped Megatron model + optimizer + step counter) and
+its custom training loop. The loss is a callable, so the trainer plugs in
+``moe_rl.algo.compute_policy_loss`` without this module knowing any algorithm.
+Megatron's own schedule (``forward_backward_no_pipelining``) sets the MoE
+aux-loss gradient scale; a custom loop must do it itself, which ``train_step`` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from moe_rl.learner.logprobs import response_logprobs
+from moe_rl.learner.model import build_model, unwrap
+from moe_rl.learner.optimizer import build_optimizer, grad_norm_and_clip, lr_at, set_lr, wrap_ddp
+
+__all__ = ["Microbatch", "LossFn", "StepStats", "Learner"]
+
+Microbatch = dict
+"""Keys: ``input_ids[B, T]`` (long), ``targets[B, T]`` (long, -1 = padding), optional
+``segment_ids[B, T]`` (packed rows), plus whatever the loss callable reads
+(``mask``, ``advantages``, ``old_logp``, ``rollout_logp`` ...)."""
+
+LossFn = Callable[[torch.Tensor, torch.Tensor | None, Microbatch], tuple[torch.Tensor, dict]]
+"""``loss_fn(logp[B, T], entropy[B, T] | None, microbatch) -> (loss[], metrics)``."""
+
+
+@dataclass
+class StepStats:
+    """What one ``train_step`` did; ``loss`` and metrics are means over microbatches."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def _mean_metrics(per_mb: list[dict]) -> dict[str, float]:
+    keys = sorted({k for m in per_mb for k in m})
+    out = {}
+    for k in keys:
+        vals = [float(m[k]) for m in per_mb if k in m]
+        out[k] = sum(vals) / len(vals)
+    return out
+
+
+class Learner:
+    """The Megatron-Core policy being trained: model, optimizer, LR schedule, step.
+
+    ``init_distributed(cfg.parallel)`` must have run. ``total_steps`` is the
+    number of optimizer steps the LR schedule spans.
+    """
+
+    def __init__(self, cfg, total_steps: int | None = None, model=None):
+        self.cfg = cfg
+        self.model = wrap_ddp(model if model is not None else build_model(cfg))
+        self.config = unwrap(self.model).config
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.config.params_dtype)
+        self.total_steps = total_steps or cfg.train.steps * cfg.train.minibatches_per_step * cfg.train.epochs_per_step
+        self.step = 0
+
+    @property
+    def module(self):
+        """The bare ``GPTModel`` (for HF export, router replay, log-prob passes)."""
+        return unwrap(self.model)
+
+    def _set_aux_loss_scale(self, num_microbatches: int) -> None:
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        # Megatron's schedule divides each microbatch loss by num_microbatches and
+        # scales the aux-loss gradient to match (x cp size: the main loss is
+        # averaged over cp ranks by DDP, the aux loss is not).
+        cp = ps.get_context_parallel_world_size()
+        device = next(self.model.parameters()).device
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(cp / num_microbatches, device=device))
+
+    def train_step(self, microbatches: Sequence[Microbatch], loss_fn: LossFn,
+                   temperature: float = 1.0) -> StepStats:
+        """Accumulate gradients over ``microbatches``, clip, and take one optimizer step.
+
+        Each microbatch contributes ``loss / len(microbatches)``; give ``loss_fn``
+        a global denominator (e.g. ``loss_denominator`` in ``compute_policy_loss``)
+        and it becomes a token mean over the whole step instead.
+        """
+        if not microbatches:
+            raise ValueError("train_step needs at least one microbatch; got 0")
+        n = len(microbatches)
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._set_aux_loss_scale(n)
+        losses, metrics = [], []
+        for mb in microbatches:
+            logp, entropy = response_logprobs(
+                self.model, mb["input_ids"], mb["targets"], segment_ids=mb.get("segment_ids"),
+                temperature=temperature,
+            )
+            loss, m = loss_fn(logp, entropy, mb)
+            if loss.dim() != 0:
+                raise ValueError(f"loss_fn must return a scalar loss; got shape {tuple(loss.shape)}")
+            (loss / n).backward()
+            losses.append(float(loss.detach()))
+            metrics.append({k: float(v.detach()) if torch.is_tensor(v) else float(v) for k, v in m.items()})
+        self.model.finish_grad_sync()
+        lr = lr_at(self.step, self.cfg.optim, self.total_steps)
+        set_lr(self.optimizer, lr)
+        grad_norm = self._clip_and_step()
+        self.step += 1
+        return StepStats(self.step, sum(losses) / n, grad_norm, lr, _mean_metrics(metrics))
+
+    def _clip_and_step(self) -> float:
+        if torch.cuda.is_available():  # Megatron's optimizer clips with cfg.optim.clip_grad itself
+            ok, grad_norm, _ = self.optimizer.step()
+            if not ok:
+                raise FloatingPointError("Megatron optimizer skipped the step (inf/nan gradients)")
+            return float(grad_norm)
+        grad_norm = grad_norm_and_clip(self.model, self.cfg.optim.clip_grad)
+        if not torch.isfinite(torch.tensor(grad_norm)):
+            raise FloatingPointError(f"gradient norm is {grad_norm}; refusing to step")
+        for p in self.model.parameters():
+            g = getattr(p, "main_grad", None)
+            if g is not None:
+                p.grad = g.to(p.dtype)
+        self.optimizer.step()
+        return grad_norm
