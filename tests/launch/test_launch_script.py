@@ -1,0 +1,106 @@
+"""The rendered launch script: valid bash, carries the resolved config, and runs its steps in order."""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import subprocess
+from pathlib import Path
+
+import yaml
+from launch_helpers import QWEN3, rendered_commands
+
+from moe_rl import cli
+from moe_rl.config import load_config, validate_tree
+from moe_rl.launch import render_launch
+
+FAKE_SRUN = r"""#!/usr/bin/env bash
+# Fake srun (SLURM cannot exist here): log the argv, play a server or a learner.
+printf '%s\x1f' "$@" >> "$FAKE_LOG"; printf '\n' >> "$FAKE_LOG"
+for a in "$@"; do
+  if [[ $a == sglang.launch_server ]]; then
+    [[ -n "${FAKE_SERVER_DIES:-}" ]] && exit 3
+    echo $$ >> "$FAKE_PIDS"; exec sleep 120
+  fi
+done
+exit "${FAKE_LEARNER_RC:-0}"
+"""
+FAKE_CURL = "#!/usr/bin/env bash\n# Fake curl: healthy unless FAKE_UNHEALTHY is set.\n[[ -z \"${FAKE_UNHEALTHY:-}\" ]]\n"
+
+
+def _bin(tmp_path: Path) -> Path:
+    d = tmp_path / "bin"
+    d.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("curl", FAKE_CURL)):
+        (d / name).write_text(text)
+        (d / name).chmod(stat.S_IRWXU)
+    return d
+
+
+def _script(tmp_path: Path, *overrides: str) -> str:
+    cfg = load_config(QWEN3, [f"train.output_dir={tmp_path / 'run'}", *overrides])
+    return render_launch(cfg, dry_run=True, env={"SLURM_JOB_NODELIST": "gpu[001-006]", "SLURM_JOB_ID": "55"})
+
+
+def _run(tmp_path: Path, script: str, **env: str) -> subprocess.CompletedProcess:
+    path = tmp_path / "launch.sh"
+    path.write_text(script)
+    full_env = {**os.environ, "PATH": f"{_bin(tmp_path)}:{os.environ['PATH']}",
+                "FAKE_LOG": str(tmp_path / "srun.log"), "FAKE_PIDS": str(tmp_path / "pids"), **env}  # fmt: skip
+    return subprocess.run(["bash", str(path)], env=full_env, capture_output=True, text=True, timeout=60)
+
+
+def _logged(tmp_path: Path) -> list[list[str]]:
+    log = tmp_path / "srun.log"
+    return [line.split("\x1f")[:-1] for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def test_rendered_script_is_valid_bash(tmp_path):
+    path = tmp_path / "launch.sh"
+    path.write_text(_script(tmp_path))
+    result = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_script_writes_the_resolved_config_the_learner_is_pointed_at(tmp_path):
+    script = _script(tmp_path, "optim.lr=3e-7")
+    m = re.search(r"cat > (\S+) <<'MOE_RL_CONFIG_EOF'\n(.*?)\nMOE_RL_CONFIG_EOF\n", script, re.S)
+    assert m, "no config heredoc in the script"
+    reloaded = validate_tree(yaml.safe_load(m.group(2)))
+    assert reloaded.optim.lr == 3e-7 and reloaded.parallel.tp == 4
+    (learner,) = [c for c in rendered_commands(script) if "torchrun" in c]
+    assert learner[learner.index("train") + 1] == m.group(1)
+
+
+def test_script_with_fake_srun_starts_servers_then_learner_and_stops_the_servers(tmp_path):
+    result = _run(tmp_path, _script(tmp_path))
+    assert result.returncode == 0, result.stderr
+    calls = _logged(tmp_path)
+    assert [("sglang.launch_server" in c, "torchrun" in c) for c in calls] == [(True, False)] * 2 + [(False, True)]
+    assert (tmp_path / "run" / "launch" / "config-55.yaml").exists()
+    assert "http://gpu002:30000 healthy" in result.stdout
+    for pid in map(int, (tmp_path / "pids").read_text().split()):
+        assert not Path(f"/proc/{pid}").exists(), f"rollout server step {pid} outlived the script"
+
+
+def test_script_propagates_the_learner_exit_code(tmp_path):
+    result = _run(tmp_path, _script(tmp_path), FAKE_LEARNER_RC="7")
+    assert result.returncode == 7
+
+
+def test_script_never_starts_the_learner_when_a_server_dies_during_startup(tmp_path):
+    result = _run(tmp_path, _script(tmp_path), FAKE_SERVER_DIES="1", FAKE_UNHEALTHY="1")
+    assert result.returncode == 1
+    assert "exited before http://gpu001:30000 was healthy" in result.stderr
+    assert not any("torchrun" in c for c in _logged(tmp_path))
+
+
+def test_cli_dry_run_prints_the_plan_and_reports_config_errors(monkeypatch, capsys):
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[001-006]")
+    monkeypatch.setenv("SLURM_JOB_ID", "9")
+    assert cli.main(["launch", str(QWEN3), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert sum(1 for c in rendered_commands(out) if "torchrun" in c) == 1
+    assert cli.main(["launch", str(QWEN3), "launch.learner_nodes=1", "launch.gpus_per_node=2", "--dry-run"]) == 2
+    assert "parallel.tp*parallel.pp*parallel.cp" in capsys.readouterr().err
