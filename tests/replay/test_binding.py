@@ -170,3 +170,28 @@ def test_router_paths_that_bypass_replay_raise(build, overrides, needle):
     model = build(**overrides)
     with pytest.raises(ValueError, match=needle):
         RoutingReplay(model)
+
+
+def test_mtp_router_gets_no_routes_and_routes_naturally(build_mtp):
+    from moe_rl.learner.model import attention_mask
+
+    model = build_mtp()
+    replay = RoutingReplay(model)
+    assert len(replay.layers) == 3, "only the decoder's MoE layers take routes"
+    mtp_router = model.mtp.layers[0].transformer_layer.mlp.router
+    assert all(inst is not mtp_router.router_replay for inst in RouterReplay.global_router_replay_instances)
+    seen = {}
+    hook = mtp_router.register_forward_hook(lambda mod, args, out: seen.update(h=args[0].detach(), map=out[1]))
+    routes = random_routes(2, 6, 3, K, E, seed=0)
+    probe = RoutingMapProbe(model)
+    ids = _ids(2, 6, 0)
+    with replay.replay([routes]):
+        loss = model(input_ids=ids, position_ids=torch.arange(6).expand(2, 6), attention_mask=attention_mask(ids), labels=ids)
+        loss.float().mean().backward()
+    hook.remove()
+    for l in range(3):
+        assert torch.equal(probe.maps[l][0], expected_map(routes, l, E))
+    # the MTP router's choice is its own natural top-k of hidden @ W^T (softmax after top-k)
+    logits = seen["h"].reshape(-1, seen["h"].shape[-1]).float() @ mtp_router.weight.float().T
+    natural = torch.zeros_like(seen["map"]).scatter(1, logits.topk(K, dim=-1).indices, True)
+    assert torch.equal(seen["map"], natural)
