@@ -1,0 +1,200 @@
+"""Ablation grids: expand a YAML ``grid:`` into validated per-cell configs, train each, write the report.
+
+Owns the grid syntax (an optional top-level ``grid:`` mapping of dotted config keys to value lists,
+read and removed before schema validation), cell naming, skipping invalid combinations with a note,
+and running cells one after another with the same seeds. Training is ``moe_rl.trainer.train``;
+the report is ``moe_rl.report.write_report``.
+
+Default grid (seed 001, Zheng et al.: routing replay vs off-policiness N = minibatches per step)::
+
+    grid:
+      replay.routing: [none, r2, r3]
+      train.minibatches_per_step: [1, 2, 4]
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import re
+import sys
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from moe_rl.config import (
+    ConfigError,
+    ExperimentConfig,
+    TrainConfig,
+    apply_overrides,
+    load_yaml_tree,
+    save_config,
+    validate_tree,
+)
+from moe_rl.report import write_report
+
+DEFAULT_GRID: dict[str, list[Any]] = {
+    "replay.routing": ["none", "r2", "r3"],
+    "train.minibatches_per_step": [1, 2, 4],
+}
+
+
+class AblationError(RuntimeError):
+    """One or more grid cells failed to train; the report was still written."""
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One grid point: its dotted-key settings, run directory and config (None when skipped)."""
+
+    name: str
+    settings: dict[str, Any]
+    run_dir: Path
+    config: ExperimentConfig | None
+    skip_reason: str | None = None
+
+
+def _flatten(node: dict, prefix: str = "") -> dict[str, Any]:
+    """``{replay: {routing: [..]}, 'train.steps': [..]}`` -> ``{'replay.routing': [..], 'train.steps': [..]}``."""
+    flat: dict[str, Any] = {}
+    for key, value in node.items():
+        dotted = f"{prefix}{key}"
+        items = _flatten(value, dotted + ".").items() if isinstance(value, dict) else [(dotted, value)]
+        for k, v in items:
+            if k in flat:
+                raise ConfigError(f"grid key {k!r} is given twice (nested and dotted)")
+            flat[k] = v
+    return flat
+
+
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    """The section class of a field annotation (``FP8Config`` for ``FP8Config | None``), else None."""
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def _check_grid_key(key: str) -> None:
+    """``key`` must name a leaf field of ExperimentConfig, e.g. ``loss.type``."""
+    model: type[BaseModel] = ExperimentConfig
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        field = model.model_fields.get(part)
+        if field is None:
+            raise ConfigError(f"grid key {key!r}: {'.'.join(parts[: i + 1])!r} is not a config field")
+        section = _section_model(field.annotation)
+        if i < len(parts) - 1:
+            if section is None:
+                raise ConfigError(f"grid key {key!r}: {'.'.join(parts[: i + 1])!r} is not a section")
+            model = section
+        elif section is not None:
+            raise ConfigError(f"grid key {key!r} is a whole section; vary one of its fields instead")
+
+
+def parse_grid(raw: Any) -> dict[str, list[Any]]:
+    """Validate a ``grid:`` value (None -> ``DEFAULT_GRID``) into dotted key -> non-empty value list."""
+    if raw is None:
+        return copy.deepcopy(DEFAULT_GRID)
+    if not isinstance(raw, dict) or not raw:
+        raise ConfigError(f"grid must be a non-empty mapping of config keys to value lists, got {raw!r}")
+    grid = _flatten(raw)
+    for key, values in grid.items():
+        _check_grid_key(key)
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"grid.{key} must be a non-empty list of values, got {values!r}")
+        if len({repr(v) for v in values}) != len(values):
+            raise ConfigError(f"grid.{key} lists a value twice: {values!r}")
+    return grid
+
+
+def _set(tree: dict, dotted: str, value: Any) -> None:
+    node = tree
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = copy.deepcopy(value)
+
+
+def _value_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return re.sub(r"[^A-Za-z0-9.]+", "_", "null" if value is None else str(value)).strip("_") or "_"
+
+
+def cell_name(settings: dict[str, Any], grid_keys: list[str]) -> str:
+    """Directory-safe name: ``routing-r3__minibatches_per_step-2`` (full dotted key if leaf names clash)."""
+    leaves = [k.rsplit(".", 1)[-1] for k in grid_keys]
+    short = {k: (leaf if leaves.count(leaf) == 1 else k.replace(".", "_")) for k, leaf in zip(grid_keys, leaves)}
+    return "__".join(f"{short[k]}-{_value_text(settings[k])}" for k in grid_keys)
+
+
+def expand_grid(config_path: str | Path, overrides: list[str] | None = None,
+                out_dir: str | Path | None = None) -> tuple[list[Cell], Path]:  # fmt: skip
+    """All cells of the config's grid (overrides apply to the base and may set ``grid.*``) and the out dir.
+
+    Each cell's ``train.output_dir`` is ``<out_dir>/<cell name>`` (``checkpoint.dir`` likewise when
+    set); seeds are left as configured so every cell starts from the same seeds. A combination the
+    schema rejects becomes a cell with ``skip_reason`` set instead of an error.
+    """
+    tree = apply_overrides(load_yaml_tree(config_path), list(overrides or []))
+    grid = parse_grid(tree.pop("grid", None))
+    if out_dir is None:
+        base_out = tree.get("train", {}).get("output_dir", TrainConfig.model_fields["output_dir"].default)
+        out_dir = Path(base_out) / "ablation"
+    out_dir = Path(out_dir)
+    keys = list(grid)
+    cells = []
+    for combo in itertools.product(*(grid[k] for k in keys)):
+        settings = dict(zip(keys, combo))
+        name = cell_name(settings, keys)
+        run_dir = out_dir / name
+        cell_tree = copy.deepcopy(tree)
+        for key, value in settings.items():
+            _set(cell_tree, key, value)
+        _set(cell_tree, "train.output_dir", str(run_dir))
+        if cell_tree.get("checkpoint", {}).get("dir") is not None:
+            _set(cell_tree, "checkpoint.dir", str(run_dir / "checkpoints"))
+        try:
+            cells.append(Cell(name, settings, run_dir, validate_tree(cell_tree)))
+        except ConfigError as exc:
+            reason = str(exc).removeprefix("invalid experiment config:").strip().replace("\n", " ")
+            cells.append(Cell(name, settings, run_dir, None, reason))
+    if len({c.name for c in cells}) != len(cells):
+        raise ConfigError(f"grid values give two cells the same directory name: {[c.name for c in cells]}")
+    return cells, out_dir
+
+
+def run_ablation(config_path: str | Path, overrides: list[str] | None = None,
+                 out_dir: str | Path | None = None) -> Path:  # fmt: skip
+    """Train every valid cell in grid order, refresh the report after each, return ``report.md``.
+
+    Cells run in this process one after another (``moe_rl.trainer.train(cfg)``); a cell that raises is
+    recorded in the report and the grid goes on, then ``AblationError`` lists the failures.
+    """
+    cells, out_dir = expand_grid(config_path, overrides, out_dir)
+    from moe_rl.trainer import train  # heavy (torch, Megatron): only when actually running
+
+    notes = [f"skipped {c.name}: {c.skip_reason}" for c in cells if c.skip_reason]
+    runnable = [c for c in cells if c.config is not None]
+    settings = {c.name: c.settings for c in runnable}
+    done: dict[str, Path] = {}
+    failures: list[str] = []
+    if not runnable:
+        raise ConfigError("every grid cell is invalid:\n  " + "\n  ".join(notes))
+    report = out_dir / "report.md"
+    for i, cell in enumerate(runnable, 1):
+        print(f"[ablate] cell {i}/{len(runnable)}: {cell.name}", file=sys.stderr, flush=True)
+        save_config(cell.config, out_dir / "configs" / f"{cell.name}.yaml")
+        try:
+            done[cell.name] = Path(train(cell.config))
+        except Exception as exc:  # one broken cell must not cost the rest of the grid
+            failures.append(f"failed {cell.name}: {type(exc).__name__}: {exc}")
+            done[cell.name] = cell.run_dir  # whatever metrics it logged before failing
+        report = write_report(done, out_dir, settings, notes + failures)
+    if failures:
+        raise AblationError(f"{len(failures)} of {len(runnable)} cells failed (report: {report}):\n" + "\n".join(failures))
+    return report
