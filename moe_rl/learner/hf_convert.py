@@ -203,18 +203,22 @@ def load_hf_weights(model, hf_dir: str | Path, model_cfg) -> None:
         raise KeyError(f"{len(params - loaded)} model parameters not found in {hf_dir}, e.g. {sorted(params - loaded)[:3]}")
 
 
-def full_megatron_state_dict(model) -> dict[str, torch.Tensor]:
+def full_megatron_state_dict(model, grads: bool = False) -> dict[str, torch.Tensor]:
     """This model's parameters (and expert-bias buffers) with experts gathered over the ep group.
 
     Collective over the expert-parallel group: every ep rank must call it. Returns
-    CPU tensors named with global expert ids.
+    CPU tensors named with global expert ids. ``grads=True`` gathers each
+    parameter's ``main_grad`` (Megatron DDP) or ``grad`` instead.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     m = unwrap(model)
-    local = {n: p.detach() for n, p in m.named_parameters()}
-    local.update({n: b.detach() for n, b in m.named_buffers() if n.endswith("router.expert_bias")})
+    if grads:
+        local = {n: (p.main_grad if hasattr(p, "main_grad") else p.grad).detach() for n, p in m.named_parameters()}
+    else:
+        local = {n: p.detach() for n, p in m.named_parameters()}
+        local.update({n: b.detach() for n, b in m.named_buffers() if n.endswith("router.expert_bias")})
     start, num_local = _local_expert_range(model)
     ep = ps.get_expert_model_parallel_world_size()
     out: dict[str, torch.Tensor] = {}
