@@ -36,6 +36,13 @@ class KeptSets:
         flat = [int(x) for r in rows if r is not None for x in r]
         return cls(torch.tensor(flat, dtype=torch.int64, device=device), offsets.to(device))
 
+    @classmethod
+    def from_numpy(cls, ids, offsets, device=None) -> KeptSets:
+        """From a ``RolloutBatch``'s ``mask_ids[M]`` / ``mask_offsets[N+1]`` (or a slice re-based to 0)."""
+        offsets = torch.as_tensor(offsets, dtype=torch.int64)
+        ids = torch.as_tensor(ids)[int(offsets[0]) : int(offsets[-1])].to(torch.int64)
+        return cls(ids.to(device), (offsets - offsets[0]).to(device))
+
     @property
     def num_rows(self) -> int:
         return int(self.offsets.numel()) - 1
@@ -89,22 +96,27 @@ def keep_mask_logprobs(
     """
     _check(logits, targets, kept, temperature)
     N, V = logits.shape
-    # One fp32 upcast shared by every term, as in the full log-softmax.
-    z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
-    rows = torch.arange(N, device=logits.device)
-    z_target = z[rows, targets]
-    lse = torch.empty(N, dtype=z.dtype, device=z.device)
-    outside = torch.zeros(N, dtype=torch.bool, device=z.device)
-    if kept is None:
-        return KeepMaskResult(z_target - torch.logsumexp(z, dim=-1), outside)
+    # One fp32 (or wider) upcast shared by every term; only gathered entries (and untruncated
+    # rows) are scaled, so truncated rows never touch the full vocabulary.
+    dtype = torch.promote_types(logits.dtype, torch.float32)
 
-    lengths = kept.offsets.diff().to(z.device)
+    def z(x: torch.Tensor) -> torch.Tensor:
+        return x.to(dtype) / temperature
+
+    rows = torch.arange(N, device=logits.device)
+    z_target = z(logits[rows, targets])
+    outside = torch.zeros(N, dtype=torch.bool, device=logits.device)
+    if kept is None:
+        return KeepMaskResult(z_target - torch.logsumexp(z(logits), dim=-1), outside)
+
+    lse = torch.empty(N, dtype=dtype, device=logits.device)
+    lengths = kept.offsets.diff().to(logits.device)
     full = lengths == 0
     if bool(full.any()):
-        lse[full] = torch.logsumexp(z[full], dim=-1)
+        lse[full] = torch.logsumexp(z(logits[full]), dim=-1)
     trunc_rows = rows[~full]
     if trunc_rows.numel():
-        ids = kept.ids.to(device=z.device, dtype=torch.int64)
+        ids = kept.ids.to(device=logits.device, dtype=torch.int64)
         seg = torch.repeat_interleave(rows, lengths)
         # Keys row*V + id make set membership and de-duplication one sort each.
         keys = seg * V + ids
@@ -112,10 +124,10 @@ def keep_mask_logprobs(
         outside[trunc_rows] = ~torch.isin(target_keys, keys)
         keys = torch.unique(torch.cat([keys, target_keys]))
         seg, ids = keys // V, keys % V
-        vals = z[seg, ids]
+        vals = z(logits[seg, ids])
         # Stable segment logsumexp: subtract a per-row max (detached; it cancels in the gradient).
-        row_max = torch.full((N,), float("-inf"), dtype=z.dtype, device=z.device)
+        row_max = torch.full((N,), float("-inf"), dtype=dtype, device=logits.device)
         row_max = row_max.scatter_reduce(0, seg, vals.detach(), reduce="amax", include_self=True)
-        sums = torch.zeros(N, dtype=z.dtype, device=z.device).index_add(0, seg, torch.exp(vals - row_max[seg]))
+        sums = torch.zeros(N, dtype=dtype, device=logits.device).index_add(0, seg, torch.exp(vals - row_max[seg]))
         lse[trunc_rows] = (torch.log(sums) + row_max)[trunc_rows]
     return KeepMaskResult(z_target - lse, outside)

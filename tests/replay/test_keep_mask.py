@@ -132,3 +132,10 @@ def test_bad_input_names_the_field(kwargs, needle):
     with pytest.raises(ValueError) as err:
         keep_mask_logprobs(**kwargs)
     assert needle in str(err.value)
+
+
+def test_kept_sets_from_a_rollout_batch_slice():
+    ids = np.array([9, 1, 2, 3, 4, 5], dtype=np.int32)
+    offsets = np.array([0, 1, 3, 3, 6])  # token 2 untruncated
+    sets = KeptSets.from_numpy(ids, offsets[1:])  # the last three tokens
+    assert sets.ids.tolist() == [1, 2, 3, 4, 5] and sets.offsets.tolist() == [0, 2, 2, 5]
