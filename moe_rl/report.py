@@ -113,6 +113,18 @@ def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
 
 
+def _pivot(grid_keys: list[str], settings: Mapping[str, Mapping[str, Any]], finals: Mapping[str, float | None],
+           label: str) -> list[str]:  # fmt: skip
+    """Final ``label`` laid out as grid key 1 (rows) x grid key 2 (columns), e.g. routing x N (seed 001)."""
+    rk, ck = grid_keys
+    cells = [c for c in finals if c in settings]
+    rows = list(dict.fromkeys(str(settings[c][rk]) for c in cells))  # grid order
+    cols = list(dict.fromkeys(str(settings[c][ck]) for c in cells))
+    table = {(str(settings[c][rk]), str(settings[c][ck])): finals[c] for c in cells}
+    body = [[r, *(_fmt(table.get((r, col))) for col in cols)] for r in rows]
+    return [f"## Final {label}: {rk} x {ck}", "", *_md_table([f"{rk} \\ {ck}", *cols], body), ""]
+
+
 def write_report(
     cell_run_dirs: Mapping[str, str | Path],
     out_dir: str | Path,
@@ -167,6 +179,8 @@ def write_report(
         md += ["## Cells", ""]
         md += _md_table(["cell", *grid_keys], [[c, *(str(settings.get(c, {}).get(k, "")) for k in grid_keys)] for c in data])
         md.append("")
+    if len(grid_keys) == 2 and keys:
+        md += _pivot(grid_keys, settings, {c: summary[c][keys[0]][0] for c in data}, metrics[0][1])
     labels = [label for _, label in metrics]
     for title, idx in (("Final value (last step)", 0), ("Mean over steps", 1)):
         md += [f"## {title}", ""]

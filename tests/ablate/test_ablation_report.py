@@ -120,3 +120,22 @@ def test_torn_last_line_is_ignored_but_a_corrupt_middle_line_is_an_error(tmp_pat
     path.write_text('{"reward/mean": 0.5}\n')
     with pytest.raises(ValueError, match="expected an integer 'step'"):
         read_metrics(path, ["reward/mean"])
+
+
+def test_two_key_grid_gets_a_final_reward_pivot_with_gaps_for_missing_cells(tmp_path):
+    rng = np.random.default_rng(3)
+    dirs, settings, finals = {}, {}, {}
+    for routing, n in [("none", 1), ("none", 4), ("r3", 1)]:  # (r3, 4) skipped: no row data
+        name = f"routing-{routing}__minibatches_per_step-{n}"
+        records = _random_records(rng, 3, keys=["reward/mean"])
+        dirs[name] = _write_run(tmp_path / name, records)
+        settings[name] = {"replay.routing": routing, "train.minibatches_per_step": n}
+        finals[(routing, n)] = records[-1]["reward/mean"] + 0.0
+    text = write_report(dirs, tmp_path / "report", settings).read_text()
+    pivot = text.split("## Final reward: replay.routing x train.minibatches_per_step")[1].split("##")[0]
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in pivot.splitlines() if line.startswith("| ") and "\\" not in line}  # fmt: skip
+    assert rows == {
+        "none": [f"{finals[('none', 1)]:.4g}", f"{finals[('none', 4)]:.4g}"],
+        "r3": [f"{finals[('r3', 1)]:.4g}", "—"],
+    }
