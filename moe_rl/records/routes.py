@@ -29,18 +29,29 @@ def compact_routes(routes: np.ndarray, num_experts: int, field: str = "routes") 
     if routes.ndim != 3:
         raise RecordError(f"{field} must be [rows, moe_layers, top_k], got shape {tuple(routes.shape)}")
     if routes.size:
-        lo, hi = int(routes.min()), int(routes.max())
-        if lo < 0 or hi >= num_experts:
+        # one pass: negative ids wrap to huge unsigned values, so max() alone catches both ends
+        unsigned = routes.view(np.dtype(routes.dtype.str.replace("i", "u"))) if routes.dtype.kind == "i" else routes
+        if int(unsigned.max()) >= num_experts:
+            lo, hi = int(routes.min()), int(routes.max())
             raise RecordError(f"{field}: expert ids must be in [0, {num_experts}), got range [{lo}, {hi}]")
     return routes.astype(route_dtype(num_experts), copy=False)
 
 
 def check_distinct_experts(routes: np.ndarray, field: str = "routes") -> None:
     """Raise if any ``routes[row, layer, :]`` repeats an expert (they collapse in Megatron's routing map)."""
-    if routes.shape[-1] < 2 or routes.size == 0:
+    top_k = routes.shape[-1]
+    if top_k < 2 or routes.size == 0:
         return
-    ordered = np.sort(routes, axis=-1)
-    dup = (ordered[..., 1:] == ordered[..., :-1]).any(axis=-1)
+    if top_k <= 16:  # K(K-1)/2 vectorised slot comparisons beat a per-row sort for the top-k sizes used
+        slots = np.ascontiguousarray(routes.reshape(-1, top_k).T)  # [K, rows*L]: contiguous per slot
+        dup = np.zeros(slots.shape[1], dtype=bool)
+        for i in range(top_k - 1):
+            for j in range(i + 1, top_k):
+                dup |= slots[i] == slots[j]
+        dup = dup.reshape(routes.shape[:-1])
+    else:
+        ordered = np.sort(routes, axis=-1)
+        dup = (ordered[..., 1:] == ordered[..., :-1]).any(axis=-1)
     if dup.any():
         row, layer = (int(i) for i in np.argwhere(dup)[0])
         raise RecordError(

@@ -106,7 +106,13 @@ def decode_routes(meta_info: dict, prompt_len: int, response_len: int, spec: Rou
         )
     if not 0 <= start_len <= prompt_len:
         raise RecordError(f"routed_experts_start_len={start_len} must be in [0, prompt_len={prompt_len}]")
-    raw = _b64.b64decode(encoded) if isinstance(encoded, (str, bytes)) else np.asarray(encoded, "<i4").tobytes()
+    if isinstance(encoded, (str, bytes)):
+        try:  # validate=True takes pybase64's SIMD path and rejects non-alphabet characters
+            raw = _b64.b64decode(encoded, validate=True)
+        except ValueError as exc:
+            raise RecordError(f"routed_experts is not valid base64: {exc}") from None
+    else:  # some clients pass the int32 list through JSON
+        raw = np.asarray(encoded, "<i4").tobytes()
     num_rows = prompt_len + response_len - 1 - start_len
     routes = wire_to_routes(raw, num_rows, spec.num_hidden_layers, spec.top_k, list(spec.moe_layer_ids), spec.num_experts)
     check_distinct_experts(routes, field="routed_experts")

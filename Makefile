@@ -1,0 +1,17 @@
+# The two README commands: `make demo` (set up + run the tiny MoE RL job) and `make test`.
+VENV ?= $(or $(MOE_RL_VENV),$(CURDIR)/.venv)
+PY := $(VENV)/bin/python
+export MOE_RL_VENV := $(VENV)
+
+.PHONY: install demo test bench
+install:
+	bash scripts/install.sh
+
+demo: install
+	$(VENV)/bin/moe-rl train configs/tiny_cpu.yaml
+
+test: install
+	$(PY) -m pytest -q tests
+
+bench: install
+	for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
