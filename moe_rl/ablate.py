@@ -196,5 +196,6 @@ def run_ablation(config_path: str | Path, overrides: list[str] | None = None,
             done[cell.name] = cell.run_dir  # whatever metrics it logged before failing
         report = write_report(done, out_dir, settings, notes + failures)
     if failures:
-        raise AblationError(f"{len(failures)} of {len(runnable)} cells failed (report: {report}):\n" + "\n".join(failures))
+        summary = f"{len(failures)} of {len(runnable)} cells failed (report: {report}):\n"
+        raise AblationError(summary + "\n".join(failures))
     return report

@@ -177,7 +177,8 @@ def write_report(
     md = ["# Ablation report", "", f"{len(data)} cell(s); metrics from each cell's `{METRICS_FILE}`.", ""]
     if grid_keys:
         md += ["## Cells", ""]
-        md += _md_table(["cell", *grid_keys], [[c, *(str(settings.get(c, {}).get(k, "")) for k in grid_keys)] for c in data])
+        rows = [[c, *(str(settings.get(c, {}).get(k, "")) for k in grid_keys)] for c in data]
+        md += _md_table(["cell", *grid_keys], rows)
         md.append("")
     if len(grid_keys) == 2 and keys:
         md += _pivot(grid_keys, settings, {c: summary[c][keys[0]][0] for c in data}, metrics[0][1])

@@ -41,7 +41,7 @@ class SrunStep:
 
     @property
     def argv(self) -> list[str]:
-        """Full argv: ``[*env assignments via env(1)?, srun, *srun_args, *command]``."""
+        """Full argv: ``[env K=V ..., srun, *srun_args, *command]`` (``env`` only when the step sets variables)."""
         prefix = ["env", *(f"{k}={v}" for k, v in self.env)] if self.env else []
         return [*prefix, "srun", *self.srun_args, *self.command]
 
@@ -168,7 +168,9 @@ def _check_gpus_on_node(cfg: ExperimentConfig, env: Mapping[str, str]) -> None:
         )
 
 
-def _rollout_steps(cfg: ExperimentConfig, nodes: list[str], log_dir: str) -> tuple[list[SrunStep], list[str], list[str]]:
+def _rollout_steps(
+    cfg: ExperimentConfig, nodes: list[str], log_dir: str
+) -> tuple[list[SrunStep], list[str], list[str]]:
     """One SGLang server per rollout node, listening on all interfaces at ``launch.rollout_port``."""
     ln, notes = cfg.launch, []
     if cfg.checkpoint.init_from_hf is None:
@@ -188,7 +190,9 @@ def _rollout_steps(cfg: ExperimentConfig, nodes: list[str], log_dir: str) -> tup
                 f"each SGLang server uses {per_server} of {ln.gpus_per_node} GPUs per rollout node; add "
                 f"'--dp-size {ln.gpus_per_node // per_server}' to rollout.extra_server_args to use them all"
             )
-    spec = ServerSpec.from_rollout_config(cfg.rollout, cfg.checkpoint.init_from_hf, host="0.0.0.0", port=ln.rollout_port)
+    # 0.0.0.0: the learner nodes connect from outside; same flags as the local launcher otherwise.
+    spec = ServerSpec.from_rollout_config(cfg.rollout, cfg.checkpoint.init_from_hf, host="0.0.0.0",
+                                          port=ln.rollout_port)  # fmt: skip
     steps, urls = [], []
     for node in nodes:
         srun = ["--nodes=1", "--ntasks=1", f"--nodelist={node}"]
@@ -196,7 +200,8 @@ def _rollout_steps(cfg: ExperimentConfig, nodes: list[str], log_dir: str) -> tup
             srun.append(f"--gpus-per-node={ln.gpus_per_node}")
         srun += ["--kill-on-bad-exit=1", f"--output={log_dir}/rollout-{node}.log"]
         env = (("SGLANG_USE_CPU_ENGINE", "1"),) if cfg.rollout.device == "cpu" else ()
-        steps.append(SrunStep("rollout", (node,), tuple(srun), tuple(server_command(spec, ln.rollout_port, PYTHON)), env))
+        command = tuple(server_command(spec, ln.rollout_port, PYTHON))
+        steps.append(SrunStep("rollout", (node,), tuple(srun), command, env))
         urls.append(f"http://{node}:{ln.rollout_port}")
     return steps, urls, notes
 
@@ -228,7 +233,8 @@ def build_launch_plan(cfg: ExperimentConfig, env: Mapping[str, str]) -> LaunchPl
     """The plan for ``cfg`` inside the SLURM allocation described by ``env`` (``SLURM_*`` variables)."""
     ln = cfg.launch
     world = ln.learner_nodes * ln.gpus_per_node
-    dp, edp = check_learner_world(cfg, world, f"launch.learner_nodes*launch.gpus_per_node = {ln.learner_nodes}*{ln.gpus_per_node}")
+    where = f"launch.learner_nodes*launch.gpus_per_node = {ln.learner_nodes}*{ln.gpus_per_node}"
+    dp, edp = check_learner_world(cfg, world, where)
     if ln.rollout_nodes and cfg.rollout.addresses:
         raise LaunchError(
             f"rollout.addresses={cfg.rollout.addresses} points at running servers but launch.rollout_nodes="
