@@ -39,6 +39,7 @@ def sglang_meta(prompt_len, response_ids, moe_routes, *, drop_last_row=True, wit
     }
     if with_masks:
         meta["output_token_sampling_mask"] = [[int(tok), 5, 6] for tok in response_ids]
+        meta["output_token_sampling_logprobs"] = [-0.125 * (t + 1) for t in range(len(response_ids))]
     return meta
 
 
@@ -57,6 +58,7 @@ def test_decode_drops_dense_layer_and_has_no_row_for_last_token():
     np.testing.assert_array_equal(decoded.routes, moe[:6])
     np.testing.assert_array_equal(decoded.rollout_logp, np.float32([-0.25, -0.5, -0.75]))
     assert [m.tolist() for m in decoded.sampling_mask] == [[9, 5, 6], [10, 5, 6], [11, 5, 6]]
+    np.testing.assert_array_equal(decoded.sampling_logp, np.float32([-0.125, -0.25, -0.375]))
     assert (decoded.weight_version, decoded.finish_reason) == ("v3", "stop")
 
 
@@ -96,6 +98,8 @@ def test_start_len_shortens_the_expected_rows():
         (lambda m: m.pop("output_token_logprobs"), "return_logprob=true"),
         (lambda m: m["output_token_sampling_mask"].__setitem__(2, []), r"output_token_sampling_mask\[2\] must be a non-empty"),
         (lambda m: m["output_token_sampling_mask"].__setitem__(2, [99]), r"output_token_sampling_mask\[2\] has ids outside"),
+        (lambda m: m["output_token_sampling_logprobs"].__setitem__(1, None), r"output_token_sampling_logprobs\[1\] = None"),
+        (lambda m: m["output_token_sampling_logprobs"].pop(), "output_token_sampling_logprobs has 2 entries"),
     ],
 )
 def test_malformed_meta_info_gives_one_clear_error(mutate, message):
@@ -167,6 +171,7 @@ def make_sample(prompt_len, response_len, seed, with_routes=True):
         rollout_logp=-rng.random(response_len).astype(np.float32),
         routes=distinct_routes(prompt_len + response_len - 1, seed) if with_routes else None,
         sampling_mask=[np.unique(np.r_[tok, rng.integers(0, 64, seed % 4)]).astype(np.int32) for tok in response],
+        sampling_logp=-rng.random(response_len).astype(np.float32) / 2,
         reward=float(seed),
         group_id=seed // 2,
         weight_version=f"v{seed}",
@@ -185,6 +190,7 @@ def test_batch_save_load_round_trip(tmp_path):
         np.testing.assert_array_equal(back.rollout_logp, original.rollout_logp)
         np.testing.assert_array_equal(back.routes.astype(np.int64), original.routes)
         assert [m.tolist() for m in back.sampling_mask] == [m.tolist() for m in original.sampling_mask]
+        np.testing.assert_array_equal(back.sampling_logp, original.sampling_logp)
         assert (back.reward, back.group_id, back.weight_version) == (original.reward, original.group_id, original.weight_version)
     assert loaded.routes.dtype == np.uint8
     assert not list(tmp_path.glob(".*.tmp"))  # atomic write left no temp file

@@ -33,6 +33,7 @@ class RolloutSample:
     rollout_logp: np.ndarray  # float32 [R], behaviour log-probs over the full temperature-scaled vocab
     routes: np.ndarray | None = None  # compact [P + R - 1, L_moe, K]
     sampling_mask: list[np.ndarray] | None = None  # R x int32 kept token ids
+    sampling_logp: np.ndarray | None = None  # float32 [R], behaviour log-prob renormalised over the kept set
     reward: float = 0.0
     group_id: int = 0
     weight_version: str = ""
@@ -62,6 +63,7 @@ class RolloutBatch:
     num_experts: int | None = None
     mask_ids: np.ndarray | None = None  # int32 [M], kept ids of all response tokens back to back
     mask_offsets: np.ndarray | None = None  # int64 [sum R + 1]
+    sampling_logp: np.ndarray | None = None  # float32 [sum R]
     extra: dict = field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -78,7 +80,8 @@ class RolloutBatch:
             raise RecordError("cannot build a RolloutBatch from zero samples")
         has_routes = {s.routes is not None for s in samples}
         has_masks = {s.sampling_mask is not None for s in samples}
-        if len(has_routes) > 1 or len(has_masks) > 1:
+        has_kept_logp = {s.sampling_logp is not None for s in samples}
+        if len(has_routes) > 1 or len(has_masks) > 1 or len(has_kept_logp) > 1:
             raise RecordError("either every sample or none carries routes (and likewise sampling masks)")
         routes = None
         if samples[0].routes is not None:
@@ -104,6 +107,8 @@ class RolloutBatch:
             num_experts=num_experts if routes is not None else None,
             mask_ids=mask_ids,
             mask_offsets=mask_offsets,
+            sampling_logp=None if samples[0].sampling_logp is None
+            else np.concatenate([np.asarray(s.sampling_logp, np.float32) for s in samples]),
         )
 
     def sample(self, i: int) -> RolloutSample:
@@ -119,6 +124,7 @@ class RolloutBatch:
             rollout_logp=self.rollout_logp[r[i] : r[i + 1]],
             routes=None if self.routes is None else self.routes[q[i] : q[i + 1]],
             sampling_mask=masks,
+            sampling_logp=None if self.sampling_logp is None else self.sampling_logp[r[i] : r[i + 1]],
             reward=float(self.rewards[i]),
             group_id=int(self.group_ids[i]),
             weight_version=self.weight_versions[i],
@@ -145,11 +151,15 @@ class RolloutBatch:
             raise RecordError("every sample needs >= 1 prompt token and >= 1 response token")
         if len(self.prompt_ids) != self.prompt_lens.sum() or len(self.response_ids) != self.response_lens.sum():
             raise RecordError("prompt_ids/response_ids lengths disagree with prompt_lens/response_lens")
-        if self.rollout_logp.shape != self.response_ids.shape:
-            raise RecordError(f"rollout_logp has shape {self.rollout_logp.shape}; expected {self.response_ids.shape}")
-        bad = ~np.isfinite(self.rollout_logp)
-        if bad.any():
-            raise RecordError(f"rollout_logp has {int(bad.sum())} non-finite values (first at flat token {int(np.argmax(bad))})")
+        for name in ("rollout_logp", "sampling_logp"):
+            values = getattr(self, name)
+            if values is None:
+                continue
+            if values.shape != self.response_ids.shape:
+                raise RecordError(f"{name} has shape {values.shape}; expected {self.response_ids.shape}")
+            bad = ~np.isfinite(values)
+            if bad.any():
+                raise RecordError(f"{name} has {int(bad.sum())} non-finite values (first at flat token {int(np.argmax(bad))})")
         if not np.isfinite(self.rewards).all():
             raise RecordError("rewards must be finite")
         if self.mask_offsets is not None:
@@ -189,7 +199,7 @@ class RolloutBatch:
             "response_ids": self.response_ids, "response_lens": self.response_lens,
             "rollout_logp": self.rollout_logp, "rewards": self.rewards, "group_ids": self.group_ids,
         }  # fmt: skip
-        for name in ("routes", "mask_ids", "mask_offsets"):
+        for name in ("routes", "mask_ids", "mask_offsets", "sampling_logp"):
             if getattr(self, name) is not None:
                 tensors[name] = getattr(self, name)
         meta = {
@@ -230,6 +240,7 @@ class RolloutBatch:
             num_experts=meta["num_experts"],
             mask_ids=arrays.get("mask_ids"),
             mask_offsets=arrays.get("mask_offsets"),
+            sampling_logp=arrays.get("sampling_logp"),
             extra=meta.get("extra", {}),
         )
         if batch.routes is not None and batch.routes.dtype != route_dtype(batch.num_experts):

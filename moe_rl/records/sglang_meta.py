@@ -4,7 +4,8 @@ Owns the wire contract (field-facts.md, "SGLang <-> trainer wire format"):
 ``routed_experts`` is base64 int32 ``[seqlen - 1 - start_len, num_hidden_layers, top_k]``
 with no row for the last generated token (it is never forwarded) and dense layers
 as zeros; ``output_token_logprobs`` rows are ``(logprob, token_id, text)``;
-``output_token_sampling_mask`` lists, per output token, the kept token ids.
+``output_token_sampling_mask`` lists, per output token, the kept token ids, and
+``output_token_sampling_logprobs`` the sampled token's log-prob renormalised over them.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class DecodedMeta:
     rollout_logp: np.ndarray  # float32 [R]
     routes: np.ndarray | None  # compact [P + R - 1 - start_len, L_moe, K]
     sampling_mask: list[np.ndarray] | None  # R x int32 kept ids
+    sampling_logp: np.ndarray | None  # float32 [R], log-prob renormalised over the kept set
     weight_version: str
     finish_reason: str
 
@@ -96,6 +98,29 @@ def decode_sampling_mask(meta_info: dict, response_len: int, vocab_size: int | N
     return out
 
 
+def decode_sampling_logprobs(meta_info: dict, response_len: int) -> np.ndarray | None:
+    """``output_token_sampling_logprobs`` ("selected" mode: one float per token) -> float32 ``[R]``.
+
+    This is the engine's true behaviour log-prob under top-k/top-p truncation (renormalised over
+    the kept set), the mu that Keep Sampling Mask compares against.
+    """
+    values = meta_info.get("output_token_sampling_logprobs")
+    if values is None:
+        return None
+    if len(values) != response_len:
+        raise RecordError(
+            f"output_token_sampling_logprobs has {len(values)} entries; expected one per response token ({response_len})"
+        )
+    if any(isinstance(v, (list, tuple)) for v in values):
+        raise RecordError("output_token_sampling_logprobs must be one float per token (sampling_logprobs_mode='selected')")
+    out = np.asarray([np.nan if v is None else v for v in values], dtype=np.float32)
+    bad = ~np.isfinite(out) | (out > 1e-4)
+    if bad.any():
+        t = int(np.argmax(bad))
+        raise RecordError(f"output_token_sampling_logprobs[{t}] = {values[t]!r}; expected a finite log-prob <= 0")
+    return out
+
+
 def decode_routes(meta_info: dict, prompt_len: int, response_len: int, spec: RouteSpec, start_len: int = 0) -> np.ndarray:
     """``routed_experts`` -> compact ``[P + R - 1 - start_len, L_moe, K]`` (dense layers dropped)."""
     encoded = meta_info.get("routed_experts")
@@ -136,6 +161,7 @@ def decode_sglang_meta(
         rollout_logp=decode_logprobs(meta_info, response_ids),
         routes=routes,
         sampling_mask=decode_sampling_mask(meta_info, len(response_ids), vocab_size),
+        sampling_logp=decode_sampling_logprobs(meta_info, len(response_ids)),
         weight_version=str(meta_info.get("weight_version", "")),
         finish_reason=finish_type,
     )
