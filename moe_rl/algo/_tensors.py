@@ -18,7 +18,7 @@ def check_logp(name: str, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Validate ``x[B, T]`` against ``mask[B, T]`` and return it in a compute dtype.
 
     Only positions inside the mask must be finite: padding may hold anything
-    (zeros, -inf) and is replaced by 0 so it can never leak into a reduction.
+    (zeros, -inf, NaN); non-finite padding is replaced by 0 so it can never leak.
     Half precision is upcast to float32 because ratios of bf16 log-probs lose
     the very differences the corrections measure.
     """
@@ -30,8 +30,12 @@ def check_logp(name: str, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"{name}: expected a floating tensor of log-probs, got dtype {x.dtype}")
     if x.dtype in (torch.float16, torch.bfloat16):
         x = x.float()
-    if not bool(torch.isfinite(x).logical_or(~mask).all()):
-        bad = (~torch.isfinite(x)) & mask
+    # Fast path, one pass: any NaN/inf anywhere makes the sum non-finite. Finite padding is
+    # left as is — every reduction in moe_rl.algo selects with the mask, never multiplies.
+    if bool(torch.isfinite(x.detach().sum())):
+        return x
+    bad = ~torch.isfinite(x) & mask
+    if bool(bad.any()):
         idx = tuple(bad.nonzero()[0].tolist())
         raise ValueError(f"{name}: expected finite values at every masked-in position, got {x[idx].item()} at {idx}")
     return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
@@ -103,6 +107,17 @@ def masked_max(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> t
     """Max of ``x[B, T]`` over ``mask[B, T]``; an empty row gives -inf."""
     x = torch.where(mask, x, torch.full((), float("-inf"), dtype=x.dtype, device=x.device))
     return x.max() if dim is None else x.max(dim).values
+
+
+def masked_min(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Min of ``x[B, T]`` over ``mask[B, T]``; an empty row gives +inf."""
+    x = torch.where(mask, x, torch.full((), float("inf"), dtype=x.dtype, device=x.device))
+    return x.min() if dim is None else x.min(dim).values
+
+
+def masked_logsumexp(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """log Σ exp(x) over ``mask`` (same shape as ``x``), overflow-free."""
+    return torch.logsumexp(torch.where(mask, x, torch.full((), float("-inf"), dtype=x.dtype, device=x.device)).reshape(-1), 0)
 
 
 def seq_valid(mask: torch.Tensor) -> torch.Tensor:

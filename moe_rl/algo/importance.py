@@ -20,7 +20,9 @@ from moe_rl.algo._tensors import (
     check_nonneg,
     check_positive,
     log_ratio,
+    masked_max,
     masked_mean,
+    masked_min,
     masked_sum,
     metric,
     seq_valid,
@@ -29,22 +31,23 @@ from moe_rl.algo._tensors import (
 Metrics = dict[str, torch.Tensor]
 
 
-def weight_stats(prefix: str, w: torch.Tensor) -> Metrics:
-    """Health statistics of a flat weight vector ``w[N]`` (N ≥ 1).
+def weight_stats(prefix: str, w: torch.Tensor, valid: torch.Tensor) -> Metrics:
+    """Health statistics of the weights ``w`` at the True positions of ``valid`` (same shape).
 
     ``ess`` is the normalised effective sample size (Σw)² / (N·Σw²) ∈ (0, 1]
     (seed 000, "IS weight health and rejection sampling metrics"); it is 1 when
     all weights are equal and → 1/N when one weight dominates.
     """
-    w = w.detach().double()  # sums of squares over ~1M weights: float64 keeps ESS exact
-    n = w.numel()
-    sq = (w * w).sum()
-    ess = (w.sum() ** 2) / (n * sq) if bool(sq > 0) else torch.zeros((), dtype=w.dtype)
+    w = w.detach()
+    n = valid.sum().clamp_min(1).to(w.dtype)
+    mean = masked_sum(w, valid) / n
+    sq = masked_sum(w * w, valid) / n
+    ess = torch.where(sq > 0, mean * mean / sq, torch.zeros((), dtype=w.dtype))
     return {
-        f"{prefix}/weight_mean": metric(w.mean()),
-        f"{prefix}/weight_std": metric(w.std(correction=0)),
-        f"{prefix}/weight_min": metric(w.min()),
-        f"{prefix}/weight_max": metric(w.max()),
+        f"{prefix}/weight_mean": metric(mean),
+        f"{prefix}/weight_std": metric((sq - mean * mean).clamp_min(0).sqrt()),
+        f"{prefix}/weight_min": metric(masked_min(w, valid)),
+        f"{prefix}/weight_max": metric(masked_max(w, valid)),
         f"{prefix}/ess": metric(ess),
     }
 
@@ -77,16 +80,22 @@ def icepop_weights(
     high = check_positive("icepop high", high)
     if not high > low:
         raise ValueError(f"icepop band: expected low < high, got low={low}, high={high}")
+    return _icepop_weights(old_logp, rollout_logp, mask, low, high, weighted)
+
+
+@torch.no_grad()
+def _icepop_weights(old_logp, rollout_logp, mask, low, high, weighted):
     k = torch.exp(log_ratio(old_logp, rollout_logp))
     below = (k < low) & mask
     above = (k > high) & mask
     keep = mask & ~below & ~above
-    w = torch.where(keep, k if weighted else torch.ones_like(k), torch.zeros_like(k))
+    w = torch.where(keep, k if weighted else torch.ones((), dtype=k.dtype), torch.zeros((), dtype=k.dtype))
     n = mask.sum()
+    n_below, n_above = below.sum(), above.sum()
     return w, {
-        "icepop/masked_frac": metric((below.sum() + above.sum()) / n),
-        "icepop/masked_frac_low": metric(below.sum() / n),
-        "icepop/masked_frac_high": metric(above.sum() / n),
+        "icepop/masked_frac": metric((n_below + n_above) / n),
+        "icepop/masked_frac_low": metric(n_below / n),
+        "icepop/masked_frac_high": metric(n_above / n),
     }
 
 
@@ -117,28 +126,32 @@ def truncated_is_weights(
     old_logp = check_logp("old_logp", old_logp, mask)
     rollout_logp = check_logp("rollout_logp", rollout_logp, mask)
     threshold = check_positive("is threshold", threshold)
+    if level not in ("token", "sequence"):
+        raise ValueError(f"is level: expected 'token' or 'sequence', got {level!r}")
+    return _truncated_is_weights(old_logp, rollout_logp, mask, level, threshold, batch_normalize)
+
+
+@torch.no_grad()
+def _truncated_is_weights(old_logp, rollout_logp, mask, level, threshold, batch_normalize):
     zero = torch.zeros((), dtype=old_logp.dtype, device=old_logp.device)
     if level == "token":
         log_rho = log_ratio(old_logp, rollout_logp)
-        truncated = (log_rho > math.log(threshold)) & mask
         w = torch.where(mask, torch.exp(log_rho).clamp(max=threshold), zero)
+        trunc_frac = ((log_rho > math.log(threshold)) & mask).sum() / mask.sum()
         norm = masked_mean(w, mask) if batch_normalize else torch.ones((), dtype=w.dtype)
         w = w / norm
-        flat, trunc_frac = w[mask], truncated.sum() / mask.sum()
-    elif level == "sequence":
+        stats = weight_stats("is", w, mask)
+    else:
         # Sum the unclamped token log-ratios, then bound the *sequence* log-ratio: the
         # product of ratios is the quantity that overflows (seed 000, "The length trap").
         valid = seq_valid(mask)
         log_rho_seq = masked_sum(old_logp - rollout_logp, mask, dim=1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-        truncated = (log_rho_seq > math.log(threshold)) & valid
+        trunc_frac = ((log_rho_seq > math.log(threshold)) & valid).sum() / valid.sum()
         w_seq = torch.exp(log_rho_seq).clamp(max=threshold)
-        norm = w_seq[valid].mean() if batch_normalize else torch.ones((), dtype=w_seq.dtype)
+        norm = masked_mean(w_seq, valid) if batch_normalize else torch.ones((), dtype=w_seq.dtype)
         w_seq = w_seq / norm
         w = torch.where(mask, w_seq[:, None], zero)
-        flat, trunc_frac = w_seq[valid], truncated.sum() / valid.sum()
-    else:
-        raise ValueError(f"is level: expected 'token' or 'sequence', got {level!r}")
-    metrics = weight_stats("is", flat)
-    metrics["is/truncated_frac"] = metric(trunc_frac)
-    metrics["is/batch_norm_factor"] = metric(norm)
-    return w, metrics
+        stats = weight_stats("is", w_seq, valid)
+    stats["is/truncated_frac"] = metric(trunc_frac)
+    stats["is/batch_norm_factor"] = metric(norm)
+    return w, stats

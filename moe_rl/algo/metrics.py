@@ -7,14 +7,15 @@ changes a gradient or a mask.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from moe_rl.algo._tensors import (
     LOG_RATIO_BOUND,
     check_logp,
     check_mask,
+    masked_logsumexp,
+    masked_max,
+    masked_mean,
     masked_sum,
     metric,
     seq_valid,
@@ -23,15 +24,15 @@ from moe_rl.algo._tensors import (
 Metrics = dict[str, torch.Tensor]
 
 
-def _self_normalised_chi2(log_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(χ², ESS) of weights exp(log_w[N]), computed in log space so nothing overflows.
+def _self_normalised_chi2(log_w: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(χ², ESS) of the weights exp(log_w) at ``valid`` positions, in log space (no overflow).
 
     χ² = mean(w²)/mean(w)² − 1 and ESS = 1/(1 + χ²) = (Σw)²/(N·Σw²).
     Normalising by mean(w)² (instead of assuming the sample mean of ρ is exactly 1)
     makes χ² ≥ 0 by Cauchy–Schwarz and bounds it by N − 1, for any sample.
     """
-    n = log_w.numel()
-    log_excess = torch.logsumexp(2 * log_w, 0) + math.log(n) - 2 * torch.logsumexp(log_w, 0)
+    n = valid.sum().clamp_min(1).to(log_w.dtype)
+    log_excess = masked_logsumexp(2 * log_w, valid) + torch.log(n) - 2 * masked_logsumexp(log_w, valid)
     log_excess = log_excess.clamp_min(0)  # ≥ 0 exactly by Cauchy–Schwarz; clamp removes rounding only
     return torch.expm1(log_excess), torch.exp(-log_excess)
 
@@ -56,41 +57,47 @@ def offpolicy_metrics(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: 
     - ``tv`` = ½ mean|ρ − 1| (total-variation proxy); ``log_ratio_abs_max``.
     """
     mask = check_mask(mask)
-    old = check_logp("old_logp", old_logp, mask).double()  # 1M-token sums: float64
-    roll = check_logp("rollout_logp", rollout_logp, mask).double()
-    lr_full = old - roll
-    lr = lr_full[mask]
+    old = check_logp("old_logp", old_logp, mask)
+    roll = check_logp("rollout_logp", rollout_logp, mask)
+    return _offpolicy_metrics(old.detach(), roll.detach(), mask)
+
+
+def _offpolicy_metrics(old: torch.Tensor, roll: torch.Tensor, mask: torch.Tensor) -> Metrics:
+    # float32 is enough: torch sums pairwise, so a mean over 1M tokens keeps ~1e-7 relative error
+    lr = old - roll
     lr_c = lr.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     rho = torch.exp(lr_c)
     valid = seq_valid(mask)
-    lr_seq = masked_sum(lr_full, mask, dim=1)[valid]
+    lr_seq = masked_sum(lr, mask, dim=1)
     lr_seq_c = lr_seq.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    chi2_tok, ess_tok = _self_normalised_chi2(lr)
-    chi2_seq, ess_seq = _self_normalised_chi2(lr_seq)
-    mean_old, mean_roll = old[mask].mean(), roll[mask].mean()
-    p_old, p_roll = torch.exp(old[mask]), torch.exp(roll[mask])
+    chi2_tok, ess_tok = _self_normalised_chi2(lr, mask)
+    chi2_seq, ess_seq = _self_normalised_chi2(lr_seq, valid)
+    mean_old, mean_roll = masked_mean(old, mask), masked_mean(roll, mask)
+    p_old, p_roll = torch.exp(old), torch.exp(roll)
     diff = (p_old - p_roll).abs()
-    a, b = p_old - p_old.mean(), p_roll - p_roll.mean()
+    a = torch.where(mask, p_old - masked_mean(p_old, mask), torch.zeros((), dtype=old.dtype))
+    b = torch.where(mask, p_roll - masked_mean(p_roll, mask), torch.zeros((), dtype=old.dtype))
     denom = torch.sqrt((a * a).sum() * (b * b).sum())
+    diff_max = masked_max(diff, mask)
     if bool(denom > 0):
         pearson = (a * b).sum() / denom
     else:  # a constant vector has no correlation; report agreement instead of NaN
-        pearson = torch.tensor(1.0 if bool(diff.max() == 0) else 0.0, dtype=torch.float64)
+        pearson = torch.tensor(1.0 if bool(diff_max == 0) else 0.0)
     return {
-        "offpolicy/kl_k1": metric(-lr.mean()),
-        "offpolicy/kl_k3": metric((torch.expm1(lr_c) - lr_c).mean()),
+        "offpolicy/kl_k1": metric(-masked_mean(lr, mask)),
+        "offpolicy/kl_k3": metric(masked_mean(torch.expm1(lr_c) - lr_c, mask)),
         "offpolicy/chi2_token": metric(chi2_tok),
         "offpolicy/chi2_seq": metric(chi2_seq),
-        "offpolicy/chi2_token_raw": metric(torch.exp(2 * lr_c).mean() - 1),
-        "offpolicy/chi2_seq_raw": metric(torch.exp(2 * lr_seq_c).mean() - 1),
+        "offpolicy/chi2_token_raw": metric(masked_mean(rho * rho, mask) - 1),
+        "offpolicy/chi2_seq_raw": metric(masked_mean(torch.exp(2 * lr_seq_c), valid) - 1),
         "offpolicy/ess": metric(ess_tok),
         "offpolicy/ess_seq": metric(ess_seq),
         "offpolicy/ppl_old": metric(torch.exp(-mean_old)),
         "offpolicy/ppl_rollout": metric(torch.exp(-mean_roll)),
         "offpolicy/ppl_ratio": metric(torch.exp(mean_roll - mean_old)),
         "offpolicy/prob_pearson": metric(pearson),
-        "offpolicy/prob_abs_diff_mean": metric(diff.mean()),
-        "offpolicy/prob_abs_diff_max": metric(diff.max()),
-        "offpolicy/tv": metric(0.5 * (rho - 1).abs().mean()),
-        "offpolicy/log_ratio_abs_max": metric(lr.abs().max()),
+        "offpolicy/prob_abs_diff_mean": metric(masked_mean(diff, mask)),
+        "offpolicy/prob_abs_diff_max": metric(diff_max),
+        "offpolicy/tv": metric(0.5 * masked_mean((rho - 1).abs(), mask)),
+        "offpolicy/log_ratio_abs_max": metric(masked_max(lr.abs(), mask)),
     }

@@ -29,7 +29,7 @@ from moe_rl.algo.aggregation import AGGREGATIONS, aggregate
 from moe_rl.algo.importance import icepop_weights, truncated_is_weights
 from moe_rl.algo.kl import kl_penalty
 from moe_rl.algo.losses import cispo_loss, gspo_loss, ppo_clip_loss, reinforce_loss
-from moe_rl.algo.metrics import offpolicy_metrics
+from moe_rl.algo.metrics import _offpolicy_metrics
 from moe_rl.algo.rejection import opsm_mask, rejection_mask, token_veto
 
 LOSS_TYPES = ("ppo_clip", "gspo", "gspo_token", "cispo", "reinforce")
@@ -154,7 +154,7 @@ def compute_policy_loss(
     adv = check_seq_or_token("advantages", advantages.detach(), mask)
     anchor, source = _anchor_and_source(correction_cfg.mode, logp, old_logp, rollout, mask)
 
-    metrics = offpolicy_metrics(source, rollout, mask)
+    metrics = _offpolicy_metrics(source, rollout, mask)
     keep, metrics = _rejection(correction_cfg, source, rollout, mask, logp_c, adv, metrics)
     weights, metrics = _is_weights(correction_cfg, loss_type, source, rollout, mask, keep, metrics)
     metrics["correction/kept_token_frac"] = metric(keep.sum() / mask.sum())

@@ -101,6 +101,11 @@ def rejection_mask(
     old_logp = check_logp("old_logp", old_logp, mask)
     rollout_logp = check_logp("rollout_logp", rollout_logp, mask)
     lower, upper = _rs_bounds(mode, lower, upper)
+    return _rejection_mask(old_logp, rollout_logp, mask, mode, lower, upper)
+
+
+@torch.no_grad()
+def _rejection_mask(old_logp, rollout_logp, mask, mode, lower, upper):
     agg, estimator = mode.rsplit("_", 1)
     d = token_divergence(old_logp - rollout_logp, estimator)
     valid = seq_valid(mask)
@@ -119,13 +124,14 @@ def rejection_mask(
         reject = stat > upper
     reject = reject & stat_mask
     keep = mask & ~reject if agg == "token" else mask & ~reject[:, None]
-    removed = mask & ~keep
-    flat = stat[stat_mask]
+    n_tok = mask.sum()
+    n_removed = n_tok - keep.sum()
+    seq_removed = (keep.sum(dim=1) < mask.sum(dim=1)).sum()
     return keep, {
-        "rs/masked_frac": metric(removed.sum() / mask.sum()),
-        "rs/seq_masked_frac": metric(removed.any(dim=1).sum() / valid.sum()),
-        "rs/stat_mean": metric(flat.mean()),
-        "rs/stat_max": metric(flat.max()),
+        "rs/masked_frac": metric(n_removed / n_tok),
+        "rs/seq_masked_frac": metric(seq_removed / valid.sum()),
+        "rs/stat_mean": metric(masked_mean(stat, stat_mask)),
+        "rs/stat_max": metric(masked_max(stat, stat_mask)),
     }
 
 
@@ -147,6 +153,11 @@ def token_veto(
     old_logp = check_logp("old_logp", old_logp, mask)
     rollout_logp = check_logp("rollout_logp", rollout_logp, mask)
     threshold = check_positive("token_veto_threshold", threshold)
+    return _token_veto(old_logp, rollout_logp, mask, threshold)
+
+
+@torch.no_grad()
+def _token_veto(old_logp, rollout_logp, mask, threshold):
     catastrophic = ((old_logp - rollout_logp) < math.log(threshold)) & mask
     vetoed = catastrophic.any(dim=1)
     keep = mask & ~vetoed[:, None]
@@ -182,13 +193,19 @@ def opsm_mask(
     delta = float(delta)
     if not math.isfinite(delta):
         raise ValueError(f"opsm_delta: expected a finite threshold, got {delta}")
+    return _opsm_mask(logp, rollout_logp, mask, adv, delta)
+
+
+@torch.no_grad()
+def _opsm_mask(logp, rollout_logp, mask, adv, delta):
     valid = seq_valid(mask)
     kl_seq = masked_mean(rollout_logp - logp, mask, dim=1)
     adv_seq = masked_mean(adv, mask, dim=1)
     drop = (adv_seq < 0) & (kl_seq > delta) & valid
     keep = mask & ~drop[:, None]
+    n_seq = valid.sum()
     return keep, {
-        "opsm/seq_masked_frac": metric(drop.sum() / valid.sum()),
-        "opsm/token_masked_frac": metric((mask & ~keep).sum() / mask.sum()),
-        "opsm/kl_mean": metric(kl_seq[valid].mean()),
+        "opsm/seq_masked_frac": metric(drop.sum() / n_seq),
+        "opsm/token_masked_frac": metric((mask.sum(dim=1) * drop).sum() / mask.sum()),
+        "opsm/kl_mean": metric(masked_mean(kl_seq, valid)),
     }

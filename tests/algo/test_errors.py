@@ -105,3 +105,34 @@ def test_loss_hyperparameters_are_checked():
         icepop_weights(LP, LP, MASK, low=2.0, high=1.0)
     with pytest.raises(ValueError, match="is level"):
         truncated_is_weights(LP, LP, MASK, level="geometric")
+
+
+@pytest.mark.parametrize("fill", [1e30, -1e30, 0.0])
+def test_finite_garbage_in_padding_changes_nothing(fill):
+    """Finite padding is not copied away (fast path); every reduction must still ignore it."""
+    from moe_rl.algo import cispo_loss, kl_penalty, reinforce_loss  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    base = [-torch.rand(2, 4, dtype=torch.float64) for _ in range(3)]
+    adv = torch.randn(2, 4, dtype=torch.float64)
+
+    def run(pad):
+        logp0, old, roll = (torch.where(mask, x, torch.full_like(x, pad)) for x in base)
+        a = torch.where(mask, adv, torch.full_like(adv, pad))
+        logp = logp0.clone().requires_grad_(True)
+        losses = [
+            ppo_clip_loss(logp, old, a, mask, dual_clip_c=3.0)[0],
+            gspo_loss(logp, old, a, mask)[0],
+            gspo_loss(logp, old, a[:, 0], mask, token_level=True)[0],
+            cispo_loss(logp, old, a, mask)[0],
+            reinforce_loss(logp, a, mask)[0],
+            (kl_penalty(logp, roll, "k2") * mask).sum(),
+        ]
+        grads = [torch.autograd.grad(x, logp)[0] for x in losses]
+        m = offpolicy_metrics(old, roll, mask)
+        return torch.stack(losses), torch.stack(grads), torch.stack(list(m.values()))
+
+    clean, dirty = run(0.0), run(fill)
+    for c, d in zip(clean, dirty):
+        torch.testing.assert_close(d, c)
