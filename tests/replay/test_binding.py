@@ -195,3 +195,20 @@ def test_mtp_router_gets_no_routes_and_routes_naturally(build_mtp):
     logits = seen["h"].reshape(-1, seen["h"].shape[-1]).float() @ mtp_router.weight.float().T
     natural = torch.zeros_like(seen["map"]).scatter(1, logits.topk(K, dim=-1).indices, True)
     assert torch.equal(seen["map"], natural)
+
+
+def test_binding_a_bound_model_twice_raises_until_closed(build):
+    model = build()
+    first = RoutingReplay(model)
+    with pytest.raises(RuntimeError, match="already bound"):
+        RoutingReplay(model)
+    first.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        with first.record():
+            pass
+    second = RoutingReplay(model)
+    routes = random_routes(1, 4, 3, K, E, seed=0)
+    probe = RoutingMapProbe(model)
+    with second.replay([routes]), torch.no_grad():
+        forward(model, _ids(1, 4, 0))
+    assert torch.equal(probe.maps[0][0], expected_map(routes, 0, E))
