@@ -18,7 +18,7 @@ from moe_rl.learner.logprobs import response_logprobs
 from moe_rl.learner.model import build_model, unwrap
 from moe_rl.learner.optimizer import build_optimizer, grad_norm_and_clip, lr_at, set_lr, wrap_ddp
 
-__all__ = ["Microbatch", "LossFn", "StepStats", "Learner"]
+__all__ = ["Microbatch", "LossFn", "LogprobFn", "StepStats", "Learner"]
 
 Microbatch = dict
 """Keys: ``input_ids[B, T]`` (long), ``targets[B, T]`` (long, -1 = padding), optional
@@ -27,6 +27,10 @@ Microbatch = dict
 
 LossFn = Callable[[torch.Tensor, torch.Tensor | None, Microbatch], tuple[torch.Tensor, dict]]
 """``loss_fn(logp[B, T], entropy[B, T] | None, microbatch) -> (loss[], metrics)``."""
+
+LogprobFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+"""``logprob_fn(model, microbatch, temperature) -> (logp[B, T], entropy[B, T] | None)``;
+replaces the full-softmax ``response_logprobs`` (e.g. Keep Sampling Mask renormalisation)."""
 
 
 @dataclass
@@ -81,7 +85,7 @@ class Learner:
         MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(cp / num_microbatches, device=device))
 
     def train_step(self, microbatches: Sequence[Microbatch], loss_fn: LossFn,
-                   temperature: float = 1.0) -> StepStats:
+                   temperature: float = 1.0, logprob_fn: LogprobFn | None = None) -> StepStats:
         """Accumulate gradients over ``microbatches``, clip, and take one optimizer step.
 
         Each microbatch contributes ``loss / len(microbatches)``; give ``loss_fn``
@@ -97,10 +101,13 @@ class Learner:
         self._set_aux_loss_scale(n)
         losses, metrics = [], []
         for mb in microbatches:
-            logp, entropy = response_logprobs(
-                self.model, mb["input_ids"], mb["targets"], segment_ids=mb.get("segment_ids"),
-                temperature=temperature,
-            )
+            if logprob_fn is not None:
+                logp, entropy = logprob_fn(self.model, mb, temperature)
+            else:
+                logp, entropy = response_logprobs(
+                    self.model, mb["input_ids"], mb["targets"], segment_ids=mb.get("segment_ids"),
+                    temperature=temperature,
+                )
             loss, m = loss_fn(logp, entropy, mb)
             if loss.dim() != 0:
                 raise ValueError(f"loss_fn must return a scalar loss; got shape {tuple(loss.shape)}")
