@@ -235,6 +235,7 @@ class RolloutClient:
             rollout_logp=decoded.rollout_logp,
             routes=decoded.routes,
             sampling_mask=decoded.sampling_mask,
+            sampling_logp=decoded.sampling_logp,
             group_id=group_id,
             weight_version=decoded.weight_version,
             finish_reason=decoded.finish_reason,
