@@ -54,7 +54,7 @@ def check_mask(mask: torch.Tensor, *, allow_empty: bool = False) -> torch.Tensor
             raise ValueError("mask: a float mask must hold only 0.0 and 1.0")
         mask = mask.bool()
     if not allow_empty and not bool(mask.any()):
-        raise ValueError(f"mask: expected at least one valid (True) token, got an all-False mask of shape {tuple(mask.shape)}")
+        raise ValueError(f"mask: expected at least one valid (True) token, got all False, shape {tuple(mask.shape)}")
     return mask
 
 
@@ -117,7 +117,8 @@ def masked_min(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> t
 
 def masked_logsumexp(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """log Σ exp(x) over ``mask`` (same shape as ``x``), overflow-free."""
-    return torch.logsumexp(torch.where(mask, x, torch.full((), float("-inf"), dtype=x.dtype, device=x.device)).reshape(-1), 0)
+    neg_inf = torch.full((), float("-inf"), dtype=x.dtype, device=x.device)
+    return torch.logsumexp(torch.where(mask, x, neg_inf).reshape(-1), 0)
 
 
 def seq_valid(mask: torch.Tensor) -> torch.Tensor:

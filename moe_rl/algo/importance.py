@@ -115,7 +115,7 @@ def truncated_is_weights(
     ``level="sequence"``: w_i = min(Π_t ρ_t, C), broadcast to every valid token of sequence i.
     ``batch_normalize``: divide by the batch mean of the truncated weights, over valid
     tokens (token level) or over sequences with ≥1 valid token (sequence level), so the
-    batch mean is exactly 1 (seed 003, "Batch Normalization"; seed 000, "Importance
+    batch mean is exactly 1 (seed 003, §3.6 batch normalisation; seed 000, "Importance
     sampling correction"). Truncation happens first, so a normalised weight can exceed C.
 
     Returns detached weights (0 on padding) and ``is/*`` metrics: weight stats, ESS,

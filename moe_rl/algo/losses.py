@@ -94,7 +94,7 @@ def ppo_clip_loss(
     if dual_clip_c is not None:
         c = float(dual_clip_c)
         if not c > 1.0:
-            raise ValueError(f"dual_clip_c: expected > 1 (a floor at c·|A| for negative advantages), got {dual_clip_c}")
+            raise ValueError(f"dual_clip_c: expected > 1 (a floor at c·|A| for A < 0), got {dual_clip_c}")
         floor = -adv * c
         dual_active = (adv < 0) & (per_token > floor)
         per_token = torch.where(dual_active, floor, per_token)
@@ -187,6 +187,7 @@ def cispo_loss(
             "loss/clip_frac": metric(((weight != ratio) & mask).sum() / mask.sum().clamp_min(1)),
             "loss/ratio_mean": metric(masked_mean(ratio, mask)),
             "loss/ratio_max": metric(masked_max(ratio, mask)),
+            "loss/approx_kl": metric(masked_mean(old_logp - logp, mask)),
         }
     per_token = -weight * adv * logp
     return _finish(per_token, mask, is_weights, aggregation, loss_denominator, metrics)
@@ -202,7 +203,8 @@ def reinforce_loss(
 ) -> tuple[torch.Tensor, Metrics]:
     """REINFORCE: ℓ_t = −w_t · A_t · log π_θ(y_t) with detached IS weights w_t (1 if None).
 
-    Off-policy REINFORCE with truncated IS (seed 003, "REINFORCE"; seed 002 TIS form;
+    Off-policy REINFORCE with truncated IS (seed 003, "Theoretical Foundation: From
+    REINFORCE to Decoupled PPO"; seed 002 TIS form;
     seed 000, "Bypass mode loss": for REINFORCE the IS weights are applied explicitly).
     """
     logp, _, adv, mask, is_weights = _inputs(logp, None, advantages, mask, is_weights)

@@ -75,12 +75,12 @@ def _anchor_and_source(mode, logp, old_logp, rollout, mask):
     """(trust-region anchor, numerator of the correction ratio) for the mode."""
     if mode == "decoupled":
         if old_logp is None:
-            raise ValueError("old_logp: decoupled mode needs π_old log-probs [B, T] (learner at rollout weights), got None")
+            raise ValueError("old_logp: decoupled mode needs π_old log-probs [B, T], got None")
         old = check_logp("old_logp", old_logp.detach(), mask)
         return old, old
     if mode == "bypass":
         if old_logp is not None and not torch.equal(check_logp("old_logp", old_logp.detach(), mask), rollout):
-            raise ValueError("old_logp: bypass mode sets π_old = μ; pass None or rollout_logp, got a different tensor")
+            raise ValueError("old_logp: bypass mode sets π_old = μ; pass None or rollout_logp, got another tensor")
         return rollout, check_logp("logp", logp.detach(), mask)
     raise ValueError(f"correction.mode: expected 'bypass' or 'decoupled', got {mode!r}")
 
@@ -191,7 +191,7 @@ def compute_policy_loss(
         metrics["loss/kl"] = metric(kl)
     if entropy is not None or loss_cfg.entropy_coef:
         if entropy is None:
-            raise ValueError(f"entropy: loss.entropy_coef={loss_cfg.entropy_coef} needs per-token entropy [B, T], got None")
+            raise ValueError(f"entropy: loss.entropy_coef={loss_cfg.entropy_coef} needs entropy [B, T], got None")
         ent = aggregate(check_logp("entropy", entropy, mask), keep, agg, loss_denominator)
         total = total - loss_cfg.entropy_coef * ent
         metrics["loss/entropy"] = metric(ent)

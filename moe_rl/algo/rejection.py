@@ -61,10 +61,10 @@ def _rs_bounds(mode: str, lower: float | None, upper: float | None) -> tuple[flo
         # k1 bounds are ratio bounds; verl's default lower bound is the reciprocal.
         lower = 1.0 / upper if lower is None else check_nonneg("rs_lower", lower)
         if not lower <= upper:
-            raise ValueError(f"rs_lower/rs_upper: expected lower ≤ upper for {mode!r}, got lower={lower}, upper={upper}")
+            raise ValueError(f"rs_lower/rs_upper: expected lower ≤ upper for {mode!r}, got {lower} > {upper}")
         return lower, upper
     if lower is not None:
-        raise ValueError(f"rs_lower: mode {mode!r} takes only an upper threshold on the divergence, got rs_lower={lower}")
+        raise ValueError(f"rs_lower: mode {mode!r} takes only an upper divergence threshold, got rs_lower={lower}")
     return None, upper
 
 
@@ -80,7 +80,7 @@ def rejection_mask(
     """Rejection-sampling keep mask ``keep[B, T]`` from ``old_logp[B, T]``, ``rollout_logp[B, T]``, ``mask[B, T]``.
 
     ``mode = <aggregation>_<estimator>`` (seed 000, "Rejection sampling correction";
-    seed 003, "Rejection Sampling"):
+    seed 003, "Algorithmic Components and Combinations"):
 
     - k1 uses ratio bounds ``[lower, upper]`` (lower defaults to 1/upper):
       token_k1 keeps tokens with ρ_t in bounds; seq_sum_k1 keeps sequences with
@@ -145,8 +145,8 @@ def token_veto(
     """Veto keep mask ``keep[B, T]``: drop a sequence if any valid token has ρ_t < threshold.
 
     ρ_t = π_old(y_t) / μ(y_t) on the *unclamped* log ratio (a catastrophic token must
-    not be rescued by the ±20 safety bound). Seed 003, "Veto Mechanism"; seed 004,
-    "Worst Token Reject Sampling" (typical thresholds 1e-4 … 1e-6).
+    not be rescued by the ±20 safety bound). Seed 003, "Safety Mechanisms: Veto for
+    catastrophic outliers"; seed 004, "Worst Token Reject Sampling" (typical thresholds 1e-4 … 1e-6).
     Metrics: ``veto/seq_masked_frac``, ``veto/token_frac`` (catastrophic tokens).
     """
     mask = check_mask(mask)

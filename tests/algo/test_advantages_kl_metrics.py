@@ -41,8 +41,11 @@ def test_rloo_is_reward_minus_mean_of_the_others():
 
 def test_compute_advantages_follows_the_config_section():
     rewards = torch.tensor([1.0, 0.0, 3.0, 5.0])
-    assert compute_advantages(SimpleNamespace(estimator="rloo", eps=1e-6), rewards, 2).tolist() == [1.0, -1.0, -2.0, 2.0]
-    assert compute_advantages(SimpleNamespace(estimator="grpo_no_std", eps=1e-6), rewards, 2).tolist() == [0.5, -0.5, -1.0, 1.0]
+    def cfg(name):
+        return SimpleNamespace(estimator=name, eps=1e-6)
+
+    assert compute_advantages(cfg("rloo"), rewards, 2).tolist() == [1.0, -1.0, -2.0, 2.0]
+    assert compute_advantages(cfg("grpo_no_std"), rewards, 2).tolist() == [0.5, -0.5, -1.0, 1.0]
     with pytest.raises(ValueError, match="advantage.estimator"):
         compute_advantages(SimpleNamespace(estimator="gae", eps=1e-6), rewards, 2)
 

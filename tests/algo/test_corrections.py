@@ -18,7 +18,8 @@ def pair(ratios: list[list[float]], base: float = math.log(0.3)):
     """(old_logp, rollout_logp, mask) with π_old/μ = the given ratios; ragged rows are padded."""
     t = max(len(r) for r in ratios)
     mask = torch.tensor([[j < len(r) for j in range(t)] for r in ratios])
-    log_rho = torch.tensor([[math.log(r[j]) if j < len(r) else 0.0 for j in range(t)] for r in ratios], dtype=torch.float64)
+    rows = [[math.log(r[j]) if j < len(r) else 0.0 for j in range(t)] for r in ratios]
+    log_rho = torch.tensor(rows, dtype=torch.float64)
     rollout = torch.full(mask.shape, base, dtype=torch.float64)
     return rollout + log_rho, rollout, mask
 

@@ -144,7 +144,8 @@ def test_cispo_clips_a_stop_gradient_weight_only():
 def test_reinforce_applies_is_weights():
     logp = torch.log(torch.tensor([[0.5, 0.25]], dtype=F64)).requires_grad_(True)
     mask = torch.ones(1, 2, dtype=torch.bool)
-    loss, _ = reinforce_loss(logp, torch.tensor([2.0], dtype=F64), mask, is_weights=torch.tensor([[1.0, 0.5]], dtype=F64))
+    w = torch.tensor([[1.0, 0.5]], dtype=F64)
+    loss, _ = reinforce_loss(logp, torch.tensor([2.0], dtype=F64), mask, is_weights=w)
     assert loss.item() == pytest.approx(-(2 * math.log(0.5) + 2 * 0.5 * math.log(0.25)) / 2)
 
 
@@ -160,9 +161,10 @@ def test_gradcheck_float64(name):
     adv = torch.randn(b, t, dtype=F64)
     w = torch.rand(b, t, dtype=F64) + 0.5
     lp0 = old + 0.6 * torch.randn(b, t, dtype=F64)
+    seq = "seq_mean_token_mean"
     fns = {
         "ppo": lambda lp: ppo_clip_loss(lp, old, adv, mask, is_weights=w)[0],
-        "ppo_dual_seq": lambda lp: ppo_clip_loss(lp, old, adv, mask, dual_clip_c=2.0, aggregation="seq_mean_token_mean")[0],
+        "ppo_dual_seq": lambda lp: ppo_clip_loss(lp, old, adv, mask, dual_clip_c=2.0, aggregation=seq)[0],
         "ppo_sum_norm": lambda lp: ppo_clip_loss(lp, old, adv, mask, aggregation="seq_mean_token_sum_norm")[0],
         "gspo": lambda lp: gspo_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.2, is_weights=w)[0],
         # GSPO-token's stop-gradients make its gradient the true one only for sequence-constant

@@ -129,7 +129,8 @@ def test_kl_and_entropy_terms_are_added(batch):
 def test_every_loss_and_mode_gives_finite_loss_gradient_and_flat_metrics(batch, loss_type, mode):
     logp, old, roll, adv, mask = batch
     corr = CorrectionConfig(mode=mode, is_level="token", rs_mode="seq_mean_k1", rs_lower=0.5, rs_upper=2.0)
-    loss, m = compute_policy_loss(LossConfig(type=loss_type), corr, logp, old if mode == "decoupled" else None, roll, adv, mask)
+    old_in = old if mode == "decoupled" else None
+    loss, m = compute_policy_loss(LossConfig(type=loss_type), corr, logp, old_in, roll, adv, mask)
     loss.backward()
     assert torch.isfinite(loss) and bool(torch.isfinite(logp.grad).all())
     floats = metrics_to_floats(m)
