@@ -244,9 +244,9 @@ def _write_side_files(out: Path, model_cfg, template_dir: Path | None) -> None:
             if (template_dir / f).exists():
                 shutil.copy2(template_dir / f, out / f)
         return
-    from moe_rl.learner.hf_init import hf_config_from_model_config
+    from moe_rl.learner.hf_init import write_hf_side_files
 
-    hf_config_from_model_config(model_cfg).save_pretrained(out)
+    write_hf_side_files(model_cfg, out)
 
 
 def export_hf_checkpoint(model, model_cfg, out_dir: str | Path, template_dir: str | Path | None = None,

@@ -51,10 +51,22 @@ def hf_config_from_model_config(model_cfg):
         # Megatron's default (softmax after top-k) renormalises the top-k probs; pre-softmax does not.
         norm_topk_prob=not model_cfg.moe_router_pre_softmax,
         router_aux_loss_coef=model_cfg.moe_aux_loss_coeff,
+        architectures=["Qwen3MoeForCausalLM"],
         pad_token_id=PAD_ID,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
     )
+
+
+def write_hf_side_files(model_cfg, out_dir: str | Path) -> None:
+    """Everything but the weights: ``config.json``, generation config and the task tokenizer."""
+    from transformers import GenerationConfig
+
+    out_dir = Path(out_dir)
+    hf_cfg = hf_config_from_model_config(model_cfg)
+    hf_cfg.save_pretrained(out_dir)
+    GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID).save_pretrained(out_dir)
+    build_task_tokenizer(model_cfg.vocab_size).save_pretrained(out_dir)
 
 
 def write_random_hf_checkpoint(model_cfg, out_dir: str | Path, seed: int = 0, dtype: str = "float32") -> Path:
