@@ -18,6 +18,7 @@ from moe_rl.learner.fp8 import fp8_runtime_missing, fp8_transformer_fields, te_a
 
 __all__ = [
     "transformer_config_from",
+    "transformer_config_kwargs",
     "use_transformer_engine",
     "build_model",
     "attention_mask",
@@ -35,16 +36,22 @@ def use_transformer_engine() -> bool:
 
 
 def transformer_config_from(cfg):
-    """Megatron ``TransformerConfig`` for ``cfg`` (an ``ExperimentConfig``).
+    """Megatron ``TransformerConfig`` for ``cfg`` (an ``ExperimentConfig``); see ``transformer_config_kwargs``."""
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(**transformer_config_kwargs(cfg))
+
+
+def transformer_config_kwargs(cfg) -> dict:
+    """Keyword arguments of Megatron's ``TransformerConfig`` for ``cfg``.
 
     Fixed choices (the Qwen3-MoE family): RMSNorm, SwiGLU, no linear/qkv bias,
     rotate-half RoPE, no dropout (RL log-probs must be deterministic), router in
     fp32 unless ``model.moe_router_dtype`` says fp64, SequentialMLP experts off-GPU.
     ``moe_enable_routing_replay`` is always on: it only attaches an idle
     ``RouterReplay`` to each router, and lets ``moe_rl.replay`` drive any model.
+    Raises ``ValueError`` for FP8 on a machine without Transformer Engine + GPU.
     """
-    from megatron.core.transformer import TransformerConfig
-
     m, p, prec = cfg.model, cfg.parallel, cfg.precision
     if m.mtp_num_layers:
         raise ValueError(
@@ -62,7 +69,7 @@ def transformer_config_from(cfg):
     params_dtype = _DTYPES[prec.params_dtype]
     on_gpu = torch.cuda.is_available()
     recompute = cfg.train.recompute == "full"
-    return TransformerConfig(
+    return dict(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         ffn_hidden_size=m.ffn_hidden_size,

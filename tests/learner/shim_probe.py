@@ -1,0 +1,60 @@
+"""Subprocess probe for the CPU shim tests: apply all CPU shims but one, then exercise its code path.
+
+``python shim_probe.py <left_out|none>`` prints ``PROBE-OK`` or ``PROBE-FAIL <Type>: <message>``.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+torch.set_num_threads(1)
+
+
+def exercise() -> None:
+    """Build a tiny MoE model (alltoall dispatcher, full recompute) and run forward + backward."""
+    import torch.distributed as dist
+    from megatron.core.transformer.moe import token_dispatcher
+
+    from moe_rl.learner.dist import init_distributed
+    from moe_rl.learner.model import build_model, forward_logits
+    from tests.learner.conftest import make_cfg
+
+    cfg = make_cfg(train={"recompute": "full"}, moe_token_dispatcher_type="alltoall")
+    init_distributed(cfg.parallel, environ={})
+    # The expert-parallel all-to-all with the split sizes the dispatcher computes (ep=1 skips it).
+    splits = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([2]), as_numpy=True)
+    dist.all_to_all_single(torch.empty(2), torch.ones(2), output_split_sizes=splits, input_split_sizes=splits)
+    model = build_model(cfg)
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 8))
+    forward_logits(model, ids).sum().backward()
+
+
+def main() -> None:
+    from moe_rl.learner import cpu_shims
+
+    left_out = sys.argv[1]
+    names = tuple(n for n in cpu_shims.CPU_SHIMS if n != left_out)
+    original_apply = cpu_shims.apply_cpu_shims
+    original_apply(only=names)
+    cpu_shims.apply_cpu_shims = lambda only=None: original_apply(only=names)  # later calls too
+    import moe_rl.learner.dist as d
+    import moe_rl.learner.model as m
+
+    d.apply_cpu_shims = m.apply_cpu_shims = cpu_shims.apply_cpu_shims
+    try:
+        exercise()
+    except Exception as exc:  # noqa: BLE001 - report whatever broke
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if "megatron" in f.filename]
+        where = f"{Path(frames[-1].filename).stem}.{frames[-1].name}" if frames else "?"
+        print(f"PROBE-FAIL at {where} {type(exc).__name__}: {exc}".splitlines()[0])
+        return
+    print("PROBE-OK applied=" + ",".join(cpu_shims.applied_shims()))
+
+
+if __name__ == "__main__":
+    main()

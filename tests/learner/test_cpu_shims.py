@@ -1,0 +1,80 @@
+"""Each CPU shim prevents a real Megatron-Core failure on this machine, and turns itself off when not needed.
+
+Every probe runs in a fresh subprocess (shims are process-wide patches): all shims
+but one are applied, then a tiny MoE model with the alltoall dispatcher and full
+recompute runs forward + backward (``shim_probe.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+PROBE = Path(__file__).with_name("shim_probe.py")
+REPO = Path(__file__).resolve().parents[2]
+
+# left-out shim -> (where Megatron fails, error text)
+EXPECTED_FAILURES = {
+    "cuda_current_device": ("rotary_pos_embedding.", "Torch not compiled with CUDA enabled"),
+    "te_general_gemm": ("moe_utils.", "name 'te_general_gemm' is not defined"),
+    "dispatcher_stream": ("token_dispatcher.__init__", "torch.cuda.Stream requires CUDA"),
+    "split_sizes_numpy": ("", "all_to_all_single(): incompatible function arguments"),
+    "cuda_rng_state": ("random._get_cuda_rng_state", "Torch not compiled with CUDA enabled"),
+}
+
+
+@pytest.fixture(scope="module")
+def probe_results():
+    """Launch all probes at once (each ~5 s, mostly imports) and collect their verdict lines."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    procs = {
+        name: subprocess.Popen([sys.executable, str(PROBE), name], cwd=REPO, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        for name in ["none", *EXPECTED_FAILURES]
+    }
+    out = {}
+    for name, proc in procs.items():
+        stdout, _ = proc.communicate(timeout=240)
+        lines = [ln for ln in stdout.splitlines() if ln.startswith("PROBE-")]
+        out[name] = lines[-1] if lines else f"no verdict (rc={proc.returncode})"
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_all_shims_together_let_megatron_moe_train_on_cpu(probe_results):
+    assert probe_results["none"].startswith("PROBE-OK"), probe_results["none"]
+    assert probe_results["none"].endswith("applied=" + ",".join(EXPECTED_FAILURES))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("left_out", list(EXPECTED_FAILURES))
+def test_leaving_out_one_shim_reproduces_the_failure_it_prevents(probe_results, left_out):
+    where, message = EXPECTED_FAILURES[left_out]
+    verdict = probe_results[left_out]
+    assert verdict.startswith("PROBE-FAIL"), f"without {left_out!r} Megatron still ran: {verdict}"
+    assert message in verdict, f"without {left_out!r}: expected {message!r}, got {verdict}"
+    assert f"at {where}" in verdict, f"without {left_out!r}: expected the failure in {where!r}, got {verdict}"
+
+
+def test_shims_are_noops_once_the_failure_is_gone(megatron_world):
+    """After patching, every guard's probe reports 'not needed', so re-applying changes nothing."""
+    from moe_rl.learner.cpu_shims import CPU_SHIMS, applied_shims, apply_cpu_shims
+
+    before = applied_shims()
+    assert set(before) == set(CPU_SHIMS)  # this CPU-only torch/megatron needs all of them
+    patched_current_device = torch.cuda.current_device
+    assert apply_cpu_shims() == before
+    assert torch.cuda.current_device is patched_current_device
+    assert [name for name, (needed, _) in CPU_SHIMS.items() if needed()] == []
+
+
+def test_unknown_shim_name_is_rejected():
+    from moe_rl.learner.cpu_shims import apply_cpu_shims
+
+    with pytest.raises(ValueError, match=r"unknown CPU shim\(s\) \['cuda_graphs'\]"):
+        apply_cpu_shims(only=("cuda_graphs",))
