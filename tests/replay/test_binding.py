@@ -39,8 +39,17 @@ def test_replayed_routes_reach_the_dispatcher_per_layer_per_token_across_padded_
             assert torch.equal(got[m], expected_map(mbs[m], moe_l, E)), f"layer {dec_l} microbatch {m} dispatched other experts"
 
 
-def test_replay_overrides_natural_routing(build):
-    model = build()
+ROUTER_VARIANTS = {
+    "softmax_after_topk": {},
+    "pre_softmax": {"moe_router_pre_softmax": True},
+    "sigmoid_expert_bias": {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True},
+    "group_limited_topk": {"moe_router_num_groups": 4, "moe_router_group_topk": 2},
+}
+
+
+@pytest.mark.parametrize("variant", list(ROUTER_VARIANTS))
+def test_replay_overrides_natural_routing(build, variant):
+    model = build(**ROUTER_VARIANTS[variant])
     replay = RoutingReplay(model)
     ids = _ids(2, 10, 0)
     with replay.record() as rec:
@@ -48,8 +57,11 @@ def test_replay_overrides_natural_routing(build):
             forward(model, ids)
     natural = rec.recorded(0)
     forced = random_routes(2, 10, 3, K, E, seed=1)
+    probe = RoutingMapProbe(model)
     with replay.replay([forced]) as cap, torch.no_grad():
         forward(model, ids)
+    for l in range(3):
+        assert torch.equal(probe.maps[l][0], expected_map(forced, l, E))
     # layer 0 sees the same input in both passes, so its observed natural top-k is the recorded one;
     # deeper layers' natural choice is conditioned on the replayed routes upstream
     assert torch.equal(cap.natural(0)[:, :, 0].sort(-1).values, natural[:, :, 0].sort(-1).values)
