@@ -16,7 +16,7 @@ from pathlib import PurePosixPath
 
 from moe_rl.config import ConfigError, ExperimentConfig, dump_config
 from moe_rl.launch.hostlist import HostlistError, expand_hostlist
-from moe_rl.rollout.launcher import ServerSpec, server_command
+from moe_rl.rollout.launcher import ServerSpec, server_command, server_env
 
 PYTHON = "python"  # interpreter on the compute nodes: whatever `python` the job's environment puts first
 CONFIG_HEREDOC_END = "MOE_RL_CONFIG_EOF"
@@ -199,7 +199,7 @@ def _rollout_steps(
         if cfg.rollout.device == "cuda":
             srun.append(f"--gpus-per-node={ln.gpus_per_node}")
         srun += ["--kill-on-bad-exit=1", f"--output={log_dir}/rollout-{node}.log"]
-        env = (("SGLANG_USE_CPU_ENGINE", "1"),) if cfg.rollout.device == "cpu" else ()
+        env = tuple(server_env(spec, base={}).items())  # CPU engine switch + stand-ins; PYTHONUNBUFFERED
         command = tuple(server_command(spec, ln.rollout_port, PYTHON))
         steps.append(SrunStep("rollout", (node,), tuple(srun), command, env))
         urls.append(f"http://{node}:{ln.rollout_port}")
@@ -211,8 +211,9 @@ def _learner_step(cfg: ExperimentConfig, nodes: list[str], addresses: list[str],
     """``torchrun`` on every learner node (c10d rendezvous at the first one) running ``moe-rl train``."""
     ln, p = cfg.launch, cfg.parallel
     srun = (
-        f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}", "--ntasks-per-node=1",
-        f"--nodelist={','.join(nodes)}", f"--gpus-per-node={ln.gpus_per_node}",
+        f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}", "--ntasks-per-node=1", f"--nodelist={','.join(nodes)}",
+        # parallel.backend=gloo: a CPU learner, launch.gpus_per_node is then processes per node
+        *(() if p.backend == "gloo" else (f"--gpus-per-node={ln.gpus_per_node}",)),
         "--kill-on-bad-exit=1", f"--output={log_dir}/learner-%N.log",
     )  # fmt: skip
     # Parallel sizes are repeated as overrides so the reviewed command shows the learner layout.

@@ -36,7 +36,7 @@ wait_healthy() {  # wait_healthy URL TIMEOUT_S: poll URL/health while every roll
     if ((SECONDS >= deadline)); then
       echo "moe_rl: $url not healthy within $2 s (rollout.startup_timeout_s)" >&2; exit 1
     fi
-    sleep 5
+    sleep 2
   done
   echo "moe_rl: $url healthy"
 }

@@ -17,16 +17,23 @@ from moe_rl.launch import render_launch
 
 FAKE_SRUN = r"""#!/usr/bin/env bash
 # Fake srun (SLURM cannot exist here): log the argv, play a server or a learner.
-printf '%s\x1f' "$@" >> "$FAKE_LOG"; printf '\n' >> "$FAKE_LOG"
+line=$(printf '%s\x1f' "$@"); printf '%s\n' "$line" >> "$FAKE_LOG"  # one append write per call
+node=""
+for a in "$@"; do [[ $a == --nodelist=* ]] && node=${a#--nodelist=}; done
 for a in "$@"; do
   if [[ $a == sglang.launch_server ]]; then
     [[ -n "${FAKE_SERVER_DIES:-}" ]] && exit 3
-    echo $$ >> "$FAKE_PIDS"; exec sleep 120
+    echo "$$ $node" >> "$FAKE_PIDS"; exec sleep 120
   fi
 done
 exit "${FAKE_LEARNER_RC:-0}"
 """
-FAKE_CURL = "#!/usr/bin/env bash\n# Fake curl: healthy unless FAKE_UNHEALTHY is set.\n[[ -z \"${FAKE_UNHEALTHY:-}\" ]]\n"
+# Fake curl: /health answers once the fake server step on that host is running.
+FAKE_CURL = r"""#!/usr/bin/env bash
+[[ -z "${FAKE_UNHEALTHY:-}" ]] || exit 7
+host=$(sed -E 's#^https?://([^:/]+).*#\1#' <<<"${!#}")
+grep -qs " $host\$" "$FAKE_PIDS"
+"""
 
 
 def _bin(tmp_path: Path) -> Path:
@@ -80,7 +87,7 @@ def test_script_with_fake_srun_starts_servers_then_learner_and_stops_the_servers
     assert [("sglang.launch_server" in c, "torchrun" in c) for c in calls] == [(True, False)] * 2 + [(False, True)]
     assert (tmp_path / "run" / "launch" / "config-55.yaml").exists()
     assert "http://gpu002:30000 healthy" in result.stdout
-    for pid in map(int, (tmp_path / "pids").read_text().split()):
+    for pid in (int(line.split()[0]) for line in (tmp_path / "pids").read_text().splitlines()):
         assert not Path(f"/proc/{pid}").exists(), f"rollout server step {pid} outlived the script"
 
 
