@@ -39,3 +39,11 @@ def test_submit_script_sizes_the_sbatch_allocation_from_the_launch_section(tmp_p
     for expected in ("--nodes=12", "--gpus-per-node=8", "--partition=hpc", "--account=rl", "--ntasks-per-node=1"):
         assert expected in argv
     assert argv[-3:] == [str(REPO / "launch" / "slurm" / "moe_rl.sbatch"), str(DSV3), "launch.partition=hpc"]
+
+
+def test_shell_launchers_are_valid_bash_and_executable():
+    for script in ("launch/local.sh", "launch/slurm/submit.sh", "launch/slurm/moe_rl.sbatch"):
+        path = REPO / script
+        assert os.access(path, os.X_OK), f"{script} is not executable"
+        result = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+        assert result.returncode == 0, f"{script}: {result.stderr}"
