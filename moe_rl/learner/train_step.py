@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moe_rl.learner.hf_convert import export_hf_checkpoint, load_hf_weights
 from moe_rl.learner.logprobs import response_logprobs
 from moe_rl.learner.model import build_model, unwrap
 from moe_rl.learner.optimizer import build_optimizer, grad_norm_and_clip, lr_at, set_lr, wrap_ddp
@@ -56,13 +57,18 @@ def _mean_metrics(per_mb: list[dict]) -> dict[str, float]:
 class Learner:
     """The Megatron-Core policy being trained: model, optimizer, LR schedule, step.
 
-    ``init_distributed(cfg.parallel)`` must have run. ``total_steps`` is the
+    ``init_distributed(cfg.parallel)`` must have run. Without ``model`` it builds
+    one from ``cfg`` and, if ``cfg.checkpoint.init_from_hf`` is set, imports it. ``total_steps`` is the
     number of optimizer steps the LR schedule spans.
     """
 
     def __init__(self, cfg, total_steps: int | None = None, model=None):
         self.cfg = cfg
-        self.model = wrap_ddp(model if model is not None else build_model(cfg))
+        if model is None:
+            model = build_model(cfg)
+            if cfg.checkpoint.init_from_hf:
+                load_hf_weights(model, cfg.checkpoint.init_from_hf, cfg.model)
+        self.model = wrap_ddp(model)
         self.config = unwrap(self.model).config
         self.optimizer = build_optimizer(self.model, cfg.optim, self.config.params_dtype)
         self.total_steps = total_steps or cfg.train.steps * cfg.train.minibatches_per_step * cfg.train.epochs_per_step
@@ -72,6 +78,14 @@ class Learner:
     def module(self):
         """The bare ``GPTModel`` (for HF export, router replay, log-prob passes)."""
         return unwrap(self.model)
+
+    def export_hf(self, out_dir, template_dir=None):
+        """Write the current weights as an HF checkpoint dir (collective; rank 0 writes).
+
+        ``template_dir`` (default ``cfg.checkpoint.init_from_hf``) supplies config/tokenizer files.
+        """
+        template = template_dir if template_dir is not None else self.cfg.checkpoint.init_from_hf
+        return export_hf_checkpoint(self.model, self.cfg.model, out_dir, template_dir=template)
 
     def _set_aux_loss_scale(self, num_microbatches: int) -> None:
         from megatron.core import parallel_state as ps
