@@ -21,7 +21,7 @@ from typing import Any
 REPORT_METRICS: tuple[tuple[str, str], ...] = (
     ("reward/mean", "reward"),
     ("offpolicy/kl_k3", "KL k3 rollout vs learner"),
-    ("replay/flip_rate", "router flip rate"),
+    ("replay/rollout_vs_natural/flip_rate", "router flip rate rollout vs learner"),
     ("icepop/masked_frac", "IcePop masked fraction"),
     ("offpolicy/ess", "ESS"),
     ("time/step_s", "step time (s)"),
