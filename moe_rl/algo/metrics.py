@@ -13,7 +13,6 @@ from moe_rl.algo._tensors import (
     LOG_RATIO_BOUND,
     check_logp,
     check_mask,
-    masked_logsumexp,
     masked_max,
     masked_mean,
     masked_sum,
@@ -25,16 +24,19 @@ Metrics = dict[str, torch.Tensor]
 
 
 def _self_normalised_chi2(log_w: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(χ², ESS) of the weights exp(log_w) at ``valid`` positions, in log space (no overflow).
+    """(χ², ESS) of the weights exp(log_w) at ``valid`` positions, without overflow.
 
     χ² = mean(w²)/mean(w)² − 1 and ESS = 1/(1 + χ²) = (Σw)²/(N·Σw²).
     Normalising by mean(w)² (instead of assuming the sample mean of ρ is exactly 1)
     makes χ² ≥ 0 by Cauchy–Schwarz and bounds it by N − 1, for any sample.
+    The ratio is scale-free, so the weights are shifted by their max before exp
+    (every shifted weight is ≤ 1; ones that underflow weigh < 1e-38 of the max).
     """
-    n = valid.sum().clamp_min(1).to(log_w.dtype)
-    log_excess = masked_logsumexp(2 * log_w, valid) + torch.log(n) - 2 * masked_logsumexp(log_w, valid)
-    log_excess = log_excess.clamp_min(0)  # ≥ 0 exactly by Cauchy–Schwarz; clamp removes rounding only
-    return torch.expm1(log_excess), torch.exp(-log_excess)
+    n = valid.sum().to(log_w.dtype)
+    e = torch.where(valid, torch.exp(log_w - masked_max(log_w, valid)), torch.zeros((), dtype=log_w.dtype))
+    s1, s2 = e.sum(), (e * e).sum()
+    one_plus_chi2 = (n * s2 / (s1 * s1)).clamp_min(1)  # ≥ 1 by Cauchy–Schwarz; clamp removes rounding only
+    return one_plus_chi2 - 1, 1 / one_plus_chi2
 
 
 @torch.no_grad()
@@ -64,6 +66,11 @@ def offpolicy_metrics(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: 
 
 def _offpolicy_metrics(old: torch.Tensor, roll: torch.Tensor, mask: torch.Tensor) -> Metrics:
     # float32 is enough: torch sums pairwise, so a mean over 1M tokens keeps ~1e-7 relative error
+    n = mask.sum().to(old.dtype)  # counted once: a bool sum is a full pass over [B, T]
+
+    def mean(x: torch.Tensor) -> torch.Tensor:
+        return masked_sum(x, mask) / n
+
     lr = old - roll
     lr_c = lr.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     rho = torch.exp(lr_c)
@@ -72,11 +79,11 @@ def _offpolicy_metrics(old: torch.Tensor, roll: torch.Tensor, mask: torch.Tensor
     lr_seq_c = lr_seq.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     chi2_tok, ess_tok = _self_normalised_chi2(lr, mask)
     chi2_seq, ess_seq = _self_normalised_chi2(lr_seq, valid)
-    mean_old, mean_roll = masked_mean(old, mask), masked_mean(roll, mask)
+    mean_old, mean_roll = mean(old), mean(roll)
     p_old, p_roll = torch.exp(old), torch.exp(roll)
     diff = (p_old - p_roll).abs()
-    a = torch.where(mask, p_old - masked_mean(p_old, mask), torch.zeros((), dtype=old.dtype))
-    b = torch.where(mask, p_roll - masked_mean(p_roll, mask), torch.zeros((), dtype=old.dtype))
+    a = torch.where(mask, p_old - mean(p_old), torch.zeros((), dtype=old.dtype))
+    b = torch.where(mask, p_roll - mean(p_roll), torch.zeros((), dtype=old.dtype))
     denom = torch.sqrt((a * a).sum() * (b * b).sum())
     diff_max = masked_max(diff, mask)
     if bool(denom > 0):
@@ -84,11 +91,11 @@ def _offpolicy_metrics(old: torch.Tensor, roll: torch.Tensor, mask: torch.Tensor
     else:  # a constant vector has no correlation; report agreement instead of NaN
         pearson = torch.tensor(1.0 if bool(diff_max == 0) else 0.0)
     return {
-        "offpolicy/kl_k1": metric(-masked_mean(lr, mask)),
-        "offpolicy/kl_k3": metric(masked_mean(torch.expm1(lr_c) - lr_c, mask)),
+        "offpolicy/kl_k1": metric(-mean(lr)),
+        "offpolicy/kl_k3": metric(mean(torch.expm1(lr_c) - lr_c)),
         "offpolicy/chi2_token": metric(chi2_tok),
         "offpolicy/chi2_seq": metric(chi2_seq),
-        "offpolicy/chi2_token_raw": metric(masked_mean(rho * rho, mask) - 1),
+        "offpolicy/chi2_token_raw": metric(mean(rho * rho) - 1),
         "offpolicy/chi2_seq_raw": metric(masked_mean(torch.exp(2 * lr_seq_c), valid) - 1),
         "offpolicy/ess": metric(ess_tok),
         "offpolicy/ess_seq": metric(ess_seq),
@@ -96,8 +103,8 @@ def _offpolicy_metrics(old: torch.Tensor, roll: torch.Tensor, mask: torch.Tensor
         "offpolicy/ppl_rollout": metric(torch.exp(-mean_roll)),
         "offpolicy/ppl_ratio": metric(torch.exp(mean_roll - mean_old)),
         "offpolicy/prob_pearson": metric(pearson),
-        "offpolicy/prob_abs_diff_mean": metric(masked_mean(diff, mask)),
+        "offpolicy/prob_abs_diff_mean": metric(mean(diff)),
         "offpolicy/prob_abs_diff_max": metric(diff_max),
-        "offpolicy/tv": metric(0.5 * masked_mean((rho - 1).abs(), mask)),
+        "offpolicy/tv": metric(0.5 * mean((rho - 1).abs())),
         "offpolicy/log_ratio_abs_max": metric(masked_max(lr.abs(), mask)),
     }
