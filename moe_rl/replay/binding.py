@@ -186,9 +186,13 @@ class RoutingReplay:
             raise ValueError(
                 f"microbatches[{i}] must be routes[B, S, L_moe={L}, K={self.top_k}]; got shape {tuple(routes.shape)}"
             )
+        if routes.is_floating_point() or routes.is_complex() or routes.dtype == torch.bool:
+            raise ValueError(f"microbatches[{i}] must hold integer expert ids; got dtype {routes.dtype}")
         check_routes(routes, self.num_experts, field=f"microbatches[{i}]")
+        # one host->device copy per microbatch here rather than one per layer per forward
+        device = self._routers[0].weight.device
         if local:
-            return to_megatron_layout(routes)
+            return to_megatron_layout(routes).to(device)
         tcfg = self.config
         routes = routes[:, :, self.moe_layer_ids]
         if tcfg.context_parallel_size > 1:
@@ -202,7 +206,7 @@ class RoutingReplay:
             per_layer = sequence_parallel_shard(
                 per_layer, routes.shape[0], tcfg.tensor_model_parallel_size, parallel_state.get_tensor_model_parallel_rank()
             )
-        return per_layer
+        return per_layer.to(device)
 
     @contextlib.contextmanager
     def _stage(self, action: RouterReplayAction, observe_natural: bool) -> Iterator[RouteCapture]:

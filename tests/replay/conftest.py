@@ -42,10 +42,9 @@ def forward(model, input_ids: torch.Tensor) -> torch.Tensor:
     return forward_logits(model, input_ids)
 
 
-@pytest.fixture
-def build_mtp(megatron_world):
-    """A tiny model with one multi-token-prediction layer (MoE). The learner does not build MTP yet,
-    so this composes Megatron's own MTP block spec on the learner's TransformerConfig."""
+def compose_model(seed: int = 0, mtp: bool = False, **tcfg_overrides):
+    """A tiny GPTModel from the learner's TransformerConfig with Megatron fields the learner does not
+    expose yet (MTP layers, selective / block recompute) replaced; composed from Megatron's own specs."""
     import dataclasses
 
     from megatron.core.models.gpt import GPTModel
@@ -54,16 +53,21 @@ def build_mtp(megatron_world):
     from moe_rl.learner.cpu_shims import seed_model_parallel_rng
     from moe_rl.learner.model import _layer_spec, transformer_config_from
 
-    def _build(seed: int = 0):
-        cfg = make_cfg()
-        tcfg = dataclasses.replace(transformer_config_from(cfg), mtp_num_layers=1)
-        seed_model_parallel_rng(seed)
-        spec = _layer_spec(tcfg, False)
-        return GPTModel(
-            config=tcfg, transformer_layer_spec=spec, vocab_size=cfg.model.vocab_size,
-            max_sequence_length=cfg.model.seq_length, position_embedding_type="rope",
-            share_embeddings_and_output_weights=False,
-            mtp_block_spec=get_gpt_mtp_block_spec(tcfg, spec, use_transformer_engine=False),
-        )
+    cfg = make_cfg()
+    if mtp:
+        tcfg_overrides["mtp_num_layers"] = 1
+    tcfg = dataclasses.replace(transformer_config_from(cfg), **tcfg_overrides)
+    seed_model_parallel_rng(seed)
+    spec = _layer_spec(tcfg, False)
+    return GPTModel(
+        config=tcfg, transformer_layer_spec=spec, vocab_size=cfg.model.vocab_size,
+        max_sequence_length=cfg.model.seq_length, position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+        mtp_block_spec=get_gpt_mtp_block_spec(tcfg, spec, use_transformer_engine=False) if mtp else None,
+    )
 
-    return _build
+
+@pytest.fixture
+def compose(megatron_world):
+    """``compose(seed=0, mtp=False, **TransformerConfig overrides) -> GPTModel``."""
+    return compose_model

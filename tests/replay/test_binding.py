@@ -100,6 +100,29 @@ def test_r3_replay_survives_full_recompute(build):
     assert all(not layer.replay_backward_list for layer in replay.layers), "backward FIFO must be drained"
 
 
+@pytest.mark.parametrize(
+    "recompute, recomputed_layers",
+    [
+        (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1), [0]),
+        (dict(recompute_granularity="selective", recompute_modules=["moe"]), [0, 1, 2]),
+    ],
+    ids=["full_block_first_layer", "selective_moe"],
+)
+def test_partial_and_selective_recompute_replay_the_given_routes(compose, recompute, recomputed_layers):
+    model = compose(**recompute)
+    model.train()
+    replay = RoutingReplay(model)
+    routes = random_routes(2, 6, 3, K, E, seed=1)
+    probe = RoutingMapProbe(model)
+    with replay.replay([routes]):
+        forward(model, _ids(2, 6, 0)).float().pow(2).mean().backward()
+    for l in range(3):
+        calls = probe.maps[l]
+        assert len(calls) == (2 if l in recomputed_layers else 1), f"layer {l}: {len(calls)} router calls"
+        for call in calls:
+            assert torch.equal(call, expected_map(routes, l, E))
+
+
 def test_recompute_without_backward_in_context_raises(build):
     model = build(train={"recompute": "full"})
     model.train()
@@ -184,10 +207,10 @@ def test_router_paths_that_bypass_replay_raise(build, overrides, needle):
         RoutingReplay(model)
 
 
-def test_mtp_router_gets_no_routes_and_routes_naturally(build_mtp):
+def test_mtp_router_gets_no_routes_and_routes_naturally(compose):
     from moe_rl.learner.model import attention_mask
 
-    model = build_mtp()
+    model = compose(mtp=True)
     replay = RoutingReplay(model)
     assert len(replay.layers) == 3, "only the decoder's MoE layers take routes"
     mtp_router = model.mtp.layers[0].transformer_layer.mlp.router
@@ -224,3 +247,10 @@ def test_binding_a_bound_model_twice_raises_until_closed(build):
     with second.replay([routes]), torch.no_grad():
         forward(model, _ids(1, 4, 0))
     assert torch.equal(probe.maps[0][0], expected_map(routes, 0, E))
+
+
+def test_float_routes_are_refused(build):
+    replay = RoutingReplay(build())
+    with pytest.raises(ValueError, match="must hold integer expert ids; got dtype torch.float32"):
+        with replay.replay([random_routes(1, 4, 3, K, E, seed=0).float()]):
+            pass
