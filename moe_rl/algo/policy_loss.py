@@ -153,6 +153,12 @@ def compute_policy_loss(
     logp_c = check_logp("logp", logp, mask)
     adv = check_seq_or_token("advantages", advantages.detach(), mask)
     anchor, source = _anchor_and_source(correction_cfg.mode, logp, old_logp, rollout, mask)
+    if loss_cfg.kl_coef and ref_logp is None:
+        raise ValueError(f"ref_logp: loss.kl_coef={loss_cfg.kl_coef} needs reference log-probs [B, T], got None")
+    if loss_cfg.entropy_coef and entropy is None:
+        raise ValueError(f"entropy: loss.entropy_coef={loss_cfg.entropy_coef} needs entropy [B, T], got None")
+    ref = None if ref_logp is None else check_logp("ref_logp", ref_logp.detach(), mask)
+    ent_c = None if entropy is None else check_logp("entropy", entropy, mask)
 
     metrics = _offpolicy_metrics(source, rollout, mask)
     keep, metrics = _rejection(correction_cfg, source, rollout, mask, logp_c, adv, metrics)
@@ -183,16 +189,11 @@ def compute_policy_loss(
 
     total = pg
     if loss_cfg.kl_coef:
-        if ref_logp is None:
-            raise ValueError(f"ref_logp: loss.kl_coef={loss_cfg.kl_coef} needs reference log-probs [B, T], got None")
-        ref = check_logp("ref_logp", ref_logp.detach(), mask)
         kl = aggregate(kl_penalty(logp_c, ref, loss_cfg.kl_estimator), keep, agg, loss_denominator)
         total = total + loss_cfg.kl_coef * kl
         metrics["loss/kl"] = metric(kl)
-    if entropy is not None or loss_cfg.entropy_coef:
-        if entropy is None:
-            raise ValueError(f"entropy: loss.entropy_coef={loss_cfg.entropy_coef} needs entropy [B, T], got None")
-        ent = aggregate(check_logp("entropy", entropy, mask), keep, agg, loss_denominator)
+    if ent_c is not None:
+        ent = aggregate(ent_c, keep, agg, loss_denominator)
         total = total - loss_cfg.entropy_coef * ent
         metrics["loss/entropy"] = metric(ent)
     metrics["loss/total"] = metric(total)
