@@ -1,0 +1,116 @@
+"""End-to-end RL on CPU: real SGLang server process + real Megatron-Core learner, through the CLI.
+
+The rollout engine runs in bf16 and the learner in fp32, so routers really disagree and
+R3 has something to fix. Each run is a `moe-rl train` subprocess (as a user runs it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moe_rl.metrics_log import read_metrics
+from moe_rl.records import RolloutBatch
+
+pytestmark = pytest.mark.sglang
+
+ROOT = Path(__file__).parents[1]
+BASE = [
+    "train.steps=3", "train.prompts_per_step=4", "rollout.samples_per_prompt=4", "train.minibatches_per_step=2",
+    "train.micro_batch_size=8", "rollout.max_new_tokens=4", "rollout.dtype=bfloat16", "checkpoint.save_interval=1",
+    "logging.tensorboard=false", "logging.progress=false",
+]  # fmt: skip
+DOCUMENTED_KEYS = {
+    "reward/mean", "offpolicy/kl_k1", "offpolicy/kl_k3", "offpolicy/chi2_token", "offpolicy/chi2_seq", "offpolicy/ess",
+    "offpolicy/ppl_ratio", "offpolicy/prob_pearson", "icepop/masked_frac", "replay/rollout_vs_natural/flip_rate",
+    "replay/rollout_vs_natural/tokens_with_flip", "replay/rollout_vs_natural/flip_rate/layer0", "train/grad_norm",
+    "loss/total", "time/step_s", "time/rollout_s", "ksm/outside_mask_frac",
+}  # fmt: skip
+
+
+def train_cmd(out_dir: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "moe_rl.cli", "train", str(ROOT / "configs/tiny_cpu.yaml"),
+            *BASE, f"train.output_dir={out_dir}", *overrides]  # fmt: skip
+
+
+def run_train(out_dir: Path, *overrides: str, timeout: float = 600) -> list[dict]:
+    proc = subprocess.run(train_cmd(out_dir, *overrides), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"moe-rl train failed:\n{proc.stderr[-4000:]}"
+    return read_metrics(out_dir / "metrics.jsonl")
+
+
+@pytest.fixture(scope="module")
+def r3_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("r3")
+    return out, run_train(out, "replay.routing=r3")
+
+
+def test_r3_run_logs_every_documented_metric_each_step(r3_run):
+    _, metrics = r3_run
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    for m in metrics:
+        missing = DOCUMENTED_KEYS - m.keys()
+        assert not missing, f"step {m['step']} lacks {sorted(missing)}"
+        assert all(v is None or np.isfinite(v) for v in m.values() if isinstance(v, float))
+
+
+def test_r3_replays_rollout_routes_exactly_while_natural_routing_differs(r3_run):
+    _, metrics = r3_run
+    assert all(m["replay/rollout_vs_applied/flip_rate"] == 0.0 for m in metrics)
+    # bf16 engine vs fp32 learner (and weight updates): the learner's own top-k differs somewhere,
+    # so a zero applied flip rate proves the rollout's routes were used, not re-derived.
+    assert max(m["replay/rollout_vs_natural/flip_rate"] for m in metrics) > 0.0
+
+
+def test_rollouts_are_persisted_with_routes_masks_and_versions(r3_run):
+    out, _ = r3_run
+    files = sorted((out / "rollouts").glob("step_*.safetensors"))
+    assert [f.name for f in files] == ["step_000000.safetensors", "step_000001.safetensors", "step_000002.safetensors"]
+    batch = RolloutBatch.load(files[1])
+    assert len(batch) == 16 and batch.routes is not None and batch.mask_offsets is not None
+    assert batch.routes.dtype == np.uint8 and batch.routes.shape[1:] == (2, 2)
+    assert set(batch.weight_versions) == {"step-1"}  # generated after the first weight sync
+
+
+def test_routing_none_on_the_same_data_reports_natural_flips(tmp_path, r3_run):
+    _, r3_metrics = r3_run
+    metrics = run_train(tmp_path, "replay.routing=none", "train.steps=1")
+    # step 1 generates the same rollout (same seeds, same initial weights) as the R3 run
+    assert metrics[0]["reward/mean"] == r3_metrics[0]["reward/mean"]
+    assert metrics[0]["replay/rollout_vs_natural/flip_rate"] > 0.0
+    assert "replay/rollout_vs_applied/flip_rate" not in metrics[0]
+
+
+def test_killed_run_resumes_from_checkpoint_with_identical_next_step(tmp_path, r3_run):
+    _, uninterrupted = r3_run
+    proc = subprocess.Popen(train_cmd(tmp_path, "replay.routing=r3"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    latest, deadline = tmp_path / "checkpoints" / "latest", time.time() + 400
+    try:
+        while time.time() < deadline and proc.poll() is None:
+            if latest.exists() and json.loads((_step_dir(latest) / "meta.json").read_text())["extra"]["rl_step"] >= 1:
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None, f"run ended before it could be killed:\n{proc.stderr.read()[-3000:]}"
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    resumed = run_train(tmp_path, "replay.routing=r3")
+    assert [m["step"] for m in resumed] == [1, 2, 3]
+    for before, after in zip(uninterrupted, resumed, strict=True):
+        same = {k: v for k, v in before.items() if not k.startswith(("time/", "rollout/tokens_per_s"))}
+        assert same == {k: after[k] for k in same}, f"step {before['step']} differs after resume"
+
+
+def _step_dir(latest: Path) -> Path:
+    return latest.parent / f"step_{int(latest.read_text()):08d}"
