@@ -42,7 +42,7 @@ def weight_stats(prefix: str, w: torch.Tensor, valid: torch.Tensor) -> Metrics:
     n = valid.sum().clamp_min(1).to(w.dtype)
     mean = masked_sum(w, valid) / n
     sq = masked_sum(w * w, valid) / n
-    ess = torch.where(sq > 0, mean * mean / sq, torch.zeros((), dtype=w.dtype))
+    ess = torch.where(sq > 0, mean * mean / sq, torch.zeros((), dtype=w.dtype, device=w.device))
     return {
         f"{prefix}/weight_mean": metric(mean),
         f"{prefix}/weight_std": metric((sq - mean * mean).clamp_min(0).sqrt()),
@@ -89,7 +89,8 @@ def _icepop_weights(old_logp, rollout_logp, mask, low, high, weighted):
     below = (k < low) & mask
     above = (k > high) & mask
     keep = mask & ~below & ~above
-    w = torch.where(keep, k if weighted else torch.ones((), dtype=k.dtype), torch.zeros((), dtype=k.dtype))
+    zero, one = torch.zeros((), dtype=k.dtype, device=k.device), torch.ones((), dtype=k.dtype, device=k.device)
+    w = torch.where(keep, k if weighted else one, zero)
     n = mask.sum()
     n_below, n_above = below.sum(), above.sum()
     return w, {
@@ -138,7 +139,7 @@ def _truncated_is_weights(old_logp, rollout_logp, mask, level, threshold, batch_
         log_rho = log_ratio(old_logp, rollout_logp)
         w = torch.where(mask, torch.exp(log_rho).clamp(max=threshold), zero)
         trunc_frac = ((log_rho > math.log(threshold)) & mask).sum() / mask.sum()
-        norm = masked_mean(w, mask) if batch_normalize else torch.ones((), dtype=w.dtype)
+        norm = masked_mean(w, mask) if batch_normalize else torch.ones((), dtype=w.dtype, device=w.device)
         w = w / norm
         stats = weight_stats("is", w, mask)
     else:
@@ -148,7 +149,7 @@ def _truncated_is_weights(old_logp, rollout_logp, mask, level, threshold, batch_
         log_rho_seq = masked_sum(old_logp - rollout_logp, mask, dim=1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
         trunc_frac = ((log_rho_seq > math.log(threshold)) & valid).sum() / valid.sum()
         w_seq = torch.exp(log_rho_seq).clamp(max=threshold)
-        norm = masked_mean(w_seq, valid) if batch_normalize else torch.ones((), dtype=w_seq.dtype)
+        norm = masked_mean(w_seq, valid) if batch_normalize else torch.ones((), dtype=w_seq.dtype, device=w_seq.device)
         w_seq = w_seq / norm
         w = torch.where(mask, w_seq[:, None], zero)
         stats = weight_stats("is", w_seq, valid)

@@ -33,7 +33,8 @@ def _self_normalised_chi2(log_w: torch.Tensor, valid: torch.Tensor) -> tuple[tor
     (every shifted weight is ≤ 1; ones that underflow weigh < 1e-38 of the max).
     """
     n = valid.sum().to(log_w.dtype)
-    e = torch.where(valid, torch.exp(log_w - masked_max(log_w, valid)), torch.zeros((), dtype=log_w.dtype))
+    zero = torch.zeros((), dtype=log_w.dtype, device=log_w.device)
+    e = torch.where(valid, torch.exp(log_w - masked_max(log_w, valid)), zero)
     s1, s2 = e.sum(), (e * e).sum()
     one_plus_chi2 = (n * s2 / (s1 * s1)).clamp_min(1)  # ≥ 1 by Cauchy–Schwarz; clamp removes rounding only
     return one_plus_chi2 - 1, 1 / one_plus_chi2
@@ -82,14 +83,14 @@ def _offpolicy_metrics(old: torch.Tensor, roll: torch.Tensor, mask: torch.Tensor
     mean_old, mean_roll = mean(old), mean(roll)
     p_old, p_roll = torch.exp(old), torch.exp(roll)
     diff = (p_old - p_roll).abs()
-    a = torch.where(mask, p_old - mean(p_old), torch.zeros((), dtype=old.dtype))
-    b = torch.where(mask, p_roll - mean(p_roll), torch.zeros((), dtype=old.dtype))
+    a = torch.where(mask, p_old - mean(p_old), torch.zeros((), dtype=old.dtype, device=old.device))
+    b = torch.where(mask, p_roll - mean(p_roll), torch.zeros((), dtype=old.dtype, device=old.device))
     denom = torch.sqrt((a * a).sum() * (b * b).sum())
     diff_max = masked_max(diff, mask)
     if bool(denom > 0):
         pearson = (a * b).sum() / denom
     else:  # a constant vector has no correlation; report agreement instead of NaN
-        pearson = torch.tensor(1.0 if bool(diff_max == 0) else 0.0)
+        pearson = torch.tensor(1.0 if bool(diff_max == 0) else 0.0, device=old.device)
     return {
         "offpolicy/kl_k1": metric(-mean(lr)),
         "offpolicy/kl_k3": metric(mean(torch.expm1(lr_c) - lr_c)),

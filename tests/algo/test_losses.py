@@ -178,3 +178,14 @@ def test_gradcheck_float64(name):
     # ratios spread over both sides of the clip range, away from the kinks
     logp = lp0.clone().requires_grad_(True)
     assert torch.autograd.gradcheck(fns[name], (logp,), eps=1e-6, atol=1e-7)
+
+
+def test_bfloat16_inputs_are_upcast_and_gradient_reaches_the_leaf():
+    torch.manual_seed(3)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    old = -torch.rand(2, 3)
+    logp = (old + 0.01).to(torch.bfloat16).requires_grad_(True)
+    loss, _ = ppo_clip_loss(logp, old.to(torch.bfloat16), torch.tensor([1.0, -1.0]), mask)
+    assert loss.dtype == torch.float32
+    loss.backward()
+    assert logp.grad is not None and logp.grad.dtype == torch.bfloat16

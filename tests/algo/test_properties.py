@@ -116,3 +116,49 @@ def test_losses_finite_and_identity_ratio_never_clipped(batch):
         (g,) = torch.autograd.grad(loss, logp)
         assert math.isfinite(loss.item()) and bool(torch.isfinite(g).all())
         assert m["loss/clip_frac"].item() == 0.0
+
+
+@st.composite
+def configs(draw):
+    from moe_rl.config import CorrectionConfig, LossConfig  # noqa: PLC0415
+
+    rs_mode = draw(st.sampled_from((None, *RS_MODES)))
+    k1 = rs_mode is not None and rs_mode.endswith("k1")
+    icepop = draw(st.booleans())
+    corr = CorrectionConfig(
+        mode=draw(st.sampled_from(["bypass", "decoupled"])),
+        is_level="none" if icepop else draw(st.sampled_from(["none", "token", "sequence"])),
+        is_batch_normalize=draw(st.booleans()),
+        rs_mode=rs_mode,
+        rs_lower=0.5 if k1 else None,
+        rs_upper=None if rs_mode is None else (2.0 if k1 else draw(st.floats(0.01, 5.0))),
+        icepop=icepop,
+        icepop_weighted=draw(st.booleans()),
+        token_veto_threshold=draw(st.sampled_from([None, 1e-4])),
+        opsm_delta=draw(st.sampled_from([None, 0.0, 0.1])),
+    )
+    loss = LossConfig(
+        type=draw(st.sampled_from(["ppo_clip", "gspo", "gspo_token", "cispo", "reinforce"])),
+        dual_clip_c=draw(st.sampled_from([None, 3.0])),
+        aggregation=draw(st.sampled_from(["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])),
+        kl_coef=draw(st.sampled_from([0.0, 0.1])),
+        kl_estimator=draw(st.sampled_from(["k1", "k2", "k3", "k3_plus"])),
+    )
+    return corr, loss
+
+
+@SETTINGS
+@given(batches(), configs())
+def test_entry_point_is_finite_and_only_removes_for_any_config(batch, cfgs):
+    from moe_rl.algo import compute_policy_loss  # noqa: PLC0415
+
+    old, roll, mask, adv = batch
+    corr, loss_cfg = cfgs
+    logp = (old + 0.1).requires_grad_(True)
+    old_in = old if corr.mode == "decoupled" else None
+    loss, m = compute_policy_loss(loss_cfg, corr, logp, old_in, roll, adv, mask, ref_logp=roll)
+    (g,) = torch.autograd.grad(loss, logp)
+    assert math.isfinite(loss.item()) and bool(torch.isfinite(g).all())
+    assert bool((g[~mask] == 0).all()), "padding must never receive gradient"
+    assert all(bool(torch.isfinite(v)) for v in m.values()), {k: v.item() for k, v in m.items()}
+    assert 0 <= m["correction/kept_token_frac"].item() <= 1
