@@ -15,7 +15,8 @@ Framework"; seed 000, "Notation map"): μ = ``rollout_logp`` (SGLang), π_old =
 - Rejection (rs_mode, token veto, OPSM) always applies: each is computed on the input
   mask and the keep masks are AND-ed. OPSM always compares π_θ with μ (DeepSeek-V3.2).
 - Truncated IS is computed over the kept tokens, so batch normalisation is over what
-  enters the loss.
+  enters the loss. IcePop together with TIS gives min(ρ, C)·1[band] (the band mask times
+  the truncated weight), never two ratio factors.
 """
 
 from __future__ import annotations
@@ -100,26 +101,33 @@ def _rejection(cfg, source, rollout, mask, logp, advantages, metrics):
 
 
 def _is_weights(cfg, loss_type, source, rollout, mask, keep, metrics):
-    """IS weights to multiply into the loss (or None), plus their metrics."""
+    """IS weights to multiply into the loss (or None), plus their metrics.
+
+    IcePop alone: k·1[band] (``icepop_weighted``) or 1[band]. TIS alone: min(ρ, C) (token or
+    sequence). Both: the band mask times the truncated weight, min(ρ, C)·1[band] — verl's
+    token-IcePop preset — since two ratio factors would count π_old/μ twice.
+    """
     is_level = "none" if cfg.is_level is None else cfg.is_level
     if is_level not in ("none", "token", "sequence"):
         raise ValueError(f"correction.is_level: expected 'none', 'token' or 'sequence', got {cfg.is_level!r}")
-    if cfg.icepop and is_level != "none":
-        raise ValueError("correction: icepop and is_level are both IS weights on π_old/μ; enable one, not both")
     ratio_in_bypass = cfg.mode == "bypass" and loss_type in RATIO_LOSSES
-    weights = None
+    band = None
     if cfg.icepop:
-        # In bypass the ratio loss already carries π_θ/μ: keep only IcePop's band mask.
-        weighted = cfg.icepop_weighted and not ratio_in_bypass
-        weights, m = icepop_weights(source, rollout, mask, cfg.icepop_low, cfg.icepop_high, weighted)
+        # A ratio factor is never applied to a ratio loss in bypass (π_θ/μ is already in it),
+        # and not twice when TIS supplies the weight: then IcePop contributes only its mask.
+        weighted = cfg.icepop_weighted and not ratio_in_bypass and is_level == "none"
+        band, m = icepop_weights(source, rollout, mask, cfg.icepop_low, cfg.icepop_high, weighted)
         metrics = metrics | m
-    elif is_level != "none" and bool(keep.any()):
+    weights = None
+    if is_level != "none" and bool(keep.any()):
         weights, m = truncated_is_weights(source, rollout, keep, is_level, cfg.is_threshold, cfg.is_batch_normalize)
         metrics = metrics | m
         metrics["is/applied"] = metric(0.0 if ratio_in_bypass else 1.0)
         if ratio_in_bypass:
             weights = None  # logged, never applied: it would count π_θ/μ twice
-    return weights, metrics
+    if band is None:
+        return weights, metrics
+    return (band if weights is None else band * weights), metrics
 
 
 def compute_policy_loss(

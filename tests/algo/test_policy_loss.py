@@ -7,6 +7,7 @@ Expected losses are re-derived in each test from the formulas with plain torch o
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,6 +92,31 @@ def test_decoupled_icepop_weighted_on_gspo_token(batch):
     torch.testing.assert_close(loss.detach(), per_seq.mean())
 
 
+def test_icepop_with_token_tis_is_band_mask_times_truncated_weight(batch):
+    logp, old, roll, adv, mask = batch
+    corr = CorrectionConfig(mode="decoupled", is_level="token", is_threshold=1.1, icepop=True, icepop_low=0.8,
+                            icepop_high=1.25)  # fmt: skip
+    loss, m = compute_policy_loss(LossConfig(type="ppo_clip"), corr, logp, old, roll, adv, mask)
+    rho = torch.exp(old - roll)
+    w = rho.clamp(max=1.1) * ((rho >= 0.8) & (rho <= 1.25)).to(F64)  # one ratio factor, not two
+    torch.testing.assert_close(loss, _mean(w * _ppo_terms(logp, old, adv), mask))
+    assert 0 < m["icepop/masked_frac"].item() < 1 and 0 < m["is/truncated_frac"].item() < 1
+
+
+@pytest.mark.parametrize("path", sorted(Path(__file__).parents[2].joinpath("configs").glob("*.yaml")))
+def test_every_shipped_config_runs_through_the_entry_point(path, batch):
+    from moe_rl.config import load_config  # noqa: PLC0415
+
+    cfg = load_config(path)
+    logp, old, roll, adv, mask = batch
+    old_in = old if cfg.correction.mode == "decoupled" else None
+    loss, m = compute_policy_loss(cfg.loss, cfg.correction, logp, old_in, roll, adv, mask, ref_logp=roll,
+                                  entropy=torch.zeros_like(roll))  # fmt: skip
+    loss.backward()
+    assert torch.isfinite(loss) and bool(torch.isfinite(logp.grad).all())
+    assert all(math.isfinite(v) for v in metrics_to_floats(m).values())
+
+
 def test_rejections_are_anded_and_reported(batch):
     logp, old, roll, adv, mask = batch
     old = old.clone()
@@ -143,8 +169,6 @@ def test_entry_point_errors(batch):
         compute_policy_loss(LossConfig(), CorrectionConfig(mode="decoupled"), logp, None, roll, adv, mask)
     with pytest.raises(ValueError, match="old_logp: bypass"):
         compute_policy_loss(LossConfig(), CorrectionConfig(mode="bypass"), logp, old, roll, adv, mask)
-    with pytest.raises(ValueError, match="icepop and is_level"):
-        compute_policy_loss(LossConfig(), CorrectionConfig(icepop=True, is_level="token"), logp, old, roll, adv, mask)
     with pytest.raises(ValueError, match="ref_logp"):
         compute_policy_loss(LossConfig(kl_coef=0.1), CorrectionConfig(), logp, old, roll, adv, mask)
     with pytest.raises(ValueError, match="entropy"):

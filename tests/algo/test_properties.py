@@ -127,7 +127,7 @@ def configs(draw):
     icepop = draw(st.booleans())
     corr = CorrectionConfig(
         mode=draw(st.sampled_from(["bypass", "decoupled"])),
-        is_level="none" if icepop else draw(st.sampled_from(["none", "token", "sequence"])),
+        is_level=draw(st.sampled_from(["none", "token", "sequence"])),
         is_batch_normalize=draw(st.booleans()),
         rs_mode=rs_mode,
         rs_lower=0.5 if k1 else None,
