@@ -42,7 +42,8 @@ def unsupported_router_options(tcfg) -> list[str]:
         bad.append("moe_router_load_balancing_type='sinkhorn' (sinkhorn routing bypasses the replay hook)")
     if getattr(tcfg, "moe_expert_capacity_factor", None) is not None:
         bad.append(
-            f"moe_expert_capacity_factor={tcfg.moe_expert_capacity_factor} (capacity dropping would drop replayed assignments)"
+            f"moe_expert_capacity_factor={tcfg.moe_expert_capacity_factor} "
+            "(capacity dropping would drop replayed assignments)"
         )
     if not getattr(tcfg, "moe_enable_routing_replay", False):
         bad.append("moe_enable_routing_replay=False (routers have no replay hook; build with it True)")
@@ -180,7 +181,8 @@ class RoutingReplay:
 
     def _to_local(self, routes: torch.Tensor, i: int, local: bool) -> torch.Tensor:
         if not torch.is_tensor(routes) or routes.dim() != 4:
-            raise ValueError(f"microbatches[{i}] must be a tensor routes[B, S, L_moe, K]; got {getattr(routes, 'shape', type(routes))}")
+            got = getattr(routes, "shape", type(routes))
+            raise ValueError(f"microbatches[{i}] must be a tensor routes[B, S, L_moe, K]; got {got}")
         L = len(self.layers) if local else self.num_moe_layers
         if routes.shape[2:] != (L, self.top_k):
             raise ValueError(
@@ -198,14 +200,14 @@ class RoutingReplay:
         if tcfg.context_parallel_size > 1:
             from megatron.core import parallel_state
 
-            routes = context_parallel_shard(routes, tcfg.context_parallel_size, parallel_state.get_context_parallel_rank())
+            cp_rank = parallel_state.get_context_parallel_rank()
+            routes = context_parallel_shard(routes, tcfg.context_parallel_size, cp_rank)
         per_layer = to_megatron_layout(routes)
         if tcfg.sequence_parallel and tcfg.tensor_model_parallel_size > 1:
             from megatron.core import parallel_state
 
-            per_layer = sequence_parallel_shard(
-                per_layer, routes.shape[0], tcfg.tensor_model_parallel_size, parallel_state.get_tensor_model_parallel_rank()
-            )
+            tp_rank = parallel_state.get_tensor_model_parallel_rank()
+            per_layer = sequence_parallel_shard(per_layer, routes.shape[0], tcfg.tensor_model_parallel_size, tp_rank)
         return per_layer.to(device)
 
     @contextlib.contextmanager

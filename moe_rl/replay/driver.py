@@ -61,7 +61,8 @@ class ReplayDriver:
                 f"pass, which correction.mode={correction_mode!r} does not run)"
             )
         tcfg = replay.config
-        if mode == "r2" and (tcfg.context_parallel_size > 1 or (tcfg.sequence_parallel and tcfg.tensor_model_parallel_size > 1)):
+        sharded = tcfg.context_parallel_size > 1 or (tcfg.sequence_parallel and tcfg.tensor_model_parallel_size > 1)
+        if mode == "r2" and sharded:
             raise ValueError(
                 "replay.routing='r2' keeps per-sample records of unsharded sequences; context parallel and "
                 "sequence parallel (tp > 1) are not supported with it yet -- use replay.routing='r3'"

@@ -68,7 +68,8 @@ def _check(logits: torch.Tensor, targets: torch.Tensor, kept: KeptSets | None, t
     if targets.shape != (N,):
         raise ValueError(f"targets must be [N]={N}; got shape {tuple(targets.shape)}")
     if N and (int(targets.min()) < 0 or int(targets.max()) >= V):
-        raise ValueError(f"targets must be token ids in [0, {V}); got range [{int(targets.min())}, {int(targets.max())}]")
+        lo, hi = int(targets.min()), int(targets.max())
+        raise ValueError(f"targets must be token ids in [0, {V}); got range [{lo}, {hi}]")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0; got {temperature}")
     if kept is None:
@@ -82,7 +83,8 @@ def _check(logits: torch.Tensor, targets: torch.Tensor, kept: KeptSets | None, t
             f"got first={int(kept.offsets[0])} last={int(kept.offsets[-1])}"
         )
     if M and (int(kept.ids.min()) < 0 or int(kept.ids.max()) >= V):
-        raise ValueError(f"kept.ids must be token ids in [0, {V}); got range [{int(kept.ids.min())}, {int(kept.ids.max())}]")
+        lo, hi = int(kept.ids.min()), int(kept.ids.max())
+        raise ValueError(f"kept.ids must be token ids in [0, {V}); got range [{lo}, {hi}]")
 
 
 def keep_mask_logprobs(

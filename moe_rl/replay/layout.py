@@ -39,7 +39,9 @@ def check_routes(routes: torch.Tensor, num_experts: int, field: str = "routes") 
         if bool(dup.any()):
             where = tuple(int(i) for i in dup.nonzero()[0])
             # duplicated experts collapse in Megatron's routing map (field-facts.md bug #3)
-            raise ValueError(f"{field}{list(where)} repeats an expert: {routes[where].tolist()}; top-k ids must be distinct")
+            raise ValueError(
+                f"{field}{list(where)} repeats an expert: {routes[where].tolist()}; top-k ids must be distinct"
+            )
 
 
 def pack_microbatch_routes(
@@ -56,14 +58,17 @@ def pack_microbatch_routes(
         raise ValueError("sample_routes is empty; expected one [rows, L, K] array per sample")
     shapes = {tuple(r.shape[1:]) for r in sample_routes}
     if len(shapes) != 1 or any(r.ndim != 3 for r in sample_routes):
-        raise ValueError(f"every sample route must be [rows, L, K] with the same L, K; got shapes {[tuple(r.shape) for r in sample_routes]}")
+        got = [tuple(r.shape) for r in sample_routes]
+        raise ValueError(f"every sample route must be [rows, L, K] with the same L, K; got shapes {got}")
     L, K = shapes.pop()
     out = np.empty((len(sample_routes), seq_len, L, K), dtype=np.int64)
     for b, r in enumerate(sample_routes):
         r = r.cpu().numpy() if torch.is_tensor(r) else np.asarray(r)
         n = r.shape[0]
         if n > seq_len:
-            raise ValueError(f"sample {first_sample + b} has {n} route rows but the microbatch is only seq_len={seq_len} positions")
+            raise ValueError(
+                f"sample {first_sample + b} has {n} route rows but the microbatch is only seq_len={seq_len} positions"
+            )
         out[b, :n] = r
         start = (first_sample + b) * seq_len + n
         out[b, n:] = pad_routes(seq_len - n, L, K, num_experts, start=start)

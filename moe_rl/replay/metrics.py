@@ -17,7 +17,9 @@ __all__ = ["expert_set_flips", "FlipCounter"]
 def expert_set_flips(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a[..., L, K]``, ``b[..., L, K]`` expert ids -> ``flips[..., L]`` bool (sets differ)."""
     if a.shape != b.shape:
-        raise ValueError(f"routes to compare must have the same shape [..., L, K]; got {tuple(a.shape)} and {tuple(b.shape)}")
+        raise ValueError(
+            f"routes to compare must have the same shape [..., L, K]; got {tuple(a.shape)} and {tuple(b.shape)}"
+        )
     return (a.sort(dim=-1).values != b.sort(dim=-1).values).any(dim=-1)
 
 
@@ -44,7 +46,8 @@ class FlipCounter:
                 f"{self.name}: routes must be [B, S, L={len(self.layer_ids)}, K]; got {tuple(reference.shape)}"
             )
         if valid.shape != reference.shape[:2]:
-            raise ValueError(f"{self.name}: valid must be [B, S]={tuple(reference.shape[:2])}; got {tuple(valid.shape)}")
+            want = tuple(reference.shape[:2])
+            raise ValueError(f"{self.name}: valid must be [B, S]={want}; got {tuple(valid.shape)}")
         flips = expert_set_flips(reference.cpu(), other.cpu())[valid.cpu().bool()]  # [N_valid, L]
         self.layer_flips += flips.sum(dim=0).double()
         self.tokens += int(flips.shape[0])

@@ -56,7 +56,9 @@ def build_pp_stage(cfg):
     from moe_rl.learner.model import _layer_spec, transformer_config_from
 
     one_stage = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"pp": 1})})
-    tcfg = dataclasses.replace(transformer_config_from(one_stage), pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
+    tcfg = dataclasses.replace(
+        transformer_config_from(one_stage), pipeline_model_parallel_size=2, pipeline_dtype=torch.float32
+    )
     seed_model_parallel_rng(0)
     return GPTModel(config=tcfg, transformer_layer_spec=_layer_spec(tcfg, False), vocab_size=cfg.model.vocab_size,
                     max_sequence_length=cfg.model.seq_length, position_embedding_type="rope",

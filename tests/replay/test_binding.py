@@ -25,7 +25,9 @@ def test_replayed_routes_reach_the_dispatcher_per_layer_per_token_across_padded_
     lengths = [[12, 7], [5, 9], [3, 12]]
     mbs = []
     for m, lens in enumerate(lengths):
-        samples = [random_routes(1, n, 2, K, E, seed=10 * m + i)[0].numpy().astype(np.uint8) for i, n in enumerate(lens)]
+        samples = [
+            random_routes(1, n, 2, K, E, seed=10 * m + i)[0].numpy().astype(np.uint8) for i, n in enumerate(lens)
+        ]
         mbs.append(pack_microbatch_routes(samples, seq_len=S, num_experts=E, first_sample=2 * m))
     probe = RoutingMapProbe(model)
     assert sorted(probe.maps) == [0, 2], "the dense layer must have no router"
@@ -36,7 +38,8 @@ def test_replayed_routes_reach_the_dispatcher_per_layer_per_token_across_padded_
         got = probe.maps[dec_l]
         assert len(got) == 3
         for m in range(3):
-            assert torch.equal(got[m], expected_map(mbs[m], moe_l, E)), f"layer {dec_l} microbatch {m} dispatched other experts"
+            want = expected_map(mbs[m], moe_l, E)
+            assert torch.equal(got[m], want), f"layer {dec_l} microbatch {m} dispatched other experts"
 
 
 ROUTER_VARIANTS = {
@@ -221,7 +224,8 @@ def test_mtp_router_gets_no_routes_and_routes_naturally(compose):
     probe = RoutingMapProbe(model)
     ids = _ids(2, 6, 0)
     with replay.replay([routes]):
-        loss = model(input_ids=ids, position_ids=torch.arange(6).expand(2, 6), attention_mask=attention_mask(ids), labels=ids)
+        pos = torch.arange(6).expand(2, 6)
+        loss = model(input_ids=ids, position_ids=pos, attention_mask=attention_mask(ids), labels=ids)
         loss.float().mean().backward()
     hook.remove()
     for l in range(3):

@@ -70,7 +70,9 @@ def test_keep_mask_matches_brute_force_masked_softmax(seed, n, vocab, top_k, top
         KeptSets.from_lists(rows),
         temperature=temperature,
     )
-    expected = [_brute_logp(z[i], targets[i], rows[i] if rows[i] is None else np.append(rows[i], targets[i])) for i in range(n)]
+    expected = [
+        _brute_logp(z[i], targets[i], None if rows[i] is None else np.append(rows[i], targets[i])) for i in range(n)
+    ]
     # the learner must still renormalise over kept ∪ {y} for the disagreeing rows
     np.testing.assert_allclose(out.logp.numpy(), expected, rtol=0, atol=1e-5)
     assert out.outside_mask.tolist() == expect_outside
@@ -121,10 +123,13 @@ def test_gradient_is_zero_outside_the_kept_set_and_matches_autograd_of_brute_for
 @pytest.mark.parametrize(
     "kwargs, needle",
     [
-        (dict(logits=torch.zeros(2, 4), targets=torch.tensor([0, 4]), kept=None), "targets must be token ids in [0, 4)"),
+        (dict(logits=torch.zeros(2, 4), targets=torch.tensor([0, 4]), kept=None),
+         "targets must be token ids in [0, 4)"),
         (dict(logits=torch.zeros(2, 4), targets=torch.tensor([0]), kept=None), "targets must be [N]=2"),
-        (dict(logits=torch.zeros(2, 4), targets=torch.tensor([0, 1]), kept=KeptSets.from_lists([[0]])), "kept.offsets must be [N+1]=3"),
-        (dict(logits=torch.zeros(2, 4), targets=torch.tensor([0, 1]), kept=KeptSets.from_lists([[0], [9]])), "kept.ids must be token ids in [0, 4)"),
+        (dict(logits=torch.zeros(2, 4), targets=torch.tensor([0, 1]), kept=KeptSets.from_lists([[0]])),
+         "kept.offsets must be [N+1]=3"),
+        (dict(logits=torch.zeros(2, 4), targets=torch.tensor([0, 1]), kept=KeptSets.from_lists([[0], [9]])),
+         "kept.ids must be token ids in [0, 4)"),
         (dict(logits=torch.zeros(4), targets=torch.tensor([0]), kept=None), "logits must be [N, V]"),
     ],
 )

@@ -31,4 +31,5 @@ def test_replay_under_ep2_dispatches_each_ranks_given_routes(torchrun_output, di
 
 def test_pipeline_stages_take_their_own_moe_layers_from_whole_model_routes(torchrun_output):
     rc, out, err = torchrun_output
-    assert rc == 0 and "rank 0 pp: OK" in out and "rank 1 pp: OK" in out, f"torchrun rc={rc}\n{out[-3000:]}\n{err[-3000:]}"
+    ok = rc == 0 and "rank 0 pp: OK" in out and "rank 1 pp: OK" in out
+    assert ok, f"torchrun rc={rc}\n{out[-3000:]}\n{err[-3000:]}"

@@ -5,7 +5,14 @@ import numpy as np
 import torch
 
 from moe_rl.records.batch import RolloutBatch, RolloutSample
-from moe_rl.replay import KeptSets, MicrobatchRoutes, ReplayDriver, RoutingReplay, keep_mask_logprobs, pack_microbatch_routes
+from moe_rl.replay import (
+    KeptSets,
+    MicrobatchRoutes,
+    ReplayDriver,
+    RoutingReplay,
+    keep_mask_logprobs,
+    pack_microbatch_routes,
+)
 from tests.replay.conftest import forward
 from tests.replay.routing_probe import RoutingMapProbe, expected_map
 
