@@ -3,7 +3,8 @@
 Owns IcePop (band-masked ratio) and truncated IS (token / sequence), plus the
 IS-weight health statistics. Every weight returned here is detached: it is a
 change of measure, never something to differentiate (seed 003, "Implementation
-in verl: The Three-Policy Framework"; seed 001, "Truncated Importance Sampling").
+in verl: The Three-Policy Framework"; seed 001, "Correction Approach 2: Truncated
+Importance Sampling (TIS)").
 """
 
 from __future__ import annotations
