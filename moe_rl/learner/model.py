@@ -222,7 +222,15 @@ def forward_logits(
             position_ids = torch.arange(T, device=input_ids.device).expand_as(input_ids)
         else:
             position_ids = packed_position_ids(segment_ids)
-    mask = attention_mask(input_ids, segment_ids)
+    if segment_ids is not None and use_transformer_engine():
+        raise NotImplementedError(
+            "packed batches (segment_ids) use an explicit block-diagonal mask, which the Transformer "
+            "Engine spec's causal attention ignores; pad the batch instead (THD PackedSeqParams not wired yet)"
+        )
+    if torch.cuda.is_available() and segment_ids is None:
+        mask = None  # Megatron builds its causal mask on the GPU (TE ignores masks for causal attention)
+    else:
+        mask = attention_mask(input_ids, segment_ids)
     return model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask)
 
 

@@ -29,6 +29,15 @@ Microbatch = dict
 LossFn = Callable[[torch.Tensor, torch.Tensor | None, Microbatch], tuple[torch.Tensor, dict]]
 """``loss_fn(logp[B, T], entropy[B, T] | None, microbatch) -> (loss[], metrics)``."""
 
+LogprobFn = Callable[[torch.nn.Module, Microbatch, float], tuple[torch.Tensor, torch.Tensor | None]]
+"""``logprob_fn(model, microbatch, temperature) -> (logp[B, T], entropy[B, T] | None)``."""
+
+
+def default_logprob_fn(model, mb: Microbatch, temperature: float):
+    """Full-vocabulary log-probs and entropy of ``mb["targets"]`` (see ``response_logprobs``)."""
+    return response_logprobs(model, mb["input_ids"], mb["targets"], segment_ids=mb.get("segment_ids"),
+                             temperature=temperature)
+
 LogprobFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 """``logprob_fn(model, microbatch, temperature) -> (logp[B, T], entropy[B, T] | None)``;
 replaces the full-softmax ``response_logprobs`` (e.g. Keep Sampling Mask renormalisation)."""

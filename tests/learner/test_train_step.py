@@ -115,3 +115,28 @@ def test_loss_fn_must_return_scalar(megatron_world):
     learner = Learner(make_cfg(), total_steps=1)
     with pytest.raises(ValueError, match="scalar loss; got shape"):
         learner.train_step([fixed_batch(256)], lambda lp, e, mb: (lp, {}))
+
+
+def test_custom_logprob_fn_replaces_full_vocab_scoring(megatron_world):
+    """A logprob_fn (e.g. Keep Sampling Mask) is what the loss sees and what gradients flow through."""
+    from moe_rl.learner.logprobs import logprobs_from_logits
+    from moe_rl.learner.model import forward_logits
+    from moe_rl.learner.train_step import Learner
+
+    seen = {}
+
+    def half_temperature(model, mb, temperature):
+        logits = forward_logits(model, mb["input_ids"])
+        return logprobs_from_logits(logits, mb["targets"], temperature=temperature / 2)
+
+    def loss(logp, entropy, mb):
+        seen["logp"] = logp.detach()
+        return nll_loss(logp, entropy, mb)
+
+    mb = fixed_batch(256)
+    a = Learner(make_cfg(), total_steps=1)
+    a.train_step([mb], loss, temperature=1.0, logprob_fn=half_temperature)
+    b = Learner(make_cfg(), total_steps=1)  # same seed, same weights before the step
+    with torch.no_grad():
+        want = logprobs_from_logits(forward_logits(b.model, mb["input_ids"]), mb["targets"], temperature=0.5)[0]
+    assert torch.allclose(seen["logp"], want, atol=1e-6)
