@@ -1,7 +1,7 @@
 """torchrun worker (2 ranks, gloo): expert parallel ep=2 vs ep=1, and vocab-parallel log-probs at tp=2.
 
 Run: ``torchrun --nproc_per_node=2 --master_port=<free> tests/distributed/ep_parity_worker.py
---hf-dir <tiny HF dir> --out <result.json>``. Rank 0 writes the JSON the pytest
+--hf-dir <tiny HF dir> --out <result.json> --work <scratch dir>``. Rank 0 writes the JSON the pytest
 wrapper (``test_expert_parallel.py``) asserts on. Both layouts see the same
 weights (imported from the HF dir) and each rank the same data shard, so they
 differ only in where the experts live and how tokens reach them.
@@ -22,7 +22,8 @@ torch.set_num_threads(1)
 
 from moe_rl.config import ExperimentConfig, ParallelConfig  # noqa: E402
 from moe_rl.learner.dist import init_distributed  # noqa: E402
-from moe_rl.learner.hf_convert import full_megatron_state_dict, load_hf_weights  # noqa: E402
+from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from moe_rl.learner.hf_convert import full_megatron_state_dict, load_hf_weights, read_hf_state_dict  # noqa: E402
 from moe_rl.learner.logprobs import logprobs_from_logits  # noqa: E402
 from moe_rl.learner.model import build_model  # noqa: E402
 from moe_rl.learner.train_step import Learner  # noqa: E402
@@ -37,23 +38,59 @@ def nll(logp, entropy, mb):
     return -(logp * mask).sum() / mask.sum(), {}
 
 
-def run(hf_dir: str, ep: int, dispatcher: str, rank: int) -> dict:
-    cfg = ExperimentConfig.model_validate({
+def _cfg(ep: int, dispatcher: str):
+    return ExperimentConfig.model_validate({
         "model": {**MODEL, "moe_token_dispatcher_type": dispatcher},
         "parallel": {"ep": ep}, "optim": {"lr": 1e-3, "clip_grad": 0.0}, "train": {"seed": 3},
     })
+
+
+def _learner(hf_dir: str, ep: int, dispatcher: str) -> Learner:
+    cfg = _cfg(ep, dispatcher)
     init_distributed(cfg.parallel)
     model = build_model(cfg)
     load_hf_weights(model, hf_dir, cfg.model)
-    learner = Learner(cfg, total_steps=1, model=model)
-    g = torch.Generator().manual_seed(100 + rank)  # this rank's data shard, same for every layout
-    tokens = torch.randint(0, cfg.model.vocab_size, (2, 33), generator=g)
-    stats = learner.train_step([{"input_ids": tokens[:, :-1], "targets": tokens[:, 1:]}], nll)
+    return Learner(cfg, total_steps=3, model=model)
+
+
+def _shard(rank: int, step: int) -> dict:
+    g = torch.Generator().manual_seed(100 * step + rank)  # this rank's data shard, same for every layout
+    tokens = torch.randint(0, MODEL["vocab_size"], (2, 33), generator=g)
+    return {"input_ids": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+def _gather_losses(loss: float) -> list[float]:
+    t = torch.tensor([loss], dtype=torch.float64)
+    out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return [float(x) for x in out]
+
+
+def run(hf_dir: str, ep: int, dispatcher: str, rank: int) -> dict:
+    learner = _learner(hf_dir, ep, dispatcher)
+    stats = learner.train_step([_shard(rank, 1)], nll)
     grads = full_megatron_state_dict(learner.model, grads=True)
-    loss = torch.tensor([stats.loss], dtype=torch.float64)
-    losses = [torch.zeros_like(loss) for _ in range(dist.get_world_size())]
-    dist.all_gather(losses, loss)
-    return {"losses": [float(x) for x in losses], "grad_norm": stats.grad_norm, "grads": grads}
+    return {"losses": _gather_losses(stats.loss), "grad_norm": stats.grad_norm, "grads": grads}
+
+
+def export_and_resume_at_ep2(hf_dir: str, work: Path, rank: int) -> dict:
+    """ep=2: HF export gathers every expert (bitwise round trip); a checkpoint resumes the next step exactly."""
+    learner = _learner(hf_dir, 2, "alltoall")
+    exported = learner.export_hf(work / "export", template_dir=hf_dir)
+    same = None
+    if rank == 0:
+        a, b = read_hf_state_dict(hf_dir), read_hf_state_dict(exported)
+        same = sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    learner.train_step([_shard(rank, 1)], nll)
+    save_checkpoint(learner, work / "ckpt")
+    want = learner.train_step([_shard(rank, 2)], nll)
+    fresh = _learner(hf_dir, 2, "alltoall")
+    load_checkpoint(fresh, work / "ckpt")
+    got = fresh.train_step([_shard(rank, 2)], nll)
+    params_equal = all(torch.equal(p, q) for p, q in zip(learner.module.parameters(), fresh.module.parameters()))
+    flags = torch.tensor([int(got.loss == want.loss and got.grad_norm == want.grad_norm), int(params_equal)])
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    return {"export_round_trip_bitwise": same, "resume_step_exact": bool(flags[0]), "resume_params_equal": bool(flags[1])}
 
 
 def vocab_parallel_check(rank: int) -> dict:
@@ -83,6 +120,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--hf-dir", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--work", required=True, help="shared scratch dir for the export / checkpoint checks")
     args = ap.parse_args()
     init_distributed(ParallelConfig())
     rank = dist.get_rank()
@@ -100,6 +138,7 @@ def main() -> None:
             "worst_grad": max(diffs, key=diffs.get),
             "max_abs_grad": max(float(t.abs().max()) for t in ref["grads"].values()),
         }
+    result["ep2_export_and_resume"] = export_and_resume_at_ep2(args.hf_dir, Path(args.work), rank)
     result["vocab_parallel_tp2"] = vocab_parallel_check(rank)
     if rank == 0:
         Path(args.out).write_text(json.dumps(result, indent=1))

@@ -1,4 +1,4 @@
-"""Expert parallel over gloo (torchrun, 2 ranks): ep=2 equals ep=1; tp=2 vocab-parallel log-probs."""
+"""Expert parallel over gloo (torchrun, 2 ranks): ep=2 equals ep=1, exports and resumes; tp=2 log-probs."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def ep_result(tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     for attempt in range(2):  # a free port can be taken between probe and bind: retry once
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-               f"--master_port={free_port()}", str(WORKER), "--hf-dir", str(hf_dir), "--out", str(out)]
+               f"--master_port={free_port()}", str(WORKER), "--hf-dir", str(hf_dir), "--out", str(out), "--work", str(tmp / "work")]
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
         if proc.returncode == 0:
             break
@@ -55,3 +55,11 @@ def test_vocab_parallel_logprobs_match_full_softmax_at_tp2(ep_result):
     r = ep_result["vocab_parallel_tp2"]
     assert r["logp_max_diff"] < 1e-5 and r["entropy_max_diff"] < 1e-5, r
     assert r["grad_max_diff"] < 1e-5, f"vocab-parallel gradient differs from full softmax: {r}"
+
+
+@pytest.mark.timeout(300)
+def test_ep2_exports_all_experts_and_resumes_exactly(ep_result):
+    r = ep_result["ep2_export_and_resume"]
+    assert r["export_round_trip_bitwise"], "ep=2 HF export differs from the HF dir it was imported from"
+    assert r["resume_step_exact"], "ep=2 resumed step gives a different loss or grad norm"
+    assert r["resume_params_equal"], "ep=2 resumed step gives different parameters"
