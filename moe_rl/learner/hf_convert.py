@@ -9,13 +9,15 @@ details: /work/shared/notes/megatron-core-on-cpu.md ("HF Qwen3-MoE <-> ...").
 Layout facts that a parity test catches when broken:
   * ``linear_qkv`` rows are grouped per query group: ``[q heads of group g; k_g; v_g]``.
   * ``linear_fc1`` is ``cat([gate_proj, up_proj])`` (gate first, SwiGLU).
-Scope: tp=1 and pp=1 for import/export (ep any); other layouts raise.
+Both Megatron specs are handled: TE-spec names are mapped to local-spec names first
+(``canonical_name``). Scope: tp=1 and pp=1 for import/export (ep any); other layouts raise.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -32,6 +34,7 @@ __all__ = [
     "read_hf_state_dict",
     "load_hf_weights",
     "full_megatron_state_dict",
+    "canonical_name",
     "export_hf_checkpoint",
 ]
 
@@ -154,12 +157,36 @@ def read_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _require_convertible(model_cfg_or_tcfg) -> None:
+def _require_convertible() -> None:
     from megatron.core import parallel_state as ps
 
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     if tp != 1 or pp != 1:
         raise NotImplementedError(f"HF conversion supports tp=1, pp=1; this job has tp={tp}, pp={pp}")
+
+
+_TE_FUSED_NORMS = (
+    (".self_attention.linear_qkv.layer_norm_weight", ".input_layernorm.weight"),
+    (".mlp.linear_fc1.layer_norm_weight", ".pre_mlp_layernorm.weight"),  # dense layers
+)
+_TE_GROUPED = re.compile(r"^(.*\.mlp\.experts)\.(linear_fc[12])\.weight(\d+)$")
+
+
+def canonical_name(name: str) -> str:
+    """Local-spec name for a parameter of either spec.
+
+    The Transformer Engine spec fuses the pre-attention / dense pre-MLP norms into
+    the next linear (``linear_qkv.layer_norm_weight``) and stores grouped-GEMM
+    experts as ``experts.linear_fc1.weight<e>``; the local spec has separate norm
+    modules and ``experts.local_experts.<e>.linear_fc1.weight``.
+    """
+    for te, local in _TE_FUSED_NORMS:
+        if name.endswith(te):
+            return name[: -len(te)] + local
+    m = _TE_GROUPED.match(name)
+    if m:
+        return f"{m.group(1)}.local_experts.{m.group(3)}.{m.group(2)}.weight"
+    return name
 
 
 def _expert_slot(name: str) -> tuple[str, int, str] | None:
@@ -183,15 +210,15 @@ def _local_expert_range(model) -> tuple[int, int]:
 
 def load_hf_weights(model, hf_dir: str | Path, model_cfg) -> None:
     """Copy an HF checkpoint into ``model`` in place (this rank's experts only under ep > 1)."""
-    _require_convertible(model_cfg)
+    _require_convertible()
     full = hf_to_megatron(read_hf_state_dict(hf_dir), model_cfg)
     start, num_local = _local_expert_range(model)
     target = unwrap(model).state_dict()
     loaded = set()
     with torch.no_grad():
         for name, tensor in target.items():
-            slot = _expert_slot(name)
-            src = name if slot is None else f"{slot[0]}{start + slot[1]}.{slot[2]}"
+            slot = _expert_slot(canonical_name(name))
+            src = canonical_name(name) if slot is None else f"{slot[0]}{start + slot[1]}.{slot[2]}"
             if src not in full:
                 continue
             if full[src].shape != tensor.shape:
@@ -219,6 +246,7 @@ def full_megatron_state_dict(model, grads: bool = False) -> dict[str, torch.Tens
     else:
         local = {n: p.detach() for n, p in m.named_parameters()}
         local.update({n: b.detach() for n, b in m.named_buffers() if n.endswith("router.expert_bias")})
+    local = {canonical_name(n): t for n, t in local.items()}
     start, num_local = _local_expert_range(model)
     ep = ps.get_expert_model_parallel_world_size()
     out: dict[str, torch.Tensor] = {}
@@ -261,7 +289,7 @@ def export_hf_checkpoint(model, model_cfg, out_dir: str | Path, template_dir: st
     """
     import torch.distributed as dist
 
-    _require_convertible(model_cfg)
+    _require_convertible()
     state = full_megatron_state_dict(model)
     if dist.is_initialized() and dist.get_rank() != 0:
         return None

@@ -109,3 +109,21 @@ def test_import_rejects_checkpoint_of_another_shape(megatron_world, tmp_path):
     model = build_model(make_cfg(), seed=1)
     with pytest.raises(ValueError, match=r"linear_fc1.weight: HF tensor has shape \(32, 64\), model expects \(64, 64\)"):
         load_hf_weights(model, src, make_cfg().model)
+
+
+@pytest.mark.parametrize(
+    "te_name,local_name",
+    [
+        ("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", "decoder.layers.0.input_layernorm.weight"),
+        ("decoder.layers.0.mlp.linear_fc1.layer_norm_weight", "decoder.layers.0.pre_mlp_layernorm.weight"),
+        ("decoder.layers.3.mlp.experts.linear_fc1.weight12", "decoder.layers.3.mlp.experts.local_experts.12.linear_fc1.weight"),
+        ("decoder.layers.3.mlp.experts.linear_fc2.weight0", "decoder.layers.3.mlp.experts.local_experts.0.linear_fc2.weight"),
+        ("decoder.layers.3.mlp.router.weight", "decoder.layers.3.mlp.router.weight"),
+        ("decoder.layers.3.pre_mlp_layernorm.weight", "decoder.layers.3.pre_mlp_layernorm.weight"),
+    ],
+)
+def test_transformer_engine_spec_names_map_to_local_spec_names(te_name, local_name):
+    """The TE spec (GPU) fuses norms into linears and groups experts; conversion sees local names."""
+    from moe_rl.learner.hf_convert import canonical_name
+
+    assert canonical_name(te_name) == local_name
