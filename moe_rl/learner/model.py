@@ -58,6 +58,11 @@ def transformer_config_kwargs(cfg) -> dict:
             f"model.mtp_num_layers={m.mtp_num_layers}: multi-token prediction is not supported by the "
             "moe_rl learner yet; expected 0"
         )
+    if p.tp > 1 and not use_transformer_engine():
+        raise ValueError(
+            f"parallel.tp={p.tp} needs Transformer Engine on a GPU: Megatron-Core trains MoE with tp > 1 only "
+            "under sequence parallelism, which the local spec's torch norms do not support; use parallel.tp=1 here"
+        )
     fp8 = fp8_transformer_fields(prec.fp8)
     if fp8:
         missing = fp8_runtime_missing()
@@ -118,7 +123,7 @@ def transformer_config_kwargs(cfg) -> dict:
         context_parallel_size=p.cp,
         expert_model_parallel_size=p.ep,
         expert_tensor_parallel_size=p.etp if p.etp is not None else p.tp,
-        sequence_parallel=p.tp > 1,
+        sequence_parallel=p.tp > 1,  # Megatron's MoE layer refuses to train with tp > 1 without it
         # precision
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,

@@ -100,6 +100,15 @@ def test_routing_replay_is_attached_to_every_router(megatron_world):
     assert all(getattr(r, "router_replay", None) is not None for r in moe_routers(model))
 
 
+def test_tensor_parallel_without_te_is_rejected_at_config_time():
+    from moe_rl.config import ExperimentConfig
+    from moe_rl.learner.model import transformer_config_from
+
+    cfg = ExperimentConfig.model_validate({"parallel": {"tp": 2}})
+    with pytest.raises(ValueError, match=r"parallel.tp=2 needs Transformer Engine on a GPU"):
+        transformer_config_from(cfg)
+
+
 def test_mtp_is_rejected_with_a_clear_message():
     from moe_rl.learner.model import transformer_config_from
 
