@@ -184,8 +184,9 @@ class RolloutClient:
         body = self.request_body(prompt, seed)
         errors = []
         async with gate:
+            first = next(self._next_server)  # round-robin per request; a retry moves to the next server
             for attempt in range(self.max_retries + 1):
-                url = self.addresses[next(self._next_server) % len(self.addresses)]
+                url = self.addresses[(first + attempt) % len(self.addresses)]
                 try:
                     reply = await self._post(http, url, body)
                     return self._to_sample(reply, prompt, group_id, url)

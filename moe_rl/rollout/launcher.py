@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import signal
 import socket
@@ -23,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STUBS_DIR = REPO_ROOT / "patches" / "stubs"
@@ -136,6 +139,11 @@ class SGLangServer:
 
     def start(self) -> SGLangServer:
         """Spawn the server in its own process group and wait for `/health` (ServerStartError)."""
+        if self.spec.device == "cpu" and self.spec.deterministic and self.spec.dtype == "float32":
+            logger.warning(
+                "deterministic rollouts on CPU are bit-exact across batch compositions only in bfloat16: "
+                "fp32 CPU matmuls change kernels with the batch size (docs/sglang.md)"
+            )
         port = self.spec.port or free_port(self.spec.host)
         self.url = f"http://{self.spec.host}:{port}"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -120,20 +120,10 @@ def test_behaviour_logprobs_equal_hf_full_vocab_logprobs(batch, hf_fp32, route_s
         np.testing.assert_allclose(s.rollout_logp, ref, atol=2e-4, err_msg="log-probs over the full tempered vocab")
 
 
-def test_seeded_request_is_bit_identical_alone_and_among_concurrent_requests(sglang_server, route_spec):
-    client = client_for([sglang_server.url], route_spec, max_concurrency=9)
-    target = make_prompts(1, seed=11)
-    alone = client.generate(target, n=1, group_ids=[7], step=3)[0]
-    crowd = client.generate(target + make_prompts(8, seed=12), n=1, group_ids=[7, *range(100, 108)], step=3)[0]
-    np.testing.assert_array_equal(crowd.response_ids, alone.response_ids)
-    assert crowd.rollout_logp.tobytes() == alone.rollout_logp.tobytes(), "log-probs differ bitwise"
-    np.testing.assert_array_equal(crowd.routes, alone.routes)
-    other = client.generate(target, n=1, group_ids=[7], step=4)[0]
-    assert not np.array_equal(other.response_ids, alone.response_ids), "a different seed gave the same sample"
-
-
 def test_weight_update_changes_outputs_and_restoring_restores_them(sglang_server, route_spec, model_dir, model_dir_v2):
-    client = client_for([sglang_server.url], route_spec)
+    # One request at a time: fp32 CPU matmuls are not batch-invariant, so identical batching is
+    # what makes "restored" comparable bit for bit (bf16 batch invariance: the bf16 module).
+    client = client_for([sglang_server.url], route_spec, max_concurrency=1)
     prompts = make_prompts(3, seed=21)
     before = client.generate(prompts, n=1)
     update_weights_from_disk([sglang_server.url], model_dir_v2, "v2")

@@ -1,0 +1,107 @@
+"""Launcher: the server command and environment, and that no server process outlives its owner.
+
+The lifecycle tests start real `sglang.launch_server` processes and stop them during start-up
+(SGLang imports take ~20 s here), which exercises teardown without paying for a healthy server.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from moe_rl.config import RolloutConfig
+from moe_rl.rollout.launcher import STUBS_DIR, ServerSpec, ServerStartError, SGLangServer, server_command, server_env
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _pids_mentioning(marker: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def _wait_gone(marker: str, timeout_s: float = 30.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while (left := _pids_mentioning(marker)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def test_command_enables_routes_determinism_and_mask_cap_from_config():
+    rollout = RolloutConfig(deterministic=True, dtype="bfloat16", sampling_mask_max_tokens=77, extra_server_args=["--x"])
+    cmd = server_command(ServerSpec.from_rollout_config(rollout, "/m"), port=1234)
+    joined = " ".join(cmd)
+    for piece in (
+        "--enable-return-routed-experts", "--enable-deterministic-inference", "--sampling-mask-max-tokens 77",
+        "--dtype bfloat16", "--port 1234", "--model-path /m", "--device cpu",
+    ):  # fmt: skip
+        assert piece in joined, f"{piece!r} missing from {joined}"
+    assert cmd[-1] == "--x"
+    nondeterministic = server_command(ServerSpec.from_rollout_config(RolloutConfig(deterministic=False), "/m"), 1)
+    assert "--enable-deterministic-inference" not in nondeterministic
+
+
+def test_stand_ins_go_on_the_cpu_server_path_only():
+    cpu = server_env(ServerSpec("/m", device="cpu"), base={"PYTHONPATH": "/elsewhere"})
+    assert cpu["PYTHONPATH"].split(os.pathsep) == [str(STUBS_DIR), "/elsewhere"]
+    assert cpu["SGLANG_USE_CPU_ENGINE"] == "1"
+    gpu = server_env(ServerSpec("/m", device="cuda"), base={})
+    assert "PYTHONPATH" not in gpu and "SGLANG_USE_CPU_ENGINE" not in gpu
+    assert str(STUBS_DIR) not in os.environ.get("PYTHONPATH", "")
+
+
+def test_startup_timeout_raises_with_log_and_leaves_no_process(tmp_path):
+    marker = str(tmp_path / "timeout-model")
+    server = SGLangServer(ServerSpec(marker, startup_timeout_s=3.0), tmp_path / "server.log")
+    with pytest.raises(ServerStartError, match="not healthy within startup_timeout_s=3.0"):
+        server.start()
+    assert _wait_gone(marker) == [], "server processes outlived a failed start"
+
+
+def test_sigterm_to_the_launching_process_stops_its_servers(tmp_path):
+    marker = str(tmp_path / "sigterm-model")
+    script = textwrap.dedent(f"""
+        from moe_rl.config import RolloutConfig
+        from moe_rl.rollout.launcher import rollout_servers
+        with rollout_servers(RolloutConfig(startup_timeout_s=300), {marker!r}, {str(tmp_path)!r}):
+            pass
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=REPO)
+    deadline = time.monotonic() + 30
+    while not any(p != parent.pid for p in _pids_mentioning(marker)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert any(p != parent.pid for p in _pids_mentioning(marker)), "the server process never appeared"
+    parent.send_signal(signal.SIGTERM)
+    assert parent.wait(timeout=60) == 128 + signal.SIGTERM
+    assert _wait_gone(marker) == [], "server processes outlived the SIGTERM'd launcher"
+
+
+def test_sigkill_of_the_launching_process_still_stops_its_server(tmp_path):
+    """No handler runs on SIGKILL; the kernel's parent-death signal must take the server down."""
+    marker = str(tmp_path / "sigkill-model")
+    script = textwrap.dedent(f"""
+        from pathlib import Path
+        from moe_rl.rollout.launcher import ServerSpec, SGLangServer
+        SGLangServer(ServerSpec({marker!r}, startup_timeout_s=300), Path({str(tmp_path)!r}) / "s.log").start()
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=REPO)
+    deadline = time.monotonic() + 30
+    while not any(p != parent.pid for p in _pids_mentioning(marker)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    parent.kill()
+    parent.wait(timeout=30)
+    assert _wait_gone(marker) == [], "server processes outlived a SIGKILL'd launcher"
