@@ -54,6 +54,16 @@ def _launch(args) -> int:
     return 0
 
 
+def _diagnose(args) -> int:
+    from moe_rl.diagnose import run_diagnose
+
+    cfg = load_config(args.config, args.overrides)
+    out = args.out or f"{cfg.train.output_dir}/diagnose"
+    numbers = run_diagnose(cfg, args.prompts, out)
+    print(f"{numbers['verdict']['summary']}\nreport: {out}/report.md")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-rl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -89,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="a.b=value")
     p.add_argument("--dry-run", action="store_true", help="print the commands instead of running them")
     p.set_defaults(func=_launch)
+    p = sub.add_parser("diagnose", help="zero-staleness rollout-vs-learner mismatch report (natural/R3/KSM)")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", metavar="a.b=value")
+    p.add_argument("--prompts", type=int, default=8, help="prompts to generate (x rollout.samples_per_prompt)")
+    p.add_argument("--out", default=None, help="report directory (default: <train.output_dir>/diagnose)")
+    p.set_defaults(func=_diagnose)
     return parser
 
 

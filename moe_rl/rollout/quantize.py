@@ -41,7 +41,7 @@ def fake_quantize(weight: torch.Tensor, fmt: str, block: int | None = None) -> t
     tiles = padded.view((rows + pr) // block, block, (cols + pc) // block, block)
     scale = tiles.abs().amax(dim=(1, 3), keepdim=True).clamp_min(1e-12) / fmax
     deq = (tiles / scale).to(dtype).float() * scale
-    return deq.view(rows + pr, cols + pc)[:rows, :cols].to(weight.dtype)
+    return deq.reshape(rows + pr, cols + pc)[:rows, :cols].contiguous().to(weight.dtype)
 
 
 def quantize_hf_dir(hf_dir: str | Path, fmt: str, block: int | None = 128) -> int:

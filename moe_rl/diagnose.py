@@ -1,0 +1,150 @@
+"""Zero-staleness mismatch diagnosis: same weights, same tokens, rollout engine vs learner.
+
+Owns ``moe-rl diagnose``: generate once with SGLang (routes, kept sets, log-probs), then,
+with no weight update in between, recompute the learner's log-probs of exactly those tokens
+under four settings -- natural routing, R3, Keep Sampling Mask, R3 + KSM -- and measure the
+gap each leaves (seed 000, "Identifying mismatch -- a diagnostic toolkit"; the zero-update
+TIM test of VeXact). Verdict, plots and report files live in ``diagnose_report``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moe_rl.algo import metrics_to_floats, offpolicy_metrics
+from moe_rl.batching import build_microbatches
+from moe_rl.config import ExperimentConfig
+from moe_rl.records import RolloutBatch, RouteSpec
+
+SETTINGS = {  # name -> (replay rollout routes, keep sampling mask)
+    "natural": (False, False),
+    "r3": (True, False),
+    "ksm": (False, True),
+    "r3_ksm": (True, True),
+}
+NUM_POSITION_BUCKETS = 8
+
+
+def generate(trainer, num_prompts: int) -> RolloutBatch:
+    """One rollout batch of ``num_prompts`` x samples_per_prompt with routes and kept sets, persisted."""
+    from moe_rl.rollout.client import RolloutClient
+    from moe_rl.rollout.launcher import rollout_servers
+    from moe_rl.rollout.weights import update_weights_from_disk
+
+    cfg = trainer.cfg
+    hf_dir = trainer.export_weights(0)  # applies rollout.weight_quantization (mismatch injection)
+    with rollout_servers(cfg.rollout, hf_dir, trainer.run_dir / "logs") as addresses:
+        update_weights_from_disk(addresses, hf_dir, "diagnose")
+        client = RolloutClient.from_config(
+            cfg, addresses, route_spec=RouteSpec.from_model_config(cfg.model), return_sampling_mask=True
+        )
+        trainer.cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"prompts_per_step": num_prompts})})
+        try:
+            return trainer.rollout(client, step=0)
+        finally:
+            trainer.cfg = cfg
+
+
+def learner_logprobs(trainer, batch: RolloutBatch, replay_routes: bool, keep_mask: bool) -> dict:
+    """Learner log-probs of the batch's response tokens under one setting, plus flip metrics.
+
+    Returns ``logp``/``mu`` as padded ``[N, R_max]`` float64 arrays (mu: the engine's full-vocab
+    log-prob, or its kept-set-renormalised one under KSM), ``mask[N, R_max]`` and ``flips``.
+    """
+    from moe_rl.replay.driver import ReplayDriver
+    from moe_rl.trainer import make_logprob_fn
+
+    cfg = trainer.cfg
+    driver = ReplayDriver(trainer.driver.replay, "r3" if replay_routes else "none", cfg.correction.mode)
+    mbs = build_microbatches(
+        batch, list(range(len(batch))), torch.zeros(len(batch)), cfg.train.micro_batch_size,
+        num_experts=cfg.model.num_moe_experts, use_kept_logp=keep_mask, with_routes=True, with_kept_sets=keep_mask,
+    )  # fmt: skip
+    logprob_fn = make_logprob_fn(keep_mask, with_entropy=False)
+    R = int(batch.response_lens.max())
+    logp, mu = np.zeros((len(batch), R)), np.zeros((len(batch), R))
+    mask = np.zeros((len(batch), R), dtype=bool)
+    trainer.learner.model.eval()
+    with torch.no_grad(), driver.old_logprob_pass([m.routes for m in mbs]):
+        for m in mbs:
+            out, _ = logprob_fn(trainer.learner.model, m.tensors, cfg.rollout.temperature)
+            for b, sid in enumerate(m.tensors["sample_ids"]):
+                row = m.tensors["mask"][b]
+                n = int(row.sum())
+                logp[sid, :n] = out[b][row].double().numpy()
+                mu[sid, :n] = m.tensors["rollout_logp"][b][row].double().numpy()
+                mask[sid, :n] = True
+    return {"logp": logp, "mu": mu, "mask": mask, "flips": driver.step_metrics()}
+
+
+def position_profile(logp: np.ndarray, mu: np.ndarray, mask: np.ndarray) -> list[dict]:
+    """Max and mean ``|p_learner - p_rollout|`` per response-position bucket (seed 002's long-response view)."""
+    diff = np.abs(np.exp(logp) - np.exp(mu))
+    R = mask.shape[1]
+    edges = np.unique(np.linspace(0, R, min(NUM_POSITION_BUCKETS, R) + 1).astype(int))
+    out = []
+    for lo, hi in zip(edges[:-1], edges[1:], strict=True):
+        m = mask[:, lo:hi]
+        if m.any():
+            d = diff[:, lo:hi][m]
+            out.append({"positions": f"{lo}-{hi - 1}", "max_abs_dp": float(d.max()), "mean_abs_dp": float(d.mean())})
+    return out
+
+
+def measure(setting: dict) -> dict:
+    """The numbers of one setting: algo's off-policy metrics (pi_learner vs mu) + flips + profile."""
+    t = {k: torch.from_numpy(setting[k]) for k in ("logp", "mu", "mask")}
+    numbers = metrics_to_floats(offpolicy_metrics(t["logp"], t["mu"], t["mask"]))
+    numbers = {k.removeprefix("offpolicy/"): v for k, v in numbers.items()}
+    flips = setting["flips"]
+    numbers["flip_rate"] = flips.get("replay/rollout_vs_natural/flip_rate", float("nan"))
+    numbers["tokens_with_flip"] = flips.get("replay/rollout_vs_natural/tokens_with_flip", float("nan"))
+    numbers["applied_flip_rate"] = flips.get("replay/rollout_vs_applied/flip_rate", numbers["flip_rate"])
+    numbers["flip_rate_per_layer"] = {
+        k.rsplit("/", 1)[1]: v for k, v in flips.items() if k.startswith("replay/rollout_vs_natural/flip_rate/")
+    }
+    numbers["by_position"] = position_profile(setting["logp"], setting["mu"], setting["mask"])
+    return numbers
+
+
+def run_diagnose(cfg: ExperimentConfig, num_prompts: int, out_dir: str | Path) -> dict:
+    """Generate, recompute under every setting, write the report; returns all numbers (also ``numbers.json``)."""
+    from moe_rl.diagnose_report import write_report
+    from moe_rl.trainer import RLTrainer
+
+    out_dir = Path(out_dir)
+    cfg = cfg.model_copy(update={
+        "train": cfg.train.model_copy(update={"output_dir": str(out_dir)}),
+        "logging": cfg.logging.model_copy(update={"progress": False, "tensorboard": False}),
+    })  # fmt: skip
+    trainer = RLTrainer(cfg)
+    batch = generate(trainer, num_prompts)
+    settings, arrays = {}, {}
+    for name, (replay_routes, keep_mask) in SETTINGS.items():
+        raw = learner_logprobs(trainer, batch, replay_routes, keep_mask)
+        settings[name] = measure(raw)
+        arrays.update({f"{name}/{k}": v for k, v in raw.items() if k != "flips"})
+    numbers = {
+        "samples": len(batch),
+        "response_tokens": int(batch.response_lens.sum()),
+        "rollout": {"dtype": cfg.rollout.dtype, "weight_quantization": cfg.rollout.weight_quantization},
+        "learner": {"params_dtype": cfg.precision.params_dtype},
+        "ksm_outside_mask_tokens": _outside_count(batch),
+        "settings": settings,
+    }
+    np.savez_compressed(out_dir / "per_token.npz", **arrays)
+    write_report(numbers, arrays, out_dir)  # adds numbers["verdict"]
+    (out_dir / "numbers.json").write_text(json.dumps(numbers, indent=1))
+    return numbers
+
+
+def _outside_count(batch: RolloutBatch) -> int:
+    """Sampled tokens the engine's own kept set did not contain (cutoff disagreement)."""
+    counts = np.diff(batch.mask_offsets)
+    match = batch.mask_ids == np.repeat(batch.response_ids, counts)
+    seg = np.repeat(np.arange(len(batch.response_ids)), counts)
+    return int((np.bincount(seg[match], minlength=len(batch.response_ids)) == 0).sum())
