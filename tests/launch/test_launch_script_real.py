@@ -1,0 +1,78 @@
+"""The rendered SLURM launch script run for real on this machine: real SGLang server, torchrun, trainer.
+
+SLURM itself cannot exist here, so ``srun`` is a local stand-in that drops its options and runs the
+step's command on this host; the two "nodes" are ``127.0.0.1`` (rollout) and ``localhost`` (learner).
+Everything else is what a cluster job executes: the config heredoc, the server command line, the
+``/health`` wait, torchrun's c10d rendezvous, ``moe-rl train`` with ``rollout.addresses``, teardown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from launch_helpers import REPO
+
+from moe_rl.config import load_config
+from moe_rl.launch import render_launch
+from moe_rl.rollout.launcher import free_port
+
+LOCAL_SRUN = r"""#!/usr/bin/env bash
+# Local stand-in for srun: drop the srun options, honour --output, run the command on this host.
+out=/dev/stdout
+while [[ $# -gt 0 && $1 == --* ]]; do
+  [[ $1 == --output=* ]] && out=${1#--output=}
+  shift
+done
+echo "$@" >> "$SRUN_CALLS"
+exec "$@" >"${out//%N/local}" 2>&1
+"""
+
+
+@pytest.mark.sglang
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_rendered_script_trains_one_step_with_a_local_srun_stand_in(tmp_path):
+    from moe_rl.learner.hf_init import write_random_hf_checkpoint
+
+    run_dir = tmp_path / "run"
+    overrides = [
+        "launch.rollout_nodes=1", "launch.learner_nodes=1", "launch.gpus_per_node=1", "parallel.backend=gloo",
+        f"launch.rollout_port={free_port()}", f"launch.master_port={free_port()}", f"train.output_dir={run_dir}",
+        "train.steps=1", "train.prompts_per_step=2", "rollout.samples_per_prompt=4", "train.minibatches_per_step=1",
+        "rollout.max_new_tokens=4", "logging.progress=false", "logging.tensorboard=false",
+    ]  # fmt: skip
+    cfg = load_config(REPO / "configs" / "tiny_cpu.yaml", overrides)
+    hf = write_random_hf_checkpoint(cfg.model, tmp_path / "hf", seed=0)
+    cfg = load_config(REPO / "configs" / "tiny_cpu.yaml", [*overrides, f"checkpoint.init_from_hf={hf}"])
+    script = tmp_path / "launch.sh"
+    script.write_text(render_launch(cfg, dry_run=True, env={"SLURM_JOB_NODELIST": "127.0.0.1,localhost",
+                                                            "SLURM_JOB_ID": "77"}))  # fmt: skip
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "srun").write_text(LOCAL_SRUN)
+    (shim / "srun").chmod(stat.S_IRWXU)
+    env = {**os.environ, "SRUN_CALLS": str(tmp_path / "calls"),
+           "PATH": os.pathsep.join([str(shim), str(Path(sys.executable).parent), os.environ["PATH"]])}  # fmt: skip
+    result = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=540)
+    logs = run_dir / "launch" / "logs-77"
+    learner_log = (logs / "learner-local.log").read_text()[-3000:] if (logs / "learner-local.log").exists() else ""
+    assert result.returncode == 0, f"{result.stderr}\n--- learner log tail ---\n{learner_log}"
+
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert [c.split()[:3] for c in calls] == [["python", "-m", "sglang.launch_server"], ["torchrun", "--nnodes=1",
+                                              "--nproc-per-node=1"]]  # fmt: skip
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1]
+    assert "reward/mean" in records[0] and "replay/rollout_vs_natural/flip_rate" in records[0]
+    server_log = (logs / "rollout-127.0.0.1.log").read_text()
+    # 2 prompts x 4 samples went to the srun-started server, which also got the learner's weights.
+    assert server_log.count("POST /generate") >= 8, "the learner did not generate on the server from rollout.addresses"
+    assert "POST /update_weights_from_disk" in server_log
+    ps = subprocess.run(["pgrep", "-f", f"--model-path {hf}"], capture_output=True, text=True)
+    assert ps.stdout.strip() == "", "the rollout server outlived the launch script"
