@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from moe_rl.config import ConfigError, dump_config, load_config, save_config
+from moe_rl.config import ConfigError, dump_config, load_config, save_config, validate_tree
 
 
 def write(path, text):
@@ -71,6 +71,7 @@ def test_override_values_are_parsed_as_yaml():
         (["rollout.top_p=1.5"], "rollout.top_p: Input should be less than or equal to 1"),
         (["loss.type=ppo"], "loss.type='ppo' is not allowed"),
         (["precision.fp8={format: e5m2}"], "precision.fp8.format='e5m2' is not allowed"),
+        (["loss.type=gspo", "loss.aggregation=token_mean"], "loss.aggregation='token_mean' with loss.type='gspo'"),
     ],
 )
 def test_bad_config_is_rejected_with_dotted_key(overrides, message):
@@ -117,3 +118,13 @@ def _flat(tree, prefix=""):
             yield from _flat(value, f"{prefix}{key}.")
         else:
             yield f"{prefix}{key}", yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+
+
+def test_gspo_gets_sequence_level_defaults_unless_set():
+    cfg = load_config(overrides=["loss.type=gspo_token"])
+    assert (cfg.loss.aggregation, cfg.loss.clip_low, cfg.loss.clip_high) == ("seq_mean_token_mean", 3e-4, 4e-4)
+    assert load_config(overrides=["loss.type=gspo", "loss.clip_low=0.001"]).loss.clip_low == 0.001
+    ppo = load_config(overrides=["loss.type=ppo_clip"]).loss
+    assert (ppo.aggregation, ppo.clip_low, ppo.clip_high) == ("token_mean", 0.2, 0.28)
+    gspo = load_config(overrides=["loss.type=gspo"])
+    assert validate_tree(yaml.safe_load(dump_config(gspo))) == gspo  # the filled-in defaults round-trip

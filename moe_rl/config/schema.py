@@ -208,6 +208,26 @@ class LossConfig(Section):
     kl_estimator: Literal["k1", "k2", "k3", "k3_plus"] = "k3"
     entropy_coef: float = Field(0.0, ge=0)
 
+    @model_validator(mode="after")
+    def _sequence_level_defaults(self) -> LossConfig:
+        """GSPO's defaults differ from PPO's; an explicit token_mean GSPO is the field-facts #12 bug."""
+        if self.type not in ("gspo", "gspo_token"):
+            return self
+        given = self.model_fields_set
+        if "aggregation" in given and self.aggregation == "token_mean":
+            raise ValueError(
+                f"loss.aggregation='token_mean' with loss.type={self.type!r} weighs long sequences more; GSPO "
+                "averages each sequence's token log-ratio, then sequences: use 'seq_mean_token_mean'"
+            )
+        # Write through __dict__: these are defaults, not user assignments (keeps model_fields_set honest).
+        if "aggregation" not in given:
+            self.__dict__["aggregation"] = "seq_mean_token_mean"
+        if "clip_low" not in given:
+            self.__dict__["clip_low"] = 3e-4  # GSPO paper: sequence ratios live within ~1e-3 of 1
+        if "clip_high" not in given:
+            self.__dict__["clip_high"] = 4e-4
+        return self
+
 
 class AdvantageConfig(Section):
     estimator: Literal["grpo", "grpo_no_std", "rloo"] = "grpo"
