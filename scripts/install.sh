@@ -30,7 +30,9 @@ if [ ! -f "$STAMP" ]; then
   "${PIP[@]}" install -q --upgrade pip
   # torch first, pinned: an unpinned torch pulls a multi-GB CUDA build.
   "${PIP[@]}" install -q -c "$CONSTRAINTS" torch==2.13.0
-  "${PIP[@]}" install -q -c "$CONSTRAINTS" -e ".[test]"
+  # The SGLang pins (transformers, tokenizers, numpy) apply from the start, so nothing is installed twice.
+  EXTRA_C=(); [ -f requirements/sglang-constraints.txt ] && EXTRA_C=(-c requirements/sglang-constraints.txt)
+  "${PIP[@]}" install -q -c "$CONSTRAINTS" "${EXTRA_C[@]}" -e ".[test]"
   if [ "${MOE_RL_SKIP_SGLANG:-0}" != "1" ] && [ -f scripts/install_sglang.sh ]; then
     bash scripts/install_sglang.sh "$VENV"
   fi
