@@ -143,3 +143,13 @@ def test_parallel_sizes_that_do_not_divide_the_world_are_refused():
 
     with pytest.raises(ValueError, match=r"do not divide world_size=1"):
         init_distributed(ParallelConfig(ep=2), environ={})
+
+
+def test_cpu_world_uses_gloo_and_megatron_groups_of_size_one(megatron_world):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    assert megatron_world.launcher == "single"
+    assert dist.get_backend() == "gloo"
+    assert (ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_world_size()) == (1, 1, 1)
