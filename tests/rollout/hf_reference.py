@@ -56,3 +56,16 @@ def kept_set(logits_row: np.ndarray, temperature: float, top_k: int, top_p: floa
     keep = (np.arange(len(p)) < top_k) & (above <= top_p)
     margin = float(np.min(np.abs(above[:top_k] - top_p))) if top_k > 0 else 1.0
     return {int(t) for t in order[keep]}, margin
+
+
+def routes_agree(router_logits: np.ndarray, routes: np.ndarray, k: int) -> np.ndarray:
+    """bool [T, L]: the served experts `routes[T, L, k]` are a top-k set of the reference logits.
+
+    Equal to the reference's own top-k set, or an equally valid choice when the reference has an
+    exact tie at the k-th place (every served expert's logit >= the k-th largest logit).
+    """
+    ref, _ = topk_sets(router_logits, k)
+    same = (np.sort(routes.astype(np.int64), axis=-1) == ref).all(axis=-1)
+    kth = -np.sort(-router_logits, axis=-1)[..., k - 1]
+    served = np.take_along_axis(router_logits, routes.astype(np.int64), axis=-1)
+    return same | (served.min(axis=-1) >= kth)

@@ -15,7 +15,7 @@ import torch
 
 from moe_rl.rollout.client import RolloutClient, RolloutError, SamplingSettings
 from moe_rl.rollout.launcher import ServerSpec, SGLangServer
-from tests.rollout.hf_reference import load_hf_model, teacher_forced, topk_sets
+from tests.rollout.hf_reference import load_hf_model, routes_agree, teacher_forced, topk_sets
 from tests.rollout.test_sglang_fp32 import VOCAB, client_for, make_prompts
 
 pytestmark = pytest.mark.sglang
@@ -31,21 +31,24 @@ def bf16_server(server_spec, tmp_path_factory):
 
 
 def test_routes_equal_hf_teacher_forced_topk_for_99_percent_in_bf16(bf16_server, route_spec, model_dir):
-    """bf16 misses are near-ties: the k-th and (k+1)-th router logits within bf16 rounding of each other."""
+    """bf16 misses are near-ties: k-th and (k+1)-th router logits within bf16 rounding of each other.
+
+    An exact tie in the reference's bf16 logits has two right answers; either counts as agreement.
+    """
     client = RolloutClient([bf16_server.url], route_spec, VOCAB, SamplingSettings(1.0, 1.0, 50, 24), max_concurrency=8)
-    samples = client.generate(make_prompts(8, seed=51), n=2)
+    samples = client.generate(make_prompts(16, seed=51), n=2)
     hf = load_hf_model(model_dir, torch.bfloat16)
     agree = total = 0
     miss_margins = []
     for s in samples:
         tokens = np.concatenate([s.prompt_ids, s.response_ids])[:-1]
         router_logits, _ = teacher_forced(hf, tokens, route_spec.moe_layer_ids)
-        ref, margin = topk_sets(router_logits, route_spec.top_k)
-        same = (np.sort(s.routes.astype(np.int64), axis=-1) == ref).all(axis=-1)
-        agree, total = agree + int(same.sum()), total + same.size
-        miss_margins += margin[~same].tolist()
-    assert total >= 500
+        ok = routes_agree(router_logits, s.routes, route_spec.top_k)
+        agree, total = agree + int(ok.sum()), total + ok.size
+        miss_margins += topk_sets(router_logits, route_spec.top_k)[1][~ok].tolist()
+    assert total >= 1000
     assert agree >= 0.99 * total, f"bf16 routes equal HF top-k for {agree}/{total}; miss margins {miss_margins}"
+    assert max(miss_margins, default=0.0) < 0.01, f"a bf16 route miss is not a near-tie: margins {miss_margins}"
 
 
 def test_seeded_request_is_bit_identical_alone_and_among_concurrent_requests(bf16_server, route_spec):
