@@ -41,9 +41,13 @@ def _train(args) -> int:
 
 
 def _ablate(args) -> int:
-    from moe_rl.ablate import run_ablation
+    from moe_rl.ablate import AblationError, run_ablation
 
-    run_ablation(args.config, args.overrides, out_dir=args.out)
+    try:
+        run_ablation(args.config, args.overrides, out_dir=args.out)
+    except AblationError as exc:  # the report was written; say which cells failed
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

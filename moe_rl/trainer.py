@@ -99,7 +99,6 @@ class RLTrainer:
     def __init__(self, cfg: ExperimentConfig):
         from moe_rl.learner.checkpoint import load_checkpoint
         from moe_rl.learner.dist import init_distributed
-        from moe_rl.learner.hf_convert import load_hf_weights
         from moe_rl.learner.train_step import Learner
         from moe_rl.replay.driver import ReplayDriver
         from moe_rl.rollout.tasks import build_task
@@ -112,10 +111,8 @@ class RLTrainer:
         self.is_main = _rank() == 0
         if self.is_main:
             save_config(cfg, self.run_dir / "config.yaml")
-        self.learner = Learner(cfg)
+        self.learner = Learner(cfg)  # imports checkpoint.init_from_hf when set
         meta = load_checkpoint(self.learner, self.ckpt_dir) if cfg.checkpoint.resume == "auto" else None
-        if meta is None and cfg.checkpoint.init_from_hf:
-            load_hf_weights(self.learner.module, cfg.checkpoint.init_from_hf, cfg.model)
         self.start_step = int(meta["extra"]["rl_step"]) if meta else 0
         self.driver = ReplayDriver.from_config(self.learner.module, cfg)
         self.task, self.reward_fn = build_task(cfg.train, cfg.model.vocab_size)

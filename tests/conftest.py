@@ -5,8 +5,13 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# One intra-op thread: the tiny models are dispatch-bound, and a second thread fights the SGLang
+# server process (and the other torchrun rank) for the machine's 2 cores.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -99,7 +99,8 @@ class RolloutClient:
         """Client for an ExperimentConfig: routes when replay needs them, masks for keep-sampling-mask."""
         r = cfg.rollout
         kwargs = dict(
-            route_spec=RouteSpec.from_model_config(cfg.model) if cfg.replay.routing != "none" else None,
+            # routes always: even routing=none logs the rollout-vs-learner flip rate from them
+            route_spec=RouteSpec.from_model_config(cfg.model),
             vocab_size=cfg.model.vocab_size,
             sampling=SamplingSettings.from_rollout_config(r),
             seed=r.seed,
