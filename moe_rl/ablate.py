@@ -14,11 +14,13 @@ Default grid (seed 001, Zheng et al.: routing replay vs off-policiness N = minib
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import re
 import sys
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -168,6 +170,26 @@ def expand_grid(config_path: str | Path, overrides: list[str] | None = None,
     return cells, out_dir
 
 
+@contextlib.contextmanager
+def _shared_rollout_servers(cells: list[Cell], out_dir: Path) -> Iterator[list[str] | None]:
+    """One local SGLang server for the whole grid when every cell launches the same one, else None.
+
+    Server start-up (~20-30 s on CPU) dominates short cells; cells differ only in what the server
+    is sent, and each trainer syncs its own initial weights into the server before generating.
+    """
+    first = cells[0].config
+    same = {(c.config.rollout.model_dump_json(), c.config.model.model_dump_json()) for c in cells}
+    if first.rollout.addresses or len(same) > 1:
+        yield None
+        return
+    from moe_rl.learner.hf_init import write_random_hf_checkpoint
+    from moe_rl.rollout.launcher import rollout_servers
+
+    init_dir = write_random_hf_checkpoint(first.model, out_dir / "server_init", seed=first.train.seed)
+    with rollout_servers(first.rollout, init_dir, out_dir / "logs") as addresses:
+        yield addresses
+
+
 def run_ablation(config_path: str | Path, overrides: list[str] | None = None,
                  out_dir: str | Path | None = None) -> Path:  # fmt: skip
     """Train every valid cell in grid order, refresh the report after each, return ``report.md``.
@@ -186,15 +208,19 @@ def run_ablation(config_path: str | Path, overrides: list[str] | None = None,
     if not runnable:
         raise ConfigError("every grid cell is invalid:\n  " + "\n  ".join(notes))
     report = out_dir / "report.md"
-    for i, cell in enumerate(runnable, 1):
-        print(f"[ablate] cell {i}/{len(runnable)}: {cell.name}", file=sys.stderr, flush=True)
-        save_config(cell.config, out_dir / "configs" / f"{cell.name}.yaml")
-        try:
-            done[cell.name] = Path(train(cell.config))
-        except Exception as exc:  # one broken cell must not cost the rest of the grid
-            failures.append(f"failed {cell.name}: {type(exc).__name__}: {exc}")
-            done[cell.name] = cell.run_dir  # whatever metrics it logged before failing
-        report = write_report(done, out_dir, settings, notes + failures)
+    with _shared_rollout_servers(runnable, out_dir) as addresses:
+        for i, cell in enumerate(runnable, 1):
+            print(f"[ablate] cell {i}/{len(runnable)}: {cell.name}", file=sys.stderr, flush=True)
+            save_config(cell.config, out_dir / "configs" / f"{cell.name}.yaml")
+            cfg = cell.config
+            if addresses:  # each cell loads its own initial weights into the shared server first
+                cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"addresses": addresses})})
+            try:
+                done[cell.name] = Path(train(cfg))
+            except Exception as exc:  # one broken cell must not cost the rest of the grid
+                failures.append(f"failed {cell.name}: {type(exc).__name__}: {exc}")
+                done[cell.name] = cell.run_dir  # whatever metrics it logged before failing
+            report = write_report(done, out_dir, settings, notes + failures)
     if failures:
         summary = f"{len(failures)} of {len(runnable)} cells failed (report: {report}):\n"
         raise AblationError(summary + "\n".join(failures))

@@ -7,7 +7,7 @@ user reads them without a glossary. It must not import torch or Megatron.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -304,6 +304,7 @@ class ExperimentConfig(Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     launch: SlurmConfig = Field(default_factory=SlurmConfig)
+    grid: dict[str, Any] | None = Field(None, description="ablation grid: config key -> values, checked by moe-rl ablate")
 
     @model_validator(mode="after")
     def _check_coherence(self) -> ExperimentConfig:

@@ -66,19 +66,19 @@ def test_nested_and_dotted_grid_forms_expand_identically(tmp_path):
     ]  # fmt: skip
 
 
-def test_grid_from_a_command_line_override_replaces_the_default(tmp_path):
-    cells, _ = expand_grid(ABLATION, ["grid.replay.routing=[none, r3]"], out_dir=tmp_path)
+def test_grid_given_whole_on_the_command_line_replaces_the_yaml_grid(tmp_path):
+    cells, _ = expand_grid(ABLATION, ["grid={replay.routing: [none, r3]}"], out_dir=tmp_path)
     assert [c.name for c in cells] == ["routing-none", "routing-r3"]
 
 
 def test_clashing_leaf_names_fall_back_to_full_keys(tmp_path):
-    cells, _ = expand_grid(ABLATION, ["grid.train.seed=[1]", "grid.rollout.seed=[2, 3]"], out_dir=tmp_path)
+    cells, _ = expand_grid(ABLATION, ["grid={train.seed: [1], rollout.seed: [2, 3]}"], out_dir=tmp_path)
     assert [c.name for c in cells] == ["train_seed-1__rollout_seed-2", "train_seed-1__rollout_seed-3"]
     assert [c.config.rollout.seed for c in cells] == [2, 3]
 
 
 def test_checkpoint_dir_is_moved_into_each_cell(tmp_path):
-    cells, _ = expand_grid(ABLATION, ["checkpoint.dir=/shared/ckpt", "grid.replay.routing=[none, r3]"], out_dir=tmp_path)
+    cells, _ = expand_grid(ABLATION, ["checkpoint.dir=/shared/ckpt", "grid={replay.routing: [none, r3]}"], out_dir=tmp_path)
     assert [c.config.checkpoint.dir for c in cells] == [str(tmp_path / n / "checkpoints") for n in ("routing-none", "routing-r3")]
 
 
