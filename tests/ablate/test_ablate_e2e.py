@@ -31,4 +31,4 @@ def test_two_cell_grid_trains_both_cells_on_one_server_and_reports(tmp_path):
     assert first["routing-none"]["reward/mean"] == first["routing-r3"]["reward/mean"]
     assert first["routing-r3"]["replay/rollout_vs_applied/flip_rate"] == 0.0
     assert (tmp_path / "report.md").read_text().count("routing-") >= 2
-    assert len(list(tmp_path.glob("*.png"))) >= 3
+    assert len(list((tmp_path / "plots").glob("*.png"))) >= 3
