@@ -52,8 +52,8 @@ def main() -> None:
                 ),
                 "routes+masks": RolloutClient([server.url], spec, 512, sampling, max_concurrency=args.concurrency),
             }
-            for client in clients.values():  # warm-up: torch.compile of the seeded sampler, first prefill
-                client.generate(prompts[:2], n=1, step=10_000)
+            for client in clients.values():  # warm-up: torch.compile of the seeded sampler, batch shapes
+                client.generate(prompts, n=1, step=10_000)
             results: dict[str, list[float]] = {name: [] for name in clients}
             for rep in range(args.repeats):
                 for name, client in clients.items():
@@ -64,7 +64,10 @@ def main() -> None:
                     results[name].append(tokens / dt)
                     print(f"{name:18s} rep {rep}: {len(samples)} requests, {tokens} tokens in {dt:.2f} s = {tokens / dt:.0f} tok/s")
     for name, values in results.items():
-        print(f"median {name:18s}: {statistics.median(values):.0f} generated tok/s ({args.concurrency} concurrent)")
+        print(
+            f"median {name:18s}: {statistics.median(values):.0f} generated tok/s "
+            f"(min {min(values):.0f}, max {max(values):.0f}; {args.concurrency} concurrent)"
+        )
 
 
 if __name__ == "__main__":
