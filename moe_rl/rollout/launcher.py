@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import logging
 import os
 import signal
@@ -255,7 +256,7 @@ def rollout_servers(
             for i in range(num_servers):
                 spec = ServerSpec.from_rollout_config(rollout, model_path, **spec_overrides)
                 if spec.port is not None and num_servers > 1:
-                    spec = ServerSpec(**{**spec.__dict__, "port": spec.port + i})
+                    spec = dataclasses.replace(spec, port=spec.port + i)
                 servers.append(SGLangServer(spec, Path(log_dir) / f"sglang_{i}.log"))
                 servers[-1].start()
             yield [s.url for s in servers]

@@ -6,6 +6,7 @@ The kill comes last in this module, so this server's lifetime is the module.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.sglang
 
 @pytest.fixture(scope="module")
 def bf16_server(server_spec, tmp_path_factory):
-    spec = ServerSpec(**{**server_spec.__dict__, "dtype": "bfloat16", "port": None})
+    spec = dataclasses.replace(server_spec, dtype="bfloat16", port=None)
     server = SGLangServer(spec, tmp_path_factory.mktemp("sglang_bf16_logs") / "server.log")
     with server:
         yield server

@@ -163,3 +163,11 @@ def test_unreachable_server_is_retried_elsewhere_and_batch_is_whole(sglang_serve
     assert len(samples) == 6 and all(s.routes is not None for s in samples)
     with pytest.raises(RolloutError, match="after 2 attempts"):
         client_for([dead], route_spec, max_retries=1, backoff_s=0.01).generate(make_prompts(1, seed=42), n=1)
+
+
+def test_server_never_called_a_cpu_stand_in(sglang_server, batch):
+    """The sgl_kernel / torchvision stand-ins print a marker to the server log when anything calls them."""
+    log = sglang_server.log_path.read_text(errors="replace")
+    assert "moe_rl stand-in" not in log, "the server called into a CPU stand-in: " + next(
+        line for line in log.splitlines() if "moe_rl stand-in" in line
+    )
