@@ -43,7 +43,7 @@ else
   "${PIP[@]}" install -q --no-deps --no-build-isolation -e . >/dev/null
 fi
 
-"$VENV/bin/python" - <<'PY'
+"$VENV/bin/python" -W ignore - <<'PY'
 import torch, megatron.core
 assert torch.__version__.startswith("2.13.0"), f"expected torch 2.13.0, found {torch.__version__}"
 print(f"[install] ok: torch {torch.__version__}, megatron-core {megatron.core.__version__}")

@@ -84,9 +84,9 @@ def test_deepseek_plan_uses_mixed_hostlists_and_its_own_sizes(slurm_env):
     assert apply_overrides({}, [addr])["rollout"]["addresses"] == [f"http://dgx-a{i}:31000" for i in range(1, 5)]
 
 
-def test_deepseek_without_a_checkpoint_to_serve_is_refused_naming_the_key(slurm_env):
+def test_a_cluster_run_without_a_checkpoint_to_serve_is_refused_naming_the_key(slurm_env):
     with pytest.raises(LaunchError, match="checkpoint.init_from_hf"):
-        build_launch_plan(load_config(DSV3), slurm_env("node[01-12]"))
+        build_launch_plan(load_config(DSV3, ["checkpoint.init_from_hf=null"]), slurm_env("node[01-12]"))
 
 
 def test_dense_world_not_divisible_by_tp_pp_cp_names_the_keys(slurm_env):
