@@ -43,7 +43,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_random_hf_checkpoint(model_cfg, Path(tmp) / "model", seed=0)
         t0 = time.perf_counter()
-        server_spec = ServerSpec(str(model_dir), dtype=args.dtype, deterministic=args.deterministic, mem_fraction_static=0.3)
+        server_spec = ServerSpec(
+            str(model_dir), dtype=args.dtype, deterministic=args.deterministic, mem_fraction_static=0.3
+        )
         with SGLangServer(server_spec, Path(tmp) / "server.log") as server:
             print(f"server healthy after {time.perf_counter() - t0:.1f} s ({args.dtype}, deterministic={args.deterministic})")
             clients = {
