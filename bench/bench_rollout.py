@@ -47,7 +47,8 @@ def main() -> None:
             str(model_dir), dtype=args.dtype, deterministic=args.deterministic, mem_fraction_static=0.3
         )
         with SGLangServer(server_spec, Path(tmp) / "server.log") as server:
-            print(f"server healthy after {time.perf_counter() - t0:.1f} s ({args.dtype}, deterministic={args.deterministic})")
+            startup = time.perf_counter() - t0
+            print(f"server healthy after {startup:.1f} s ({args.dtype}, deterministic={args.deterministic})")
             clients = {
                 "plain (logprobs)": RolloutClient(
                     [server.url], None, 512, sampling, return_sampling_mask=False, max_concurrency=args.concurrency
@@ -64,7 +65,10 @@ def main() -> None:
                     dt = time.perf_counter() - t
                     tokens = sum(len(s.response_ids) for s in samples)
                     results[name].append(tokens / dt)
-                    print(f"{name:18s} rep {rep}: {len(samples)} requests, {tokens} tokens in {dt:.2f} s = {tokens / dt:.0f} tok/s")
+                    print(
+                        f"{name:18s} rep {rep}: {len(samples)} requests, {tokens} tokens in {dt:.2f} s "
+                        f"= {tokens / dt:.0f} tok/s"
+                    )
     for name, values in results.items():
         print(
             f"median {name:18s}: {statistics.median(values):.0f} generated tok/s "

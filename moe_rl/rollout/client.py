@@ -208,7 +208,9 @@ class RolloutClient:
         if resp.status_code >= 500:
             raise _Retryable(f"HTTP {resp.status_code}: {resp.text[:300]}")
         if resp.status_code >= 400:
-            raise RolloutRequestError(f"{url}/generate rejected the request, HTTP {resp.status_code}: {resp.text[:500]}")
+            raise RolloutRequestError(
+                f"{url}/generate rejected the request, HTTP {resp.status_code}: {resp.text[:500]}"
+            )
         try:
             reply = resp.json()
         except ValueError as err:

@@ -56,4 +56,6 @@ def update_weights_from_disk(
             )
         reported = server_weight_version(address)
         if reported != str(weight_version):
-            raise WeightSyncError(f"{address} reports weight_version={reported!r} after the update; expected {weight_version!r}")
+            raise WeightSyncError(
+                f"{address} reports weight_version={reported!r} after the update; expected {weight_version!r}"
+            )

@@ -23,7 +23,10 @@ class StandInCalled(RuntimeError):
 
 
 def _fail(qualname: str):
-    msg = f"{MARKER}: {qualname} was called, but it belongs to an empty CPU stand-in (patches/stubs); the real package is GPU-only here"
+    msg = (
+        f"{MARKER}: {qualname} was called, but it belongs to an empty CPU stand-in (patches/stubs); "
+        "the real package is GPU-only here"
+    )
     print(msg, file=sys.stderr, flush=True)
     raise StandInCalled(msg)
 

@@ -74,6 +74,8 @@ def test_from_config_always_requests_routes_and_masks_only_for_keep_sampling_mas
     # routes even without replay: the flip-rate metric of a routing=none baseline needs them
     assert plain.route_spec == RouteSpec.from_model_config(ExperimentConfig().model)
     assert not plain.return_sampling_mask
-    cfg = ExperimentConfig.model_validate({"replay": {"routing": "r3", "keep_sampling_mask": True}, "rollout": {"top_k": 50}})
+    cfg = ExperimentConfig.model_validate(
+        {"replay": {"routing": "r3", "keep_sampling_mask": True}, "rollout": {"top_k": 50}}
+    )
     r3 = RolloutClient.from_config(cfg, ["http://h:1"])
     assert r3.route_spec == RouteSpec.from_model_config(cfg.model) and r3.return_sampling_mask

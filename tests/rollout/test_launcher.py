@@ -42,7 +42,9 @@ def _wait_gone(marker: str, timeout_s: float = 30.0) -> list[int]:
 
 
 def test_command_enables_routes_determinism_and_mask_cap_from_config():
-    rollout = RolloutConfig(deterministic=True, dtype="bfloat16", sampling_mask_max_tokens=77, extra_server_args=["--x"])
+    rollout = RolloutConfig(
+        deterministic=True, dtype="bfloat16", sampling_mask_max_tokens=77, extra_server_args=["--x"]
+    )
     cmd = server_command(ServerSpec.from_rollout_config(rollout, "/m"), port=1234)
     joined = " ".join(cmd)
     for piece in (

@@ -15,7 +15,13 @@ import pytest
 import torch
 
 from moe_rl.records import RouteSpec
-from moe_rl.rollout.client import RolloutClient, RolloutError, RolloutRequestError, RolloutResponseError, SamplingSettings
+from moe_rl.rollout.client import (
+    RolloutClient,
+    RolloutError,
+    RolloutRequestError,
+    RolloutResponseError,
+    SamplingSettings,
+)
 from moe_rl.rollout.launcher import free_port
 from moe_rl.rollout.weights import server_weight_version, update_weights_from_disk
 from tests.rollout.hf_reference import kept_set, load_hf_model, teacher_forced, topk_sets
