@@ -112,7 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Megatron-Core announces its CPU fallbacks on every import; they are expected here (docs/learner.md).
+QUIET_WARNINGS = (r".*Transformer Engine and Apex are not installed.*", r"Apex is not installed.*",
+                  r"full scope is deprecated.*")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
+    import warnings
+
+    for pattern in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern, category=UserWarning)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -36,7 +36,7 @@ def generate(trainer, num_prompts: int) -> RolloutBatch:
     from moe_rl.rollout.weights import update_weights_from_disk
 
     cfg = trainer.cfg
-    hf_dir = trainer.export_weights(0)  # applies rollout.weight_quantization (mismatch injection)
+    hf_dir = trainer.export_weights()  # applies rollout.weight_quantization (mismatch injection)
     with rollout_servers(cfg.rollout, hf_dir, trainer.run_dir / "logs") as addresses:
         update_weights_from_disk(addresses, hf_dir, "diagnose")
         client = RolloutClient.from_config(

@@ -119,7 +119,7 @@ class RLTrainer:
         self.logprob_fn = make_logprob_fn(cfg.replay.keep_sampling_mask, with_entropy=cfg.loss.entropy_coef > 0)
 
     # ------------------------------------------------------------------ weights
-    def export_weights(self, step: int) -> Path:
+    def export_weights(self) -> Path:
         """Export the learner as an HF dir for SGLang (collective); path of the live copy."""
         from moe_rl.learner.hf_convert import export_hf_checkpoint
         from moe_rl.rollout.quantize import quantize_hf_dir
@@ -135,7 +135,7 @@ class RLTrainer:
         from moe_rl.rollout.weights import update_weights_from_disk
 
         t0 = time.perf_counter()
-        hf_dir = self.export_weights(step)
+        hf_dir = self.export_weights()
         if self.is_main:
             update_weights_from_disk(addresses, hf_dir, f"step-{step}")
         return time.perf_counter() - t0
@@ -183,7 +183,8 @@ class RLTrainer:
                     out[sid] = logp[b].float()
         return out
 
-    def update(self, batch: RolloutBatch, advantages, old_logp, step: int) -> list:
+    def update(self, batch: RolloutBatch, advantages, old_logp, step: int) -> tuple[list, float]:
+        """N minibatch optimizer steps (x epochs); returns their stats and the KSM outside-mask fraction."""
         cfg = self.cfg
         rng = np.random.default_rng([cfg.train.seed, step, 1])
         stats, outside, masked = [], 0, 0
@@ -200,8 +201,7 @@ class RLTrainer:
                 with self.driver.update_pass([m.routes for m in mbs]):
                     stats.append(self.learner.train_step([m.tensors for m in mbs], loss_fn,
                                                          cfg.rollout.temperature, self.logprob_fn))  # fmt: skip
-        self._ksm_outside = outside / max(masked, 1)
-        return stats
+        return stats, outside / max(masked, 1)
 
     def step(self, client, step: int) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
@@ -213,7 +213,7 @@ class RLTrainer:
         old = self.old_logprobs(batch, advantages) if cfg.correction.mode == "decoupled" else None
         t_old = time.perf_counter() - t1
         t2 = time.perf_counter()
-        stats = self.update(batch, advantages, old, step)
+        stats, ksm_outside = self.update(batch, advantages, old, step)
         t_train = time.perf_counter() - t2
         metrics = _mean([s.metrics | {"train/loss": s.loss, "train/grad_norm": s.grad_norm, "train/lr": s.lr}
                          for s in stats])  # fmt: skip
@@ -222,7 +222,7 @@ class RLTrainer:
             "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()), "reward/max": float(rewards.max()),
             "response/len_mean": float(batch.response_lens.mean()),
             "response/truncated_frac": float(np.mean([f == "length" for f in batch.finish_reasons])),
-            "ksm/outside_mask_frac": self._ksm_outside if cfg.replay.keep_sampling_mask else 0.0,
+            "ksm/outside_mask_frac": ksm_outside if cfg.replay.keep_sampling_mask else 0.0,
             "time/rollout_s": t_rollout, "time/old_logp_s": t_old, "time/train_s": t_train,
             "rollout/tokens_per_s": float(batch.response_lens.sum()) / max(t_rollout, 1e-9),
         }  # fmt: skip
@@ -236,7 +236,7 @@ class RLTrainer:
 
         cfg = self.cfg
         logger = MetricsLogger(self.run_dir, cfg.logging, cfg.train.steps, self.start_step, self.is_main, cfg.name)
-        hf_dir = self.export_weights(self.start_step)
+        hf_dir = self.export_weights()
         servers = (rollout_servers(cfg.rollout, hf_dir, self.run_dir / "logs") if self.is_main
                    else contextlib.nullcontext([]))  # fmt: skip
         try:
