@@ -35,6 +35,10 @@ def verdict(numbers: dict) -> dict:
         gain = _relative_drop(nat["kl_k3"], s["r3"]["kl_k3"])
         advice.append(f"MoE routing: {nat['tokens_with_flip']:.1%} of tokens route differently in the learner; "
                       f"R3 cuts KL k3 by {gain:.0%} -> set replay.routing: r3.")  # fmt: skip
+        if gain < 0.1:
+            advice.append("R3 removes the flips but not the probability gap, so most of the gap is not routing: "
+                          f"look at precision (rollout.dtype={numbers['rollout']['dtype']}, "
+                          f"rollout.weight_quantization={numbers['rollout']['weight_quantization']}).")  # fmt: skip
     if numbers["ksm_outside_mask_tokens"] or _relative_drop(s["r3"]["kl_k3"], best["kl_k3"]) > 0.1:
         advice.append("Truncated sampling: the learner's support differs from the kept set -> "
                       "set replay.keep_sampling_mask: true.")  # fmt: skip
