@@ -25,11 +25,19 @@ def _finite(v):
     return v if isinstance(v, (int, str)) or (isinstance(v, float) and math.isfinite(v)) else None
 
 
+def _step_of(line: str) -> int | None:
+    """The step of one JSONL line; None for a blank or torn line (a run killed mid-write)."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def truncate_metrics(path: Path, last_step: int) -> None:
-    """Keep only lines with ``step <= last_step`` (atomic rewrite)."""
+    """Keep only whole lines with ``step <= last_step`` (atomic rewrite)."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
+    kept = [line for line in path.read_text().splitlines() if _step_of(line) is not None and _step_of(line) <= last_step]
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     os.replace(tmp, path)

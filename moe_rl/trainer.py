@@ -251,12 +251,15 @@ class RLTrainer:
                     metrics = self.step(client, step)
                     metrics["time/sync_s"] = self.sync_weights(addresses, step + 1)
                     metrics["time/step_s"] = time.perf_counter() - t0
+                    # log before checkpointing: a kill in between resumes from the older checkpoint,
+                    # which cuts this line again, so no step's metrics can go missing
+                    logger.log(step + 1, metrics)
                     if cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0 \
                             or step + 1 == cfg.train.steps:  # fmt: skip
                         save_checkpoint(self.learner, self.ckpt_dir, cfg.checkpoint.keep_last, extra={"rl_step": step + 1})
-                    logger.log(step + 1, metrics)
         finally:
             logger.close()
+            self.driver.replay.close()  # release the routers (nothing stays bound after a run)
         return self.run_dir
 
 

@@ -1,0 +1,41 @@
+"""Metrics sinks: JSONL lines per step, resume truncation (including a torn last line), TensorBoard files."""
+
+from __future__ import annotations
+
+import json
+
+from moe_rl.config import LoggingConfig
+from moe_rl.metrics_log import MetricsLogger, read_metrics
+
+
+def test_resume_cuts_lines_after_the_checkpoint_and_a_torn_tail(tmp_path):
+    cfg = LoggingConfig(tensorboard=False, progress=False)
+    logger = MetricsLogger(tmp_path, cfg, total_steps=5)
+    for step in (1, 2, 3):
+        logger.log(step, {"reward/mean": 0.1 * step, "offpolicy/kl_k3": float("nan")})
+    logger.close()
+    with open(tmp_path / "metrics.jsonl", "a") as fh:
+        fh.write('{"step": 4, "reward/me')  # killed mid-write
+    resumed = MetricsLogger(tmp_path, cfg, total_steps=5, start_step=2)
+    resumed.log(3, {"reward/mean": 0.7})
+    resumed.close()
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[2]["reward/mean"] == 0.7
+    assert rows[0]["offpolicy/kl_k3"] is None  # non-finite values are written as null, never as NaN tokens
+    json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])  # strict JSON
+
+
+def test_tensorboard_event_file_is_written(tmp_path):
+    logger = MetricsLogger(tmp_path, LoggingConfig(progress=False), total_steps=1)
+    logger.log(1, {"reward/mean": 0.5})
+    logger.close()
+    events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
+
+
+def test_non_main_ranks_write_nothing(tmp_path):
+    logger = MetricsLogger(tmp_path, LoggingConfig(progress=False), total_steps=1, enabled=False)
+    logger.log(1, {"reward/mean": 0.5})
+    logger.close()
+    assert not (tmp_path / "metrics.jsonl").exists()
