@@ -100,6 +100,7 @@ def test_start_len_shortens_the_expected_rows():
         (lambda m: m["output_token_sampling_mask"].__setitem__(2, [99]), r"output_token_sampling_mask\[2\] has ids outside"),
         (lambda m: m["output_token_sampling_logprobs"].__setitem__(1, None), r"output_token_sampling_logprobs\[1\] = None"),
         (lambda m: m["output_token_sampling_logprobs"].pop(), "output_token_sampling_logprobs has 2 entries"),
+        (lambda m: m["output_token_sampling_logprobs"].__setitem__(0, "x"), "must hold one number per response token"),
     ],
 )
 def test_malformed_meta_info_gives_one_clear_error(mutate, message):

@@ -11,7 +11,6 @@ as zeros; ``output_token_logprobs`` rows are ``(logprob, token_id, text)``;
 from __future__ import annotations
 
 import base64
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,37 +55,46 @@ class DecodedMeta:
     finish_reason: str
 
 
+def _per_token_field(meta_info: dict, key: str, response_len: int) -> list | None:
+    """``meta_info[key]`` (None if absent), checked to hold one entry per response token."""
+    values = meta_info.get(key)
+    if values is not None and len(values) != response_len:
+        raise RecordError(f"{key} has {len(values)} entries; expected one per response token ({response_len})")
+    return values
+
+
+def _checked_logprobs(key: str, raw: list) -> np.ndarray:
+    """float32 ``[R]`` from raw per-token log-probs; names the first that is missing, non-finite or > 0."""
+    try:
+        values = np.array([np.nan if v is None else v for v in raw], dtype=np.float64)
+    except (TypeError, ValueError):
+        raise RecordError(f"{key} must hold one number per response token, got {str(raw)[:200]}") from None
+    bad = ~np.isfinite(values) | (values > 1e-4)
+    if bad.any():
+        t = int(np.argmax(bad))
+        raise RecordError(f"{key}[{t}] = {raw[t]!r}; expected a finite log-prob <= 0")
+    return values.astype(np.float32)
+
+
 def decode_logprobs(meta_info: dict, response_ids: np.ndarray) -> np.ndarray:
-    """``output_token_logprobs`` -> float32 ``[R]``; checks length, token ids and finiteness."""
-    rows = meta_info.get("output_token_logprobs")
+    """``output_token_logprobs`` rows ``(logprob, token_id, text)`` -> float32 ``[R]``; checks ids too."""
+    rows = _per_token_field(meta_info, "output_token_logprobs", len(response_ids))
     if rows is None:
         raise RecordError("meta_info has no 'output_token_logprobs': send return_logprob=true in the request")
-    if len(rows) != len(response_ids):
-        raise RecordError(
-            f"output_token_logprobs has {len(rows)} entries; expected one per response token ({len(response_ids)})"
-        )
-    values = np.empty(len(rows), dtype=np.float32)
+    values = _checked_logprobs("output_token_logprobs", [row[0] for row in rows])
     for t, row in enumerate(rows):
-        logp, token_id = row[0], row[1]
-        if logp is None or not math.isfinite(logp) or logp > 1e-4:
-            raise RecordError(f"output_token_logprobs[{t}] = {logp!r}; expected a finite log-prob <= 0")
-        if token_id is not None and int(token_id) != int(response_ids[t]):
+        if row[1] is not None and int(row[1]) != int(response_ids[t]):
             raise RecordError(
-                f"output_token_logprobs[{t}] is for token {token_id}, but response token {t} is {int(response_ids[t])}"
+                f"output_token_logprobs[{t}] is for token {row[1]}, but response token {t} is {int(response_ids[t])}"
             )
-        values[t] = logp
     return values
 
 
 def decode_sampling_mask(meta_info: dict, response_len: int, vocab_size: int | None) -> list[np.ndarray] | None:
     """``output_token_sampling_mask`` -> R int32 arrays of kept ids (None when the server sent none)."""
-    masks = meta_info.get("output_token_sampling_mask")
+    masks = _per_token_field(meta_info, "output_token_sampling_mask", response_len)
     if masks is None:
         return None
-    if len(masks) != response_len:
-        raise RecordError(
-            f"output_token_sampling_mask has {len(masks)} entries; expected one per response token ({response_len})"
-        )
     out = []
     for t, kept in enumerate(masks):
         ids = np.asarray(kept, dtype=np.int64)
@@ -104,21 +112,12 @@ def decode_sampling_logprobs(meta_info: dict, response_len: int) -> np.ndarray |
     This is the engine's true behaviour log-prob under top-k/top-p truncation (renormalised over
     the kept set), the mu that Keep Sampling Mask compares against.
     """
-    values = meta_info.get("output_token_sampling_logprobs")
+    values = _per_token_field(meta_info, "output_token_sampling_logprobs", response_len)
     if values is None:
         return None
-    if len(values) != response_len:
-        raise RecordError(
-            f"output_token_sampling_logprobs has {len(values)} entries; expected one per response token ({response_len})"
-        )
     if any(isinstance(v, (list, tuple)) for v in values):
         raise RecordError("output_token_sampling_logprobs must be one float per token (sampling_logprobs_mode='selected')")
-    out = np.asarray([np.nan if v is None else v for v in values], dtype=np.float32)
-    bad = ~np.isfinite(out) | (out > 1e-4)
-    if bad.any():
-        t = int(np.argmax(bad))
-        raise RecordError(f"output_token_sampling_logprobs[{t}] = {values[t]!r}; expected a finite log-prob <= 0")
-    return out
+    return _checked_logprobs("output_token_sampling_logprobs", values)
 
 
 def decode_routes(meta_info: dict, prompt_len: int, response_len: int, spec: RouteSpec, start_len: int = 0) -> np.ndarray:
