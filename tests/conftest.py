@@ -15,6 +15,12 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
+def device() -> torch.device:
+    """``cuda:0`` when a CUDA GPU is present, else ``cpu``: tests build their inputs on it."""
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+@pytest.fixture(scope="session")
 def tiny_model_cfg():
     """2-layer, 8-expert, top-2 Qwen3-MoE-shaped model config (the CPU test size)."""
     from moe_rl.config import ModelConfig
