@@ -34,3 +34,14 @@ def test_two_rank_expert_parallel_run_starts_its_own_server_from_rank_0(tmp_path
     assert all(m["replay/rollout_vs_dispatched/response/flip_rate"] == 0.0 for m in metrics)
     assert all(m["train/grad_norm"] > 0 for m in metrics)
     assert (tmp_path / "logs" / "sglang_0.log").is_file(), "rank 0 should have started (and logged) its own server"
+
+
+def test_the_server_environment_drops_the_learners_rendezvous_variables():
+    from moe_rl.rollout.launcher import ServerSpec, server_env
+
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+                "TORCHELASTIC_RUN_ID": "x", "GROUP_RANK": "0", "PATH": "/usr/bin"}  # fmt: skip
+    env = server_env(ServerSpec(model_path="/m"), base=torchrun)
+    assert env["PATH"] == "/usr/bin"
+    leaked = sorted(k for k in torchrun if k != "PATH" and k in env)
+    assert not leaked, f"the SGLang server would join the learner's process group through {leaked}"
