@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from moe_rl.algo import compute_advantages
-from moe_rl.config import ExperimentConfig, save_config
-from moe_rl.records import RolloutBatch
+from moe_rl.config import ConfigError, ExperimentConfig, save_config
+from moe_rl.records import RecordError, RolloutBatch
 from moe_rl.train.batching import check_ksm_records, kept_set_outside_fraction
 from moe_rl.train.collectives import barrier, dp_group, dp_rank_and_size, is_main_process
 from moe_rl.train.logprob import make_logprob_fn
@@ -43,19 +43,19 @@ def check_supported(cfg: ExperimentConfig) -> None:
     """Refuse settings the loop cannot honour yet, naming the key (``moe-rl config validate`` runs these too)."""
     p = cfg.parallel
     if p.pp > 1:
-        raise NotImplementedError(
+        raise ConfigError(
             f"parallel.pp={p.pp}: pipeline parallelism is not supported by the training loop yet (its train step "
             "is Megatron's no-pipeline schedule); use parallel.pp=1"
         )
     if p.cp > 1:
-        raise NotImplementedError(
+        raise ConfigError(
             f"parallel.cp={p.cp}: context parallelism is not supported by the training loop yet (inputs would need "
             "the same per-cp-rank sharding as the replayed routes); use parallel.cp=1"
         )
     if cfg.loss.kl_coef:
-        raise NotImplementedError("loss.kl_coef > 0 needs a reference model, which the trainer does not build yet")
+        raise ConfigError("loss.kl_coef > 0 needs a reference model, which the trainer does not build yet")
     if cfg.replay.keep_sampling_mask and cfg.parallel.tp > 1:
-        raise NotImplementedError("replay.keep_sampling_mask with parallel.tp > 1 (vocab-sharded logits) is not supported yet")
+        raise ConfigError("replay.keep_sampling_mask with parallel.tp > 1 (vocab-sharded logits) is not supported yet")
 
 
 def records_path(directory: Path, step: int) -> Path:
@@ -88,6 +88,16 @@ class RLTrainer:
         self.task, self.reward_fn = build_task(cfg.train, cfg.model.vocab_size)
         self.logprob_fn = make_logprob_fn(cfg.replay.keep_sampling_mask, with_entropy=cfg.loss.entropy_coef > 0)
         self.device = next(self.learner.model.parameters()).device
+        self.plan(self.start_step)  # an impossible split fails here, before any server starts
+
+    def plan(self, step: int):
+        """This rank's ``StepPlan`` for ``step``."""
+        cfg = self.cfg
+        dp_rank, dp_size = dp_rank_and_size()
+        n = cfg.train.prompts_per_step * cfg.rollout.samples_per_prompt
+        return plan_step(n, minibatches=cfg.train.minibatches_per_step, micro_batch_size=cfg.train.micro_batch_size,
+                         epochs=cfg.train.epochs_per_step, dp_rank=dp_rank, dp_size=dp_size, seed=cfg.train.seed,
+                         step=step)  # fmt: skip
 
     @property
     def from_records(self) -> bool:
@@ -147,10 +157,10 @@ class RLTrainer:
             check_ksm_records(batch)
         rewards = torch.from_numpy(batch.rewards).double()
         advantages = compute_advantages(cfg.advantage, rewards, cfg.rollout.samples_per_prompt).float()
-        dp_rank, dp_size = dp_rank_and_size()
-        plan = plan_step(len(batch), minibatches=cfg.train.minibatches_per_step,
-                         micro_batch_size=cfg.train.micro_batch_size, epochs=cfg.train.epochs_per_step,
-                         dp_rank=dp_rank, dp_size=dp_size, seed=cfg.train.seed, step=step)  # fmt: skip
+        plan = self.plan(step)
+        if plan.num_samples != len(batch):
+            raise RecordError(f"{self.records_dir}: step {step} has {len(batch)} samples; the config asks for "
+                              f"{plan.num_samples} (train.prompts_per_step x rollout.samples_per_prompt)")  # fmt: skip
         inputs = StepInputs(batch, advantages, int(batch.response_lens.max()), self.device)
         self.driver.begin_step()
         t1 = time.perf_counter()
