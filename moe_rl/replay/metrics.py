@@ -35,7 +35,8 @@ class FlipCounter:
     def __init__(self, name: str, layer_ids: Sequence[int]):
         self.name = name
         self.layer_ids = list(layer_ids)
-        self.layer_flips = torch.zeros(len(self.layer_ids), dtype=torch.float64)
+        # host-side counters: the per-microbatch flips are summed on the GPU, then moved here
+        self.layer_flips = torch.zeros(len(self.layer_ids), dtype=torch.float64, device="cpu")
         self.tokens = 0
         self.tokens_any = 0
 
@@ -48,8 +49,9 @@ class FlipCounter:
         if valid.shape != reference.shape[:2]:
             want = tuple(reference.shape[:2])
             raise ValueError(f"{self.name}: valid must be [B, S]={want}; got {tuple(valid.shape)}")
-        flips = expert_set_flips(reference.cpu(), other.cpu())[valid.cpu().bool()]  # [N_valid, L]
-        self.layer_flips += flips.sum(dim=0).double()
+        device = other.device  # compare where the learner's routes are; only the sums come back
+        flips = expert_set_flips(reference.to(device), other)[valid.to(device).bool()]  # [N_valid, L]
+        self.layer_flips += flips.sum(dim=0).double().cpu()
         self.tokens += int(flips.shape[0])
         self.tokens_any += int(flips.any(dim=-1).sum())
 

@@ -1,0 +1,87 @@
+"""Megatron-Core version support (>= 0.16.1, < 0.20) and the fixes that apply on every device.
+
+Owns the version check and the release-specific patches that are not about the CPU (those live in
+``moe_rl.learner.cpu_shims``). Each patch is guarded by a probe of the failure it prevents, so on a
+release that fixed it the patch is a no-op.
+
+Patches (name -> failure prevented):
+  te_general_gemm   0.16.x without Transformer Engine: ``NameError: name 'te_general_gemm' is not
+                    defined`` in ``router_gating_linear`` (moe_utils.py imports the name only inside
+                    ``try: from ...transformer_engine import ...`` but tests ``te_general_gemm is not
+                    None`` unconditionally). Seen on CPU and on an H100 (no TE); 0.17+ binds it to None.
+
+API differences handled elsewhere, read in the 0.16.1 and 0.19.2 sources (docs/gpu.md lists them):
+``RouterReplay`` gained static CUDA-graph buffers and ``layer_number`` (0.19; unused by moe_rl), the
+``quantile_balancing`` routing type bypasses the replay hook (0.19; rejected by
+``moe_rl.replay.binding.unsupported_router_options``), the alltoall dispatcher no longer calls
+``maybe_move_tensor_to_cpu`` (0.19; the CPU shim's probe then does nothing).
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+__all__ = ["SUPPORTED", "megatron_core_version", "check_megatron_core_version", "apply_megatron_fixes",
+           "need_te_general_gemm", "bind_te_general_gemm"]
+
+SUPPORTED = ((0, 16, 1), (0, 20, 0))
+"""Supported megatron-core releases: ``SUPPORTED[0] <= version < SUPPORTED[1]``."""
+
+
+def megatron_core_version() -> tuple[int, int, int]:
+    """Installed megatron-core release as ``(major, minor, patch)`` (pre-release tags dropped)."""
+    from packaging.version import Version
+
+    release = Version(metadata.version("megatron-core")).release
+    return tuple((list(release) + [0, 0, 0])[:3])
+
+
+def check_megatron_core_version(version: tuple[int, int, int] | None = None) -> tuple[int, int, int]:
+    """Return the installed version; ``RuntimeError`` naming the supported range if it is outside it."""
+    version = megatron_core_version() if version is None else version
+    lo, hi = SUPPORTED
+    if not lo <= tuple(version) < hi:
+        have = ".".join(map(str, version))
+        raise RuntimeError(
+            f"megatron-core {have} is installed; moe_rl supports megatron-core >= {'.'.join(map(str, lo))}, "
+            f"< {'.'.join(map(str, hi[:2]))} (pip install 'megatron-core>=0.16.1,<0.20')"
+        )
+    return tuple(version)
+
+
+def need_te_general_gemm() -> bool:
+    """True when ``router_gating_linear`` would hit an unbound ``te_general_gemm`` (0.16.x, no TE)."""
+    import inspect
+
+    from megatron.core.transformer.moe import moe_utils
+
+    if hasattr(moe_utils, "te_general_gemm"):
+        return False
+    try:
+        return "te_general_gemm is not None" in inspect.getsource(moe_utils)
+    except (OSError, TypeError):
+        return False
+
+
+def bind_te_general_gemm() -> None:
+    """Bind the missing name to None: the router then takes its plain torch matmul branch."""
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.te_general_gemm = None
+
+
+_FIXES = {"te_general_gemm": (need_te_general_gemm, bind_te_general_gemm)}
+
+
+def apply_megatron_fixes() -> list[str]:
+    """Check the version and apply every fix whose probe fires (any device); return the names applied.
+
+    Idempotent: a fix applied once no longer probes as needed.
+    """
+    check_megatron_core_version()
+    applied = []
+    for name, (needed, apply) in _FIXES.items():
+        if needed():
+            apply()
+            applied.append(name)
+    return applied
