@@ -103,8 +103,8 @@ def init_distributed(parallel_cfg, environ: dict[str, str] | None = None) -> Lau
     from moe_rl.learner.cpu_shims import apply_cpu_shims
     from moe_rl.learner.mcore_compat import apply_megatron_fixes
 
+    apply_cpu_shims()  # first: on CPU the shim set lists te_general_gemm itself
     apply_megatron_fixes()
-    apply_cpu_shims()
     env = launch_env(environ)
     tp, pp, ep, cp = (int(getattr(parallel_cfg, k)) for k in ("tp", "pp", "ep", "cp"))
     etp = getattr(parallel_cfg, "etp", None)

@@ -155,8 +155,8 @@ def build_model(cfg, seed: int | None = None):
 
     from moe_rl.learner.mcore_compat import apply_megatron_fixes
 
+    apply_cpu_shims()  # first: on CPU the shim set lists te_general_gemm itself
     apply_megatron_fixes()
-    apply_cpu_shims()
     tcfg = transformer_config_from(cfg)
     seed_model_parallel_rng(cfg.train.seed if seed is None else seed)
     use_te = use_transformer_engine()
