@@ -14,10 +14,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1)
 
 
+def session_device() -> torch.device:
+    """``cuda:0`` when a CUDA GPU is present, else ``cpu`` (the ``device`` fixture; also for helpers)."""
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
 @pytest.fixture(scope="session")
 def device() -> torch.device:
     """``cuda:0`` when a CUDA GPU is present, else ``cpu``: tests build their inputs on it."""
-    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    return session_device()
 
 
 @pytest.fixture(scope="session")
