@@ -5,6 +5,7 @@ import torch
 
 from moe_rl.replay.binding import RoutingReplay
 from moe_rl.replay.driver import MicrobatchRoutes, ReplayDriver
+from tests.conftest import session_device
 from tests.replay.conftest import forward
 from tests.replay.routing_probe import RoutingMapProbe, expected_map, random_routes
 
@@ -13,8 +14,8 @@ E, K, L = 8, 2, 3
 
 def _batch(n, S, seed):
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 128, (n, S), generator=g)
-    valid = torch.ones(n, S, dtype=torch.bool)
+    ids = torch.randint(0, 128, (n, S), generator=g).to(session_device())
+    valid = torch.ones(n, S, dtype=torch.bool, device=session_device())
     valid[0, S - 3 :] = False  # one padded sample
     return ids, valid
 
@@ -78,7 +79,8 @@ def test_natural_mode_flip_rate_counts_exactly_the_perturbed_token_layers(build)
     with replay.record() as rec, torch.no_grad():
         forward(model, ids)
     rollout = rec.recorded(0).clone()
-    rollout[1, 2, 1] = torch.tensor([e for e in range(E) if e not in rollout[1, 2, 1].tolist()][:K])
+    rollout[1, 2, 1] = torch.tensor([e for e in range(E) if e not in rollout[1, 2, 1].tolist()][:K],
+                                    device=rollout.device)
     rollout[0, 5, 0] = (rollout[0, 5, 0] + 1) % E  # a padded position: must not count
     driver = ReplayDriver(replay, "none")
     with driver.update_pass([MicrobatchRoutes(sample_ids=[0, 1], valid=valid, rollout=rollout)]), torch.no_grad():
