@@ -7,7 +7,7 @@ then R3 (rollout routes replayed), in turn, so clock and thermal drift hit both;
 median of per-round R3/plain ratios. Also times ``Learner.train_step`` (Megatron optimizer) under R3.
 
 Run: python bench/bench_gpu.py [--rounds 15] [--fp8]   (prints one JSON line last)
-Without a CUDA GPU it exits 2 with one line saying so.
+Without a CUDA GPU it exits 2 with one line saying so; ``--smoke`` runs a tiny shape anywhere (code path only).
 """
 
 from __future__ import annotations
@@ -31,26 +31,39 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--fp8", action="store_true", help="also a TE FP8 forward/backward (needs TE)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny shape, CPU allowed: checks the benchmark code path only (figures meaningless)")
     return ap.parse_args()
 
 
-def realistic_cfg(layers: int, tokens: int, fp8: dict | None = None):
+SMOKE_SHAPE = dict(hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2, kv_channels=16,
+                   vocab_size=512, num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32)
+
+
+def realistic_cfg(layers: int, tokens: int, fp8: dict | None = None, smoke: bool = False):
     from moe_rl.config import ExperimentConfig
 
     model = dict(num_layers=layers, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=32,
                  num_query_groups=4, kv_channels=128, vocab_size=151936, seq_length=tokens,
                  num_moe_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768,
                  moe_token_dispatcher_type="alltoall")
-    precision = {"params_dtype": "bfloat16", "fp8": fp8}
+    if smoke:
+        model.update(SMOKE_SHAPE)
+    precision = {"params_dtype": "float32" if smoke else "bfloat16", "fp8": fp8}
     return ExperimentConfig.model_validate({"model": model, "precision": precision,
                                             "optim": {"lr": 1e-6, "clip_grad": 1.0}})
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _timed(fn) -> float:
-    torch.cuda.synchronize()
+    _sync()
     t0 = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    _sync()
     return time.perf_counter() - t0
 
 
@@ -86,7 +99,8 @@ def bench_replay(cfg, rounds: int, warmup: int) -> dict:
     ratios = [r / p for r, p in zip(times["r3"], times["plain"])]
     replay.close()
     del model
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return {"plain_ms": 1e3 * statistics.median(times["plain"]), "r3_ms": 1e3 * statistics.median(times["r3"]),
             "r3_over_plain": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
             "rounds": rounds}
@@ -140,7 +154,9 @@ def bench_fp8(layers: int, tokens: int) -> dict:
 
 def main() -> int:
     args = parse()
-    if not torch.cuda.is_available():
+    if args.smoke:
+        args.layers, args.tokens, args.rounds, args.warmup = 2, 32, 2, 1
+    elif not torch.cuda.is_available():
         print("bench_gpu: no CUDA GPU visible (torch.cuda.is_available() is False); nothing to measure")
         return 2
     from megatron.core import parallel_state
@@ -149,16 +165,18 @@ def main() -> int:
     from moe_rl.learner.mcore_compat import megatron_core_version
     from moe_rl.learner.model import use_transformer_engine
 
-    cfg = realistic_cfg(args.layers, args.tokens)
+    cfg = realistic_cfg(args.layers, args.tokens, smoke=args.smoke)
     init_distributed(cfg.parallel, environ={})
-    out = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (--smoke on CPU)"
+    out = {"gpu": gpu, "torch": torch.__version__, "smoke": args.smoke,
            "megatron_core": ".".join(map(str, megatron_core_version())),
            "spec": "te" if use_transformer_engine() else "local", "layers": args.layers, "tokens": args.tokens}
     out.update(bench_replay(cfg, args.rounds, args.warmup))
     out.update(bench_learner_step(cfg))
     if args.fp8:
         out.update(bench_fp8(args.layers, args.tokens))
-    out["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    if torch.cuda.is_available():
+        out["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     for k, v in out.items():
         print(f"  {k:18s} {v:.4f}" if isinstance(v, float) else f"  {k:18s} {v}")
     print(json.dumps(out))

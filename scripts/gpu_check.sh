@@ -10,6 +10,7 @@
 # --out     where logs go (default: a temp dir); the summary is also written to OUT/summary.txt.
 # --quick   tests only, no benchmark.
 # PYTHON    the interpreter that has CUDA torch (default: python3).
+# GPU_CHECK_TESTS  pytest paths to run instead of the default suite (space-separated).
 # Exit: 0 all passed; 1 tests or benchmark failed; 2 no CUDA GPU / no torch / missing packages.
 set -uo pipefail
 
@@ -94,7 +95,7 @@ EOF
 cd "$REPO"
 echo "gpu_check: $versions"
 echo "gpu_check: running the GPU-capable suite (log: $OUT/pytest.log)"
-SUITE=(tests/learner tests/replay tests/test_batching.py tests/algo tests/distributed)
+read -r -a SUITE <<<"${GPU_CHECK_TESTS:-tests/learner tests/replay tests/test_batching.py tests/algo tests/distributed}"
 "$PY" -m pytest -q -p no:cacheprovider -m "not sglang" -rfEs --timeout 600 "${SUITE[@]}" >"$OUT/pytest.log" 2>&1
 tests_rc=$?
 tests_line=$(grep -E "^=+ .*(passed|failed|error).* =+$|^[0-9]+ (passed|failed)" "$OUT/pytest.log" | tail -1)
