@@ -10,11 +10,12 @@ Patches (name -> failure prevented):
                     ``try: from ...transformer_engine import ...`` but tests ``te_general_gemm is not
                     None`` unconditionally). Seen on CPU and on an H100 (no TE); 0.17+ binds it to None.
 
-API differences handled elsewhere, read in the 0.16.1 and 0.19.2 sources (docs/gpu.md lists them):
-``RouterReplay`` gained static CUDA-graph buffers and ``layer_number`` (0.19; unused by moe_rl), the
-``quantile_balancing`` routing type bypasses the replay hook (0.19; rejected by
-``moe_rl.replay.binding.unsupported_router_options``), the alltoall dispatcher no longer calls
-``maybe_move_tensor_to_cpu`` (0.19; the CPU shim's probe then does nothing).
+API differences, read in the 0.16.1, 0.17.0, 0.18.0 and 0.19.2 sources (docs/gpu.md lists them):
+``RouterReplay.get_replay_topk`` keeps its signature and call site throughout; 0.17 adds static
+CUDA-graph buffers and 0.19 a ``layer_number`` (both unused by moe_rl); 0.19's
+``quantile_balancing`` routing type bypasses the replay hook (rejected by
+``moe_rl.replay.binding.unsupported_router_options``); the DDP / optimizer config fields moe_rl sets
+exist unchanged in all four.
 """
 
 from __future__ import annotations

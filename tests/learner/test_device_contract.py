@@ -216,3 +216,16 @@ def test_learner_takes_host_microbatches(megatron_world, device):
         stats = learner.train_step([_host_batch(cfg.model.vocab_size)], loss)
     assert not watch.calls, watch.calls
     assert stats.grad_norm > 0
+
+
+def test_to_device_moves_every_tensor_in_a_microbatch_and_leaves_the_rest(device):
+    from moe_rl.learner.device import model_device, to_device
+
+    mb = {"input_ids": torch.zeros(2, 3, dtype=torch.long, device="cpu"), "sample_ids": [4, 5],
+          "nested": ({"w": torch.ones(1, device="cpu")}, "tag"), "none": None, "arr": np.zeros(2)}
+    out = to_device(mb, device)
+    assert out["input_ids"].device.type == device.type and out["nested"][0]["w"].device.type == device.type
+    assert out["sample_ids"] == [4, 5] and out["nested"][1] == "tag" and out["none"] is None
+    assert out["arr"] is mb["arr"]
+    with pytest.raises(ValueError, match="has no parameters"):
+        model_device(torch.nn.ReLU())

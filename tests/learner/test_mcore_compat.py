@@ -48,3 +48,17 @@ def test_router_gemm_name_is_bound_after_build_on_any_device(megatron_world, dev
     assert apply_megatron_fixes() == []  # idempotent
     ids = torch.randint(0, 256, (2, 5), device=device)
     assert forward_logits(model, ids).shape == (2, 5, 256)
+
+
+def test_quantile_balancing_routing_of_megatron_0_19_is_refused_by_replay():
+    """0.19 added a routing type whose top-k never reaches the replay hook (router.py ``routing_type``)."""
+    from types import SimpleNamespace
+
+    from moe_rl.replay.binding import unsupported_router_options
+
+    tcfg = SimpleNamespace(moe_router_load_balancing_type=["aux_loss", "quantile_balancing"],
+                           moe_enable_routing_replay=True, moe_expert_capacity_factor=None)
+    assert unsupported_router_options(tcfg) == [
+        "moe_router_load_balancing_type='quantile_balancing' (quantile_balancing routing bypasses the replay hook)"]
+    tcfg.moe_router_load_balancing_type = "aux_loss"
+    assert unsupported_router_options(tcfg) == []
