@@ -20,8 +20,6 @@ exist unchanged in all four.
 
 from __future__ import annotations
 
-from importlib import metadata
-
 __all__ = ["SUPPORTED", "megatron_core_version", "check_megatron_core_version", "apply_megatron_fixes",
            "need_te_general_gemm", "bind_te_general_gemm"]
 
@@ -30,11 +28,11 @@ SUPPORTED = ((0, 16, 1), (0, 20, 0))
 
 
 def megatron_core_version() -> tuple[int, int, int]:
-    """Installed megatron-core release as ``(major, minor, patch)`` (pre-release tags dropped)."""
-    from packaging.version import Version
+    """Imported megatron-core release as ``(major, minor, patch)``, from ``megatron.core.package_info``
+    (also right for a source checkout on ``PYTHONPATH``, which has no package metadata)."""
+    from megatron.core import package_info
 
-    release = Version(metadata.version("megatron-core")).release
-    return tuple((list(release) + [0, 0, 0])[:3])
+    return tuple(int(x) for x in (package_info.MAJOR, package_info.MINOR, package_info.PATCH))
 
 
 def check_megatron_core_version(version: tuple[int, int, int] | None = None) -> tuple[int, int, int]:

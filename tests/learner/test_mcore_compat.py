@@ -22,14 +22,14 @@ def test_versions_inside_the_range_pass(version):
     assert check_megatron_core_version(version) == version
 
 
-def test_installed_version_is_read_from_package_metadata():
+def test_installed_version_is_the_imported_megatron_core():
     from importlib import metadata
-
-    from moe_rl.learner.mcore_compat import check_megatron_core_version
 
     from packaging.version import Version
 
-    want = (Version(metadata.version("megatron-core")).release + (0, 0))[:3]
+    from moe_rl.learner.mcore_compat import check_megatron_core_version
+
+    want = (Version(metadata.version("megatron-core")).release + (0, 0))[:3]  # the wheel that pip installed
     assert check_megatron_core_version() == want
 
 
