@@ -57,7 +57,7 @@ export PYTHONPATH="${TARGET:+$TARGET:}$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
 # Everything the GPU-capable suite imports that a plain CUDA torch image may lack.
-missing=$("$PY" - <<'EOF'
+missing=$("$PY" - 2>"$OUT/imports.err" <<'EOF'
 import importlib.util
 mods = ["megatron.core", "pydantic", "pydantic_core", "annotated_types", "typing_inspection", "pybase64",
         "safetensors", "transformers", "tokenizers", "yaml", "httpx", "hypothesis", "pytest", "pytest_timeout",
@@ -76,10 +76,14 @@ if [ -n "$missing" ]; then
   echo "gpu_check: missing Python packages: $missing (bring their wheels: requirements/gpu-check.txt)"; exit 2
 fi
 
-versions=$("$PY" - <<'EOF'
-import importlib.util, torch
+versions=$("$PY" - 2>"$OUT/versions.err" <<'EOF'
+import importlib.util, sys, torch
 from moe_rl.learner.mcore_compat import check_megatron_core_version
-v = ".".join(map(str, check_megatron_core_version()))
+try:
+    v = ".".join(map(str, check_megatron_core_version()))
+except Exception as exc:  # one line, no traceback: the version check names the supported range
+    print(str(exc).splitlines()[0])
+    sys.exit(1)
 te = "absent"
 if importlib.util.find_spec("transformer_engine") is not None:
     from importlib import metadata
@@ -90,7 +94,7 @@ if importlib.util.find_spec("transformer_engine") is not None:
 print(f"gpu={torch.cuda.get_device_name(0)!r} torch={torch.__version__} cuda={torch.version.cuda} "
       f"megatron_core={v} te={te} gpus={torch.cuda.device_count()}")
 EOF
-) || { echo "gpu_check: $versions"; exit 2; }
+) || { echo "gpu_check: ${versions:-version check failed; see $OUT/versions.err}"; exit 2; }
 
 cd "$REPO"
 echo "gpu_check: $versions"
@@ -98,7 +102,8 @@ echo "gpu_check: running the GPU-capable suite (log: $OUT/pytest.log)"
 read -r -a SUITE <<<"${GPU_CHECK_TESTS:-tests/learner tests/replay tests/test_batching.py tests/algo tests/distributed}"
 "$PY" -m pytest -q -p no:cacheprovider -m "not sglang" -rfEs --timeout 600 "${SUITE[@]}" >"$OUT/pytest.log" 2>&1
 tests_rc=$?
-tests_line=$(grep -E "^=+ .*(passed|failed|error).* =+$|^[0-9]+ (passed|failed)" "$OUT/pytest.log" | tail -1)
+tests_line=$(grep -E "^=+ .*(passed|failed|error).* =+$|^[0-9]+ (passed|failed|error|skipped|deselected)" \
+  "$OUT/pytest.log" | tail -1)
 
 bench_rc=0
 bench_line="skipped (--quick)"
