@@ -4,7 +4,8 @@ Shape (Qwen3-30B-A3B layers): 4 MoE layers, hidden 2048, 32 heads / 4 query grou
 top-8 with expert width 768, vocab 151,936, one sequence of 4,096 tokens, bf16, local layer spec
 (``--spec te`` when Transformer Engine is importable). Step times are paired: each round runs plain,
 then R3 (rollout routes replayed), in turn, so clock and thermal drift hit both; the figure is the
-median of per-round R3/plain ratios. Also times ``Learner.train_step`` (Megatron optimizer) under R3.
+median of per-round R3/plain ratios. Also times ``Learner.train_step`` (Megatron optimizer) under R3
+at ``LEARNER_SHAPE`` (hidden 1024, 64 experts: the optimizer state of the full shape is ~45 GB).
 
 Run: python bench/bench_gpu.py [--rounds 15] [--fp8]   (prints one JSON line last)
 Without a CUDA GPU it exits 2 with one line saying so; ``--smoke`` runs a tiny shape anywhere (code path only).
@@ -40,13 +41,20 @@ SMOKE_SHAPE = dict(hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, n
                    vocab_size=512, num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32)
 
 
-def realistic_cfg(layers: int, tokens: int, fp8: dict | None = None, smoke: bool = False):
+LEARNER_SHAPE = dict(hidden_size=1024, num_attention_heads=16, num_query_groups=4, kv_channels=64, num_moe_experts=64)
+"""The train-step shape (Adam state for 128 experts x hidden 2048 x 4 layers is ~45 GB; the earlier H100 run
+used this one): 4 MoE layers, hidden 1024, 64 experts top-8, same vocab and tokens."""
+
+
+def realistic_cfg(layers: int, tokens: int, fp8: dict | None = None, smoke: bool = False, learner: bool = False):
     from moe_rl.config import ExperimentConfig
 
     model = dict(num_layers=layers, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=32,
                  num_query_groups=4, kv_channels=128, vocab_size=151936, seq_length=tokens,
                  num_moe_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768,
                  moe_token_dispatcher_type="alltoall")
+    if learner:
+        model.update(LEARNER_SHAPE)
     if smoke:
         model.update(SMOKE_SHAPE)
     precision = {"params_dtype": "float32" if smoke else "bfloat16", "fp8": fp8}
@@ -171,17 +179,27 @@ def main() -> int:
     out = {"gpu": gpu, "torch": torch.__version__, "smoke": args.smoke,
            "megatron_core": ".".join(map(str, megatron_core_version())),
            "spec": "te" if use_transformer_engine() else "local", "layers": args.layers, "tokens": args.tokens}
-    out.update(bench_replay(cfg, args.rounds, args.warmup))
-    out.update(bench_learner_step(cfg))
+    sections = [("replay", lambda: bench_replay(cfg, args.rounds, args.warmup)),
+                ("learner", lambda: bench_learner_step(
+                    realistic_cfg(args.layers, args.tokens, smoke=args.smoke, learner=True)))]
     if args.fp8:
-        out.update(bench_fp8(args.layers, args.tokens))
+        sections.append(("fp8", lambda: bench_fp8(args.layers, args.tokens)))
+    failed = []
+    for name, run in sections:
+        try:
+            out.update(run())
+        except torch.cuda.OutOfMemoryError as exc:  # report and go on: the other sections still mean something
+            out[f"{name}_error"] = f"CUDA out of memory: {str(exc).splitlines()[0]}"
+            failed.append(name)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     if torch.cuda.is_available():
         out["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     for k, v in out.items():
         print(f"  {k:18s} {v:.4f}" if isinstance(v, float) else f"  {k:18s} {v}")
     print(json.dumps(out))
     parallel_state.destroy_model_parallel()
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
