@@ -99,7 +99,7 @@ EOF
 cd "$REPO"
 echo "gpu_check: $versions"
 echo "gpu_check: running the GPU-capable suite (log: $OUT/pytest.log)"
-read -r -a SUITE <<<"${GPU_CHECK_TESTS:-tests/learner tests/replay tests/test_batching.py tests/algo tests/distributed}"
+read -r -a SUITE <<<"${GPU_CHECK_TESTS:-tests/learner tests/replay tests/train tests/algo tests/distributed}"
 "$PY" -m pytest -q -p no:cacheprovider -m "not sglang" -rfEs --timeout 600 "${SUITE[@]}" >"$OUT/pytest.log" 2>&1
 tests_rc=$?
 tests_line=$(grep -E "^=+ .*(passed|failed|error).* =+$|^[0-9]+ (passed|failed|error|skipped|deselected)" \

@@ -80,7 +80,8 @@ class FlipCounter:
 
         if not dist.is_initialized() or dist.get_world_size(group) == 1:
             return
-        packed = torch.cat([self.layer_flips, torch.tensor([self.tokens, self.tokens_any], dtype=torch.float64, device="cpu")])
+        counts = torch.tensor([self.tokens, self.tokens_any], dtype=torch.float64, device="cpu")
+        packed = torch.cat([self.layer_flips, counts])
         if dist.get_backend(group) == "nccl":  # NCCL reduces device tensors only
             packed = packed.cuda()
         dist.all_reduce(packed, group=group)

@@ -1,8 +1,9 @@
 """Device contract: what the library builds and hands to Megatron sits on the parameters' device.
 
 Two checks that can fail on a CPU-only machine too:
-- a lint over ``moe_rl/learner`` and ``moe_rl/replay``: every tensor factory names its ``device=``
-  (host-side bookkeeping names ``"cpu"`` explicitly), so a device-less ``torch.zeros`` cannot creep in;
+- a lint over ``moe_rl/learner``, ``moe_rl/replay`` and ``moe_rl/train``: every tensor factory names its
+  ``device=`` (host-side bookkeeping names ``"cpu"`` explicitly; host builds that are moved right after
+  are listed in ``ALLOWED`` with why), so a device-less ``torch.zeros`` cannot creep in;
 - a run of the entry points (``response_logprobs``, ``RoutingReplay``, ``keep_mask_logprobs``,
   ``Learner.train_step``) under a torch function mode that records every tensor factory called from
   library code without a device, while forward pre-hooks on every Megatron submodule check that each
@@ -24,11 +25,16 @@ from torch.overrides import TorchFunctionMode
 from tests.learner.conftest import make_cfg
 
 ROOT = Path(__file__).resolve().parents[2]
-LINTED = ("moe_rl/learner", "moe_rl/replay")
+LINTED = ("moe_rl/learner", "moe_rl/replay", "moe_rl/train")
 FACTORIES = {"zeros", "ones", "empty", "full", "arange", "tensor", "as_tensor", "rand", "randn", "randint",
              "randperm", "linspace", "logspace", "eye"}
 # (file, enclosing function) -> why a device-less factory there is correct.
 ALLOWED = {
+    # moe_rl/train builds each microbatch on the host from the records, then moves it once (``device=``)
+    ("moe_rl/train/batching.py", "build_microbatch"): "host build from numpy records; every field .to(device)",
+    ("moe_rl/train/batching.py", "response_rows"): "host rows from numpy records; callers .to(dev)",
+    ("moe_rl/train/batching.py", "response_row_mask"): "host mask from numpy lengths; callers .to(dev)",
+    ("moe_rl/train/loop.py", "step"): "per-sample rewards -> advantages on the host; StepInputs moves slices",
     ("moe_rl/replay/layout.py", "pack_microbatch_routes"): "records are packed on the host; RoutingReplay moves "
                                                            "each microbatch to the routers' device once",
     ("moe_rl/learner/train_step.py", "_clip_and_step"): "host scalar from a python float, never given to Megatron",
@@ -73,7 +79,7 @@ def _lint(root: Path = ROOT) -> list[tuple[str, str, int, str]]:
     return out
 
 
-def test_lint_no_device_less_tensor_factories_in_learner_and_replay():
+def test_lint_no_device_less_tensor_factories_in_learner_replay_and_train():
     bad = [hit for hit in _lint() if hit[:2] not in ALLOWED and hit[:2] not in KNOWN_BUGS]
     assert not bad, "tensor factories without device= (pass the model's / input's device, or 'cpu'):\n" + "\n".join(
         f"  {f}:{line} in {fn}(): torch.{name}(...)" for f, fn, line, name in bad)
@@ -97,7 +103,7 @@ def test_lint_known_device_bugs_in_lead_owned_files_are_fixed():
 
 
 class _FactoryWatch(TorchFunctionMode):
-    """Records tensor factories called directly from ``moe_rl/learner`` / ``moe_rl/replay`` without a device."""
+    """Records tensor factories called directly from the ``LINTED`` packages without a device."""
 
     def __init__(self):
         super().__init__()
