@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moe_rl.learner.device import model_device, to_device
 from moe_rl.learner.hf_convert import export_hf_checkpoint, load_hf_weights
 from moe_rl.learner.logprobs import response_logprobs
 from moe_rl.learner.model import build_model, unwrap
@@ -128,7 +129,9 @@ class Learner:
         self.optimizer.zero_grad()
         self._set_aux_loss_scale(n)
         losses, metrics = [], []
+        device = model_device(self.model)
         for mb in microbatches:
+            mb = to_device(mb, device)  # callers may hand host tensors; the model's device is the one
             if logprob_fn is not None:
                 logp, entropy = logprob_fn(self.model, mb, temperature)
             else:

@@ -15,11 +15,13 @@ from pathlib import Path
 import pytest
 
 from moe_rl.train.metrics_log import read_metrics
+from tests.conftest import one_gpu_per_rank
 
 pytestmark = [pytest.mark.sglang, pytest.mark.distributed]
 REPO = Path(__file__).parents[2]
 
 
+@one_gpu_per_rank(2)
 def test_two_rank_expert_parallel_run_starts_its_own_server_from_rank_0(tmp_path):
     env = {**os.environ, "NPROC": "2", "MOE_RL_PYTHON": sys.executable}
     cmd = ["bash", str(REPO / "launch/local.sh"), str(REPO / "configs/tiny_cpu.yaml"), "parallel.ep=2", "train.steps=2",

@@ -24,6 +24,7 @@ import pytest
 
 from moe_rl.learner.dist import free_port
 from moe_rl.train.metrics_log import read_metrics
+from tests.conftest import one_gpu_per_rank
 from tests.train.records_fixture import CONFIG, RECORDS, SHAPE, initial_hf_dir
 
 pytestmark = pytest.mark.distributed
@@ -81,6 +82,7 @@ def test_records_have_ragged_responses_and_several_microbatches():
     ],
     ids=["dp2", "micro1", "micro_whole"],
 )
+@one_gpu_per_rank(2)
 def test_decoupled_r3_ksm_step_is_independent_of_ranks_and_microbatches(tmp_path, hf_dir, r3_ksm_one_rank, overrides,
                                                                         nproc):  # fmt: skip
     got = run(tmp_path, hf_dir, "replay.routing=r3", *overrides, nproc=nproc)
@@ -88,6 +90,7 @@ def test_decoupled_r3_ksm_step_is_independent_of_ranks_and_microbatches(tmp_path
     assert all(m["replay/rollout_vs_dispatched/response/flip_rate"] == 0.0 for m in got)
 
 
+@one_gpu_per_rank(2)
 def test_decoupled_r2_step_under_expert_parallel_equals_one_rank(tmp_path, hf_dir):
     one = run(tmp_path / "one", hf_dir, "replay.routing=r2", "train.micro_batch_size=2")
     two = run(tmp_path / "ep2", hf_dir, "replay.routing=r2", "train.micro_batch_size=2", "parallel.ep=2", nproc=2)
