@@ -127,19 +127,31 @@ def gspo_loss(
     sequence; ℓ_i is broadcast to the sequence's tokens before aggregation.
     ``token_level=True`` (GSPO-token): s_{i,t} = sg[s_i] · π_θ(y_t) / sg[π_θ(y_t)] — equal to
     s_i in value, gradient only through the token's own log-prob — with per-token A_{i,t}.
-    With A constant per sequence and ``seq_mean_token_mean`` both variants give the
-    same loss and gradient. Metrics: clip_frac (tokens in clipped sequences), seq_ratio_*.
+    With A constant per sequence both variants give the same loss and gradient, also with
+    token IS weights (each token's gradient is weighted by its own w_t in both forms) and
+    beyond |mean log-ratio| > 20 (log s_i clamped at ±20, zero gradient outside). Metrics: clip_frac (tokens in clipped sequences), seq_ratio_*.
     """
     logp, old_logp, adv, mask, is_weights = _inputs(logp, old_logp, advantages, mask, is_weights)
     lo, hi = _clip_bounds(clip_low, clip_high)
-    log_s = masked_mean(logp - old_logp, mask, dim=1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # [B]
+    raw_log_s = masked_mean(logp - old_logp, mask, dim=1)  # [B]
+    # Both forms clamp log s_i at ±20 with zero gradient beyond (verl's behaviour).
+    inside = ((raw_log_s >= -LOG_RATIO_BOUND) & (raw_log_s <= LOG_RATIO_BOUND)).to(logp.dtype)
+    log_s = raw_log_s.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     if token_level:
-        log_s_tok = log_s.detach()[:, None] + logp - logp.detach()
+        log_s_tok = log_s.detach()[:, None] + (logp - logp.detach()) * inside[:, None]
         s = torch.exp(log_s_tok)  # [B, T]; value s_i, d/dlogp_t = s_i
         unclipped, clipped = -adv * s, -adv * s.clamp(lo, hi)
         per_token = torch.maximum(unclipped, clipped)
         clip_active = (clipped > unclipped) & mask
     else:
+        if is_weights is not None:
+            # Each token's gradient carries its own IS weight w_t (as in GSPO-token), not the
+            # sequence's mean weight w̄_i: the value stays w̄_i·ℓ_i after aggregation, the
+            # gradient through log s_i becomes (1/|y_i|) Σ_t (w_t / w̄_i) ∇log π_θ(y_t).
+            w_bar = masked_mean(is_weights, mask, dim=1)
+            u = masked_mean(is_weights * (logp - old_logp), mask, dim=1)
+            scale = torch.where(w_bar > 0, 1 / w_bar.clamp_min(torch.finfo(w_bar.dtype).tiny), torch.zeros_like(w_bar))
+            log_s = log_s.detach() + (u - u.detach()) * scale * inside
         s = torch.exp(log_s)  # [B]
         adv_seq = masked_mean(adv, mask, dim=1)
         unclipped, clipped = -adv_seq * s, -adv_seq * s.clamp(lo, hi)
@@ -148,7 +160,7 @@ def gspo_loss(
         clip_active = (clipped > unclipped)[:, None] & mask
     valid = seq_valid(mask)
     with torch.no_grad():
-        s_seq = torch.exp(log_s)[valid]
+        s_seq = torch.exp(log_s.detach())[valid]
         metrics: Metrics = {
             "loss/clip_frac": metric(clip_active.sum() / mask.sum().clamp_min(1)),
             "loss/seq_ratio_mean": metric(s_seq.mean() if s_seq.numel() else 1.0),

@@ -16,7 +16,8 @@ Framework"; seed 000, "Notation map"): μ = ``rollout_logp`` (SGLang), π_old =
   mask and the keep masks are AND-ed. OPSM always compares π_θ with μ (DeepSeek-V3.2).
 - Truncated IS is computed over the kept tokens, so batch normalisation is over what
   enters the loss. IcePop together with TIS gives min(ρ, C)·1[band] (the band mask times
-  the truncated weight), never two ratio factors.
+  the truncated weight), never two ratio factors (verl's token-IcePop preset is ρ·1[band]:
+  IcePop alone, weighted).
 """
 
 from __future__ import annotations
@@ -26,15 +27,13 @@ from typing import Protocol
 import torch
 
 from moe_rl.algo._tensors import check_logp, check_mask, check_seq_or_token, metric, seq_valid
-from moe_rl.algo.aggregation import AGGREGATIONS, aggregate
-from moe_rl.algo.importance import icepop_weights, truncated_is_weights
+from moe_rl.algo.aggregation import AGGREGATIONS, aggregate, default_denominator
+from moe_rl.algo.importance import icepop_weights, sequence_icepop_weights, truncated_is_weights
 from moe_rl.algo.kl import kl_penalty
-from moe_rl.algo.losses import cispo_loss, gspo_loss, ppo_clip_loss, reinforce_loss
 from moe_rl.algo.metrics import _offpolicy_metrics
-from moe_rl.algo.rejection import opsm_mask, rejection_mask, token_veto
-
-LOSS_TYPES = ("ppo_clip", "gspo", "gspo_token", "cispo", "reinforce")
-RATIO_LOSSES = ("ppo_clip", "gspo", "gspo_token", "cispo")  # losses whose ratio is anchored on π_old
+from moe_rl.algo.rejection import chained_rejection_mask, opsm_mask, rejection_mask, token_veto
+from moe_rl.algo.surrogates import LOSS_TYPES, RATIO_LOSSES, surrogate_loss
+from moe_rl.algo.variance_control import m2po_mask
 
 
 class CorrectionConfigLike(Protocol):
@@ -53,13 +52,15 @@ class CorrectionConfigLike(Protocol):
     icepop_weighted: bool
     token_veto_threshold: float | None
     opsm_delta: float | None
+    # Optional (defaults when absent): icepop_level ("token"), rejection ([]), m2po_tau (None).
 
 
 class LossConfigLike(Protocol):
     """Attributes read from the config's ``loss`` section (moe_rl.config.LossConfig).
 
-    Optional: ``cispo_clip_low`` (default None = no lower bound), ``cispo_clip_high``
-    (default ``clip_high``).
+    Optional (schema defaults when absent): ``cispo_clip_low`` (None = no lower bound),
+    ``cispo_clip_high`` (None = ``clip_high``), the per-loss fields of ``surrogates.surrogate_loss``,
+    ``norm_len`` (None) and ``scale_factor`` (1.0).
     """
 
     type: str
@@ -86,10 +87,17 @@ def _anchor_and_source(mode, logp, old_logp, rollout, mask):
     raise ValueError(f"correction.mode: expected 'bypass' or 'decoupled', got {mode!r}")
 
 
-def _rejection(cfg, source, rollout, mask, logp, advantages, metrics):
+def _rejection(cfg, source, rollout, mask, logp, anchor, advantages, metrics):
     keep = mask
     if cfg.rs_mode is not None:
         k, m = rejection_mask(source, rollout, mask, cfg.rs_mode, cfg.rs_lower, cfg.rs_upper)
+        keep, metrics = keep & k, metrics | m
+    if getattr(cfg, "rejection", None):
+        k, m = chained_rejection_mask(source, rollout, mask, cfg.rejection)
+        keep, metrics = keep & k, metrics | m
+    if getattr(cfg, "m2po_tau", None) is not None:
+        # ρ of the loss's trust region: π_θ / π_old (decoupled) or π_θ / μ (bypass, anchor = μ).
+        k, m = m2po_mask(logp, anchor, mask, cfg.m2po_tau)
         keep, metrics = keep & k, metrics | m
     if cfg.token_veto_threshold is not None:
         k, m = token_veto(source, rollout, mask, cfg.token_veto_threshold)
@@ -104,8 +112,9 @@ def _is_weights(cfg, loss_type, source, rollout, mask, keep, metrics):
     """IS weights to multiply into the loss (or None), plus their metrics.
 
     IcePop alone: k·1[band] (``icepop_weighted``) or 1[band]. TIS alone: min(ρ, C) (token or
-    sequence). Both: the band mask times the truncated weight, min(ρ, C)·1[band] — verl's
-    token-IcePop preset — since two ratio factors would count π_old/μ twice.
+    sequence). Both: the band mask times the truncated weight, min(ρ, C)·1[band], since two
+    ratio factors would count π_old/μ twice. (verl's token-IcePop preset is ρ·1[band], i.e.
+    IcePop alone with ``icepop_weighted``; see docs/algo.md.)
     """
     is_level = "none" if cfg.is_level is None else cfg.is_level
     if is_level not in ("none", "token", "sequence"):
@@ -116,7 +125,14 @@ def _is_weights(cfg, loss_type, source, rollout, mask, keep, metrics):
         # A ratio factor is never applied to a ratio loss in bypass (π_θ/μ is already in it),
         # and not twice when TIS supplies the weight: then IcePop contributes only its mask.
         weighted = cfg.icepop_weighted and not ratio_in_bypass and is_level == "none"
-        band, m = icepop_weights(source, rollout, mask, cfg.icepop_low, cfg.icepop_high, weighted)
+        level = getattr(cfg, "icepop_level", "token")
+        if level == "token":
+            band, m = icepop_weights(source, rollout, mask, cfg.icepop_low, cfg.icepop_high, weighted)
+        elif level in ("sequence", "geometric"):
+            band, m = sequence_icepop_weights(source, rollout, mask, cfg.icepop_low, cfg.icepop_high, weighted,
+                                              geometric=level == "geometric")  # fmt: skip
+        else:
+            raise ValueError(f"correction.icepop_level: expected 'token', 'sequence' or 'geometric', got {level!r}")
         metrics = metrics | m
     weights = None
     if is_level != "none" and bool(keep.any()):
@@ -141,15 +157,18 @@ def compute_policy_loss(
     ref_logp: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     loss_denominator: float | None = None,
+    generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Total policy loss and flat ``group/name`` metrics (detached 0-d tensors).
 
     Inputs: ``logp[B, T]`` (π_θ, grad), ``old_logp[B, T]`` (π_old; None or == rollout in
     bypass), ``rollout_logp[B, T]`` (μ), ``advantages[B]`` or ``[B, T]``, ``mask[B, T]``,
     optional ``ref_logp[B, T]`` (needed when kl_coef > 0), ``entropy[B, T]`` (needed when
-    entropy_coef > 0), ``loss_denominator`` (global normaliser, see ``aggregate``).
-    loss = pg_loss + kl_coef · agg(KL) − entropy_coef · agg(entropy), all aggregated over
-    the kept mask. If rejection removes every token the loss is a graph-connected zero.
+    entropy_coef > 0), ``loss_denominator`` (global normaliser, see ``aggregate``; without it
+    ``seq_mean_token_sum_norm`` divides by B · ``loss.norm_len``), ``generator`` (Clip-Cov's
+    random selection). loss = scale_factor · (pg_loss + kl_coef · agg(KL) − entropy_coef ·
+    agg(entropy)), all aggregated over the kept mask; the KL to the reference is logged as
+    ``loss/kl_ref``. If rejection removes every token the loss is a graph-connected zero.
     """
     loss_type = loss_cfg.type
     if loss_type not in LOSS_TYPES:
@@ -169,40 +188,35 @@ def compute_policy_loss(
     ent_c = None if entropy is None else check_logp("entropy", entropy, mask)
 
     metrics = _offpolicy_metrics(source, rollout, mask)
-    keep, metrics = _rejection(correction_cfg, source, rollout, mask, logp_c, adv, metrics)
+    keep, metrics = _rejection(correction_cfg, source, rollout, mask, logp_c, anchor, adv, metrics)
     weights, metrics = _is_weights(correction_cfg, loss_type, source, rollout, mask, keep, metrics)
     metrics["correction/kept_token_frac"] = metric(keep.sum() / mask.sum())
     metrics["correction/kept_seq_frac"] = metric(seq_valid(keep).sum() / seq_valid(mask).sum())
 
     agg = loss_cfg.aggregation
+    norm_len = getattr(loss_cfg, "norm_len", None)
+    if loss_denominator is None and agg == "seq_mean_token_sum_norm":
+        loss_denominator = default_denominator(mask, agg, norm_len)
     if not bool(keep.any()):
         pg = (logp_c * 0).sum()  # everything rejected: zero loss, zero gradient, graph intact
         metrics["loss/pg_loss"] = metric(pg)
-    elif loss_type == "ppo_clip":
-        pg, m = ppo_clip_loss(logp_c, anchor, adv, keep, loss_cfg.clip_low, loss_cfg.clip_high,
-                              loss_cfg.dual_clip_c, weights, agg, loss_denominator)  # fmt: skip
-        metrics |= m
-    elif loss_type in ("gspo", "gspo_token"):
-        pg, m = gspo_loss(logp_c, anchor, adv, keep, loss_cfg.clip_low, loss_cfg.clip_high,
-                          loss_type == "gspo_token", weights, agg, loss_denominator)  # fmt: skip
-        metrics |= m
-    elif loss_type == "cispo":
-        lo = getattr(loss_cfg, "cispo_clip_low", None)
-        hi = getattr(loss_cfg, "cispo_clip_high", None) or loss_cfg.clip_high
-        pg, m = cispo_loss(logp_c, anchor, adv, keep, lo, hi, weights, agg, loss_denominator)
-        metrics |= m
     else:
-        pg, m = reinforce_loss(logp_c, adv, keep, weights, agg, loss_denominator)
+        pg, m = surrogate_loss(loss_cfg, logp_c, anchor, adv, keep, weights, loss_denominator, generator)
         metrics |= m
 
     total = pg
     if loss_cfg.kl_coef:
         kl = aggregate(kl_penalty(logp_c, ref, loss_cfg.kl_estimator), keep, agg, loss_denominator)
         total = total + loss_cfg.kl_coef * kl
-        metrics["loss/kl"] = metric(kl)
+        metrics["loss/kl_ref"] = metric(kl)
     if ent_c is not None:
         ent = aggregate(ent_c, keep, agg, loss_denominator)
         total = total - loss_cfg.entropy_coef * ent
         metrics["loss/entropy"] = metric(ent)
+    scale = getattr(loss_cfg, "scale_factor", 1.0)
+    if scale != 1.0:
+        if not scale > 0:
+            raise ValueError(f"loss.scale_factor: expected a number > 0, got {scale}")
+        total = total * scale
     metrics["loss/total"] = metric(total)
     return total, metrics
