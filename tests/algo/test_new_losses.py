@@ -231,3 +231,31 @@ def test_all_rejected_rows_and_weights_follow_the_shared_contract(device):
         x = lp.clone().requires_grad_(True)
         loss0, _ = surrogate_loss(cfg, x, old, adv, mask, torch.zeros_like(w), None, torch.Generator().manual_seed(0))
         assert loss0.item() == 0.0, t
+
+
+def test_clip_cov_draws_only_from_unclipped_tokens_inside_the_covariance_band(device):
+    g = torch.Generator().manual_seed(1)  # a draw with tokens above ub and clipped tokens inside the band
+    n = 40
+    old = (-torch.rand(1, n, generator=g, dtype=F64) * 4 - 0.1).to(device)
+    lp = old + (0.5 * torch.randn(1, n, generator=g, dtype=F64)).to(device)
+    adv = (2 * torch.randn(1, n, generator=g, dtype=F64)).to(device)
+    mask = torch.ones_like(old, dtype=torch.bool)
+    # independent candidate set: lb < cov < ub, and PPO's clipped branch not active
+    a, l_ = adv[0].tolist(), lp[0].tolist()
+    am, lm = sum(a) / n, sum(l_) / n
+    cov = [(a[k] - am) * (l_[k] - lm) for k in range(n)]
+    r = [math.exp(l_[k] - old[0, k].item()) for k in range(n)]
+    clipped = [-a[k] * min(max(r[k], 0.8), 1.2) > -a[k] * r[k] for k in range(n)]
+    cand = {k for k in range(n) if 0.5 < cov[k] < 2.0 and not clipped[k]}
+    assert any(cov[k] >= 2.0 for k in range(n)) and any(clipped[k] and 0.5 < cov[k] < 2.0 for k in range(n))
+    seen = set()
+    for seed in range(25):
+        x = lp.clone().requires_grad_(True)
+        loss, _ = clip_cov_loss(x, old, adv, mask, 0.2, 0.2, cov_fraction=0.05, cov_lb=0.5, cov_ub=2.0,
+                                generator=torch.Generator().manual_seed(seed))  # fmt: skip
+        (grad,) = torch.autograd.grad(loss, x)
+        ref = torch.autograd.grad(clip_cov_loss(x, old, adv, mask, 0.2, 0.2, 0.05, 99.0, 100.0)[0], x)[0]
+        zeroed = {k for k in range(n) if grad[0, k] == 0 and ref[0, k] != 0}
+        assert len(zeroed) == min(2, len(cand)) and zeroed <= cand
+        seen |= zeroed
+    assert seen == cand  # every candidate is reachable
