@@ -37,6 +37,7 @@ def test_reference_is_the_initial_policy_frozen_and_kl_is_logged(megatron_world,
     cfg = make_cfg(optim={"lr": 1e-2})
     learner = Learner(cfg, total_steps=4)
     mb = {k: v.to(device) for k, v in fixed_batch(cfg.model.vocab_size, seed=1).items()}
+    torch.manual_seed(123)  # any state other than the one building a model from cfg.train.seed leaves
     rng_before = torch.get_rng_state()
     ref = ReferencePolicy.from_learner(cfg, learner.module, offload=True)
     assert torch.equal(torch.get_rng_state(), rng_before)  # building π_ref draws from no learner stream
