@@ -53,6 +53,17 @@ def weight_stats(prefix: str, w: torch.Tensor, valid: torch.Tensor) -> Metrics:
     }
 
 
+def _check_band(old_logp, rollout_logp, mask, low, high):
+    mask = check_mask(mask)
+    old_logp = check_logp("old_logp", old_logp, mask)
+    rollout_logp = check_logp("rollout_logp", rollout_logp, mask)
+    low = check_nonneg("icepop low", low)
+    high = check_positive("icepop high", high)
+    if not high > low:
+        raise ValueError(f"icepop band: expected low < high, got low={low}, high={high}")
+    return old_logp, rollout_logp, mask, low, high
+
+
 @torch.no_grad()
 def icepop_weights(
     old_logp: torch.Tensor,
@@ -74,13 +85,7 @@ def icepop_weights(
     them in the 1/Σ|y| normaliser. Padding gets weight 0. Returns detached weights and
     ``icepop/masked_frac`` (+ low/high split) over valid tokens.
     """
-    mask = check_mask(mask)
-    old_logp = check_logp("old_logp", old_logp, mask)
-    rollout_logp = check_logp("rollout_logp", rollout_logp, mask)
-    low = check_nonneg("icepop low", low)
-    high = check_positive("icepop high", high)
-    if not high > low:
-        raise ValueError(f"icepop band: expected low < high, got low={low}, high={high}")
+    old_logp, rollout_logp, mask, low, high = _check_band(old_logp, rollout_logp, mask, low, high)
     return _icepop_weights(old_logp, rollout_logp, mask, low, high, weighted)
 
 
@@ -121,13 +126,7 @@ def sequence_icepop_weights(
     seed 003's sequence-level rejection. Out-of-band sequences stay in the mask with weight 0.
     Metrics: ``icepop/seq_masked_frac`` (+ low/high split) and ``icepop/masked_frac`` (tokens).
     """
-    mask = check_mask(mask)
-    old_logp = check_logp("old_logp", old_logp, mask)
-    rollout_logp = check_logp("rollout_logp", rollout_logp, mask)
-    low = check_nonneg("icepop low", low)
-    high = check_positive("icepop high", high)
-    if not high > low:
-        raise ValueError(f"icepop band: expected low < high, got low={low}, high={high}")
+    old_logp, rollout_logp, mask, low, high = _check_band(old_logp, rollout_logp, mask, low, high)
     valid = seq_valid(mask)
     lr = old_logp - rollout_logp
     log_k = masked_mean(lr, mask, dim=1) if geometric else masked_sum(lr, mask, dim=1)

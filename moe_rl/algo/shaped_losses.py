@@ -11,14 +11,13 @@ from __future__ import annotations
 import torch
 
 from moe_rl.algo._tensors import (
-    LOG_RATIO_BOUND,
     check_nonneg,
     check_positive,
     log_ratio,
     masked_mean,
     metric,
 )
-from moe_rl.algo.losses import Metrics, _finish, _inputs
+from moe_rl.algo.losses import Metrics, _finish, _inputs, sequence_log_ratio
 
 DPPO_DIVERGENCES = ("tv", "kl")
 
@@ -55,20 +54,6 @@ def sapo_loss(
     return _finish(per_token, mask, is_weights, aggregation, loss_denominator, metrics)
 
 
-def _weighted_seq_log_ratio(x: torch.Tensor, mask: torch.Tensor, is_weights: torch.Tensor | None) -> torch.Tensor:
-    """log s_i = mean_t x_t, clamped at ±20 with zero gradient beyond; with IS weights the gradient
-    reaching token t is weighted by w_t / w̄_i (as GSPO's sequence form), the value unchanged."""
-    raw = masked_mean(x, mask, dim=1)
-    inside = ((raw >= -LOG_RATIO_BOUND) & (raw <= LOG_RATIO_BOUND)).to(x.dtype)
-    log_s = raw.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    if is_weights is None:
-        return log_s
-    w_bar = masked_mean(is_weights, mask, dim=1)
-    u = masked_mean(is_weights * x, mask, dim=1)
-    scale = torch.where(w_bar > 0, 1 / w_bar.clamp_min(torch.finfo(w_bar.dtype).tiny), torch.zeros_like(w_bar))
-    return log_s.detach() + (u - u.detach()) * scale * inside
-
-
 def gmpo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -95,7 +80,7 @@ def gmpo_loss(
     x = logp - old_logp
     x_clamped = x.clamp(-lo, hi)
     x_min = sgn * torch.minimum(sgn * x, sgn * x_clamped)
-    log_s = _weighted_seq_log_ratio(x_min, mask, is_weights)
+    log_s, _ = sequence_log_ratio(x_min, mask, is_weights)
     per_seq = -adv_seq * torch.exp(log_s)
     per_token = per_seq[:, None].expand_as(mask)
     with torch.no_grad():
