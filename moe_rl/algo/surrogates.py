@@ -28,11 +28,13 @@ def surrogate_loss(
     weights: torch.Tensor | None,
     loss_denominator: float | None,
     generator: torch.Generator | None = None,
+    cov_selected: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy-gradient loss of ``loss_cfg.type`` on ``logp[B, T]`` (grad) vs ``anchor[B, T]`` over ``keep[B, T]``.
 
     ``adv`` is ``[B, T]``, ``weights[B, T]`` the detached IS weights (or None),
-    ``generator`` seeds Clip-Cov's random selection. Optional config fields missing from a
+    ``generator`` seeds Clip-Cov's random selection; ``cov_selected[B, T]`` (the minibatch's
+    phase-1 ``cov_selection``, rows of this call) replaces Clip-Cov's / KL-Cov's own selection. Optional config fields missing from a
     duck-typed ``loss_cfg`` take the schema defaults.
     """
     t = loss_cfg.type
@@ -59,7 +61,9 @@ def surrogate_loss(
                          opt("dppo_ratio_cap", 20.0), **common)  # fmt: skip
     if t == "clip_cov":
         return clip_cov_loss(logp, anchor, adv, keep, loss_cfg.clip_low, loss_cfg.clip_high, opt("clip_cov_ratio", 2e-4),
-                             opt("clip_cov_lb", 1.0), opt("clip_cov_ub", 5.0), generator=generator, **common)  # fmt: skip
+                             opt("clip_cov_lb", 1.0), opt("clip_cov_ub", 5.0), generator=generator, selected=cov_selected,
+                             **common)  # fmt: skip
     if t == "kl_cov":
-        return kl_cov_loss(logp, anchor, adv, keep, opt("kl_cov_ratio", 2e-4), opt("kl_cov_coef", 1.0), **common)
+        return kl_cov_loss(logp, anchor, adv, keep, opt("kl_cov_ratio", 2e-4), opt("kl_cov_coef", 1.0),
+                           selected=cov_selected, **common)  # fmt: skip
     raise ValueError(f"loss.type: expected one of {LOSS_TYPES}, got {t!r}")
