@@ -34,7 +34,7 @@ def _records_inspect(args) -> int:
 
 
 def _train(args) -> int:
-    from moe_rl.trainer import train
+    from moe_rl.train.loop import train
 
     train(load_config(args.config, args.overrides))
     return 0
