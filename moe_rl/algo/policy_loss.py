@@ -36,6 +36,7 @@ import torch
 
 from moe_rl.algo._tensors import check_logp, check_mask, check_seq_or_token, metric, seq_valid
 from moe_rl.algo.aggregation import AGGREGATIONS, aggregate, default_denominator
+from moe_rl.algo.covariance_losses import cov_selection
 from moe_rl.algo.importance import icepop_weights, sequence_icepop_weights, truncated_is_weights
 from moe_rl.algo.kl import kl_penalty
 from moe_rl.algo.metrics import _offpolicy_metrics
@@ -164,15 +165,18 @@ class PreparedCorrections:
     weights: torch.Tensor | None
     denominator: float
     metrics: dict[str, torch.Tensor]
+    cov_selected: torch.Tensor | None = None  # [N, T] Clip-Cov / KL-Cov tokens; pass rows to policy_loss
 
 
-def needs_policy_prepass(correction_cfg: CorrectionConfigLike) -> bool:
+def needs_policy_prepass(correction_cfg: CorrectionConfigLike, loss_cfg: LossConfigLike | None = None) -> bool:
     """True when the minibatch's corrections need π_θ before the update (a no-grad forward).
 
     Only bypass mode measures its corrections on π_θ (π_old ≔ μ); in decoupled mode they are
     functions of π_old and μ, both known before the update.
     """
     c = correction_cfg
+    if loss_cfg is not None and loss_cfg.type in ("clip_cov", "kl_cov"):
+        return True  # their token selection is a function of π_θ over the whole minibatch
     if getattr(c, "m2po_tau", None) is not None:
         return True  # M2PO's ratio is π_θ / anchor in both modes
     if c.mode != "bypass":
@@ -196,6 +200,8 @@ def prepare_corrections(
     *,
     norm_len: int | None = None,
     policy_logp: torch.Tensor | None = None,
+    advantages: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
 ) -> PreparedCorrections:
     """Phase 1 of a minibatch: rejection, IS weights and the loss denominator over ALL its samples.
 
@@ -208,7 +214,11 @@ def prepare_corrections(
     ``policy_loss``; the sequences they drop stay in the denominator (as IcePop's band does).
     ``norm_len`` defaults to ``loss_cfg.norm_len``. ``policy_logp[N, T]`` (π_θ from the no-grad
     pre-pass) is needed for M2PO (``correction.m2po_tau``): its ratio is π_θ/π_old in decoupled
-    mode (π_old = ``source_logp``) and π_θ/μ in bypass mode.
+    mode (π_old = ``source_logp``) and π_θ/μ in bypass mode. For ``loss.type`` clip_cov / kl_cov,
+    ``policy_logp`` and ``advantages`` ([N] or [N, T]) give the step-global token selection
+    (``cov_selected``; Clip-Cov draws with ``generator``, seeded from train.seed, step and
+    minibatch — identical on every rank, which all see the gathered rows); without them each
+    ``policy_loss`` call selects on its own microbatch.
     """
     if loss_cfg.aggregation not in AGGREGATIONS:
         raise ValueError(f"loss.aggregation: expected one of {AGGREGATIONS}, got {loss_cfg.aggregation!r}")
@@ -225,7 +235,11 @@ def prepare_corrections(
     if norm_len is None:
         norm_len = getattr(loss_cfg, "norm_len", None)
     weights, metrics = _is_weights(correction_cfg, loss_cfg.type, source, rollout, mask, keep, metrics)
-    return PreparedCorrections(keep, weights, _denominator(loss_cfg.aggregation, keep, norm_len), metrics)
+    selected = None
+    if policy_logp is not None and advantages is not None:
+        anchor = rollout if correction_cfg.mode == "bypass" else source
+        selected = cov_selection(loss_cfg, policy_logp, anchor, advantages, keep, generator)
+    return PreparedCorrections(keep, weights, _denominator(loss_cfg.aggregation, keep, norm_len), metrics, selected)
 
 
 def policy_loss(
@@ -243,6 +257,7 @@ def policy_loss(
     ref_logp: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    cov_selected: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Phase 2 (per microbatch, with grad) and phase 3 (whole minibatch, detached, for metrics).
 
@@ -252,7 +267,8 @@ def policy_loss(
     and ranks gives the minibatch loss. Called once more on the gathered, detached π_θ of the
     whole minibatch, its metrics (clip fractions, ratios, OPSM, off-policy diagnostics, KL,
     entropy) are step-global and its loss equals that sum. ``generator`` seeds Clip-Cov's
-    random token selection (seed it from train.seed, step, minibatch and rank). The loss is
+    random token selection (seed it from train.seed, step, minibatch and rank) when no
+    ``cov_selected[B, T]`` (rows of ``PreparedCorrections.cov_selected``) is given. The loss is
     multiplied by ``loss.scale_factor``; the KL to the reference is logged as ``loss/kl_ref``.
     """
     loss_type = loss_cfg.type
@@ -283,7 +299,7 @@ def policy_loss(
         pg = (logp_c * 0).sum()  # everything rejected: zero loss, zero gradient, graph intact
         metrics["loss/pg_loss"] = metric(pg)
     else:
-        pg, m = surrogate_loss(loss_cfg, logp_c, anchor, adv, keep, weights, den, generator)
+        pg, m = surrogate_loss(loss_cfg, logp_c, anchor, adv, keep, weights, den, generator, cov_selected)
         metrics |= m
 
     total = pg
@@ -333,9 +349,9 @@ def compute_policy_loss(
     rollout = check_logp("rollout_logp", rollout_logp.detach(), mask)
     _, source = _anchor_and_source(correction_cfg.mode, logp, old_logp, rollout, mask)
     prepared = prepare_corrections(loss_cfg, correction_cfg, source, rollout, mask, norm_len=norm_len,
-                                   policy_logp=logp.detach())  # fmt: skip
+                                   policy_logp=logp.detach(), advantages=advantages, generator=generator)  # fmt: skip
     den = prepared.denominator if loss_denominator is None else loss_denominator
     total, metrics = policy_loss(loss_cfg, correction_cfg, logp, old_logp, rollout, advantages, mask,
                                  prepared.keep, prepared.weights, den, ref_logp=ref_logp, entropy=entropy,
-                                 generator=generator)  # fmt: skip
+                                 cov_selected=prepared.cov_selected)  # fmt: skip
     return total, prepared.metrics | metrics
