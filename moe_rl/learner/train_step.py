@@ -110,7 +110,7 @@ class Learner:
 
     def train_step(self, microbatches: Sequence[Microbatch], loss_fn: LossFn,
                    temperature: float = 1.0, logprob_fn: LogprobFn | None = None,
-                   loss_scale: float | None = None) -> StepStats:
+                   loss_scale: float | None = None, lr_scale: float = 1.0) -> StepStats:
         """Accumulate gradients over ``microbatches``, finalise them as Megatron does, clip, step.
 
         Each microbatch contributes ``loss * loss_scale`` (default ``1 / len(microbatches)``: a
@@ -148,7 +148,7 @@ class Learner:
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
         finalize_model_grads([self.model])
-        lr = lr_at(self.step, self.cfg.optim, self.total_steps)
+        lr = lr_at(self.step, self.cfg.optim, self.total_steps) * float(lr_scale)  # lr_scale: e.g. VCPO's ESS rule
         set_lr(self.optimizer, lr)
         grad_norm = self._clip_and_step()
         self.step += 1
