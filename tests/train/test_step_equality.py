@@ -77,10 +77,11 @@ def test_records_have_ragged_responses_and_several_microbatches():
     "overrides, nproc",
     [
         (("train.micro_batch_size=2",), 2),  # dp=2 (each rank: 4 of each minibatch's 8, 2 microbatches)
+        (("train.micro_batch_size=2", "parallel.ep=2"), 2),  # ep=2 over the same 2 data-parallel ranks
         (("train.micro_batch_size=1",), 1),
         (("train.micro_batch_size=8",), 1),  # the whole minibatch in one microbatch
     ],
-    ids=["dp2", "micro1", "micro_whole"],
+    ids=["dp2", "ep2", "micro1", "micro_whole"],
 )
 @one_gpu_per_rank(2)
 def test_decoupled_r3_ksm_step_is_independent_of_ranks_and_microbatches(tmp_path, hf_dir, r3_ksm_one_rank, overrides,
@@ -90,9 +91,14 @@ def test_decoupled_r3_ksm_step_is_independent_of_ranks_and_microbatches(tmp_path
     assert all(m["replay/rollout_vs_dispatched/response/flip_rate"] == 0.0 for m in got)
 
 
+@pytest.fixture(scope="module")
+def r2_one_rank(tmp_path_factory, hf_dir):
+    return run(tmp_path_factory.mktemp("r2_1"), hf_dir, "replay.routing=r2", "train.micro_batch_size=2")
+
+
 @one_gpu_per_rank(2)
-def test_decoupled_r2_step_under_expert_parallel_equals_one_rank(tmp_path, hf_dir):
-    one = run(tmp_path / "one", hf_dir, "replay.routing=r2", "train.micro_batch_size=2")
-    two = run(tmp_path / "ep2", hf_dir, "replay.routing=r2", "train.micro_batch_size=2", "parallel.ep=2", nproc=2)
-    assert_same_steps(one, two, "r2 ep=2")
+@pytest.mark.parametrize("layout", [(), ("parallel.ep=2",)], ids=["dp2", "ep2"])
+def test_decoupled_r2_step_on_two_ranks_equals_one_rank(tmp_path, hf_dir, r2_one_rank, layout):
+    two = run(tmp_path, hf_dir, "replay.routing=r2", "train.micro_batch_size=2", *layout, nproc=2)
+    assert_same_steps(r2_one_rank, two, f"r2 {layout or 'dp=2'}")
     assert all(m["replay/r2_vs_dispatched/response/flip_rate"] == 0.0 for m in two)
