@@ -102,6 +102,7 @@ class RLTrainer:
         from moe_rl.learner.train_step import Learner
         from moe_rl.replay.driver import ReplayDriver
         from moe_rl.rollout.tasks import build_task
+        from moe_rl.train.run_dir import guard_run_dir
 
         check_supported(cfg)
         self.cfg = cfg
@@ -109,11 +110,13 @@ class RLTrainer:
         self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
         init_distributed(cfg.parallel)
         self.is_main = _rank() == 0
-        if self.is_main:
-            save_config(cfg, self.run_dir / "config.yaml")
+        # lock, writable paths, resume rules: before anything is written (issue 16)
+        self.run_lock = guard_run_dir(cfg, self.run_dir, self.ckpt_dir, _rank())
         self.learner = Learner(cfg)  # imports checkpoint.init_from_hf when set
         meta = load_checkpoint(self.learner, self.ckpt_dir) if cfg.checkpoint.resume == "auto" else None
         self.start_step = int(meta["extra"]["rl_step"]) if meta else 0
+        if self.is_main:  # only now is the run known to start (a model-shape change failed above)
+            save_config(cfg, self.run_dir / "config.yaml")
         self.driver = ReplayDriver.from_config(self.learner.module, cfg)
         self.task, self.reward_fn = build_task(cfg.train, cfg.model.vocab_size)
         self.logprob_fn = make_logprob_fn(cfg.replay.keep_sampling_mask, with_entropy=cfg.loss.entropy_coef > 0)
@@ -233,8 +236,15 @@ class RLTrainer:
         from moe_rl.learner.checkpoint import save_checkpoint
         from moe_rl.rollout.client import RolloutClient
         from moe_rl.rollout.launcher import rollout_servers
+        from moe_rl.train.run_dir import run_complete_message
 
         cfg = self.cfg
+        if (done := run_complete_message(self.start_step, cfg.train.steps)) is not None:
+            if self.is_main:
+                print(done, flush=True)
+            if self.run_lock is not None:
+                self.run_lock.release()
+            return self.run_dir
         logger = MetricsLogger(self.run_dir, cfg.logging, cfg.train.steps, self.start_step, self.is_main, cfg.name)
         hf_dir = self.export_weights()
         servers = (rollout_servers(cfg.rollout, hf_dir, self.run_dir / "logs") if self.is_main
@@ -256,10 +266,13 @@ class RLTrainer:
                     logger.log(step + 1, metrics)
                     if cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0 \
                             or step + 1 == cfg.train.steps:  # fmt: skip
-                        save_checkpoint(self.learner, self.ckpt_dir, cfg.checkpoint.keep_last, extra={"rl_step": step + 1})
+                        save_checkpoint(self.learner, self.ckpt_dir, cfg.checkpoint.keep_last,
+                                        extra={"rl_step": step + 1}, step=step + 1)  # dirs named by RL step
         finally:
             logger.close()
             self.driver.replay.close()  # release the routers (nothing stays bound after a run)
+            if self.run_lock is not None:
+                self.run_lock.release()
         return self.run_dir
 
 
