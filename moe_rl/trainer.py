@@ -120,6 +120,7 @@ class RLTrainer:
         self.driver = ReplayDriver.from_config(self.learner.module, cfg)
         self.task, self.reward_fn = build_task(cfg.train, cfg.model.vocab_size)
         self.logprob_fn = make_logprob_fn(cfg.replay.keep_sampling_mask, with_entropy=cfg.loss.entropy_coef > 0)
+        self.server_keys, self.server_pool = None, None  # set by run() (issue 16: auth, restarts)
 
     # ------------------------------------------------------------------ weights
     def export_weights(self) -> Path:
@@ -140,18 +141,30 @@ class RLTrainer:
         t0 = time.perf_counter()
         hf_dir = self.export_weights()
         if self.is_main:
-            update_weights_from_disk(addresses, hf_dir, f"step-{step}")
+            update_weights_from_disk(addresses, hf_dir, f"step-{step}", keys=self.server_keys)
         return time.perf_counter() - t0
+
+    def resync(self, addresses: list[str], step: int) -> None:
+        """Push the last exported weights again as ``step-<step>`` (after a restart or a version mismatch)."""
+        from moe_rl.rollout.weights import update_weights_from_disk
+
+        update_weights_from_disk(addresses, self.run_dir / "hf" / "current", f"step-{step}", keys=self.server_keys)
 
     # ------------------------------------------------------------------ one step
     def rollout(self, client, step: int) -> RolloutBatch:
         """Generate, score and persist this step's batch (rank 0); every rank returns the same batch."""
+        from moe_rl.rollout.integrity import generate_checked
+
         path = self.run_dir / ROLLOUTS_DIR / f"step_{step:06d}.safetensors"
         if self.is_main:
             rng = np.random.default_rng([self.cfg.train.seed, step])
             prompts = self.task.sample_prompts(self.cfg.train.prompts_per_step, rng)
             n = self.cfg.rollout.samples_per_prompt
-            samples = client.generate([p.ids for p in prompts], n, step=step)
+            samples = generate_checked(  # issue 16: right weight version only; restart a dead server
+                lambda: client.generate([p.ids for p in prompts], n, step=step), f"step-{step}",
+                resync=lambda: self.resync(client.addresses, step),
+                restart=self.server_pool.restart if self.server_pool else None,
+            )  # fmt: skip
             for k, sample in enumerate(samples):
                 sample.reward = float(self.reward_fn(prompts[k // n], sample.response_ids.tolist()))
             batch = RolloutBatch.from_samples(samples, num_experts=self.cfg.model.num_moe_experts)
@@ -235,7 +248,8 @@ class RLTrainer:
     def run(self) -> Path:
         from moe_rl.learner.checkpoint import save_checkpoint
         from moe_rl.rollout.client import RolloutClient
-        from moe_rl.rollout.launcher import rollout_servers
+        from moe_rl.rollout.auth import ServerKeys
+        from moe_rl.rollout.launcher import ServerPool, rollout_server_pool
         from moe_rl.train.run_dir import run_complete_message
 
         cfg = self.cfg
@@ -246,15 +260,15 @@ class RLTrainer:
                 self.run_lock.release()
             return self.run_dir
         logger = MetricsLogger(self.run_dir, cfg.logging, cfg.train.steps, self.start_step, self.is_main, cfg.name)
+        self.server_keys = ServerKeys.from_rollout_config(cfg.rollout)  # unset key variable: fail before any server
         hf_dir = self.export_weights()
-        servers = (rollout_servers(cfg.rollout, hf_dir, self.run_dir / "logs") if self.is_main
-                   else contextlib.nullcontext([]))  # fmt: skip
+        servers = (rollout_server_pool(cfg.rollout, hf_dir, self.run_dir / "logs") if self.is_main
+                   else contextlib.nullcontext(ServerPool()))  # fmt: skip
         try:
-            with servers as addresses:
+            with servers as self.server_pool:
+                addresses = self.server_pool.addresses
                 if self.is_main:  # label the served weights with our version (also for external servers)
-                    from moe_rl.rollout.weights import update_weights_from_disk
-
-                    update_weights_from_disk(addresses, hf_dir, f"step-{self.start_step}")
+                    self.resync(addresses, self.start_step)
                 client = RolloutClient.from_config(cfg, addresses) if self.is_main else None
                 for step in range(self.start_step, cfg.train.steps):
                     t0 = time.perf_counter()
