@@ -147,10 +147,13 @@ def _group_shm_files(pgid: int) -> set[Path]:
         try:
             if os.getpgid(int(proc.name)) != pgid:
                 continue
-            paths = [line.split(maxsplit=5)[5] for line in (proc / "maps").read_text().splitlines() if line.count(" ") >= 5]
-            paths += [os.readlink(fd) for fd in (proc / "fd").iterdir()]
-        except (OSError, ProcessLookupError, IndexError):
+            paths = [fields[5] for line in (proc / "maps").read_text().splitlines()
+                     if len(fields := line.split(maxsplit=5)) == 6]  # fmt: skip
+        except (OSError, ProcessLookupError):
             continue
+        for fd in (proc / "fd").glob("*"):
+            with contextlib.suppress(OSError):
+                paths.append(os.readlink(fd))
         found.update(Path(p) for p in paths if p.startswith("/dev/shm/") and not p.endswith(" (deleted)"))
     return found
 

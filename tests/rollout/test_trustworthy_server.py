@@ -39,7 +39,7 @@ def keyed(model_dir, tmp_path_factory):
         mp.setenv("MOE_RL_TEST_API_KEY", API_KEY)
         mp.setenv("MOE_RL_TEST_ADMIN_KEY", ADMIN_KEY)
         spec = ServerSpec(model_path=str(model_dir), dtype="float32", deterministic=True, max_total_tokens=4096,
-                          mem_fraction_static=0.3, startup_timeout_s=240, api_key_env="MOE_RL_TEST_API_KEY",
+                          mem_fraction_static=0.3, startup_timeout_s=480, api_key_env="MOE_RL_TEST_API_KEY",
                           admin_api_key_env="MOE_RL_TEST_ADMIN_KEY")  # fmt: skip
         keys = ServerKeys.from_env_names("MOE_RL_TEST_API_KEY", "MOE_RL_TEST_ADMIN_KEY")
         pool = ServerPool(servers=[SGLangServer(spec, run_dir / "logs" / "sglang_0.log")], max_restarts=1)
