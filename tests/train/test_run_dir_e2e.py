@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.rollout.test_launcher import _pids_mentioning
+
 ROOT = Path(__file__).parents[2]
 CONFIG = str(ROOT / "configs/tiny_cpu.yaml")
 BASE = ["train.steps=2", "logging.tensorboard=false", "logging.progress=false"]
@@ -59,18 +61,6 @@ def test_a_model_shape_change_fails_before_config_yaml_is_written(finished_run):
     assert (finished_run / "config.yaml").read_bytes() == saved  # the refused run never rewrote it
 
 
-def _processes_mentioning(text: str) -> list[int]:
-    pids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if text in (d / "cmdline").read_bytes().decode(errors="replace"):
-                    pids.append(int(d.name))
-            except OSError:
-                continue
-    return pids
-
-
 @pytest.mark.sglang
 def test_ctrl_c_during_server_start_exits_with_one_line_and_a_clean_state(tmp_path):
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", CONFIG, *BASE, f"train.output_dir={tmp_path}"]
@@ -87,5 +77,5 @@ def test_ctrl_c_during_server_start_exits_with_one_line_and_a_clean_state(tmp_pa
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     assert err.strip().splitlines()[-1].startswith("interrupted (Ctrl-C)")
-    assert _processes_mentioning(str(tmp_path)) == [], "the rollout server outlived the trainer"
+    assert _pids_mentioning(str(tmp_path)) == [], "the rollout server outlived the trainer"
     assert (tmp_path / ".moe_rl.lock").read_text() == ""  # released
