@@ -1,1 +1,1 @@
-"""The RL training loop and its run directory."""
+"""The training loop and what it consumes: the step plan, batching, the update passes, metrics sinks."""
