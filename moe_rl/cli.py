@@ -125,8 +125,10 @@ QUIET_WARNINGS = (r".*Transformer Engine and Apex are not installed.*", r"Apex i
 
 
 # Errors that carry a complete message for the user, in modules a subcommand imports only when it needs them.
-USER_ERRORS = (("moe_rl.learner.checkpoint", "CheckpointError"), ("moe_rl.train.run_dir", "RunDirError"),
-               ("moe_rl.rollout.auth", "ServerKeyError"), ("moe_rl.rollout.integrity", "WeightVersionError"))  # fmt: skip
+USER_ERRORS = (
+    ("moe_rl.learner.checkpoint", "CheckpointError"), ("moe_rl.train.run_dir", "RunDirError"),
+    ("moe_rl.rollout.auth", "ServerKeyError"), ("moe_rl.rollout.integrity", "WeightVersionError"),
+)  # fmt: skip
 
 
 def _loaded_error_types() -> tuple[type, ...]:
@@ -148,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # servers were stopped and the lock released by the finally blocks on the way out
-        print("interrupted (Ctrl-C): stopped; rerun the same command to resume from the last checkpoint", file=sys.stderr)
+        print("interrupted (Ctrl-C): stopped; rerun the same command to resume from the last checkpoint",
+              file=sys.stderr)  # fmt: skip
         return 130
 
 

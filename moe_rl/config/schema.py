@@ -128,6 +128,9 @@ class PrecisionConfig(Section):
     fp8: FP8Config | None = None
 
 
+ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"  # an environment variable name
+
+
 class RolloutConfig(Section):
     """SGLang rollout engine: where it is (or how to launch it) and how it samples."""
 
@@ -153,10 +156,10 @@ class RolloutConfig(Section):
     max_total_tokens: int = Field(4096, ge=16)
     extra_server_args: list[str] = Field(default_factory=list)
     api_key_env: str | None = Field(
-        None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="name of the environment variable holding the server API key (never the key itself)"
+        None, pattern=ENV_NAME, description="name of the environment variable holding the API key (never the key)"
     )
     admin_api_key_env: str | None = Field(
-        None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="name of the variable holding SGLang's admin key (weight updates need it when set)"
+        None, pattern=ENV_NAME, description="name of the variable holding SGLang's admin key (for weight updates)"
     )
     health_timeout_s: float = Field(30.0, gt=0, le=600, description="a server silent this long counts as hung")
     max_server_restarts: int = Field(2, ge=0, description="restarts of a dead server this run launched")

@@ -219,7 +219,8 @@ def _rollout_steps(
 def _check_key_variables(cfg: ExperimentConfig, env: Mapping[str, str]) -> tuple[str, ...]:
     """Names of the key variables (exported to every step by srun --export=ALL); LaunchError if one is unset."""
     names = tuple(n for n in (cfg.rollout.api_key_env, cfg.rollout.admin_api_key_env) if n)
-    for key, name in (("rollout.api_key_env", cfg.rollout.api_key_env), ("rollout.admin_api_key_env", cfg.rollout.admin_api_key_env)):
+    r = cfg.rollout
+    for key, name in (("rollout.api_key_env", r.api_key_env), ("rollout.admin_api_key_env", r.admin_api_key_env)):
         if name and not env.get(name):
             raise LaunchError(
                 f"{key}={name!r} but {name} is not set in the job's environment; export it before sbatch "

@@ -34,7 +34,8 @@ def _encode(obj, path: str, tensors: dict[str, torch.Tensor], seen: set[int]):
         key = f"t{len(tensors)}"
         t = obj.detach().to("cpu")
         ptr = t.untyped_storage().data_ptr() if t.numel() else None
-        if not t.is_contiguous() or ptr in seen or t.numel() != t.untyped_storage().nbytes() // max(t.element_size(), 1):
+        partial = t.numel() * t.element_size() != t.untyped_storage().nbytes()
+        if not t.is_contiguous() or ptr in seen or partial:
             t = t.contiguous().clone()  # safetensors refuses shared or partial storage
         if ptr is not None:
             seen.add(t.untyped_storage().data_ptr())

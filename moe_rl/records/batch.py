@@ -153,7 +153,8 @@ class RolloutBatch:
         With ``model_cfg`` it also checks ids, lengths and route shapes against the model.
         """
         n = len(self)
-        for name in ("prompt_ids", "prompt_lens", "response_ids", "response_lens", "group_ids", "mask_ids", "mask_offsets"):
+        integer_arrays = ("prompt_ids", "prompt_lens", "response_ids", "response_lens", "group_ids", "mask_ids", "mask_offsets")
+        for name in integer_arrays:
             arr = getattr(self, name)
             if arr is not None and (arr.ndim != 1 or arr.dtype.kind not in "iu"):
                 raise RecordError(f"{name} must be a 1-D integer array, got {arr.dtype} with shape {arr.shape}")
@@ -182,7 +183,8 @@ class RolloutBatch:
             bad = values > LOGPROB_TOLERANCE
             if bad.any():
                 t = int(np.argmax(bad))
-                raise RecordError(f"{name}[{t}] = {float(values[t]):.6g} ({int(bad.sum())} positive); expected log-probs <= 0")
+                value = float(values[t])
+                raise RecordError(f"{name}[{t}] = {value:.6g} ({int(bad.sum())} positive); expected log-probs <= 0")
         if not np.isfinite(self.rewards).all():
             raise RecordError("rewards must be finite")
         if self.routes is not None:
@@ -192,7 +194,9 @@ class RolloutBatch:
         if self.mask_offsets is not None:
             offs = self.mask_offsets
             if len(offs) != len(self.response_ids) + 1 or offs[0] != 0 or offs[-1] != len(self.mask_ids):
-                raise RecordError("mask_offsets must have one entry per response token + 1, start at 0 and end at len(mask_ids)")
+                raise RecordError(
+                    "mask_offsets must have one entry per response token + 1, start at 0 and end at len(mask_ids)"
+                )
             sizes = np.diff(offs)
             if (sizes < 1).any():
                 t = int(np.argmax(sizes < 1))
@@ -295,7 +299,8 @@ class RolloutBatch:
         missing = [k for k in REQUIRED_ARRAYS if k not in arrays]
         if missing:
             raise RecordError(f"missing arrays {missing}")
-        versions, reasons, num_experts = meta.get("weight_versions"), meta.get("finish_reasons"), meta.get("num_experts")
+        versions, reasons = meta.get("weight_versions"), meta.get("finish_reasons")
+        num_experts = meta.get("num_experts")
         if not isinstance(versions, list) or not isinstance(reasons, list):
             raise RecordError("metadata weight_versions / finish_reasons must be lists")
         if num_experts is not None and (not isinstance(num_experts, int) or isinstance(num_experts, bool)):

@@ -25,8 +25,8 @@ class ServerKeys:
     admin_api_key: str | None = None
 
     def __repr__(self) -> str:
-        shown = {k: ("<redacted>" if v else None) for k, v in (("api_key", self.api_key), ("admin_api_key", self.admin_api_key))}
-        return f"ServerKeys({shown})"
+        hidden = {k: "<redacted>" if v else None for k, v in (("api_key", self.api_key), ("admin_api_key", self.admin_api_key))}
+        return f"ServerKeys({hidden})"
 
     @classmethod
     def from_env_names(cls, api_key_env: str | None, admin_api_key_env: str | None,
