@@ -27,10 +27,17 @@ def _config_show(args) -> int:
 
 
 def _records_inspect(args) -> int:
+    """Summary per readable file; one ``error: FILE: reason`` line per unreadable one (exit 2 if any)."""
+    failed = 0
     for path in args.files:
-        batch = RolloutBatch.load(path)
+        try:
+            batch = RolloutBatch.load(path)
+        except RecordError as exc:  # the message starts with the file name
+            print(f"error: {exc}", file=sys.stderr)
+            failed += 1
+            continue
         print(json.dumps({"file": path, **batch.summary()}, indent=2))
-    return 0
+    return 2 if failed else 0
 
 
 def _train(args) -> int:
@@ -117,6 +124,18 @@ QUIET_WARNINGS = (r".*Transformer Engine and Apex are not installed.*", r"Apex i
                   r"full scope is deprecated.*")  # fmt: skip
 
 
+# Errors that carry a complete message for the user, in modules a subcommand imports only when it needs them.
+USER_ERRORS = (
+    ("moe_rl.learner.checkpoint", "CheckpointError"), ("moe_rl.train.run_dir", "RunDirError"),
+    ("moe_rl.rollout.auth", "ServerKeyError"), ("moe_rl.rollout.integrity", "WeightVersionError"),
+)  # fmt: skip
+
+
+def _loaded_error_types() -> tuple[type, ...]:
+    """The USER_ERRORS classes whose modules are imported (an exception can only come from those)."""
+    return tuple(getattr(sys.modules[m], name) for m, name in USER_ERRORS if m in sys.modules)
+
+
 def main(argv: list[str] | None = None) -> int:
     import warnings
 
@@ -125,9 +144,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, RecordError) as exc:
+    except Exception as exc:
+        if not isinstance(exc, (ConfigError, RecordError, *_loaded_error_types())):
+            raise
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # servers were stopped and the lock released by the finally blocks on the way out
+        print("interrupted (Ctrl-C): stopped; rerun the same command to resume from the last checkpoint",
+              file=sys.stderr)  # fmt: skip
+        return 130
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ NUM_POSITION_BUCKETS = 8
 
 def generate(trainer, num_prompts: int) -> RolloutBatch:
     """One rollout batch of ``num_prompts`` x samples_per_prompt with routes and kept sets, persisted."""
+    from moe_rl.rollout.auth import ServerKeys
     from moe_rl.rollout.client import RolloutClient
     from moe_rl.rollout.launcher import rollout_servers
     from moe_rl.rollout.weights import update_weights_from_disk
@@ -38,7 +39,8 @@ def generate(trainer, num_prompts: int) -> RolloutBatch:
     cfg = trainer.cfg
     hf_dir = trainer.export_weights()  # applies rollout.weight_quantization (mismatch injection)
     with rollout_servers(cfg.rollout, hf_dir, trainer.run_dir / "logs") as addresses:
-        update_weights_from_disk(addresses, hf_dir, "diagnose")
+        # labelled as the trainer's step 0, which trainer.rollout checks every sample against (issue 16)
+        update_weights_from_disk(addresses, hf_dir, "step-0", keys=ServerKeys.from_rollout_config(cfg.rollout))
         client = RolloutClient.from_config(
             cfg, addresses, route_spec=RouteSpec.from_model_config(cfg.model), return_sampling_mask=True
         )

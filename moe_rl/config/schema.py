@@ -128,6 +128,9 @@ class PrecisionConfig(Section):
     fp8: FP8Config | None = None
 
 
+ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"  # an environment variable name
+
+
 class RolloutConfig(Section):
     """SGLang rollout engine: where it is (or how to launch it) and how it samples."""
 
@@ -152,6 +155,14 @@ class RolloutConfig(Section):
     mem_fraction_static: float = Field(0.05, gt=0, le=1)
     max_total_tokens: int = Field(4096, ge=16)
     extra_server_args: list[str] = Field(default_factory=list)
+    api_key_env: str | None = Field(
+        None, pattern=ENV_NAME, description="name of the environment variable holding the API key (never the key)"
+    )
+    admin_api_key_env: str | None = Field(
+        None, pattern=ENV_NAME, description="name of the variable holding SGLang's admin key (for weight updates)"
+    )
+    health_timeout_s: float = Field(30.0, gt=0, le=600, description="a server silent this long counts as hung")
+    max_server_restarts: int = Field(2, ge=0, description="restarts of a dead server this run launched")
 
 
 class ReplayConfig(Section):
@@ -339,6 +350,10 @@ class CheckpointConfig(Section):
     keep_last: int = Field(2, ge=1)
     resume: Literal["auto", "never"] = "auto"
     init_from_hf: str | None = Field(None, description="HF checkpoint dir to initialise the learner from")
+    overwrite: bool = Field(False, description="with resume=never: discard a previous run in train.output_dir")
+    allow_changes: list[str] = Field(
+        default_factory=list, description="config keys (or 'section.*') allowed to differ from the run being resumed"
+    )
 
 
 class SlurmConfig(Section):

@@ -8,6 +8,8 @@ on. It is pure (env passed in, nothing executed); ``script.py`` renders and runs
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import re
 import shlex
 from collections.abc import Mapping
@@ -18,6 +20,7 @@ from moe_rl.config import ConfigError, ExperimentConfig, dump_config
 from moe_rl.launch.hostlist import HostlistError, expand_hostlist
 from moe_rl.rollout.launcher import ServerSpec, server_command, server_env
 
+logger = logging.getLogger(__name__)
 PYTHON = "python"  # interpreter on the compute nodes: whatever `python` the job's environment puts first
 CONFIG_HEREDOC_END = "MOE_RL_CONFIG_EOF"
 _OVERRIDE = re.compile(r"^\w+(\.\w+)+=")  # a dotted config override token: one per line when rendered
@@ -193,6 +196,13 @@ def _rollout_steps(
     # 0.0.0.0: the learner nodes connect from outside; same flags as the local launcher otherwise.
     spec = ServerSpec.from_rollout_config(cfg.rollout, cfg.checkpoint.init_from_hf, host="0.0.0.0",
                                           port=ln.rollout_port)  # fmt: skip
+    if not (cfg.rollout.api_key_env or cfg.rollout.admin_api_key_env):
+        warning = (
+            "WARNING: the SGLang servers listen on 0.0.0.0 without an API key: anyone who reaches "
+            f"port {ln.rollout_port} can replace the served weights; set rollout.api_key_env (docs/operations.md)"
+        )
+        notes.append(warning)
+        logger.warning(warning)
     steps, urls = [], []
     for node in nodes:
         srun = ["--nodes=1", "--ntasks=1", f"--nodelist={node}"]
@@ -204,6 +214,19 @@ def _rollout_steps(
         steps.append(SrunStep("rollout", (node,), tuple(srun), command, env))
         urls.append(f"http://{node}:{ln.rollout_port}")
     return steps, urls, notes
+
+
+def _check_key_variables(cfg: ExperimentConfig, env: Mapping[str, str]) -> tuple[str, ...]:
+    """Names of the key variables (exported to every step by srun --export=ALL); LaunchError if one is unset."""
+    names = tuple(n for n in (cfg.rollout.api_key_env, cfg.rollout.admin_api_key_env) if n)
+    r = cfg.rollout
+    for key, name in (("rollout.api_key_env", r.api_key_env), ("rollout.admin_api_key_env", r.admin_api_key_env)):
+        if name and not env.get(name):
+            raise LaunchError(
+                f"{key}={name!r} but {name} is not set in the job's environment; export it before sbatch "
+                "(srun passes it to the rollout and learner steps; the plan names only the variable)"
+            )
+    return names
 
 
 def _learner_step(cfg: ExperimentConfig, nodes: list[str], addresses: list[str], config_path: str,
@@ -244,6 +267,7 @@ def build_launch_plan(cfg: ExperimentConfig, env: Mapping[str, str]) -> LaunchPl
     if not ln.rollout_nodes and not cfg.rollout.addresses:
         raise LaunchError("launch.rollout_nodes=0 needs rollout.addresses (http://host:port of running SGLang servers)")
     _check_gpus_on_node(cfg, env)
+    key_vars = _check_key_variables(cfg, env)
     needed = ln.rollout_nodes + ln.learner_nodes
     nodes = _nodes_from_env(env, needed)
     job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or "manual"
@@ -259,6 +283,8 @@ def build_launch_plan(cfg: ExperimentConfig, env: Mapping[str, str]) -> LaunchPl
         _rollout_steps(cfg, rollout_nodes, log_dir) if ln.rollout_nodes else ([], [], [])
     )
     addresses = urls or list(cfg.rollout.addresses)
+    if key_vars:  # explicit: the rollout and learner steps inherit the variables holding the keys
+        rollout_steps = [dataclasses.replace(st, srun_args=(*st.srun_args, "--export=ALL")) for st in rollout_steps]
     if CONFIG_HEREDOC_END in (yaml_text := dump_config(cfg)):
         raise LaunchError(f"the config text contains the heredoc terminator {CONFIG_HEREDOC_END!r}")
     return LaunchPlan(
@@ -270,11 +296,15 @@ def build_launch_plan(cfg: ExperimentConfig, env: Mapping[str, str]) -> LaunchPl
         rollout_steps=tuple(rollout_steps),
         rollout_urls=tuple(urls),
         rollout_addresses=tuple(addresses),
-        learner_step=_learner_step(cfg, learner_nodes, addresses, config_path, job_id, log_dir),
+        learner_step=_with_export(_learner_step(cfg, learner_nodes, addresses, config_path, job_id, log_dir), key_vars),
         startup_timeout_s=cfg.rollout.startup_timeout_s,
         sbatch_args=tuple(sbatch_args(cfg)),
         notes=tuple(notes + rollout_notes),
     )
+
+
+def _with_export(step: SrunStep, key_vars: tuple[str, ...]) -> SrunStep:
+    return dataclasses.replace(step, srun_args=(*step.srun_args, "--export=ALL")) if key_vars else step
 
 
 def quote_argv(argv: list[str]) -> str:

@@ -1,15 +1,21 @@
-"""Learner checkpoints: save / resume model + optimizer + RNG + step, atomically.
+"""Learner checkpoints: save / resume model + optimizer + RNG + step, atomically, without pickle.
 
-Owns the on-disk layout ``<dir>/step_<N>/rank_<r>.pt`` (+ ``meta.json``) and the
-``<dir>/latest`` pointer. Each rank saves its own shard (its experts under ep > 1),
-so a checkpoint resumes on the same parallel layout. A checkpoint becomes visible
-only when complete: shards go to a temp dir that rank 0 renames, then ``latest``
-is replaced. On CPU resume reproduces the next step bit for bit.
+Owns the on-disk layout ``<dir>/step_<N>/rank_<r>.safetensors`` (+ ``meta.json``) and the
+``<dir>/latest`` pointer. ``N`` is the caller's step (the trainer passes the RL step, which is what
+``checkpoint.save_interval`` counts); the optimizer step is stored inside. Each rank saves its own
+shard (its experts under ep > 1), so a checkpoint resumes on the same parallel layout. A checkpoint
+becomes visible only when complete: shards go to a temp dir that rank 0 renames, then ``latest`` is
+replaced. Shards are safetensors + a JSON skeleton (``state_codec``): loading never unpickles, and a
+legacy pickle shard (``rank_<r>.pt``) is refused. A corrupt or missing newest checkpoint falls back to
+the newest readable one, with a warning. Write failures (disk full, permissions) name the path.
+On CPU resume reproduces the next step bit for bit.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import random
 import shutil
@@ -20,20 +26,31 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_step", "rng_state", "set_rng_state"]
+from moe_rl.learner.state_codec import StateCodecError, load_state, save_state
 
-FORMAT_VERSION = 1
+__all__ = [
+    "CheckpointError", "save_checkpoint", "load_checkpoint", "latest_step", "checkpoint_steps", "completed_rl_step",
+    "rng_state", "set_rng_state",
+]  # fmt: skip
+
+logger = logging.getLogger(__name__)
+FORMAT_VERSION = 2  # 1 = torch.save pickles (refused)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written (path and cause named) or none of the existing ones can be loaded safely."""
 
 
 def rng_state() -> dict:
-    """Every generator a step may draw from: python, numpy, torch CPU/CUDA, Megatron tracker."""
+    """Every generator a step may draw from: python, numpy, torch CPU/CUDA, Megatron tracker (pickle-free)."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
+    version, internal, gauss = random.getstate()
     state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": {"version": version, "state": list(internal), "gauss": gauss},
+        "numpy": np.random.get_state(legacy=False),  # {'bit_generator', 'state': {'key': uint32[624], 'pos'}, ...}
         "torch_cpu": torch.get_rng_state(),
-        "megatron_tracker": get_cuda_rng_tracker().get_states(),
+        "megatron_tracker": dict(get_cuda_rng_tracker().get_states()),
     }
     if torch.cuda.is_available():
         state["torch_cuda"] = torch.cuda.get_rng_state()
@@ -44,7 +61,8 @@ def set_rng_state(state: dict) -> None:
     """Restore what ``rng_state`` captured."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    random.setstate(state["python"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch_cpu"])
     get_cuda_rng_tracker().set_states(state["megatron_tracker"])
@@ -63,6 +81,21 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _all_ranks_agree(ok: bool) -> bool:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _write_error(exc: OSError, what: str, path: Path) -> CheckpointError:
+    reason = errno.errorcode.get(exc.errno or 0, "error")
+    hint = {errno.ENOSPC: "the disk is full", errno.EACCES: "permission denied", errno.EROFS: "read-only file system",
+            errno.EDQUOT: "disk quota exceeded"}.get(exc.errno, exc.strerror or str(exc))  # fmt: skip
+    return CheckpointError(f"cannot write {what} to {path}: {hint} ({reason}); check checkpoint.dir")
+
+
 def _atomic_write_text(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     with os.fdopen(fd, "w") as fh:
@@ -70,76 +103,157 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def latest_step(ckpt_dir: str | Path) -> int | None:
-    """Step of the newest complete checkpoint under ``ckpt_dir`` (None if there is none)."""
-    pointer = Path(ckpt_dir) / "latest"
-    if not pointer.exists():
-        return None
-    return int(pointer.read_text().strip())
-
-
 def _step_dir(ckpt_dir: Path, step: int) -> Path:
     return ckpt_dir / f"step_{step:08d}"
 
 
-def save_checkpoint(learner, ckpt_dir: str | Path, keep_last: int = 2, extra: dict | None = None) -> Path:
-    """Save ``learner`` (collective: every rank calls it); returns the step directory.
+def checkpoint_steps(ckpt_dir: str | Path) -> list[int]:
+    """Steps of the visible (renamed, hence complete at save time) checkpoint dirs, ascending."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return []
+    return sorted(int(d.name[5:]) for d in ckpt_dir.glob("step_*") if d.name[5:].isdigit() and d.is_dir())
 
-    ``extra`` (JSON-serialisable, e.g. the trainer's data cursor) goes in ``meta.json``.
-    Older checkpoints beyond ``keep_last`` are deleted after the new one is visible.
+
+def latest_step(ckpt_dir: str | Path) -> int | None:
+    """Step named by ``<dir>/latest`` (None if absent or unreadable; see ``load_checkpoint`` for fallback)."""
+    pointer = Path(ckpt_dir) / "latest"
+    try:
+        return int(pointer.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def completed_rl_step(ckpt_dir: str | Path) -> int | None:
+    """RL step recorded by the newest checkpoint's ``meta.json`` (None when there is no readable one)."""
+    for step in _candidates(Path(ckpt_dir)):
+        try:
+            meta = json.loads((_step_dir(Path(ckpt_dir), step) / "meta.json").read_text())
+            return int(meta.get("extra", {}).get("rl_step", meta["step"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+def save_checkpoint(
+    learner, ckpt_dir: str | Path, keep_last: int = 2, extra: dict | None = None, step: int | None = None
+) -> Path:
+    """Save ``learner`` (collective: every rank calls it) as ``step_<step>``; returns the step directory.
+
+    ``step`` names the directory (default: the learner's optimizer step); ``extra`` (JSON-serialisable,
+    e.g. the trainer's data cursor) goes in ``meta.json``. Older checkpoints beyond ``keep_last`` are
+    deleted after the new one is visible. Raises CheckpointError naming the path on ENOSPC / EACCES.
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1; got {keep_last}")
     ckpt_dir = Path(ckpt_dir)
     rank, world = _rank_world()
-    step = learner.step
+    step = learner.step if step is None else int(step)
     final = _step_dir(ckpt_dir, step)
     tmp = ckpt_dir / f".step_{step:08d}.tmp"
-    if rank == 0:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
-        tmp.mkdir()
+    try:
+        if rank == 0:
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
+            tmp.mkdir()
+    except OSError as exc:
+        raise _write_error(exc, "the checkpoint directory", tmp) from None
     _barrier()
     shard = {
         "format_version": FORMAT_VERSION,
         "step": step,
+        "optimizer_step": learner.step,
         "model": learner.module.state_dict(),
         "optimizer": learner.optimizer.state_dict(),
         "rng": rng_state(),
     }
-    torch.save(shard, tmp / f"rank_{rank:05d}.pt")
+    shard_path = tmp / f"rank_{rank:05d}.safetensors"
+    try:
+        save_state(shard, shard_path)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _write_error(exc, f"rank {rank}'s model/optimizer shard", shard_path) from None
     _barrier()
     if rank == 0:
         p = learner.cfg.parallel
-        meta = {"format_version": FORMAT_VERSION, "step": step, "world_size": world,
-                "parallel": {"tp": p.tp, "pp": p.pp, "ep": p.ep, "cp": p.cp, "etp": p.etp}, "extra": extra or {}}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _atomic_write_text(ckpt_dir / "latest", f"{step}\n")
-        steps = sorted(int(d.name[5:]) for d in ckpt_dir.glob("step_*") if d.name[5:].isdigit())
-        for old in steps[:-keep_last]:
+        meta = {"format_version": FORMAT_VERSION, "step": step, "optimizer_step": learner.step, "world_size": world,
+                "parallel": {"tp": p.tp, "pp": p.pp, "ep": p.ep, "cp": p.cp, "etp": p.etp}, "extra": extra or {}}  # fmt: skip
+        try:
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _atomic_write_text(ckpt_dir / "latest", f"{step}\n")
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise _write_error(exc, "checkpoint metadata (meta.json / latest)", ckpt_dir) from None
+        for old in checkpoint_steps(ckpt_dir)[:-keep_last]:
             shutil.rmtree(_step_dir(ckpt_dir, old), ignore_errors=True)
     _barrier()
     return final
 
 
-def load_checkpoint(learner, ckpt_dir: str | Path, step: int | None = None) -> dict | None:
-    """Restore ``learner`` from ``step`` (default: latest); returns ``meta`` or None if none exists."""
-    ckpt_dir = Path(ckpt_dir)
-    step = latest_step(ckpt_dir) if step is None else step
-    if step is None:
-        return None
-    d = _step_dir(ckpt_dir, step)
-    meta = json.loads((d / "meta.json").read_text())
-    rank, world = _rank_world()
+def _candidates(ckpt_dir: Path) -> list[int]:
+    """Steps to try, newest first: the ``latest`` pointer's, then every other visible dir."""
+    steps = sorted(checkpoint_steps(ckpt_dir), reverse=True)
+    pointer = latest_step(ckpt_dir)
+    if pointer is not None and pointer in steps:
+        steps.remove(pointer)
+        steps.insert(0, pointer)
+    return steps
+
+
+def _read_shard(d: Path, rank: int, world: int) -> tuple[dict, dict]:
+    """(meta, shard) of step dir ``d`` for ``rank``; StateCodecError / CheckpointError when unusable."""
+    pickled = d / f"rank_{rank:05d}.pt"
+    if pickled.exists():
+        raise CheckpointError(
+            f"{pickled} is a pickle checkpoint; moe_rl refuses to unpickle (it can run arbitrary code). "
+            "Only safetensors shards (rank_<r>.safetensors) are loaded; start from checkpoint.init_from_hf or "
+            "convert the checkpoint in a trusted environment"
+        )
+    try:
+        meta = json.loads((d / "meta.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise StateCodecError(f"{d / 'meta.json'} is missing or not JSON ({exc})") from None
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise StateCodecError(f"{d} has format_version {meta.get('format_version')}; expected {FORMAT_VERSION}")
     if meta["world_size"] != world:
         raise ValueError(f"{d} was saved by {meta['world_size']} ranks (parallel={meta['parallel']}); "
-                         f"this job has {world}; expected the same layout")
-    shard = torch.load(d / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=False)
-    learner.module.load_state_dict(shard["model"], strict=True)
-    learner.optimizer.load_state_dict(shard["optimizer"])
-    set_rng_state(shard["rng"])
-    learner.step = shard["step"]
-    return meta
+                         f"this job has {world}; expected the same layout")  # fmt: skip
+    return meta, load_state(d / f"rank_{rank:05d}.safetensors")
+
+
+def load_checkpoint(learner, ckpt_dir: str | Path, step: int | None = None) -> dict | None:
+    """Restore ``learner`` from ``step`` (default: newest readable); returns ``meta`` or None if none exists.
+
+    With ``step=None`` an unreadable newest checkpoint (truncated shard, missing meta) is skipped with a
+    warning naming it and the one used instead; CheckpointError when every candidate is unreadable.
+    A layout mismatch or a model that does not fit the weights raises at once (no fallback).
+    """
+    ckpt_dir = Path(ckpt_dir)
+    candidates = _candidates(ckpt_dir) if step is None else [step]
+    if not candidates:
+        return None
+    rank, world = _rank_world()
+    problems = []
+    for s in candidates:
+        d = _step_dir(ckpt_dir, s)
+        try:
+            meta, shard = _read_shard(d, rank, world)
+            ok, reason = True, ""
+        except StateCodecError as exc:
+            meta, shard, ok, reason = None, None, False, str(exc)
+        if not _all_ranks_agree(ok):
+            problems.append(f"{d.name}: {reason or 'unreadable on another rank'}")
+            logger.warning("checkpoint %s is unreadable (%s); trying an older one", d, reason or "on another rank")
+            continue
+        if problems:
+            logger.warning("resuming from %s instead of the newer unreadable checkpoint(s): %s", d, "; ".join(problems))
+        learner.module.load_state_dict(shard["model"], strict=True)
+        learner.optimizer.load_state_dict(shard["optimizer"])
+        set_rng_state(shard["rng"])
+        learner.step = int(shard["optimizer_step"])
+        meta["fallback_from"] = problems
+        return meta
+    raise CheckpointError(f"no readable checkpoint under {ckpt_dir}: " + "; ".join(problems))

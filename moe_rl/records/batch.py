@@ -17,11 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from moe_rl.records.routes import RecordError, check_distinct_experts, compact_routes, route_dtype
 
 FORMAT_VERSION = 1
+# Largest log-prob accepted: the SGLang decoder's bound (sglang_meta._checked_logprobs), float rounding above 0.
+LOGPROB_TOLERANCE = 1e-4
+REQUIRED_ARRAYS = ("prompt_ids", "prompt_lens", "response_ids", "response_lens", "rollout_logp", "rewards", "group_ids")
 
 
 @dataclass
@@ -140,8 +144,20 @@ class RolloutBatch:
 
     # ------------------------------------------------------------------ validation
     def validate(self, model_cfg=None) -> None:
-        """Raise ``RecordError`` naming the first inconsistent field (lengths, NaNs, routes vs model)."""
+        """Raise ``RecordError`` naming the first inconsistent field.
+
+        Without ``model_cfg`` it checks every invariant the file itself implies: lengths, integral
+        non-negative token ids, finite log-probs <= ``LOGPROB_TOLERANCE`` (the SGLang decoder's bound),
+        one route row per forwarded position of every sample, expert ids below the file's
+        ``num_experts`` and distinct per token, mask offsets starting at 0 and growing by >= 1 per token.
+        With ``model_cfg`` it also checks ids, lengths and route shapes against the model.
+        """
         n = len(self)
+        integer_arrays = ("prompt_ids", "prompt_lens", "response_ids", "response_lens", "group_ids", "mask_ids", "mask_offsets")
+        for name in integer_arrays:
+            arr = getattr(self, name)
+            if arr is not None and (arr.ndim != 1 or arr.dtype.kind not in "iu"):
+                raise RecordError(f"{name} must be a 1-D integer array, got {arr.dtype} with shape {arr.shape}")
         for name, arr in (("rewards", self.rewards), ("group_ids", self.group_ids), ("response_lens", self.response_lens)):
             if len(arr) != n:
                 raise RecordError(f"{name} has {len(arr)} entries; expected one per sample ({n})")
@@ -151,6 +167,10 @@ class RolloutBatch:
             raise RecordError("every sample needs >= 1 prompt token and >= 1 response token")
         if len(self.prompt_ids) != self.prompt_lens.sum() or len(self.response_ids) != self.response_lens.sum():
             raise RecordError("prompt_ids/response_ids lengths disagree with prompt_lens/response_lens")
+        for name in ("prompt_ids", "response_ids", "mask_ids"):
+            ids = getattr(self, name)
+            if ids is not None and ids.size and ids.min() < 0:
+                raise RecordError(f"{name} has a negative token id ({int(ids.min())})")
         for name in ("rollout_logp", "sampling_logp"):
             values = getattr(self, name)
             if values is None:
@@ -160,13 +180,43 @@ class RolloutBatch:
             bad = ~np.isfinite(values)
             if bad.any():
                 raise RecordError(f"{name} has {int(bad.sum())} non-finite values (first at flat token {int(np.argmax(bad))})")
+            bad = values > LOGPROB_TOLERANCE
+            if bad.any():
+                t = int(np.argmax(bad))
+                value = float(values[t])
+                raise RecordError(f"{name}[{t}] = {value:.6g} ({int(bad.sum())} positive); expected log-probs <= 0")
         if not np.isfinite(self.rewards).all():
             raise RecordError("rewards must be finite")
+        if self.routes is not None:
+            self._validate_routes()
+        if (self.mask_ids is None) != (self.mask_offsets is None):
+            raise RecordError("mask_ids and mask_offsets must be stored together")
         if self.mask_offsets is not None:
-            if len(self.mask_offsets) != len(self.response_ids) + 1 or self.mask_offsets[-1] != len(self.mask_ids):
-                raise RecordError("mask_offsets must have one entry per response token + 1 and end at len(mask_ids)")
+            offs = self.mask_offsets
+            if len(offs) != len(self.response_ids) + 1 or offs[0] != 0 or offs[-1] != len(self.mask_ids):
+                raise RecordError(
+                    "mask_offsets must have one entry per response token + 1, start at 0 and end at len(mask_ids)"
+                )
+            sizes = np.diff(offs)
+            if (sizes < 1).any():
+                t = int(np.argmax(sizes < 1))
+                raise RecordError(f"mask_offsets must grow by >= 1 per token (every kept set holds the sampled token); "
+                                  f"token {t} has a kept set of size {int(sizes[t])}")  # fmt: skip
         if model_cfg is not None:
             self._validate_against_model(model_cfg)
+
+    def _validate_routes(self) -> None:
+        if self.num_experts is None:
+            raise RecordError("routes are stored but num_experts is not (metadata)")
+        if self.routes.ndim != 3:
+            raise RecordError(f"routes must be [rows, moe_layers, top_k], got shape {tuple(self.routes.shape)}")
+        if self.routes.shape[0] != int(self.route_lens.sum()):
+            raise RecordError(
+                f"routes has {self.routes.shape[0]} rows; expected one per forwarded position, "
+                f"sum(prompt_len + response_len - 1) = {int(self.route_lens.sum())}"
+            )
+        compact_routes(self.routes, self.num_experts)
+        check_distinct_experts(self.routes)
 
     def _validate_against_model(self, model_cfg) -> None:
         vocab = model_cfg.vocab_size
@@ -221,31 +271,53 @@ class RolloutBatch:
 
     @classmethod
     def load(cls, path: str | Path) -> RolloutBatch:
+        """Read and validate a records file; any problem is one ``RecordError`` naming ``path``."""
+        path = Path(path)
+        try:
+            batch = cls._read(path)
+            batch.validate()
+        except RecordError as exc:
+            raise RecordError(f"{path}: {exc}") from None
+        except (SafetensorError, OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {exc}"
+            raise RecordError(f"{path}: not a readable moe_rl records file ({reason})") from None
+        return batch
+
+    @classmethod
+    def _read(cls, path: Path) -> RolloutBatch:
         from safetensors import safe_open
 
-        path = Path(path)
         with safe_open(str(path), framework="numpy") as fh:
             raw_meta = (fh.metadata() or {}).get("moe_rl")
         if raw_meta is None:
-            raise RecordError(f"{path} is not a moe_rl records file (no 'moe_rl' metadata)")
+            raise RecordError("not a moe_rl records file (no 'moe_rl' metadata)")
         meta = json.loads(raw_meta)
-        if meta.get("format_version") != FORMAT_VERSION:
-            raise RecordError(f"{path}: format_version {meta.get('format_version')} != supported {FORMAT_VERSION}")
+        if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+            version = meta.get("format_version") if isinstance(meta, dict) else None
+            raise RecordError(f"format_version {version} != supported {FORMAT_VERSION}")
         arrays = load_file(str(path))
+        missing = [k for k in REQUIRED_ARRAYS if k not in arrays]
+        if missing:
+            raise RecordError(f"missing arrays {missing}")
+        versions, reasons = meta.get("weight_versions"), meta.get("finish_reasons")
+        num_experts = meta.get("num_experts")
+        if not isinstance(versions, list) or not isinstance(reasons, list):
+            raise RecordError("metadata weight_versions / finish_reasons must be lists")
+        if num_experts is not None and (not isinstance(num_experts, int) or isinstance(num_experts, bool)):
+            raise RecordError(f"metadata num_experts must be an integer, got {num_experts!r}")
         batch = cls(
-            **{k: arrays[k] for k in ("prompt_ids", "prompt_lens", "response_ids", "response_lens", "rollout_logp", "rewards", "group_ids")},
-            weight_versions=meta["weight_versions"],
-            finish_reasons=meta["finish_reasons"],
+            **{k: arrays[k] for k in REQUIRED_ARRAYS},
+            weight_versions=[str(v) for v in versions],
+            finish_reasons=[str(r) for r in reasons],
             routes=arrays.get("routes"),
-            num_experts=meta["num_experts"],
+            num_experts=num_experts,
             mask_ids=arrays.get("mask_ids"),
             mask_offsets=arrays.get("mask_offsets"),
             sampling_logp=arrays.get("sampling_logp"),
             extra=meta.get("extra", {}),
         )
-        if batch.routes is not None and batch.routes.dtype != route_dtype(batch.num_experts):
-            raise RecordError(f"{path}: routes dtype {batch.routes.dtype} does not match num_experts={batch.num_experts}")
-        batch.validate()
+        if batch.routes is not None and batch.routes.dtype != route_dtype(batch.num_experts or 1):
+            raise RecordError(f"routes dtype {batch.routes.dtype} does not match num_experts={batch.num_experts}")
         return batch
 
     def summary(self) -> dict:

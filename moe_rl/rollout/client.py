@@ -17,6 +17,8 @@ import httpx
 import numpy as np
 
 from moe_rl.records import RecordError, RolloutSample, RouteSpec, decode_sglang_meta
+from moe_rl.rollout.auth import ServerKeys
+from moe_rl.rollout.health import run_watched
 
 
 class RolloutError(RuntimeError):
@@ -78,6 +80,8 @@ class RolloutClient:
         max_concurrency: int = 16,
         max_retries: int = 3,
         backoff_s: float = 0.5,
+        headers: dict[str, str] | None = None,
+        health_timeout_s: float | None = None,
     ):
         if not addresses:
             raise ValueError("addresses is empty; expected at least one http://host:port")
@@ -91,6 +95,8 @@ class RolloutClient:
         self.max_concurrency = max_concurrency
         self.max_retries = max_retries
         self.backoff_s = backoff_s
+        self.headers = dict(headers or {})  # Authorization when the servers have an API key (auth.py)
+        self.health_timeout_s = health_timeout_s  # a server silent this long aborts the batch (health.py)
         self._next_server = itertools.count()
         self._top_k = self._wire_top_k(sampling.top_k, sampling_mask_max_tokens)
 
@@ -109,6 +115,8 @@ class RolloutClient:
             request_timeout_s=r.request_timeout_s,
             max_concurrency=r.max_concurrency,
             max_retries=r.max_retries,
+            headers=ServerKeys.from_rollout_config(r).headers(),
+            health_timeout_s=r.health_timeout_s,
         )
         kwargs.update(overrides)
         return cls(addresses, **kwargs)
@@ -173,13 +181,17 @@ class RolloutClient:
         ]
         gate = asyncio.Semaphore(self.max_concurrency)
         limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
-        async with httpx.AsyncClient(timeout=self.request_timeout_s, limits=limits) as http:
-            try:
-                async with asyncio.TaskGroup() as tg:  # first failure cancels the rest: no partial batch
-                    tasks = [tg.create_task(self._one(http, gate, *job)) for job in jobs]
-            except* RolloutError as group:
-                raise group.exceptions[0] from None
-        return [t.result() for t in tasks]
+        async with httpx.AsyncClient(timeout=self.request_timeout_s, limits=limits, headers=self.headers) as http:
+
+            async def whole_batch():
+                try:
+                    async with asyncio.TaskGroup() as tg:  # first failure cancels the rest: no partial batch
+                        tasks = [tg.create_task(self._one(http, gate, *job)) for job in jobs]
+                except* RolloutError as group:
+                    raise group.exceptions[0] from None
+                return [t.result() for t in tasks]
+
+            return await run_watched(whole_batch(), self.addresses, self.health_timeout_s, self.headers)
 
     async def _one(self, http: httpx.AsyncClient, gate: asyncio.Semaphore, prompt, group_id, seed) -> RolloutSample:
         body = self.request_body(prompt, seed)

@@ -1,10 +1,12 @@
 """Start, health-check and always stop local SGLang rollout servers; or use given addresses.
 
 Owns the server process lifecycle: the command line (CPU or GPU flags, routed experts always on,
-deterministic inference when asked, the sampling-mask cap), the server's environment (CPU
-stand-ins on its path only), the log file, waiting for ``/health``, and teardown of the whole
-process group (SIGTERM, then SIGKILL) on exit, on exceptions and on SIGTERM/SIGINT to the parent.
-It does not talk the generation protocol (client.py) or sync weights (weights.py).
+deterministic inference when asked, the sampling-mask cap, API keys by variable name through
+``sglang_entry``), the server's environment (CPU stand-ins on its path only), the log file, waiting
+for ``/health``, teardown of the whole process group (SIGTERM, then SIGKILL) on exit, on exceptions and
+on SIGTERM/SIGINT to the parent, removal of the shared-memory files the group left in ``/dev/shm``,
+and bounded restarts of a dead server (``ServerPool``). It does not talk the generation protocol
+(client.py) or sync weights (weights.py).
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ class ServerSpec:
     startup_timeout_s: float = 180.0
     cpu_threads: int | None = None  # CPU engine: torch intra-op threads (None = all cores)
     extra_args: tuple[str, ...] = ()
+    api_key_env: str | None = None  # names of the variables holding the keys (never the keys)
+    admin_api_key_env: str | None = None
 
     @classmethod
     def from_rollout_config(cls, rollout, model_path: str | Path, **overrides) -> ServerSpec:
@@ -70,6 +74,8 @@ class ServerSpec:
             max_total_tokens=rollout.max_total_tokens,
             startup_timeout_s=rollout.startup_timeout_s,
             extra_args=tuple(rollout.extra_server_args),
+            api_key_env=rollout.api_key_env,
+            admin_api_key_env=rollout.admin_api_key_env,
         )
         values.update(overrides)
         return cls(**values)
@@ -83,9 +89,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def server_command(spec: ServerSpec, port: int, python: str = sys.executable) -> list[str]:
-    """The `sglang.launch_server` argv for `spec` on `port`."""
+    """The `sglang.launch_server` argv for `spec` on `port` (`sglang_entry` when keys are configured)."""
+    keys = [*(("--api-key-env", spec.api_key_env) if spec.api_key_env else ()),
+            *(("--admin-api-key-env", spec.admin_api_key_env) if spec.admin_api_key_env else ())]  # fmt: skip
+    entry = ["moe_rl.rollout.sglang_entry", *keys] if keys else ["sglang.launch_server"]
     cmd = [
-        python, "-m", "sglang.launch_server",
+        python, "-m", *entry,
         "--model-path", spec.model_path,
         "--device", spec.device,
         "--host", spec.host,
@@ -138,6 +147,26 @@ def _log_tail(path: Path, lines: int = 40) -> str:
     return "<no log>"
 
 
+def _group_shm_files(pgid: int) -> set[Path]:
+    """``/dev/shm`` files mapped or open in any process of group ``pgid`` (SGLang's load snapshots, semaphores)."""
+    found: set[Path] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(proc.name)) != pgid:
+                continue
+            paths = [fields[5] for line in (proc / "maps").read_text().splitlines()
+                     if len(fields := line.split(maxsplit=5)) == 6]  # fmt: skip
+        except (OSError, ProcessLookupError):
+            continue
+        for fd in (proc / "fd").glob("*"):
+            with contextlib.suppress(OSError):
+                paths.append(os.readlink(fd))
+        found.update(Path(p) for p in paths if p.startswith("/dev/shm/") and not p.endswith(" (deleted)"))
+    return found
+
+
 @dataclass
 class SGLangServer:
     """One local SGLang server process (context manager). `url` is valid after `start()`."""
@@ -146,15 +175,22 @@ class SGLangServer:
     log_path: Path
     url: str = ""
     process: subprocess.Popen | None = field(default=None, repr=False)
+    shm_files: set[Path] = field(default_factory=set, repr=False)  # removed after the group is gone
 
     def start(self) -> SGLangServer:
-        """Spawn the server in its own process group and wait for `/health` (ServerStartError)."""
+        """Spawn the server in its own process group and wait for `/health` (ServerStartError).
+
+        A restarted server keeps its port, so the addresses the client holds stay valid.
+        """
+        from moe_rl.rollout.auth import ServerKeys
+
+        ServerKeys.from_env_names(self.spec.api_key_env, self.spec.admin_api_key_env)  # unset variable: fail now
         if self.spec.device == "cpu" and self.spec.deterministic and self.spec.dtype == "float32":
             logger.warning(
                 "deterministic rollouts on CPU are bit-exact across batch compositions only in bfloat16: "
                 "fp32 CPU matmuls change kernels with the batch size (docs/sglang.md)"
             )
-        port = self.spec.port or free_port(self.spec.host)
+        port = int(self.url.rsplit(":", 1)[1]) if self.url else self.spec.port or free_port(self.spec.host)
         self.url = f"http://{self.spec.host}:{port}"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
@@ -172,6 +208,7 @@ class SGLangServer:
         except BaseException:
             self.stop()
             raise
+        self.shm_files |= _group_shm_files(self.process.pid)
         return self
 
     def wait_healthy(self, timeout_s: float) -> None:
@@ -200,6 +237,7 @@ class SGLangServer:
         if proc is None:
             return
         pgid = proc.pid  # start_new_session=True: the group id is the leader's pid
+        self.shm_files |= _group_shm_files(pgid)
         for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, sig)
@@ -209,6 +247,16 @@ class SGLangServer:
                 break
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=1.0)
+        if not _group_alive(pgid):  # nobody maps them any more: SGLang leaves these behind
+            for path in self.shm_files:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+            self.shm_files.clear()
+
+    def restart(self) -> None:
+        """Stop what is left of the server and start it again on the same port."""
+        self.stop(grace_s=5.0)
+        self.start()
 
     def __enter__(self) -> SGLangServer:
         return self.start() if self.process is None else self
@@ -218,13 +266,19 @@ class SGLangServer:
 
 
 def _group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs; zombies (dead, waiting for init to reap them) do not count."""
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            state, _ppid, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+            if int(pgrp) == pgid and state not in "ZX":
+                return True
+    return False
 
 
 @contextlib.contextmanager
@@ -245,33 +299,75 @@ def _terminate_on_signals() -> Iterator[None]:
             signal.signal(s, handler)
 
 
+@dataclass
+class ServerPool:
+    """The rollout servers of a run: local ones (restartable) or external `addresses` (not ours to restart)."""
+
+    servers: list[SGLangServer] = field(default_factory=list)
+    external: list[str] = field(default_factory=list)
+    max_restarts: int = 0
+    restarts: int = 0
+
+    @property
+    def addresses(self) -> list[str]:
+        return [s.url for s in self.servers] if self.servers else list(self.external)
+
+    def restart(self, urls: Sequence[str] | None = None) -> list[str]:
+        """Restart the local servers in `urls` (default: those whose process exited); returns their URLs.
+
+        [] when none qualifies (e.g. external servers). ServerStartError once `max_restarts` are used up.
+        """
+        chosen = [s for s in self.servers if (s.url in urls if urls is not None else not s.alive())]
+        for s in chosen:
+            code = s.process.poll() if s.process is not None else None
+            if self.restarts >= self.max_restarts:
+                raise ServerStartError(
+                    f"rollout server {s.url} failed (exit code {code}) and all rollout.max_server_restarts="
+                    f"{self.max_restarts} restarts are used; log {s.log_path}:\n{_log_tail(s.log_path)}"
+                )
+            self.restarts += 1
+            logger.warning("rollout server %s failed (exit code %s); restart %d/%d, log %s",
+                           s.url, code, self.restarts, self.max_restarts, s.log_path)  # fmt: skip
+            s.restart()
+        return [s.url for s in chosen]
+
+
 @contextlib.contextmanager
-def rollout_servers(
+def rollout_server_pool(
     rollout, model_path: str | Path, log_dir: str | Path, num_servers: int = 1, **spec_overrides
-) -> Iterator[list[str]]:
-    """Yield server base URLs: `rollout.addresses` as given, else `num_servers` local servers.
+) -> Iterator[ServerPool]:
+    """Yield a ServerPool: `rollout.addresses` as given, else `num_servers` local servers.
 
     Local servers are started one after another (a 2-core machine cannot overlap their imports),
     and all of them are stopped when the block exits for any reason, including SIGTERM.
     """
     if rollout.addresses:
-        yield [a.rstrip("/") for a in rollout.addresses]
+        yield ServerPool(external=[a.rstrip("/") for a in rollout.addresses])
         return
     if num_servers < 1:
         raise ValueError(f"num_servers={num_servers}; expected >= 1")
-    servers: list[SGLangServer] = []
+    pool = ServerPool(max_restarts=getattr(rollout, "max_server_restarts", 0))
     with _terminate_on_signals():
         try:
             for i in range(num_servers):
                 spec = ServerSpec.from_rollout_config(rollout, model_path, **spec_overrides)
                 if spec.port is not None and num_servers > 1:
                     spec = dataclasses.replace(spec, port=spec.port + i)
-                servers.append(SGLangServer(spec, Path(log_dir) / f"sglang_{i}.log"))
-                servers[-1].start()
-            yield [s.url for s in servers]
+                pool.servers.append(SGLangServer(spec, Path(log_dir) / f"sglang_{i}.log"))
+                pool.servers[-1].start()
+            yield pool
         finally:
-            for s in servers:
+            for s in pool.servers:
                 s.stop()
+
+
+@contextlib.contextmanager
+def rollout_servers(
+    rollout, model_path: str | Path, log_dir: str | Path, num_servers: int = 1, **spec_overrides
+) -> Iterator[list[str]]:
+    """Yield server base URLs (see `rollout_server_pool`, which also offers restarts)."""
+    with rollout_server_pool(rollout, model_path, log_dir, num_servers, **spec_overrides) as pool:
+        yield pool.addresses
 
 
 def check_addresses(addresses: Sequence[str], timeout_s: float = 5.0) -> None:

@@ -13,14 +13,17 @@ from pathlib import Path
 
 import httpx
 
+from moe_rl.rollout.auth import ServerKeys
+
 
 class WeightSyncError(RuntimeError):
     """A server refused the update or reports a different weight version afterwards."""
 
 
-def server_weight_version(address: str, timeout_s: float = 30.0) -> str:
+def server_weight_version(address: str, timeout_s: float = 30.0, keys: ServerKeys | None = None) -> str:
     """The `weight_version` a server reports in `/model_info`."""
-    resp = httpx.get(f"{address.rstrip('/')}/model_info", timeout=timeout_s)
+    headers = keys.headers() if keys else {}
+    resp = httpx.get(f"{address.rstrip('/')}/model_info", timeout=timeout_s, headers=headers)
     resp.raise_for_status()
     info = resp.json()
     if "weight_version" not in info:
@@ -29,12 +32,14 @@ def server_weight_version(address: str, timeout_s: float = 30.0) -> str:
 
 
 def update_weights_from_disk(
-    addresses: Sequence[str], model_path: str | Path, weight_version: str, timeout_s: float = 600.0
+    addresses: Sequence[str], model_path: str | Path, weight_version: str, timeout_s: float = 600.0,
+    keys: ServerKeys | None = None,
 ) -> None:
     """Load `model_path` (an HF checkpoint dir) into every server as `weight_version`; verify it.
 
     Servers are updated one after another; any failure raises WeightSyncError naming the server,
     after which the servers may hold different versions (re-run the sync before generating).
+    ``keys``: the servers' keys (the admin key goes on the update when set, auth.py).
     """
     if not weight_version:
         raise ValueError("weight_version is empty; expected a non-empty version label such as 'step-12'")
@@ -45,7 +50,8 @@ def update_weights_from_disk(
     for address in addresses:
         address = address.rstrip("/")
         try:
-            resp = httpx.post(f"{address}/update_weights_from_disk", json=body, timeout=timeout_s)
+            resp = httpx.post(f"{address}/update_weights_from_disk", json=body, timeout=timeout_s,
+                              headers=keys.headers(admin=True) if keys else {})  # fmt: skip
         except httpx.HTTPError as err:
             raise WeightSyncError(f"{address}/update_weights_from_disk failed: {type(err).__name__}: {err}") from err
         reply = resp.json() if resp.headers.get("content-type", "").startswith("application/json") else {}
@@ -54,7 +60,7 @@ def update_weights_from_disk(
                 f"{address} refused weights from {model_path} (HTTP {resp.status_code}): "
                 f"{reply.get('message', resp.text[:300])}"
             )
-        reported = server_weight_version(address)
+        reported = server_weight_version(address, keys=keys)
         if reported != str(weight_version):
             raise WeightSyncError(
                 f"{address} reports weight_version={reported!r} after the update; expected {weight_version!r}"

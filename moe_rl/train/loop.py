@@ -68,6 +68,7 @@ class RLTrainer:
         from moe_rl.learner.train_step import Learner
         from moe_rl.replay.driver import ReplayDriver
         from moe_rl.rollout.tasks import build_task
+        from moe_rl.train.run_dir import guard_run_dir
 
         check_supported(cfg)
         self.cfg = cfg
@@ -76,11 +77,14 @@ class RLTrainer:
         self.records_dir = Path(cfg.train.rollouts_from) if cfg.train.rollouts_from else self.run_dir / ROLLOUTS_DIR
         init_distributed(cfg.parallel)
         self.is_main = is_main_process()
-        if self.is_main:
-            save_config(cfg, self.run_dir / "config.yaml")
+        # lock, writable paths, resume rules: before anything is written (rank 0 decides, all ranks follow)
+        self.run_lock = guard_run_dir(cfg, self.run_dir, self.ckpt_dir, torch.distributed.get_rank())
         self.learner = Learner(cfg)  # imports checkpoint.init_from_hf when set
         meta = load_checkpoint(self.learner, self.ckpt_dir) if cfg.checkpoint.resume == "auto" else None
         self.start_step = int(meta["extra"]["rl_step"]) if meta else 0
+        if self.is_main:  # only now is the run known to start (a model-shape change failed above)
+            save_config(cfg, self.run_dir / "config.yaml")
+        self.server_keys, self.server_pool = None, None  # set by run(): auth and restarts
         self.driver = ReplayDriver.from_config(self.learner.module, cfg)
         self.task, self.reward_fn = build_task(cfg.train, cfg.model.vocab_size)
         self.logprob_fn = make_logprob_fn(cfg.replay.keep_sampling_mask, with_entropy=cfg.loss.entropy_coef > 0)
@@ -131,12 +135,20 @@ class RLTrainer:
         t0 = time.perf_counter()
         hf_dir = self.export_weights()
         if self.is_main:
-            update_weights_from_disk(addresses, hf_dir, f"step-{step}")
+            update_weights_from_disk(addresses, hf_dir, f"step-{step}", keys=self.server_keys)
         return time.perf_counter() - t0
+
+    def resync(self, addresses: list[str], step: int) -> None:
+        """Push the last exported weights again as ``step-<step>`` (after a restart or a version mismatch)."""
+        from moe_rl.rollout.weights import update_weights_from_disk
+
+        update_weights_from_disk(addresses, self.run_dir / "hf" / "current", f"step-{step}", keys=self.server_keys)
 
     # ------------------------------------------------------------------ one step
     def rollout(self, client, step: int) -> RolloutBatch:
         """This step's batch: generated, scored and persisted by rank 0 (or read from saved records)."""
+        from moe_rl.rollout.integrity import generate_checked
+
         path = records_path(self.records_dir, step)
         if self.from_records:
             if not path.is_file():
@@ -147,7 +159,11 @@ class RLTrainer:
             rng = np.random.default_rng([self.cfg.train.seed, step])
             prompts = self.task.sample_prompts(self.cfg.train.prompts_per_step, rng)
             n = self.cfg.rollout.samples_per_prompt
-            samples = client.generate([p.ids for p in prompts], n, step=step)
+            samples = generate_checked(  # the synced weight version only; a dead server we launched restarts
+                lambda: client.generate([p.ids for p in prompts], n, step=step), f"step-{step}",
+                resync=lambda: self.resync(client.addresses, step),
+                restart=self.server_pool.restart if self.server_pool else None,
+            )  # fmt: skip
             for k, sample in enumerate(samples):
                 sample.reward = float(self.reward_fn(prompts[k // n], sample.response_ids.tolist()))
             batch = RolloutBatch.from_samples(samples, num_experts=self.cfg.model.num_moe_experts)
@@ -221,27 +237,37 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ loop
     def _servers(self):
-        from moe_rl.rollout.launcher import rollout_servers
+        """Rank 0's server pool (restartable), or an empty one (other ranks, records-replay mode)."""
+        from moe_rl.rollout.launcher import ServerPool, rollout_server_pool
 
         if self.from_records or not self.is_main:
-            return contextlib.nullcontext([])
-        return rollout_servers(self.cfg.rollout, self.export_weights(), self.run_dir / "logs")
+            return contextlib.nullcontext(ServerPool())
+        return rollout_server_pool(self.cfg.rollout, self.export_weights(), self.run_dir / "logs")
 
     def run(self) -> Path:
         from moe_rl.learner.checkpoint import save_checkpoint
+        from moe_rl.rollout.auth import ServerKeys
         from moe_rl.rollout.client import RolloutClient
+        from moe_rl.train.run_dir import run_complete_message
 
         cfg = self.cfg
+        if (done := run_complete_message(self.start_step, cfg.train.steps)) is not None:
+            if self.is_main:
+                print(done, flush=True)
+            self._release()
+            return self.run_dir
         logger = MetricsLogger(self.run_dir, cfg.logging, cfg.train.steps, self.start_step, self.is_main, cfg.name)
+        self.server_keys = ServerKeys.from_rollout_config(cfg.rollout)  # an unset key variable fails before any server
         if not self.from_records and not self.is_main:
             self.export_weights()  # the export is collective; rank 0 runs it inside _servers()
         try:
-            with self._servers() as addresses:
+            with self._servers() as self.server_pool:
+                addresses = self.server_pool.addresses
                 if self.is_main and not self.from_records:  # label the served weights with our version
-                    from moe_rl.rollout.weights import update_weights_from_disk
-
-                    update_weights_from_disk(addresses, self.run_dir / "hf" / "current", f"step-{self.start_step}")
-                client = RolloutClient.from_config(cfg, addresses) if self.is_main and not self.from_records else None
+                    self.resync(addresses, self.start_step)
+                client = None
+                if self.is_main and not self.from_records:
+                    client = RolloutClient.from_config(cfg, addresses)  # sends the API key when set
                 for step in range(self.start_step, cfg.train.steps):
                     t0 = time.perf_counter()
                     metrics = self.step(client, step)
@@ -252,12 +278,19 @@ class RLTrainer:
                     logger.log(step + 1, metrics)
                     if cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0 \
                             or step + 1 == cfg.train.steps:  # fmt: skip
-                        save_checkpoint(self.learner, self.ckpt_dir, cfg.checkpoint.keep_last, extra={"rl_step": step + 1})
+                        save_checkpoint(self.learner, self.ckpt_dir, cfg.checkpoint.keep_last,
+                                        extra={"rl_step": step + 1}, step=step + 1)  # dirs named by RL step
                         self._save_reference()
         finally:
             logger.close()
-            self.driver.close()  # release the routers (nothing stays bound after a run)
+            self._release()
         return self.run_dir
+
+    def _release(self) -> None:
+        """Release the routers (nothing stays bound after a run) and the run directory's lock."""
+        self.driver.close()
+        if self.run_lock is not None:
+            self.run_lock.release()
 
 
 def _mean(records: list[dict]) -> dict[str, float]:

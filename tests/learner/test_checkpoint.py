@@ -91,3 +91,96 @@ def test_resume_on_another_world_size_is_refused(megatron_world, tmp_path):
     (d / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="saved by 2 ranks"):
         load_checkpoint(learner, tmp_path)
+
+
+# --------------------------------------------------------------------------- issue 16: safe checkpoints
+class _RunsCode:
+    """What an attacker pickles into a shard: unpickling it runs a shell command."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_checkpoint_holds_no_pickle_and_a_pickle_shard_is_refused(megatron_world, tmp_path):
+    import json
+
+    from safetensors import safe_open
+
+    from moe_rl.learner.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+    from moe_rl.learner.train_step import Learner
+
+    learner = Learner(_cfg(), total_steps=4)
+    learner.train_step([fixed_batch(256)], random_subset_nll)
+    d = save_checkpoint(learner, tmp_path, extra={"rl_step": 1})
+    files = sorted(p.name for p in d.iterdir())
+    assert files == ["meta.json", "rank_00000.safetensors"], files
+    with safe_open(str(d / "rank_00000.safetensors"), framework="pt") as fh:  # tensors + JSON, nothing else
+        skeleton = json.loads(fh.metadata()["moe_rl_state"])
+    assert set(skeleton["rng"]) >= {"python", "numpy", "torch_cpu", "megatron_tracker"}
+
+    # the issue's probe: a crafted rank_00000.pt in a newer step dir
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "step_00000009"
+    evil.mkdir()
+    torch.save({"model": _RunsCode(marker)}, evil / "rank_00000.pt")
+    (evil / "meta.json").write_text(json.dumps({"format_version": 1, "step": 9, "world_size": 1, "parallel": {}}))
+    (tmp_path / "latest").write_text("9\n")
+    with pytest.raises(CheckpointError, match="pickle checkpoint.*refuses to unpickle"):
+        load_checkpoint(Learner(_cfg(), total_steps=4), tmp_path)
+    assert not marker.exists(), "loading a checkpoint ran the attacker's command"
+
+
+def test_state_with_a_non_tensor_object_is_refused_at_save(tmp_path):
+    from moe_rl.learner.state_codec import StateCodecError, save_state
+
+    with pytest.raises(StateCodecError, match=r"state.optimizer\[0\] is a .*_RunsCode"):
+        save_state({"optimizer": [_RunsCode(tmp_path / "x")]}, tmp_path / "s.safetensors")
+    assert not (tmp_path / "s.safetensors").exists()
+
+
+def test_corrupt_latest_checkpoint_falls_back_to_the_newest_valid_one(megatron_world, tmp_path, caplog):
+    from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint
+    from moe_rl.learner.train_step import Learner
+
+    learner = Learner(_cfg(), total_steps=6)
+    for rl_step in (1, 2):
+        learner.train_step([fixed_batch(256, seed=rl_step)], random_subset_nll)
+        save_checkpoint(learner, tmp_path, keep_last=2, extra={"rl_step": rl_step}, step=rl_step)
+    assert sorted(d.name for d in tmp_path.glob("step_*")) == ["step_00000001", "step_00000002"]  # named by RL step
+    shard = tmp_path / "step_00000002" / "rank_00000.safetensors"
+    shard.write_bytes(shard.read_bytes()[:1000])  # torn by a full disk / crash
+    with caplog.at_level("WARNING"):
+        meta = load_checkpoint(Learner(_cfg(), total_steps=6), tmp_path)
+    assert meta["extra"]["rl_step"] == 1
+    assert "step_00000002" in caplog.text and "resuming from" in caplog.text and "step_00000001" in caplog.text
+
+
+def _full_filesystem(path):
+    """A 64 KiB tmpfs at ``path`` (root only): writes past it fail with ENOSPC."""
+    import os
+    import subprocess
+
+    path.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(path)]).returncode:
+        pytest.skip("mounting a tiny tmpfs needs root")
+    return path
+
+
+def test_disk_full_error_names_the_path_and_what_was_written(megatron_world, tmp_path):
+    import subprocess
+
+    from moe_rl.learner.checkpoint import CheckpointError, save_checkpoint
+    from moe_rl.learner.train_step import Learner
+
+    small = _full_filesystem(tmp_path / "small")
+    try:
+        with pytest.raises(CheckpointError, match=r"cannot write rank 0's model/optimizer shard to .*small/ckpt/\.step_\d+\.tmp/rank_00000\.safetensors: the disk is full \(ENOSPC\)"):  # noqa: E501
+            save_checkpoint(Learner(_cfg(), total_steps=2), small / "ckpt")
+        assert not list((small / "ckpt").glob(".step_*")), "the torn temp dir was left behind"
+    finally:
+        subprocess.run(["umount", str(small)])

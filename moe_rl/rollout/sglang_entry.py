@@ -1,0 +1,68 @@
+"""``python -m moe_rl.rollout.sglang_entry``: SGLang's launch_server with API keys from the environment.
+
+Owns keeping keys out of sight: ``--api-key-env NAME`` / ``--admin-api-key-env NAME`` name variables whose
+values become ``ServerArgs.api_key`` / ``admin_api_key`` inside this process, so no key is on any command
+line (``ps``, the rendered SLURM plan) and SGLang's ``server_args=...`` log line shows ``<redacted>``.
+Every other argument goes to SGLang unchanged; ``--api-key`` itself is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+KEY_FLAGS = {"--api-key-env": "api_key", "--admin-api-key-env": "admin_api_key"}
+REDACTED = "<redacted>"
+
+
+def split_key_flags(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """``({server_args field: variable name}, remaining argv)``; SystemExit on a literal key flag."""
+    names, rest, it = {}, [], iter(argv)
+    for arg in it:
+        flag, eq, value = arg.partition("=")
+        if flag in KEY_FLAGS:
+            names[KEY_FLAGS[flag]] = value if eq else next(it, "")
+        elif flag in ("--api-key", "--admin-api-key"):
+            raise SystemExit(f"error: {flag} on the command line is visible to every user; use rollout.api_key_env")
+        else:
+            rest.append(arg)
+    return names, rest
+
+
+def _redacting(log_view, secrets: tuple[str, ...]):
+    def view(server_args):
+        shown = log_view(server_args)
+        if isinstance(shown, dict):
+            shown = {k: (REDACTED if v in secrets else v) for k, v in shown.items()}
+        return shown
+
+    return view
+
+
+def main(argv: list[str] | None = None) -> None:
+    names, sglang_argv = split_key_flags(list(sys.argv[1:] if argv is None else argv))
+    keys = {}
+    for field, name in names.items():
+        if not os.environ.get(name):
+            raise SystemExit(f"error: {name} (the {field} variable) is not set or empty")
+        keys[field] = os.environ[name]
+
+    import sglang.srt.entrypoints.engine as engine
+    from sglang.launch_server import run_server
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    engine._server_args_for_logging = _redacting(engine._server_args_for_logging, tuple(keys.values()))
+    load_plugins()
+    server_args = prepare_server_args(sglang_argv)
+    for field, value in keys.items():
+        setattr(server_args, field, value)
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,255 @@
+"""Guards of one run directory: one trainer at a time, resume rules, writable paths, completed runs.
+
+Owns the exclusive lock ``<train.output_dir>/.moe_rl.lock`` (an ``flock`` held for the whole run; the
+file names the holder's PID and host, and a lock left by a dead process is simply taken over, with a
+log line naming it), the check that ``train.output_dir`` and ``checkpoint.dir`` are writable, and the
+rules for a directory that already holds a run:
+
+- ``checkpoint.resume=never`` refuses unless ``checkpoint.overwrite=true`` (which discards the old
+  checkpoints and metrics);
+- ``checkpoint.resume=auto`` compares the saved ``config.yaml`` with the new config key by key; keys on
+  ``RESUME_SAFE_KEYS`` (operational: addresses, ports, timeouts, logging, the key variables,
+  ``train.steps``) and keys named in ``checkpoint.allow_changes`` may differ, any other difference
+  (including a key the old run did not have) refuses the start and prints every difference.
+
+In a multi-rank job rank 0 does all of this and broadcasts the outcome, so every rank fails the same
+way. Writing ``config.yaml`` is the trainer's job, after these checks and the checkpoint load passed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import fnmatch
+import json
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+logger = logging.getLogger(__name__)
+
+LOCK_FILE = ".moe_rl.lock"
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.jsonl"
+# Keys that may change when a run resumes: where the servers are and how long to wait for them, how
+# metrics are logged, which variables hold the keys, how many steps to run, and these rules themselves.
+RESUME_SAFE_KEYS = (
+    "rollout.addresses", "rollout.host", "rollout.port", "launch.rollout_port", "launch.master_port",
+    "rollout.request_timeout_s", "rollout.startup_timeout_s", "rollout.health_timeout_s",
+    "rollout.max_server_restarts", "rollout.api_key_env", "rollout.admin_api_key_env", "logging.*", "train.steps",
+    "checkpoint.allow_changes", "checkpoint.overwrite",
+)  # fmt: skip
+
+
+class RunDirError(RuntimeError):
+    """The run directory cannot be used as asked; the message says why and which key changes that."""
+
+
+# ---------------------------------------------------------------------------------------------- lock
+@dataclass
+class RunLock:
+    """An ``flock`` on ``<run_dir>/.moe_rl.lock``; released by ``release()`` or when the process dies."""
+
+    path: Path
+    fd: int | None = None
+
+    @staticmethod
+    def holder_text(path: Path) -> str:
+        with contextlib.suppress(OSError, ValueError):
+            h = json.loads(path.read_text())
+            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h["started"]))
+            return f"pid {h['pid']} on host {h['host']} (since {since})"
+        return "an unknown process"
+
+    def acquire(self) -> RunLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RunDirError(
+                f"train.output_dir={self.path.parent} is in use by another trainer: {self.holder_text(self.path)} "
+                f"holds {self.path}. Wait for it to end (or stop it), or set another train.output_dir"
+            ) from None
+        previous = os.read(fd, 4096).decode(errors="replace").strip()
+        if previous:  # the holder died without releasing: the kernel dropped its flock
+            logger.warning("taking over the stale lock %s left by %s (no longer running)",
+                           self.path, self.holder_text(self.path))  # fmt: skip
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(record).encode(), 0)
+        os.fsync(fd)
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        """Clear the holder record and drop the lock (the file stays: unlinking would race a waiter)."""
+        if self.fd is None:
+            return
+        fd, self.fd = self.fd, None
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+    def __enter__(self) -> RunLock:
+        return self.acquire() if self.fd is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+# ------------------------------------------------------------------------------------- writability
+def check_writable(paths: dict[str, Path]) -> None:
+    """Create each directory and a file in it; RunDirError naming the config key on the first failure."""
+    for key, path in paths.items():
+        try:
+            Path(path).mkdir(parents=True, exist_ok=True)
+            fd, probe = tempfile.mkstemp(dir=path, prefix=".write-probe-")
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            name = errno.errorcode.get(exc.errno or 0, "error")
+            raise RunDirError(
+                f"{key}={path} is not writable: {exc.strerror or exc} ({name}); checked before starting so no "
+                f"step is lost at the first save: fix the permissions or set another {key}"
+            ) from None
+
+
+# ------------------------------------------------------------------------------------ resume rules
+def _flatten(tree, prefix: str = "") -> dict[str, object]:
+    if not isinstance(tree, dict) or not tree:
+        return {prefix: tree}
+    out: dict[str, object] = {}
+    for k, v in tree.items():
+        out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+_ABSENT = "<absent>"
+
+
+def config_differences(saved_tree: dict, cfg) -> list[tuple[str, object, object]]:
+    """``(key, saved, new)`` for every dotted key whose value differs (``<absent>`` for a missing key)."""
+    old, new = _flatten(saved_tree), _flatten(cfg.model_dump(mode="json"))
+    return [(k, old.get(k, _ABSENT), new.get(k, _ABSENT)) for k in sorted(old.keys() | new.keys())
+            if old.get(k, _ABSENT) != new.get(k, _ABSENT)]  # fmt: skip
+
+
+def is_allowed_change(key: str, allowed: tuple[str, ...] | list[str]) -> bool:
+    return any(key == pattern or fnmatch.fnmatchcase(key, pattern) for pattern in allowed)
+
+
+def previous_run(run_dir: Path, ckpt_dir: Path) -> list[str]:
+    """What in ``run_dir`` shows an earlier run (empty list: a fresh directory)."""
+    from moe_rl.learner.checkpoint import checkpoint_steps
+
+    found = []
+    if (run_dir / CONFIG_FILE).is_file():
+        found.append(CONFIG_FILE)
+    metrics = run_dir / METRICS_FILE
+    if metrics.is_file() and metrics.stat().st_size:
+        found.append(f"{METRICS_FILE} ({sum(1 for _ in metrics.open())} lines)")
+    if steps := checkpoint_steps(ckpt_dir):
+        found.append(f"checkpoints at steps {steps} in {ckpt_dir}")
+    return found
+
+
+def check_resume(cfg, run_dir: Path, ckpt_dir: Path) -> None:
+    """Apply the resume rules (module docstring); discards the old run when ``checkpoint.overwrite``."""
+    found = previous_run(run_dir, ckpt_dir)
+    if not found:
+        return
+    ck = cfg.checkpoint
+    if ck.resume == "never":
+        if not ck.overwrite:
+            raise RunDirError(
+                f"train.output_dir={run_dir} holds a previous run ({', '.join(found)}) and checkpoint.resume=never "
+                "would overwrite it. Pass checkpoint.overwrite=true to discard it, checkpoint.resume=auto to "
+                "continue it, or set another train.output_dir"
+            )
+        discard_previous_run(run_dir, ckpt_dir)
+        return
+    saved_path = run_dir / CONFIG_FILE
+    if not saved_path.is_file():
+        return
+    try:
+        saved = yaml.safe_load(saved_path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise RunDirError(f"cannot read the previous run's {saved_path} to compare settings: {exc}") from None
+    diffs = config_differences(saved, cfg)
+    allowed = (*RESUME_SAFE_KEYS, *ck.allow_changes)
+    unsafe = [d for d in diffs if not is_allowed_change(d[0], allowed)]
+    lines = [f"  {'!' if d in unsafe else ' '} {k}: {old!r} -> {new!r}" for d in diffs for k, old, new in [d]]
+    if unsafe:
+        keys = ",".join(k for k, _, _ in unsafe)
+        raise RunDirError(
+            f"resuming {run_dir} with changed settings ({len(unsafe)} not safe to change, marked !):\n"
+            + "\n".join(lines)
+            + f"\nTo continue anyway pass checkpoint.allow_changes=[{keys}]; to start over pass "
+            "checkpoint.resume=never checkpoint.overwrite=true; or use another train.output_dir"
+        )
+    if diffs:
+        logger.warning("resuming %s with changed operational settings:\n%s", run_dir, "\n".join(lines))
+
+
+def discard_previous_run(run_dir: Path, ckpt_dir: Path) -> None:
+    """checkpoint.overwrite: remove the old checkpoints, metrics and config (logged)."""
+    from moe_rl.learner.checkpoint import checkpoint_steps
+
+    for step in checkpoint_steps(ckpt_dir):
+        shutil.rmtree(ckpt_dir / f"step_{step:08d}")
+    for path in (ckpt_dir / "latest", run_dir / METRICS_FILE, run_dir / CONFIG_FILE):
+        path.unlink(missing_ok=True)
+    logger.warning("checkpoint.overwrite=true: discarded the previous run in %s", run_dir)
+
+
+# ------------------------------------------------------------------------------------ entry point
+def _broadcast_outcome(error: str | None) -> str | None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return error
+    box = [error]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def guard_run_dir(cfg, run_dir: str | Path, ckpt_dir: str | Path, rank: int = 0) -> RunLock | None:
+    """Lock, writability and resume rules for a run about to start (collective in multi-rank jobs).
+
+    Rank 0 takes the lock (returned; the caller releases it at the end of the run) and checks; the
+    outcome is broadcast so every rank raises the same RunDirError. Call before anything is written.
+    """
+    run_dir, ckpt_dir = Path(run_dir), Path(ckpt_dir)
+    lock, error = None, None
+    if rank == 0:
+        try:
+            check_writable({"train.output_dir": run_dir, "checkpoint.dir": ckpt_dir})
+            lock = RunLock(run_dir / LOCK_FILE).acquire()
+            check_resume(cfg, run_dir, ckpt_dir)
+        except RunDirError as exc:
+            error = str(exc)
+            if lock is not None:
+                lock.release()
+                lock = None
+    error = _broadcast_outcome(error)
+    if error is not None:
+        raise RunDirError(error)
+    return lock
+
+
+def run_complete_message(start_step: int, total_steps: int) -> str | None:
+    """The line a finished run prints instead of starting servers (None when there are steps to do)."""
+    if start_step >= total_steps:
+        return f"nothing to do (run complete at step {start_step}; train.steps={total_steps})"
+    return None

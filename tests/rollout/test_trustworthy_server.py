@@ -1,0 +1,168 @@
+"""Issue 16, items 1/2/8 against one real SGLang CPU server started with an API key and an admin key.
+
+In order: the issue's attack (an unauthenticated weight update) is refused and the key is nowhere in the
+run directory or the process list; a batch with foreign weight versions is rejected and the trainer's
+policy re-syncs and regenerates once; a hung server is detected by the health watchdog in seconds; a
+killed server is restarted, re-synced and the batch retried; stopping it removes its /dev/shm files.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from moe_rl.rollout.auth import ServerKeyError, ServerKeys
+from moe_rl.rollout.client import RolloutClient, SamplingSettings
+from moe_rl.rollout.health import ServerHungError
+from moe_rl.rollout.integrity import WeightVersionError, check_weight_versions, generate_checked
+from moe_rl.rollout.launcher import ServerPool, ServerSpec, SGLangServer
+from moe_rl.rollout.weights import update_weights_from_disk
+
+pytestmark = pytest.mark.sglang
+
+API_KEY = "moe-rl-test-api-key-7f3a9c"
+ADMIN_KEY = "moe-rl-test-admin-key-51d2e8"
+PROMPTS = [[5, 6, 7], [9, 10]]
+
+
+@pytest.fixture(scope="module")
+def keyed(model_dir, tmp_path_factory):
+    """(pool, keys, run_dir): one keyed server the test 'run' launched (restartable once)."""
+    run_dir = tmp_path_factory.mktemp("keyed_run")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MOE_RL_TEST_API_KEY", API_KEY)
+        mp.setenv("MOE_RL_TEST_ADMIN_KEY", ADMIN_KEY)
+        spec = ServerSpec(model_path=str(model_dir), dtype="float32", deterministic=True, max_total_tokens=4096,
+                          mem_fraction_static=0.3, startup_timeout_s=480, api_key_env="MOE_RL_TEST_API_KEY",
+                          admin_api_key_env="MOE_RL_TEST_ADMIN_KEY")  # fmt: skip
+        keys = ServerKeys.from_env_names("MOE_RL_TEST_API_KEY", "MOE_RL_TEST_ADMIN_KEY")
+        pool = ServerPool(servers=[SGLangServer(spec, run_dir / "logs" / "sglang_0.log")], max_restarts=1)
+        pool.servers[0].start()
+        try:
+            update_weights_from_disk(pool.addresses, model_dir, "step-0", keys=keys)
+            yield pool, keys, run_dir
+        finally:
+            pool.servers[0].stop()
+
+
+def _client(pool, route_spec, keys, **kw) -> RolloutClient:
+    return RolloutClient(pool.addresses, route_spec, vocab_size=512, sampling=SamplingSettings(max_new_tokens=3),
+                         return_sampling_mask=False, headers=keys.headers(), max_retries=1, backoff_s=0.2, **kw)  # fmt: skip
+
+
+def _group_cmdlines(pgid: int) -> str:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if os.getpgid(int(d.name)) == pgid:
+                    out.append((d / "cmdline").read_bytes().decode(errors="replace"))
+            except (OSError, ProcessLookupError):
+                continue
+    return "\n".join(out)
+
+
+def test_unauthenticated_weight_update_and_generate_are_refused_and_the_key_stays_secret(keyed, model_dir_v2,
+                                                                                          route_spec):  # fmt: skip
+    pool, keys, run_dir = keyed
+    url = pool.addresses[0]
+    attack = {"model_path": str(model_dir_v2), "weight_version": "step-4", "flush_cache": True}
+    assert httpx.post(f"{url}/update_weights_from_disk", json=attack, timeout=60).status_code == 401
+    api_only = {"Authorization": f"Bearer {API_KEY}"}  # weight updates need the admin key
+    assert httpx.post(f"{url}/update_weights_from_disk", json=attack, headers=api_only, timeout=60).status_code == 401
+    assert httpx.post(f"{url}/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}},
+                      timeout=60).status_code == 401  # fmt: skip
+    samples = _client(pool, route_spec, keys).generate(PROMPTS, 2)
+    assert [s.weight_version for s in samples] == ["step-0"] * 4  # the attack changed nothing
+
+    server = pool.servers[0]
+    log = server.log_path.read_text(errors="replace")
+    assert "server_args=" in log and "<redacted>" in log
+    for secret in (API_KEY, ADMIN_KEY):
+        assert secret not in _group_cmdlines(server.process.pid), "a key is on a command line (ps)"
+        for path in run_dir.rglob("*"):
+            if path.is_file():
+                assert secret.encode() not in path.read_bytes(), f"a key leaked into {path}"
+        assert secret not in repr(keys) and secret not in repr(server.spec)
+
+
+def test_missing_key_variable_is_one_clear_error(monkeypatch):
+    monkeypatch.delenv("MOE_RL_NOT_SET", raising=False)
+    with pytest.raises(ServerKeyError, match="rollout.api_key_env='MOE_RL_NOT_SET' names an environment variable"):
+        ServerKeys.from_env_names("MOE_RL_NOT_SET", None)
+
+
+def test_batch_with_foreign_weight_versions_is_rejected_then_regenerated_once(keyed, model_dir, model_dir_v2,
+                                                                              route_spec, caplog):  # fmt: skip
+    pool, keys, _ = keyed
+    with pytest.raises(WeightVersionError, match=r"1 of 2 samples carry weight_version 'attacker' x1.*synced 'step-3'"):
+        check_weight_versions(["attacker", "step-3"], "step-3")  # the issue's mixed batch
+    client = _client(pool, route_spec, keys)
+    # someone holding the admin key swaps the weights behind the trainer's back
+    update_weights_from_disk(pool.addresses, model_dir_v2, "attacker", keys=keys)
+    with pytest.raises(WeightVersionError, match="4 of 4 samples carry weight_version 'attacker'"):
+        check_weight_versions([s.weight_version for s in client.generate(PROMPTS, 2)], "step-0")
+    resyncs = []
+
+    def resync():
+        resyncs.append(1)
+        update_weights_from_disk(pool.addresses, model_dir, "step-0", keys=keys)
+
+    with caplog.at_level(logging.WARNING):
+        samples = generate_checked(lambda: client.generate(PROMPTS, 2), "step-0", resync)
+    assert len(resyncs) == 1 and {s.weight_version for s in samples} == {"step-0"}
+    assert "re-syncing the weights and regenerating once" in caplog.text
+    # a re-sync that cannot fix it: fail after exactly one regeneration
+    update_weights_from_disk(pool.addresses, model_dir_v2, "attacker", keys=keys)
+    calls = []
+    with pytest.raises(WeightVersionError, match="still after re-syncing and regenerating once"):
+        generate_checked(lambda: calls.append(1) or client.generate(PROMPTS, 1), "step-0", lambda: None)
+    assert len(calls) == 2
+    update_weights_from_disk(pool.addresses, model_dir, "step-0", keys=keys)
+
+
+def test_hung_server_is_detected_within_the_health_timeout(keyed, route_spec):
+    pool, keys, _ = keyed
+    client = _client(pool, route_spec, keys, health_timeout_s=3.0, request_timeout_s=120.0)
+    pgid = pool.servers[0].process.pid
+    os.killpg(pgid, signal.SIGSTOP)  # hung: alive, listening, never answering
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ServerHungError, match=r"has not answered /health for \d+ s \(rollout.health_timeout_s=3\)"):
+            client.generate(PROMPTS, 1)
+        elapsed = time.monotonic() - t0
+    finally:
+        os.killpg(pgid, signal.SIGCONT)
+    assert elapsed < 10.0, f"took {elapsed:.1f} s (request_timeout_s=120 x 2 attempts without the watchdog)"
+
+
+def test_dead_server_is_restarted_resynced_and_its_shm_files_removed(keyed, model_dir, route_spec, caplog):
+    pool, keys, _ = keyed
+    server = pool.servers[0]
+    shm = set(server.shm_files)
+    assert any("sglang_loads_" in p.name for p in shm), f"expected SGLang's load-snapshot file among {shm}"
+    old_url = server.url
+    os.killpg(server.process.pid, signal.SIGKILL)
+    server.process.wait()
+    client = _client(pool, route_spec, keys)
+    resynced = []
+
+    def resync():
+        resynced.append(1)
+        update_weights_from_disk(pool.addresses, model_dir, "step-0", keys=keys)
+
+    with caplog.at_level(logging.WARNING):
+        samples = generate_checked(lambda: client.generate(PROMPTS, 1), "step-0", resync, restart=pool.restart)
+    assert pool.restarts == 1 and resynced == [1] and server.url == old_url
+    assert {s.weight_version for s in samples} == {"step-0"}
+    assert "failed (exit code -9); restart 1/1" in caplog.text
+    assert not [p for p in shm if p.exists()], "the killed server's /dev/shm files were not removed on restart"
+    shm = set(server.shm_files)
+    server.stop()
+    assert shm and not [p for p in shm if p.exists()], "shared-memory files outlived the server"

@@ -1,0 +1,105 @@
+"""Issue 16, items 4/5: one trainer per output directory, resume rules, writable paths (real files, real processes)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from moe_rl.config import load_config, save_config
+from moe_rl.train.run_dir import RunDirError, RunLock, guard_run_dir
+
+HOLD_LOCK = "import sys, time; from moe_rl.train.run_dir import RunLock; RunLock(__import__('pathlib').Path(sys.argv[1])).acquire(); print('locked', flush=True); time.sleep(600)"  # noqa: E501
+
+
+def _cfg(run_dir: Path, *overrides: str):
+    return load_config(None, [f"train.output_dir={run_dir}", *overrides])
+
+
+def _holder(lock_path: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(lock_path)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.getcwd()})  # fmt: skip
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def test_second_trainer_on_the_same_dir_fails_at_once_naming_the_holder(tmp_path, caplog):
+    cfg = _cfg(tmp_path)
+    holder = _holder(tmp_path / ".moe_rl.lock")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RunDirError, match=rf"in use by another trainer: pid {holder.pid} on host {socket.gethostname()}"):
+            guard_run_dir(cfg, tmp_path, tmp_path / "checkpoints")
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        holder.send_signal(signal.SIGKILL)  # dies holding the lock: a stale lock file stays behind
+        holder.wait()
+    assert str(holder.pid) in (tmp_path / ".moe_rl.lock").read_text()
+    with caplog.at_level("WARNING"):
+        lock = guard_run_dir(cfg, tmp_path, tmp_path / "checkpoints")
+    assert f"stale lock" in caplog.text and f"pid {holder.pid}" in caplog.text
+    assert f'"pid": {os.getpid()}' in (tmp_path / ".moe_rl.lock").read_text()
+    lock.release()
+    assert RunLock(tmp_path / ".moe_rl.lock").acquire()  # released: the next run takes it
+
+
+def _previous_run(run_dir: Path, *overrides: str):
+    cfg = _cfg(run_dir, *overrides)
+    save_config(cfg, run_dir / "config.yaml")
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    step = run_dir / "checkpoints" / "step_00000002"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text('{"step": 2, "extra": {"rl_step": 2}}')
+    return cfg
+
+
+def test_resume_never_refuses_a_previous_run_unless_overwrite(tmp_path):
+    _previous_run(tmp_path)
+    with pytest.raises(RunDirError, match=r"holds a previous run \(config.yaml, metrics.jsonl \(2 lines\), checkpoints at steps \[2\].*checkpoint.overwrite=true"):  # noqa: E501
+        guard_run_dir(_cfg(tmp_path, "checkpoint.resume=never"), tmp_path, tmp_path / "checkpoints")
+    assert (tmp_path / "metrics.jsonl").read_text().count("step") == 2  # untouched
+    guard_run_dir(_cfg(tmp_path, "checkpoint.resume=never", "checkpoint.overwrite=true"), tmp_path,
+                  tmp_path / "checkpoints").release()  # fmt: skip
+    assert not (tmp_path / "metrics.jsonl").exists() and not list((tmp_path / "checkpoints").glob("step_*"))
+
+
+def test_resume_with_changed_settings_shows_the_diff_and_refuses(tmp_path):
+    _previous_run(tmp_path)
+    saved = (tmp_path / "config.yaml").read_text()
+    with pytest.raises(RunDirError) as info:
+        guard_run_dir(_cfg(tmp_path, "optim.lr=0.5", "replay.routing=r3", "train.steps=20"), tmp_path, tmp_path / "checkpoints")
+    msg = str(info.value)
+    assert "! optim.lr: 0.001 -> 0.5" in msg and "! replay.routing: 'none' -> 'r3'" in msg
+    assert "  train.steps: 10 -> 20" in msg  # shown, not unsafe
+    assert "checkpoint.allow_changes=[optim.lr,replay.routing]" in msg
+    assert (tmp_path / "config.yaml").read_text() == saved  # never overwritten by a refused start
+    # safe keys only, or unsafe keys explicitly allowed: the run may start
+    guard_run_dir(_cfg(tmp_path, "train.steps=20", "rollout.request_timeout_s=5", "logging.progress=false"),
+                  tmp_path, tmp_path / "checkpoints").release()  # fmt: skip
+    guard_run_dir(_cfg(tmp_path, "optim.lr=0.5", "checkpoint.allow_changes=[optim.lr]"), tmp_path,
+                  tmp_path / "checkpoints").release()  # fmt: skip
+
+
+def test_a_key_the_previous_run_did_not_have_counts_as_unsafe(tmp_path):
+    import yaml
+
+    _previous_run(tmp_path)
+    tree = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    del tree["optim"]["min_lr"]  # an older version of moe_rl had no such key
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(tree))
+    with pytest.raises(RunDirError, match=r"! optim.min_lr: '<absent>' -> 0.0"):
+        guard_run_dir(_cfg(tmp_path), tmp_path, tmp_path / "checkpoints")
+
+
+def test_unwritable_checkpoint_dir_is_caught_before_anything_starts(tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    cfg = _cfg(tmp_path / "run", f"checkpoint.dir={tmp_path / 'a_file' / 'ckpt'}")
+    with pytest.raises(RunDirError, match=r"checkpoint.dir=.*a_file/ckpt is not writable: .*\(ENOTDIR\)"):
+        guard_run_dir(cfg, tmp_path / "run", Path(cfg.checkpoint.dir))
+    assert not (tmp_path / "run" / ".moe_rl.lock").exists()

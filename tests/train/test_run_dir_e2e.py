@@ -1,0 +1,81 @@
+"""Issue 16 probes through ``moe-rl train`` (real subprocesses): finished runs, refused resumes, Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.rollout.test_launcher import _pids_mentioning
+
+ROOT = Path(__file__).parents[2]
+CONFIG = str(ROOT / "configs/tiny_cpu.yaml")
+BASE = ["train.steps=2", "logging.tensorboard=false", "logging.progress=false"]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+MAKE_FINISHED_RUN = """
+import sys
+from pathlib import Path
+from moe_rl.config import load_config, save_config
+from moe_rl.learner.checkpoint import save_checkpoint
+from moe_rl.learner.dist import init_distributed
+from moe_rl.learner.train_step import Learner
+cfg = load_config(sys.argv[1], sys.argv[2:])
+init_distributed(cfg.parallel)
+run = Path(cfg.train.output_dir)
+save_checkpoint(Learner(cfg), run / "checkpoints", extra={"rl_step": 2}, step=2)
+save_config(cfg, run / "config.yaml")
+"""
+
+
+def _train(run_dir: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "moe_rl.cli", "train", CONFIG, *BASE, f"train.output_dir={run_dir}", *overrides]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """A run dir whose checkpoint is at RL step 2 = train.steps (built by a real learner)."""
+    run = tmp_path_factory.mktemp("finished")
+    subprocess.run([sys.executable, "-c", MAKE_FINISHED_RUN, CONFIG, *BASE, f"train.output_dir={run}"],
+                   check=True, env=ENV, timeout=300, capture_output=True)  # fmt: skip
+    return run
+
+
+def test_finished_run_says_nothing_to_do_without_starting_a_server(finished_run):
+    proc = _train(finished_run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "nothing to do (run complete at step 2" in proc.stdout
+    assert not (finished_run / "logs").exists(), "a rollout server was started"
+    assert not (finished_run / "metrics.jsonl").exists()
+
+
+def test_a_model_shape_change_fails_before_config_yaml_is_written(finished_run):
+    saved = (finished_run / "config.yaml").read_bytes()
+    proc = _train(finished_run, "model.moe_ffn_hidden_size=32", "train.steps=3", "checkpoint.allow_changes=[model.*]")
+    assert proc.returncode != 0 and "size mismatch" in proc.stderr, proc.stderr[-3000:]
+    assert (finished_run / "config.yaml").read_bytes() == saved  # the refused run never rewrote it
+
+
+@pytest.mark.sglang
+def test_ctrl_c_during_server_start_exits_with_one_line_and_a_clean_state(tmp_path):
+    cmd = [sys.executable, "-m", "moe_rl.cli", "train", CONFIG, *BASE, f"train.output_dir={tmp_path}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+                            start_new_session=True)  # its own foreground group, as in a terminal  # fmt: skip
+    log = tmp_path / "logs" / "sglang_0.log"
+    deadline = time.monotonic() + 240
+    while not (log.exists() and log.stat().st_size > 0) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert log.exists(), "the server never started"
+    time.sleep(2.0)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("interrupted (Ctrl-C)")
+    assert _pids_mentioning(str(tmp_path)) == [], "the rollout server outlived the trainer"
+    assert (tmp_path / ".moe_rl.lock").read_text() == ""  # released
