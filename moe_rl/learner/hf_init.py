@@ -16,17 +16,9 @@ def hf_config_from_model_config(model_cfg):
     """``Qwen3MoeConfig`` equivalent to ``model_cfg`` (Qwen3-MoE family only)."""
     from transformers import Qwen3MoeConfig
 
-    unsupported = []
-    if model_cfg.moe_router_score_function != "softmax":
-        unsupported.append(f"moe_router_score_function={model_cfg.moe_router_score_function!r} (Qwen3-MoE uses softmax)")
-    if model_cfg.moe_router_num_groups is not None:
-        unsupported.append("grouped top-k routing (moe_router_num_groups)")
-    if model_cfg.moe_router_topk_scaling_factor not in (None, 1.0):
-        unsupported.append("moe_router_topk_scaling_factor")
-    if model_cfg.mtp_num_layers:
-        unsupported.append("mtp_num_layers > 0")
-    if not model_cfg.qk_layernorm:
-        unsupported.append("qk_layernorm=false (Qwen3 always normalises q/k)")
+    from moe_rl.learner.hf_arch import unsupported_for_hf
+
+    unsupported = unsupported_for_hf(model_cfg)
     if unsupported:
         raise ValueError("the Qwen3-MoE HF format cannot express: " + "; ".join(unsupported))
     pattern = model_cfg.moe_layer_pattern()
