@@ -76,9 +76,10 @@ def _records_inspect(args) -> int:
 
 
 def _train(args) -> int:
+    cfg = _checked_config(args, env=True)
     from moe_rl.trainer import train
 
-    train(_checked_config(args, env=True))
+    train(cfg)
     return 0
 
 
