@@ -10,7 +10,8 @@ Layout facts that a parity test catches when broken:
   * ``linear_qkv`` rows are grouped per query group: ``[q heads of group g; k_g; v_g]``.
   * ``linear_fc1`` is ``cat([gate_proj, up_proj])`` (gate first, SwiGLU).
 Both Megatron specs are handled: TE-spec names are mapped to local-spec names first
-(``canonical_name``). Scope: tp=1 and pp=1 for import/export (ep any); other layouts raise.
+(``canonical_name``). Scope: pp=1 for import/export; tp, etp and ep shards are gathered on
+export and sliced on import (``moe_rl.learner.tp_shards``); pp > 1 raises.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moe_rl.learner.model import unwrap
+from moe_rl.learner.tp_shards import gather_tp_shards, tp_slice
 
 __all__ = [
     "hf_to_megatron",
@@ -125,7 +127,7 @@ def megatron_to_hf(mg: Mapping[str, torch.Tensor], model_cfg) -> dict[str, torch
     out: dict[str, torch.Tensor] = {}
     for kind, names, mg_name in _all_names(model_cfg):
         if mg_name not in mg:
-            raise KeyError(f"Megatron state lacks {mg_name!r} (expected a full, ep-gathered, tp=1 state)")
+            raise KeyError(f"Megatron state lacks {mg_name!r} (expected a full, tp- and ep-gathered state)")
         t = mg[mg_name]
         if kind == "qkv":
             parts = _unpack_qkv(t, model_cfg)
@@ -160,9 +162,17 @@ def read_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
 def _require_convertible() -> None:
     from megatron.core import parallel_state as ps
 
-    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
-    if tp != 1 or pp != 1:
-        raise NotImplementedError(f"HF conversion supports tp=1, pp=1; this job has tp={tp}, pp={pp}")
+    pp = ps.get_pipeline_model_parallel_world_size()
+    if pp != 1:
+        raise NotImplementedError(f"HF conversion supports pp=1; this job has parallel.pp={pp}")
+
+
+def _tp_rank_and_size(name: str) -> tuple[int, int]:
+    from megatron.core import parallel_state as ps
+
+    if ".mlp.experts." in name:
+        return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
 
 
 _TE_FUSED_NORMS = (
@@ -221,9 +231,11 @@ def load_hf_weights(model, hf_dir: str | Path, model_cfg) -> None:
             src = canonical_name(name) if slot is None else f"{slot[0]}{start + slot[1]}.{slot[2]}"
             if src not in full:
                 continue
-            if full[src].shape != tensor.shape:
-                raise ValueError(f"{name}: HF tensor has shape {tuple(full[src].shape)}, model expects {tuple(tensor.shape)}")
-            tensor.copy_(full[src].to(tensor.dtype))
+            shard = tp_slice(src, full[src], *_tp_rank_and_size(src))
+            if shard.shape != tensor.shape:
+                raise ValueError(f"{name}: HF tensor has shape {tuple(full[src].shape)} ({tuple(shard.shape)} on this "
+                                 f"tp rank), model expects {tuple(tensor.shape)}")  # fmt: skip
+            tensor.copy_(shard.to(tensor.dtype))
             loaded.add(name)
     params = {n for n, _ in unwrap(model).named_parameters()}
     if params - loaded:
@@ -231,10 +243,10 @@ def load_hf_weights(model, hf_dir: str | Path, model_cfg) -> None:
 
 
 def full_megatron_state_dict(model, grads: bool = False) -> dict[str, torch.Tensor]:
-    """This model's parameters (and expert-bias buffers) with experts gathered over the ep group.
+    """This model's parameters (and expert-bias buffers), tp/etp shards and ep experts gathered.
 
-    Collective over the expert-parallel group: every ep rank must call it. Returns
-    CPU tensors named with global expert ids. ``grads=True`` gathers each
+    Collective over the tensor-, expert-tensor- and expert-parallel groups: every rank must call
+    it. Returns full CPU tensors named with global expert ids. ``grads=True`` gathers each
     parameter's ``main_grad`` (Megatron DDP) or ``grad`` instead.
     """
     import torch.distributed as dist
@@ -247,6 +259,8 @@ def full_megatron_state_dict(model, grads: bool = False) -> dict[str, torch.Tens
         local = {n: p.detach() for n, p in m.named_parameters()}
         local.update({n: b.detach() for n, b in m.named_buffers() if n.endswith("router.expert_bias")})
     local = {canonical_name(n): t for n, t in local.items()}
+    if ps.get_tensor_model_parallel_world_size() > 1 or ps.get_expert_tensor_parallel_world_size() > 1:
+        local = gather_tp_shards(local, ps.get_tensor_model_parallel_group(), ps.get_expert_tensor_parallel_group())
     start, num_local = _local_expert_range(model)
     ep = ps.get_expert_model_parallel_world_size()
     out: dict[str, torch.Tensor] = {}
@@ -281,7 +295,7 @@ def export_hf_checkpoint(model, model_cfg, out_dir: str | Path, template_dir: st
                          dtype: torch.dtype | None = None) -> Path | None:
     """Write the model as an HF Qwen3-MoE checkpoint dir (for SGLang ``update_weights_from_disk``).
 
-    Collective over the ep group; rank 0 writes. ``config.json`` / tokenizer files
+    Collective over the tp/etp/ep groups; rank 0 writes. ``config.json`` / tokenizer files
     come from ``template_dir`` (e.g. the dir the learner was initialised from),
     else from ``hf_init``. The directory appears atomically (written under a temp
     name, then renamed); an existing ``out_dir`` is replaced. Returns the path on
