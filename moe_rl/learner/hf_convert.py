@@ -233,8 +233,9 @@ def load_hf_weights(model, hf_dir: str | Path, model_cfg) -> None:
                 continue
             shard = tp_slice(src, full[src], *_tp_rank_and_size(src))
             if shard.shape != tensor.shape:
-                raise ValueError(f"{name}: HF tensor has shape {tuple(full[src].shape)} ({tuple(shard.shape)} on this "
-                                 f"tp rank), model expects {tuple(tensor.shape)}")  # fmt: skip
+                on_rank = f" ({tuple(shard.shape)} on this tp rank)" if shard.shape != full[src].shape else ""
+                raise ValueError(f"{name}: HF tensor has shape {tuple(full[src].shape)}{on_rank}, "
+                                 f"model expects {tuple(tensor.shape)}")  # fmt: skip
             tensor.copy_(shard.to(tensor.dtype))
             loaded.add(name)
     params = {n for n, _ in unwrap(model).named_parameters()}
