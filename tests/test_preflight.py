@@ -185,3 +185,10 @@ def test_train_refuses_before_starting_anything(capsys, tmp_path):
     assert main(["train", tiny, "rollout.top_k=0", f"train.output_dir={tmp_path}/run"]) == 2
     assert "rollout.top_k=0 samples from no token" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_tensor_parallel_splits_must_divide_the_sizes():
+    cfg = load_config(overrides=["parallel.tp=2", "model.vocab_size=513", "rollout.top_k=5"])
+    assert config_problems(cfg).problems == [
+        "model.vocab_size=513 must be divisible by the 2 tensor-parallel shards it is split into (parallel.tp/etp)"
+    ]

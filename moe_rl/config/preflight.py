@@ -134,6 +134,11 @@ def learner_features(cfg: ExperimentConfig) -> Iterable[str]:
         yield f"parallel.pp={p.pp}: the training loop and the HF export do not run pipeline parallelism; expected 1"
     if p.cp > 1:
         yield f"parallel.cp={p.cp}: the training loop does not split sequences over context parallelism; expected 1"
+    etp = p.tp if p.etp is None else p.etp
+    for key, value, split in (("model.vocab_size", m.vocab_size, p.tp), ("model.ffn_hidden_size", m.ffn_hidden_size, p.tp),
+                              ("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size, etp)):  # fmt: skip
+        if value % split:
+            yield f"{key}={value} must be divisible by the {split} tensor-parallel shards it is split into (parallel.tp/etp)"
 
 
 def weight_sync_architecture(cfg: ExperimentConfig) -> Iterable[str]:
