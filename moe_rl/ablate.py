@@ -198,7 +198,7 @@ def run_ablation(config_path: str | Path, overrides: list[str] | None = None,
     recorded in the report and the grid goes on, then ``AblationError`` lists the failures.
     """
     cells, out_dir = expand_grid(config_path, overrides, out_dir)
-    from moe_rl.trainer import train  # heavy (torch, Megatron): only when actually running
+    from moe_rl.train.loop import train  # heavy (torch, Megatron): only when actually running
 
     notes = [f"skipped {c.name}: {c.skip_reason}" for c in cells if c.skip_reason]
     runnable = [c for c in cells if c.config is not None]

@@ -77,7 +77,7 @@ def _records_inspect(args) -> int:
 
 def _train(args) -> int:
     cfg = _checked_config(args, env=True)
-    from moe_rl.trainer import train
+    from moe_rl.train.loop import train
 
     train(cfg)
     return 0

@@ -22,7 +22,11 @@ from moe_rl.algo.policy_loss import (
     LOSS_TYPES,
     CorrectionConfigLike,
     LossConfigLike,
+    PreparedCorrections,
     compute_policy_loss,
+    needs_policy_prepass,
+    policy_loss,
+    prepare_corrections,
 )
 from moe_rl.algo.rejection import RS_MODES, opsm_mask, rejection_mask, token_divergence, token_veto
 
@@ -35,6 +39,7 @@ __all__ = [
     "RS_MODES",
     "CorrectionConfigLike",
     "LossConfigLike",
+    "PreparedCorrections",
     "aggregate",
     "broadcast_to_tokens",
     "cispo_loss",
@@ -45,9 +50,12 @@ __all__ = [
     "icepop_weights",
     "kl_penalty",
     "metrics_to_floats",
+    "needs_policy_prepass",
     "offpolicy_metrics",
     "opsm_mask",
+    "policy_loss",
     "ppo_clip_loss",
+    "prepare_corrections",
     "reinforce_loss",
     "rejection_mask",
     "rloo_advantages",

@@ -14,6 +14,11 @@ Framework"; seed 000, "Notation map"): μ = ``rollout_logp`` (SGLang), π_old =
   explicitly (seed 000, "Bypass mode loss").
 - Rejection (rs_mode, token veto, OPSM) always applies: each is computed on the input
   mask and the keep masks are AND-ed. OPSM always compares π_θ with μ (DeepSeek-V3.2).
+- Step-global statistics come from three phases the training loop calls per minibatch:
+  ``prepare_corrections`` (whole minibatch, all ranks: π_θ-free rejection, IS weights with
+  batch normalisation, the loss denominator), ``policy_loss`` per microbatch with grad, and
+  ``policy_loss`` once more on the gathered detached π_θ for exact minibatch metrics.
+  ``compute_policy_loss`` is the three on one batch.
 - Truncated IS is computed over the kept tokens, so batch normalisation is over what
   enters the loss. IcePop together with TIS gives min(ρ, C)·1[band] (the band mask times
   the truncated weight), never two ratio factors.
@@ -21,6 +26,7 @@ Framework"; seed 000, "Notation map"): μ = ``rollout_logp`` (SGLang), π_old =
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -86,16 +92,14 @@ def _anchor_and_source(mode, logp, old_logp, rollout, mask):
     raise ValueError(f"correction.mode: expected 'bypass' or 'decoupled', got {mode!r}")
 
 
-def _rejection(cfg, source, rollout, mask, logp, advantages, metrics):
+def _sequence_free_rejection(cfg, source, rollout, mask, metrics):
+    """Rejection that needs no π_θ (rs_mode, token veto): step-global, computed in ``prepare_corrections``."""
     keep = mask
     if cfg.rs_mode is not None:
         k, m = rejection_mask(source, rollout, mask, cfg.rs_mode, cfg.rs_lower, cfg.rs_upper)
         keep, metrics = keep & k, metrics | m
     if cfg.token_veto_threshold is not None:
         k, m = token_veto(source, rollout, mask, cfg.token_veto_threshold)
-        keep, metrics = keep & k, metrics | m
-    if cfg.opsm_delta is not None:
-        k, m = opsm_mask(logp, rollout, mask, advantages, cfg.opsm_delta)
         keep, metrics = keep & k, metrics | m
     return keep, metrics
 
@@ -130,7 +134,77 @@ def _is_weights(cfg, loss_type, source, rollout, mask, keep, metrics):
     return (band if weights is None else band * weights), metrics
 
 
-def compute_policy_loss(
+@dataclass
+class PreparedCorrections:
+    """Step-global corrections of one minibatch, computed once over all its samples.
+
+    ``keep[N, T]``: tokens entering the loss after the π_θ-free rejections (rs_mode, token veto);
+    ``weights[N, T]``: detached IS weights to multiply into each token's loss (None = none),
+    batch normalisation included; ``denominator``: the aggregation's divisor over the whole
+    minibatch (kept tokens, kept sequences, or N·norm_len); ``metrics``: rejection / IS metrics.
+    Rows are samples, so the caller can slice rows (and re-lay positions) into microbatches.
+    """
+
+    keep: torch.Tensor
+    weights: torch.Tensor | None
+    denominator: float
+    metrics: dict[str, torch.Tensor]
+
+
+def needs_policy_prepass(correction_cfg: CorrectionConfigLike) -> bool:
+    """True when the minibatch's corrections need π_θ before the update (a no-grad forward).
+
+    Only bypass mode measures its corrections on π_θ (π_old ≔ μ); in decoupled mode they are
+    functions of π_old and μ, both known before the update.
+    """
+    c = correction_cfg
+    if c.mode != "bypass":
+        return False
+    is_level = "none" if c.is_level is None else c.is_level
+    return c.rs_mode is not None or c.token_veto_threshold is not None or is_level != "none" or bool(c.icepop)
+
+
+def _denominator(aggregation: str, keep: torch.Tensor, norm_len: int | None) -> float:
+    if aggregation == "token_mean":
+        count = int(keep.sum())
+    elif aggregation == "seq_mean_token_mean":
+        count = int(seq_valid(keep).sum())
+    else:
+        count = keep.shape[0] * (keep.shape[1] if norm_len is None else int(norm_len))
+    return float(max(count, 1))
+
+
+@torch.no_grad()
+def prepare_corrections(
+    loss_cfg: LossConfigLike,
+    correction_cfg: CorrectionConfigLike,
+    source_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    norm_len: int | None = None,
+) -> PreparedCorrections:
+    """Phase 1 of a minibatch: rejection, IS weights and the loss denominator over ALL its samples.
+
+    ``source_logp[N, T]`` is the numerator of the correction ratio: π_old in decoupled mode,
+    π_θ (no-grad pre-pass; the weights do not change within a minibatch) in bypass mode.
+    ``rollout_logp[N, T]`` is μ and ``mask[N, T]`` the valid response tokens. Called on the
+    whole minibatch (every microbatch, every data-parallel rank), so batch normalisation,
+    the denominator and the fractions do not depend on micro_batch_size or dp size.
+    Sequence-local corrections that need π_θ (OPSM) are applied per microbatch in
+    ``policy_loss``; the sequences they drop stay in the denominator (as IcePop's band does).
+    """
+    if loss_cfg.aggregation not in AGGREGATIONS:
+        raise ValueError(f"loss.aggregation: expected one of {AGGREGATIONS}, got {loss_cfg.aggregation!r}")
+    mask = check_mask(mask)
+    rollout = check_logp("rollout_logp", rollout_logp.detach(), mask)
+    source = check_logp("source_logp", source_logp.detach(), mask)
+    keep, metrics = _sequence_free_rejection(correction_cfg, source, rollout, mask, {})
+    weights, metrics = _is_weights(correction_cfg, loss_cfg.type, source, rollout, mask, keep, metrics)
+    return PreparedCorrections(keep, weights, _denominator(loss_cfg.aggregation, keep, norm_len), metrics)
+
+
+def policy_loss(
     loss_cfg: LossConfigLike,
     correction_cfg: CorrectionConfigLike,
     logp: torch.Tensor,
@@ -138,24 +212,25 @@ def compute_policy_loss(
     rollout_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    keep: torch.Tensor,
+    weights: torch.Tensor | None,
+    denominator: float,
+    *,
     ref_logp: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
-    loss_denominator: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Total policy loss and flat ``group/name`` metrics (detached 0-d tensors).
+    """Phase 2 (per microbatch, with grad) and phase 3 (whole minibatch, detached, for metrics).
 
-    Inputs: ``logp[B, T]`` (π_θ, grad), ``old_logp[B, T]`` (π_old; None or == rollout in
-    bypass), ``rollout_logp[B, T]`` (μ), ``advantages[B]`` or ``[B, T]``, ``mask[B, T]``,
-    optional ``ref_logp[B, T]`` (needed when kl_coef > 0), ``entropy[B, T]`` (needed when
-    entropy_coef > 0), ``loss_denominator`` (global normaliser, see ``aggregate``).
-    loss = pg_loss + kl_coef · agg(KL) − entropy_coef · agg(entropy), all aggregated over
-    the kept mask. If rejection removes every token the loss is a graph-connected zero.
+    ``keep[B, T]`` / ``weights[B, T]`` / ``denominator`` come from ``prepare_corrections`` on the
+    whole minibatch (rows and positions re-laid for this microbatch). The loss is a sum over
+    this microbatch's tokens divided by the global denominator, so summing it over microbatches
+    and ranks gives the minibatch loss. Called once more on the gathered, detached π_θ of the
+    whole minibatch, its metrics (clip fractions, ratios, OPSM, off-policy diagnostics, KL,
+    entropy) are step-global and its loss equals that sum.
     """
     loss_type = loss_cfg.type
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss.type: expected one of {LOSS_TYPES}, got {loss_type!r}")
-    if loss_cfg.aggregation not in AGGREGATIONS:
-        raise ValueError(f"loss.aggregation: expected one of {AGGREGATIONS}, got {loss_cfg.aggregation!r}")
     mask = check_mask(mask)
     rollout = check_logp("rollout_logp", rollout_logp.detach(), mask)
     logp_c = check_logp("logp", logp, mask)
@@ -169,40 +244,76 @@ def compute_policy_loss(
     ent_c = None if entropy is None else check_logp("entropy", entropy, mask)
 
     metrics = _offpolicy_metrics(source, rollout, mask)
-    keep, metrics = _rejection(correction_cfg, source, rollout, mask, logp_c, adv, metrics)
-    weights, metrics = _is_weights(correction_cfg, loss_type, source, rollout, mask, keep, metrics)
+    keep = keep & mask
+    if correction_cfg.opsm_delta is not None:
+        k, m = opsm_mask(logp_c, rollout, mask, adv, correction_cfg.opsm_delta)
+        keep, metrics = keep & k, metrics | m
     metrics["correction/kept_token_frac"] = metric(keep.sum() / mask.sum())
     metrics["correction/kept_seq_frac"] = metric(seq_valid(keep).sum() / seq_valid(mask).sum())
 
-    agg = loss_cfg.aggregation
+    agg, den = loss_cfg.aggregation, denominator
     if not bool(keep.any()):
         pg = (logp_c * 0).sum()  # everything rejected: zero loss, zero gradient, graph intact
         metrics["loss/pg_loss"] = metric(pg)
     elif loss_type == "ppo_clip":
         pg, m = ppo_clip_loss(logp_c, anchor, adv, keep, loss_cfg.clip_low, loss_cfg.clip_high,
-                              loss_cfg.dual_clip_c, weights, agg, loss_denominator)  # fmt: skip
+                              loss_cfg.dual_clip_c, weights, agg, den)  # fmt: skip
         metrics |= m
     elif loss_type in ("gspo", "gspo_token"):
         pg, m = gspo_loss(logp_c, anchor, adv, keep, loss_cfg.clip_low, loss_cfg.clip_high,
-                          loss_type == "gspo_token", weights, agg, loss_denominator)  # fmt: skip
+                          loss_type == "gspo_token", weights, agg, den)  # fmt: skip
         metrics |= m
     elif loss_type == "cispo":
         lo = getattr(loss_cfg, "cispo_clip_low", None)
         hi = getattr(loss_cfg, "cispo_clip_high", None) or loss_cfg.clip_high
-        pg, m = cispo_loss(logp_c, anchor, adv, keep, lo, hi, weights, agg, loss_denominator)
+        pg, m = cispo_loss(logp_c, anchor, adv, keep, lo, hi, weights, agg, den)
         metrics |= m
     else:
-        pg, m = reinforce_loss(logp_c, adv, keep, weights, agg, loss_denominator)
+        pg, m = reinforce_loss(logp_c, adv, keep, weights, agg, den)
         metrics |= m
 
     total = pg
     if loss_cfg.kl_coef:
-        kl = aggregate(kl_penalty(logp_c, ref, loss_cfg.kl_estimator), keep, agg, loss_denominator)
+        kl = aggregate(kl_penalty(logp_c, ref, loss_cfg.kl_estimator), keep, agg, den)
         total = total + loss_cfg.kl_coef * kl
         metrics["loss/kl"] = metric(kl)
     if ent_c is not None:
-        ent = aggregate(ent_c, keep, agg, loss_denominator)
+        ent = aggregate(ent_c, keep, agg, den)
         total = total - loss_cfg.entropy_coef * ent
         metrics["loss/entropy"] = metric(ent)
     metrics["loss/total"] = metric(total)
     return total, metrics
+
+
+def compute_policy_loss(
+    loss_cfg: LossConfigLike,
+    correction_cfg: CorrectionConfigLike,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor | None,
+    rollout_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    ref_logp: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    loss_denominator: float | None = None,
+    norm_len: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Total policy loss and flat ``group/name`` metrics (detached 0-d tensors) of ONE batch.
+
+    Inputs: ``logp[B, T]`` (π_θ, grad), ``old_logp[B, T]`` (π_old; None or == rollout in
+    bypass), ``rollout_logp[B, T]`` (μ), ``advantages[B]`` or ``[B, T]``, ``mask[B, T]``,
+    optional ``ref_logp[B, T]`` (needed when kl_coef > 0), ``entropy[B, T]`` (needed when
+    entropy_coef > 0), ``loss_denominator`` (overrides the batch's own divisor).
+    loss = pg_loss + kl_coef · agg(KL) − entropy_coef · agg(entropy), all aggregated over
+    the kept mask. If rejection removes every token the loss is a graph-connected zero.
+    This is ``prepare_corrections`` + ``policy_loss`` on one batch; the training loop calls the
+    phases itself so that a minibatch split into microbatches and ranks gives the same step.
+    """
+    mask = check_mask(mask)
+    rollout = check_logp("rollout_logp", rollout_logp.detach(), mask)
+    _, source = _anchor_and_source(correction_cfg.mode, logp, old_logp, rollout, mask)
+    prepared = prepare_corrections(loss_cfg, correction_cfg, source, rollout, mask, norm_len=norm_len)
+    den = prepared.denominator if loss_denominator is None else loss_denominator
+    total, metrics = policy_loss(loss_cfg, correction_cfg, logp, old_logp, rollout, advantages, mask,
+                                 prepared.keep, prepared.weights, den, ref_logp=ref_logp, entropy=entropy)  # fmt: skip
+    return total, prepared.metrics | metrics

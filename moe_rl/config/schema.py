@@ -258,6 +258,9 @@ class TrainConfig(Section):
     task: str = "reverse"
     reward_fn: str | None = Field(None, description="'module:function' overriding the task's reward")
     output_dir: str = "runs/default"
+    rollouts_from: str | None = Field(
+        None, description="train on saved records DIR/step_<s>.safetensors instead of generating (no server)"
+    )
 
 
 class LoggingConfig(Section):

@@ -91,6 +91,7 @@ def response_logprobs(
     segment_ids: torch.Tensor | None = None,
     temperature: float = 1.0,
     with_entropy: bool = True,
+    padding_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward ``input_ids[B, T]`` and score ``targets[B, T]``: ``(logp[B, T], entropy[B, T] | None)``.
 
@@ -101,5 +102,5 @@ def response_logprobs(
     """
     from moe_rl.learner.model import forward_logits
 
-    logits = forward_logits(model, input_ids, segment_ids=segment_ids)
+    logits = forward_logits(model, input_ids, segment_ids=segment_ids, padding_mask=padding_mask)
     return logprobs_from_logits(logits, targets, temperature=temperature, with_entropy=with_entropy)

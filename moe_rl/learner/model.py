@@ -212,8 +212,12 @@ def forward_logits(
     *,
     segment_ids: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
+    padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run the model: ``input_ids[B, T]`` -> ``logits[B, T, V/tp]`` (vocab-sharded when tp > 1).
+
+    ``padding_mask[B, T]`` (True = padding, Megatron's convention) keeps pad tokens out of the
+    routers' aux / z losses and expert-bias token counts.
 
     Padded batches need nothing extra (right padding never influences earlier
     tokens under the causal mask). Packed batches pass ``segment_ids[B, T]``:
@@ -236,7 +240,8 @@ def forward_logits(
         mask = None  # Megatron builds its causal mask on the GPU (TE ignores masks for causal attention)
     else:
         mask = attention_mask(input_ids, segment_ids)
-    return model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask)
+    extra = {} if padding_mask is None else {"padding_mask": padding_mask.to(device=input_ids.device, dtype=torch.bool)}
+    return model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, **extra)
 
 
 def moe_routers(model) -> list:

@@ -126,7 +126,10 @@ def test_rejections_are_anded_and_reported(batch):
     kl_seq = torch.where(mask, roll - logp.detach(), torch.zeros((), dtype=F64)).sum(1) / mask.sum(1)
     keep_seq = torch.tensor([False, True, True]) & ~((adv < 0) & (kl_seq > 0.0))
     keep = mask & keep_seq[:, None]
-    torch.testing.assert_close(loss, _mean(-adv[:, None] * logp, keep))
+    # OPSM's dropped sequences stay in the normaliser (DeepSeek-V3.2: 1/G over all sequences);
+    # the veto's are removed from it (a step-global, π_θ-free rejection).
+    not_vetoed = mask & torch.tensor([False, True, True])[:, None]
+    torch.testing.assert_close(loss, (-adv[:, None] * logp)[keep].sum() / not_vetoed.sum())
     assert m["veto/seq_masked_frac"].item() == pytest.approx(1 / 3)
     assert m["correction/kept_seq_frac"].item() == pytest.approx(keep_seq.sum().item() / 3)
 

@@ -1,0 +1,1 @@
+"""The training loop and what it consumes: the step plan, batching, the update passes, metrics sinks."""
