@@ -49,7 +49,7 @@ def probe_sglang(out: Path) -> None:
     from moe_rl.rollout.launcher import ServerSpec, SGLangServer
 
     model_dir = write_tiny_glm4_moe(out / "glm4_moe")
-    spec = ServerSpec(model_path=str(model_dir), dtype="float32", mem_fraction_static=0.3)
+    spec = ServerSpec(model_path=str(model_dir), dtype="float32", mem_fraction_static=0.3, startup_timeout_s=600)
     try:
         with SGLangServer(spec, log_path=out / "logs" / "sglang.log") as server:
             body = {"input_ids": [1, 20, 21, 5, 6, 7, 26], "return_routed_experts": True, "return_logprob": True,
