@@ -1,6 +1,7 @@
-"""HF Qwen3-MoE <-> Megatron-Core (local spec) weight conversion and HF checkpoint I/O.
+"""HF Qwen3-MoE / GLM-4.5 <-> Megatron-Core (local spec) weight conversion and HF checkpoint I/O.
 
-Owns the name/layout mapping between a HuggingFace Qwen3-MoE safetensors
+Owns the name/layout mapping between a HuggingFace Qwen3-MoE or GLM-4.5 (``Glm4MoeForCausalLM``:
+q/k/v bias, shared experts, score-correction bias; ``model.hf_architecture``) safetensors
 checkpoint (on-disk names, one tensor per expert projection) and the learner's
 ``GPTModel`` state, plus importing an HF directory into a (possibly expert-
 parallel) model and exporting one for SGLang weight sync. Measured mapping
@@ -50,45 +51,52 @@ def _qkv_split_sizes(m) -> tuple[int, int, int]:
 
 
 def _pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m) -> torch.Tensor:
-    """HF ``q[nh*d, H], k[ng*d, H], v[ng*d, H]`` -> Megatron ``qkv[ng*(nh/ng+2)*d, H]``."""
+    """HF ``q[nh*d(, H)], k[ng*d(, H)], v[ng*d(, H)]`` -> Megatron ``qkv[ng*(nh/ng+2)*d(, H)]`` (weights or biases)."""
     g = m.num_query_groups
-    hidden = q.shape[-1]
+    tail = q.shape[1:]
     qs, ks, vs = _qkv_split_sizes(m)
-    per_group = torch.cat([q.reshape(g, qs, hidden), k.reshape(g, ks, hidden), v.reshape(g, vs, hidden)], dim=1)
-    return per_group.reshape(-1, hidden)
+    per_group = torch.cat([q.reshape(g, qs, *tail), k.reshape(g, ks, *tail), v.reshape(g, vs, *tail)], dim=1)
+    return per_group.reshape(-1, *tail)
 
 
 def _unpack_qkv(qkv: torch.Tensor, m) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = m.num_query_groups
-    hidden = qkv.shape[-1]
-    q, k, v = qkv.reshape(g, -1, hidden).split(_qkv_split_sizes(m), dim=1)
-    return q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)
+    tail = qkv.shape[1:]
+    q, k, v = qkv.reshape(g, -1, *tail).split(_qkv_split_sizes(m), dim=1)
+    return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
 
 
-def _layer_names(i: int, is_moe: bool, num_experts: int):
+def _mlp_names(hf: str, mg: str):
+    yield "fc1", (hf + "gate_proj.weight", hf + "up_proj.weight"), mg + "linear_fc1.weight"
+    yield "copy", (hf + "down_proj.weight",), mg + "linear_fc2.weight"
+
+
+def _layer_names(i: int, is_moe: bool, m):
     """Yield ``(kind, hf_names, megatron_name)`` for decoder layer ``i`` (global expert ids)."""
     hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
     yield "copy", (hf + "input_layernorm.weight",), mg + "input_layernorm.weight"
     yield "qkv", tuple(hf + f"self_attn.{p}_proj.weight" for p in "qkv"), mg + "self_attention.linear_qkv.weight"
+    if m.add_qkv_bias:
+        yield "qkv", tuple(hf + f"self_attn.{p}_proj.bias" for p in "qkv"), mg + "self_attention.linear_qkv.bias"
     yield "copy", (hf + "self_attn.o_proj.weight",), mg + "self_attention.linear_proj.weight"
-    yield "copy", (hf + "self_attn.q_norm.weight",), mg + "self_attention.q_layernorm.weight"
-    yield "copy", (hf + "self_attn.k_norm.weight",), mg + "self_attention.k_layernorm.weight"
+    if m.qk_layernorm:
+        yield "copy", (hf + "self_attn.q_norm.weight",), mg + "self_attention.q_layernorm.weight"
+        yield "copy", (hf + "self_attn.k_norm.weight",), mg + "self_attention.k_layernorm.weight"
     yield "copy", (hf + "post_attention_layernorm.weight",), mg + "pre_mlp_layernorm.weight"
     if not is_moe:
-        yield "fc1", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"), mg + "mlp.linear_fc1.weight"
-        yield "copy", (hf + "mlp.down_proj.weight",), mg + "mlp.linear_fc2.weight"
+        yield from _mlp_names(hf + "mlp.", mg + "mlp.")
         return
     yield "copy", (hf + "mlp.gate.weight",), mg + "mlp.router.weight"
-    for e in range(num_experts):
-        he, me = hf + f"mlp.experts.{e}.", mg + f"mlp.experts.local_experts.{e}."
-        yield "fc1", (he + "gate_proj.weight", he + "up_proj.weight"), me + "linear_fc1.weight"
-        yield "copy", (he + "down_proj.weight",), me + "linear_fc2.weight"
+    for e in range(m.num_moe_experts):
+        yield from _mlp_names(hf + f"mlp.experts.{e}.", mg + f"mlp.experts.local_experts.{e}.")
+    if m.moe_shared_expert_intermediate_size:
+        yield from _mlp_names(hf + "mlp.shared_experts.", mg + "mlp.shared_experts.")
 
 
 def _all_names(m):
     yield "copy", ("model.embed_tokens.weight",), "embedding.word_embeddings.weight"
     for i, is_moe in enumerate(m.moe_layer_pattern()):
-        yield from _layer_names(i, bool(is_moe), m.num_moe_experts)
+        yield from _layer_names(i, bool(is_moe), m)
     yield "copy", ("model.norm.weight",), "decoder.final_layernorm.weight"
     yield "copy", ("lm_head.weight",), "output_layer.weight"
 
@@ -117,8 +125,9 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], model_cfg) -> dict[str, torch
         else:
             out[mg_name] = ts[0]
     for hf_name, mg_name in _expert_bias_names(model_cfg):
-        if hf_name in hf:
-            out[mg_name] = hf[hf_name]
+        if hf_name not in hf:
+            raise KeyError(f"HF checkpoint lacks {hf_name!r} (model.moe_router_enable_expert_bias=true)")
+        out[mg_name] = hf[hf_name]
     return out
 
 

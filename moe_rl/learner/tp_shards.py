@@ -3,7 +3,7 @@ parameter is split on, gathering every shard into the full tensor, and slicing a
 
 Owns the tp layout of Megatron's GPT parameters for HF export / weight sync and HF import:
 
-* column-parallel (split on dim 0): ``linear_qkv`` (whole query groups per rank), the word
+* column-parallel (split on dim 0): ``linear_qkv`` weight and bias (whole query groups per rank), the word
   embeddings and ``output_layer`` (vocabulary rows);
 * column-parallel SwiGLU ``linear_fc1``: each rank holds ``[gate_r; up_r]``, so the full
   tensor is ``[gate_0..gate_{tp-1}; up_0..up_{tp-1}]``, not the rank shards stacked;
@@ -24,7 +24,7 @@ import torch
 
 __all__ = ["tp_split_dim", "gather_tp_shards", "tp_slice"]
 
-_COLUMN = (".linear_qkv.weight", "embedding.word_embeddings.weight", "output_layer.weight")
+_COLUMN = (".linear_qkv.weight", ".linear_qkv.bias", "embedding.word_embeddings.weight", "output_layer.weight")
 _ROW = (".linear_proj.weight", ".linear_fc2.weight")
 _SWIGLU = ".linear_fc1.weight"
 
