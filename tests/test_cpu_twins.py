@@ -16,7 +16,7 @@ TWINS = sorted((CONFIGS / "cpu").glob("*.yaml"))
 # checkpoint.init_from_hf, step counts -- plus the twin's identity and the cluster allocation.
 MODEL_SIZES = {f"model.{k}" for k in (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-    "vocab_size", "seq_length", "num_moe_experts", "moe_ffn_hidden_size")}  # fmt: skip
+    "vocab_size", "seq_length", "num_moe_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")}  # fmt: skip
 BATCH_SIZES = {"rollout.max_new_tokens", "rollout.samples_per_prompt", "train.prompts_per_step"}
 PARALLEL = {"parallel.tp", "parallel.ep", "parallel.etp", "parallel.pp", "parallel.cp"}
 PRECISION = {"precision.params_dtype", "precision.fp8"}

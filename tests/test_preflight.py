@@ -13,17 +13,11 @@ from moe_rl.config import ConfigError, load_config
 from moe_rl.config.preflight import PreflightError, config_problems, environment_problems, preflight
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").rglob("*.yaml"))
-# Shipped configs that cannot run yet, with the rule that says so (issue 12: second MoE architecture).
-KNOWN_REFUSED = {"deepseek_v3_style.yaml": "the HF <-> Megatron bridge (weight sync to SGLang) cannot express it"}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(p.parents[1])))
 def test_every_shipped_config_passes_the_config_rules(path):
-    problems = config_problems(load_config(path)).problems
-    if path.name in KNOWN_REFUSED:
-        assert problems and all(KNOWN_REFUSED[path.name] in p for p in problems), problems
-        pytest.xfail(f"{path.name} is refused until the sigmoid-router HF bridge lands: {problems[0]}")
-    assert problems == []
+    assert config_problems(load_config(path)).problems == []
 
 
 @pytest.mark.parametrize(
@@ -191,4 +185,14 @@ def test_tensor_parallel_splits_must_divide_the_sizes():
     cfg = load_config(overrides=["parallel.tp=2", "model.vocab_size=513", "rollout.top_k=5"])
     assert config_problems(cfg).problems == [
         "model.vocab_size=513 must be divisible by the 2 tensor-parallel shards it is split into (parallel.tp/etp)"
+    ]
+
+
+def test_glm4_moe_format_rules():
+    cfg = load_config(overrides=["model.hf_architecture=Glm4MoeForCausalLM", "model.moe_shared_expert_intermediate_size=48",
+                                 "model.moe_ffn_hidden_size=32", "model.moe_router_score_function=sigmoid",
+                                 "model.moe_router_enable_expert_bias=true"])  # fmt: skip
+    assert config_problems(cfg).problems == [
+        "model.moe_shared_expert_intermediate_size=48 must be a multiple of model.moe_ffn_hidden_size=32 (GLM-4.5 has "
+        "n_shared_experts >= 1 of that width): the HF <-> Megatron bridge (weight sync to SGLang) cannot express it"
     ]
