@@ -7,31 +7,19 @@ The worker runs on CPU tensors by design (gloo; two ranks cannot share one GPU u
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.distributed.torchrun import run_worker
+
 WORKER = Path(__file__).with_name("tp_shards_worker.py")
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    from moe_rl.learner.dist import free_port
-
     out = tmp_path_factory.mktemp("tp") / "result.json"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    for attempt in range(2):  # a free port can be taken between probe and bind: retry once
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-               str(WORKER), "--out", str(out)]  # fmt: skip
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
-        if proc.returncode == 0:
-            break
-        if attempt == 1 or "address already in use" not in proc.stderr.lower():
-            pytest.fail(f"torchrun worker failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+    run_worker(WORKER, "--out", str(out), timeout=180)
     return json.loads(out.read_text())
 
 
