@@ -26,7 +26,7 @@ from moe_rl.config.schema import ExperimentConfig
 
 __all__ = [
     "PreflightError", "PreflightReport", "config_problems", "environment_problems", "preflight",
-    "run_preflight", "ksm_is_noop",
+    "run_preflight", "ksm_is_noop", "ksm_active",
 ]  # fmt: skip
 
 
@@ -51,6 +51,11 @@ def ksm_is_noop(cfg: ExperimentConfig) -> bool:
     """Keep Sampling Mask on untruncated sampling (top_p = 1, top_k <= 0): the kept set is the vocab."""
     r = cfg.rollout
     return cfg.replay.keep_sampling_mask and r.top_p >= 1.0 and r.top_k <= 0
+
+
+def ksm_active(cfg: ExperimentConfig) -> bool:
+    """Keep Sampling Mask requests masks and renormalises: on, and sampling truncates (else a no-op)."""
+    return cfg.replay.keep_sampling_mask and not ksm_is_noop(cfg)
 
 
 # --- config rules -------------------------------------------------------------------------------

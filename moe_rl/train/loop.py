@@ -26,6 +26,7 @@ import torch
 
 from moe_rl.algo import compute_advantages
 from moe_rl.config import ExperimentConfig, save_config
+from moe_rl.config.preflight import ksm_active
 from moe_rl.records import RolloutBatch
 from moe_rl.train.batching import check_ksm_records, kept_set_outside_fraction
 from moe_rl.train.collectives import barrier, dp_group, dp_rank_and_size, is_main_process
@@ -86,7 +87,7 @@ class RLTrainer:
         self.start_step = int(meta["extra"]["rl_step"]) if meta else 0
         self.driver = ReplayDriver.from_config(self.learner.module, cfg)
         self.task, self.reward_fn = build_task(cfg.train, cfg.model.vocab_size)
-        self.logprob_fn = make_logprob_fn(cfg.replay.keep_sampling_mask, with_entropy=cfg.loss.entropy_coef > 0)
+        self.logprob_fn = make_logprob_fn(ksm_active(cfg), with_entropy=cfg.loss.entropy_coef > 0)
         self.device = next(self.learner.model.parameters()).device
 
     @property
@@ -143,7 +144,7 @@ class RLTrainer:
         cfg, t0 = self.cfg, time.perf_counter()
         batch = self.rollout(client, step)
         t_rollout = time.perf_counter() - t0
-        if cfg.replay.keep_sampling_mask:
+        if ksm_active(cfg):
             check_ksm_records(batch)
         rewards = torch.from_numpy(batch.rewards).double()
         advantages = compute_advantages(cfg.advantage, rewards, cfg.rollout.samples_per_prompt).float()
@@ -170,7 +171,7 @@ class RLTrainer:
             "response/len_mean": float(batch.response_lens.mean()),
             "response/len_max": float(batch.response_lens.max()),
             "response/truncated_frac": float(np.mean([f == "length" for f in batch.finish_reasons])),
-            "ksm/outside_mask_frac": kept_set_outside_fraction(batch) if cfg.replay.keep_sampling_mask else 0.0,
+            "ksm/outside_mask_frac": kept_set_outside_fraction(batch) if ksm_active(cfg) else 0.0,
             "time/rollout_s": t_rollout, "time/old_logp_s": t_old, "time/train_s": t_train,
             "rollout/tokens_per_s": float(batch.response_lens.sum()) / max(t_rollout, 1e-9),
         }  # fmt: skip
