@@ -32,8 +32,11 @@ def test_cpu_twin_trains_two_steps_on_two_ranks(twin, tmp_path):
     proc = torchrun_train(ROOT / f"configs/cpu/{twin}.yaml", tmp_path / "run")
     assert proc.returncode == 0, proc.stderr[-4000:]
     metrics = read_metrics(tmp_path / "run" / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == [0, 1]
+    assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
         assert 0.0 <= m["reward/mean"] <= 1.0 and m["train/grad_norm"] > 0
-        assert m["replay/rollout_vs_natural/flip_rate"] >= 0  # R3 ran with the rollout's routes
+        # R3: the learner dispatched exactly the rollout's routes, while its own router would differ
+        assert m["replay/rollout_vs_dispatched/response/flip_rate"] == 0.0
+        assert m["replay/rollout_vs_dispatched/prompt/flip_rate"] == 0.0
+        assert m["replay/rollout_vs_natural/response/flip_rate"] >= 0.0
     assert "Keep Sampling Mask is a no-op" in proc.stderr  # both originals sample untruncated
