@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from moe_rl.learner.cpu_shims import apply_cpu_shims, seed_model_parallel_rng
 from moe_rl.learner.fp8 import fp8_runtime_missing, fp8_transformer_fields, te_available
+from moe_rl.learner.megatron_fixes import apply_megatron_fixes
 
 __all__ = [
     "transformer_config_from",
@@ -154,6 +155,7 @@ def build_model(cfg, seed: int | None = None):
     from megatron.core.models.gpt import GPTModel
 
     apply_cpu_shims()
+    apply_megatron_fixes()
     tcfg = transformer_config_from(cfg)
     seed_model_parallel_rng(cfg.train.seed if seed is None else seed)
     use_te = use_transformer_engine()

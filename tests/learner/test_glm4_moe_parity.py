@@ -57,3 +57,19 @@ def test_glm4_moe_export_round_trips_hf_tensors_bitwise(megatron_world, tmp_path
     assert any(n.endswith("e_score_correction_bias") for n in a) and any("shared_experts" in n for n in a)
     for name in a:
         assert torch.equal(a[name], b[name]), f"{name} changed in the HF -> Megatron -> HF round trip"
+
+
+def test_expert_bias_load_counts_only_real_tokens_with_a_padding_mask(megatron_world, device):
+    """Megatron-Core 0.16.1 broadcasts the flattened padding mask over the expert dim (fixed in
+    moe_rl.learner.megatron_fixes): the load behind the score-correction bias update must count
+    k experts per non-padding token."""
+    from moe_rl.learner.model import build_model, forward_logits, moe_routers
+
+    cfg = make_cfg(**GLM)
+    model = build_model(cfg, seed=1).train()
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 5), generator=torch.Generator().manual_seed(0)).to(device)
+    padding = torch.zeros(2, 5, dtype=torch.bool, device=device)
+    padding[1, 3:] = True  # 2 pad tokens of 10
+    forward_logits(model, ids, padding_mask=padding).float().pow(2).mean().backward()
+    loads = [int(r.local_tokens_per_expert.sum()) for r in moe_routers(model)]
+    assert loads == [8 * cfg.model.moe_router_topk] * 2, loads
