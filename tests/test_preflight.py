@@ -46,8 +46,10 @@ def test_every_shipped_config_passes_the_config_rules(path):
         (["model.mtp_num_layers=1"],
          "model.mtp_num_layers=1: multi-token prediction layers are neither built by the learner nor exported to "
          "SGLang; expected 0"),
-        (["loss.kl_coef=0.1"],
-         "loss.kl_coef=0.1 needs a reference model, which the trainer does not build; expected 0"),
+        (["parallel.tp=2"],
+         "replay.keep_sampling_mask=true with truncated sampling and parallel.tp=2: the training loop does not pass "
+         "the tp group to the vocab-sharded kept-set log-prob yet; expected parallel.tp=1, or rollout.top_p=1 with "
+         "rollout.top_k=-1 (untruncated: KSM is a no-op)"),
         (["parallel.pp=2"],
          "parallel.pp=2: the training loop and the HF export do not run pipeline parallelism; expected 1"),
         (["parallel.cp=2"],
@@ -68,9 +70,9 @@ def test_config_rule_message(overrides, message):
 
 
 def test_every_problem_is_reported_at_once():
-    cfg = load_config(overrides=["rollout.top_k=0", "optim.lr=.inf", "train.task=nope", "loss.kl_coef=1"])
+    cfg = load_config(overrides=["rollout.top_k=0", "optim.lr=.inf", "train.task=nope", "model.mtp_num_layers=1"])
     assert [p.split("=")[0] for p in config_problems(cfg).problems] == [
-        "optim.lr", "rollout.top_k", "train.task", "loss.kl_coef",
+        "optim.lr", "rollout.top_k", "train.task", "model.mtp_num_layers",
     ]  # fmt: skip
 
 
@@ -87,6 +89,15 @@ def test_process_count_rule():
     assert environment_problems(cfg, {"WORLD_SIZE": "1"}).problems == [
         "parallel.tp=1 pp=1 cp=1 ep=2 etp=1 need a process count divisible by tp*pp*cp=1 and etp*ep*pp=2; "
         "this run has WORLD_SIZE=1 (start it with torchrun --nproc-per-node 2, or lower the sizes)"
+    ]
+
+
+def test_data_parallel_ranks_must_share_each_minibatch():
+    cfg = load_config(overrides=["train.prompts_per_step=3", "rollout.samples_per_prompt=1"])
+    assert environment_problems(cfg, {"WORLD_SIZE": "2"}).problems == [
+        "each minibatch has 3 samples (train.prompts_per_step x rollout.samples_per_prompt / "
+        "train.minibatches_per_step), which the 2 data-parallel ranks of WORLD_SIZE=2 cannot share equally; "
+        "make it a multiple of 2"
     ]
 
 

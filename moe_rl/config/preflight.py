@@ -133,8 +133,12 @@ def learner_features(cfg: ExperimentConfig) -> Iterable[str]:
             f"model.mtp_num_layers={m.mtp_num_layers}: multi-token prediction layers are neither built by the "
             "learner nor exported to SGLang; expected 0"
         )
-    if cfg.loss.kl_coef > 0:
-        yield f"loss.kl_coef={cfg.loss.kl_coef} needs a reference model, which the trainer does not build; expected 0"
+    if ksm_active(cfg) and p.tp > 1:
+        yield (
+            f"replay.keep_sampling_mask=true with truncated sampling and parallel.tp={p.tp}: the training loop does "
+            "not pass the tp group to the vocab-sharded kept-set log-prob yet; expected parallel.tp=1, or "
+            "rollout.top_p=1 with rollout.top_k=-1 (untruncated: KSM is a no-op)"
+        )
     if p.pp > 1:
         yield f"parallel.pp={p.pp}: the training loop and the HF export do not run pipeline parallelism; expected 1"
     if p.cp > 1:
@@ -201,6 +205,15 @@ def process_count(cfg: ExperimentConfig, environ: Mapping[str, str]) -> Iterable
             f"parallel.tp={p.tp} pp={p.pp} cp={p.cp} ep={p.ep} etp={etp} need a process count divisible by "
             f"tp*pp*cp={dense} and etp*ep*pp={expert}; this run has WORLD_SIZE={world} "
             f"(start it with torchrun --nproc-per-node {math.lcm(dense, expert)}, or lower the sizes)"
+        )
+        return
+    dp = world // dense
+    per_minibatch = cfg.train.prompts_per_step * cfg.rollout.samples_per_prompt // cfg.train.minibatches_per_step
+    if per_minibatch % dp:
+        yield (
+            f"each minibatch has {per_minibatch} samples (train.prompts_per_step x rollout.samples_per_prompt / "
+            f"train.minibatches_per_step), which the {dp} data-parallel ranks of WORLD_SIZE={world} cannot share "
+            f"equally; make it a multiple of {dp}"
         )
 
 

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from moe_rl.learner.cpu_shims import apply_cpu_shims, seed_model_parallel_rng
+from moe_rl.learner.device import model_device
 from moe_rl.learner.fp8 import fp8_runtime_missing, fp8_transformer_fields, te_available
-from moe_rl.learner.megatron_fixes import apply_megatron_fixes
 
 __all__ = [
     "transformer_config_from",
@@ -154,7 +154,9 @@ def build_model(cfg, seed: int | None = None):
     """
     from megatron.core.models.gpt import GPTModel
 
-    apply_cpu_shims()
+    from moe_rl.learner.mcore_compat import apply_megatron_fixes
+
+    apply_cpu_shims()  # first: on CPU the shim set lists te_general_gemm itself
     apply_megatron_fixes()
     tcfg = transformer_config_from(cfg)
     seed_model_parallel_rng(cfg.train.seed if seed is None else seed)
@@ -223,12 +225,17 @@ def forward_logits(
     ``padding_mask[B, T]`` (True = padding, Megatron's convention) keeps pad tokens out of the
     routers' aux / z losses and expert-bias token counts.
 
-    Padded batches need nothing extra (right padding never influences earlier
+    Inputs may live on any device: they are moved to the model's parameters' device (no copy when
+    already there). Padded batches need nothing extra (right padding never influences earlier
     tokens under the causal mask). Packed batches pass ``segment_ids[B, T]``:
     attention stays within a sequence and positions restart per sequence.
     """
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [B, T]; got shape {tuple(input_ids.shape)}")
+    device = model_device(model)
+    input_ids = input_ids.to(device)
+    segment_ids = None if segment_ids is None else segment_ids.to(device)
+    position_ids = None if position_ids is None else position_ids.to(device)
     if position_ids is None:
         if segment_ids is None:
             T = input_ids.shape[1]
@@ -240,7 +247,7 @@ def forward_logits(
             "packed batches (segment_ids) use an explicit block-diagonal mask, which the Transformer "
             "Engine spec's causal attention ignores; pad the batch instead (THD PackedSeqParams not wired yet)"
         )
-    if torch.cuda.is_available() and segment_ids is None:
+    if device.type == "cuda" and segment_ids is None:
         mask = None  # Megatron builds its causal mask on the GPU (TE ignores masks for causal attention)
     else:
         mask = attention_mask(input_ids, segment_ids)

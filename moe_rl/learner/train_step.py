@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moe_rl.learner.device import model_device, to_device
 from moe_rl.learner.hf_convert import export_hf_checkpoint, load_hf_weights
 from moe_rl.learner.logprobs import response_logprobs
 from moe_rl.learner.model import build_model, unwrap
@@ -109,7 +110,7 @@ class Learner:
 
     def train_step(self, microbatches: Sequence[Microbatch], loss_fn: LossFn,
                    temperature: float = 1.0, logprob_fn: LogprobFn | None = None,
-                   loss_scale: float | None = None) -> StepStats:
+                   loss_scale: float | None = None, lr_scale: float = 1.0) -> StepStats:
         """Accumulate gradients over ``microbatches``, finalise them as Megatron does, clip, step.
 
         Each microbatch contributes ``loss * loss_scale`` (default ``1 / len(microbatches)``: a
@@ -128,7 +129,9 @@ class Learner:
         self.optimizer.zero_grad()
         self._set_aux_loss_scale(n)
         losses, metrics = [], []
+        device = model_device(self.model)
         for mb in microbatches:
+            mb = to_device(mb, device)  # callers may hand host tensors; the model's device is the one
             if logprob_fn is not None:
                 logp, entropy = logprob_fn(self.model, mb, temperature)
             else:
@@ -145,7 +148,7 @@ class Learner:
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
         finalize_model_grads([self.model])
-        lr = lr_at(self.step, self.cfg.optim, self.total_steps)
+        lr = lr_at(self.step, self.cfg.optim, self.total_steps) * float(lr_scale)  # lr_scale: e.g. VCPO's ESS rule
         set_lr(self.optimizer, lr)
         grad_norm = self._clip_and_step()
         self.step += 1

@@ -155,7 +155,7 @@ class ReplayDriver:
                 rows.append(rec[:S])
                 continue
             pad = pad_routes(S - rec.shape[0], rec.shape[1], rec.shape[2], self.num_experts, start=b * S)
-            rows.append(torch.cat([rec, torch.from_numpy(pad.astype("int64"))]))
+            rows.append(torch.cat([rec, torch.from_numpy(pad.astype("int64")).to(rec.device)]))
         return torch.stack(rows)
 
     @contextlib.contextmanager

@@ -34,7 +34,7 @@ def routes_vs_map_flips(routes: torch.Tensor, maps: torch.Tensor) -> torch.Tenso
             f"routes[..., L, K] and maps[..., L, E] must agree on [..., L]; got {tuple(routes.shape)} "
             f"and {tuple(maps.shape)}"
         )
-    ref = torch.zeros(maps.shape, dtype=torch.bool)
+    ref = torch.zeros(maps.shape, dtype=torch.bool, device="cpu")  # host-side comparison
     ref.scatter_(-1, routes.to(torch.int64).cpu(), True)
     return (ref != maps.cpu()).any(dim=-1)
 
@@ -51,7 +51,8 @@ class FlipCounter:
     def __init__(self, name: str, layer_ids: Sequence[int]):
         self.name = name
         self.layer_ids = list(layer_ids)
-        self.layer_flips = torch.zeros(len(self.layer_ids), dtype=torch.float64)
+        # host-side counters: the per-microbatch flips are summed on the GPU, then moved here
+        self.layer_flips = torch.zeros(len(self.layer_ids), dtype=torch.float64, device="cpu")
         self.tokens = 0
         self.tokens_any = 0
 
@@ -67,7 +68,7 @@ class FlipCounter:
         self.add_flips(expert_set_flips(reference.cpu(), other.cpu()), valid)
 
     def add_flips(self, flips: torch.Tensor, valid: torch.Tensor) -> None:
-        """Count ``flips[B, S, L]`` (bool) on tokens where ``valid[B, S]``."""
+        """Count ``flips[B, S, L]`` (bool) on tokens where ``valid[B, S]`` (host-side counters)."""
         flips = flips.cpu()[valid.cpu().bool()]  # [N_valid, L]
         self.layer_flips += flips.sum(dim=0).double()
         self.tokens += int(flips.shape[0])
@@ -79,7 +80,8 @@ class FlipCounter:
 
         if not dist.is_initialized() or dist.get_world_size(group) == 1:
             return
-        packed = torch.cat([self.layer_flips, torch.tensor([self.tokens, self.tokens_any], dtype=torch.float64)])
+        counts = torch.tensor([self.tokens, self.tokens_any], dtype=torch.float64, device="cpu")
+        packed = torch.cat([self.layer_flips, counts])
         if dist.get_backend(group) == "nccl":  # NCCL reduces device tensors only
             packed = packed.cuda()
         dist.all_reduce(packed, group=group)

@@ -22,7 +22,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from moe_rl.records import RolloutBatch
+from moe_rl.records import RecordError, RolloutBatch
 from moe_rl.replay.driver import MicrobatchRoutes
 from moe_rl.replay.keep_mask import KeptSets
 from moe_rl.replay.layout import pack_microbatch_routes
@@ -65,7 +65,7 @@ def check_ksm_records(batch: RolloutBatch) -> None:
     if batch.sampling_logp is None:
         missing.append("the kept-set log-probs (meta_info 'output_token_sampling_logprobs')")
     if missing:
-        raise ValueError(
+        raise RecordError(
             "replay.keep_sampling_mask=true but the rollout records lack " + " and ".join(missing)
             + "; the rollout request must set return_sampling_mask=true (the client does when "
             "replay.keep_sampling_mask is on), or set replay.keep_sampling_mask=false"

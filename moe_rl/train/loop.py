@@ -24,16 +24,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moe_rl.algo import compute_advantages
-from moe_rl.config import ExperimentConfig, save_config
+from moe_rl.config import ConfigError, ExperimentConfig, save_config
 from moe_rl.config.preflight import ksm_active
-from moe_rl.records import RolloutBatch
+from moe_rl.records import RecordError, RolloutBatch
 from moe_rl.train.batching import check_ksm_records, kept_set_outside_fraction
 from moe_rl.train.collectives import barrier, dp_group, dp_rank_and_size, is_main_process
 from moe_rl.train.logprob import make_logprob_fn
 from moe_rl.train.metrics_log import MetricsLogger
 from moe_rl.train.plan import plan_step
-from moe_rl.train.update import StepInputs, old_logprob_rows, update_minibatch
+from moe_rl.train.update import StepInputs, old_logprob_rows, reference_rows, update_minibatch
 
 __all__ = ["RLTrainer", "train", "check_supported", "ROLLOUTS_DIR"]
 
@@ -44,19 +43,17 @@ def check_supported(cfg: ExperimentConfig) -> None:
     """Refuse settings the loop cannot honour yet, naming the key (``moe-rl config validate`` runs these too)."""
     p = cfg.parallel
     if p.pp > 1:
-        raise NotImplementedError(
+        raise ConfigError(
             f"parallel.pp={p.pp}: pipeline parallelism is not supported by the training loop yet (its train step "
             "is Megatron's no-pipeline schedule); use parallel.pp=1"
         )
     if p.cp > 1:
-        raise NotImplementedError(
+        raise ConfigError(
             f"parallel.cp={p.cp}: context parallelism is not supported by the training loop yet (inputs would need "
             "the same per-cp-rank sharding as the replayed routes); use parallel.cp=1"
         )
-    if cfg.loss.kl_coef:
-        raise NotImplementedError("loss.kl_coef > 0 needs a reference model, which the trainer does not build yet")
-    if cfg.replay.keep_sampling_mask and cfg.parallel.tp > 1:
-        raise NotImplementedError("replay.keep_sampling_mask with parallel.tp > 1 (vocab-sharded logits) is not supported yet")
+    if ksm_active(cfg) and cfg.parallel.tp > 1:
+        raise ConfigError("replay.keep_sampling_mask with parallel.tp > 1 (vocab-sharded logits) is not supported yet")
 
 
 def records_path(directory: Path, step: int) -> Path:
@@ -89,6 +86,26 @@ class RLTrainer:
         self.task, self.reward_fn = build_task(cfg.train, cfg.model.vocab_size)
         self.logprob_fn = make_logprob_fn(ksm_active(cfg), with_entropy=cfg.loss.entropy_coef > 0)
         self.device = next(self.learner.model.parameters()).device
+        self.reference = self._reference_policy(meta is not None) if cfg.loss.kl_coef else None
+        self.plan(self.start_step)  # an impossible split fails here, before any server starts
+
+    def plan(self, step: int):
+        """This rank's ``StepPlan`` for ``step``."""
+        cfg = self.cfg
+        dp_rank, dp_size = dp_rank_and_size()
+        n = cfg.train.prompts_per_step * cfg.rollout.samples_per_prompt
+        return plan_step(n, minibatches=cfg.train.minibatches_per_step, micro_batch_size=cfg.train.micro_batch_size,
+                         epochs=cfg.train.epochs_per_step, dp_rank=dp_rank, dp_size=dp_size, seed=cfg.train.seed,
+                         step=step)  # fmt: skip
+
+    def _reference_policy(self, resumed: bool):
+        """π_ref for ``loss.kl_coef > 0``: the weights at the start of RL, reloaded on resume."""
+        from moe_rl.learner.reference import ReferencePolicy, reference_path
+
+        offload = torch.cuda.is_available()
+        if resumed and reference_path(self.ckpt_dir).is_file():
+            return ReferencePolicy.load(self.cfg, self.ckpt_dir, offload=offload)
+        return ReferencePolicy.from_learner(self.cfg, self.learner.module, offload=offload)
 
     @property
     def from_records(self) -> bool:
@@ -147,21 +164,24 @@ class RLTrainer:
         if ksm_active(cfg):
             check_ksm_records(batch)
         rewards = torch.from_numpy(batch.rewards).double()
-        advantages = compute_advantages(cfg.advantage, rewards, cfg.rollout.samples_per_prompt).float()
-        dp_rank, dp_size = dp_rank_and_size()
-        plan = plan_step(len(batch), minibatches=cfg.train.minibatches_per_step,
-                         micro_batch_size=cfg.train.micro_batch_size, epochs=cfg.train.epochs_per_step,
-                         dp_rank=dp_rank, dp_size=dp_size, seed=cfg.train.seed, step=step)  # fmt: skip
-        inputs = StepInputs(batch, advantages, int(batch.response_lens.max()), self.device)
+        plan = self.plan(step)
+        if plan.num_samples != len(batch):
+            raise RecordError(f"{self.records_dir}: step {step} has {len(batch)} samples; the config asks for "
+                              f"{plan.num_samples} (train.prompts_per_step x rollout.samples_per_prompt)")  # fmt: skip
+        inputs = StepInputs(batch, torch.zeros(len(batch), device="cpu"), int(batch.response_lens.max()), self.device, step,
+                            cfg.train.seed)  # fmt: skip
         self.driver.begin_step()
         t1 = time.perf_counter()
-        old = None
+        old = ref = None
         if cfg.correction.mode == "decoupled":
             old = old_logprob_rows(cfg, self.learner, self.driver, self.logprob_fn, plan, inputs)
+        if self.reference is not None:
+            ref = reference_rows(cfg, self.reference, self.driver, self.logprob_fn, plan, inputs)
         t_old = time.perf_counter() - t1
+        inputs.advantages = self.advantages(batch, rewards, old, inputs.width)
         t2 = time.perf_counter()
-        results = [update_minibatch(cfg, self.learner, self.driver, self.logprob_fn, mb, inputs, old)
-                   for _, mb in plan.updates()]  # fmt: skip
+        results = [update_minibatch(cfg, self.learner, self.driver, self.logprob_fn, mb, inputs, old, ref, epoch)
+                   for epoch, mb in plan.updates()]  # fmt: skip
         t_train = time.perf_counter() - t2
         metrics = _mean([r.metrics | {"train/loss": r.loss, "train/grad_norm": r.grad_norm, "train/lr": r.lr}
                          for r in results])  # fmt: skip
@@ -176,6 +196,29 @@ class RLTrainer:
             "rollout/tokens_per_s": float(batch.response_lens.sum()) / max(t_rollout, 1e-9),
         }  # fmt: skip
         return metrics
+
+    def _save_reference(self) -> None:
+        """The reference weights go with the first checkpoint (they never change afterwards)."""
+        from moe_rl.learner.reference import reference_path
+
+        if self.reference is not None and not reference_path(self.ckpt_dir).is_file():
+            self.reference.save(self.ckpt_dir)
+
+    def advantages(self, batch: RolloutBatch, rewards: torch.Tensor, old: torch.Tensor | None, width: int):
+        """Per-sample advantages ``[N]``; VCPO's baseline reads π_old (or μ in bypass mode)."""
+        from moe_rl.algo import compute_advantages
+        from moe_rl.algo.advantages import logit_grad_sq_norm
+        from moe_rl.train.batching import response_row_mask, response_rows
+
+        cfg, ids = self.cfg, list(range(len(batch)))
+        extra = {"lengths": torch.as_tensor(batch.response_lens.astype("int64"), device="cpu")}
+        if cfg.advantage.estimator == "vcpo_opob":
+            mask = response_row_mask(batch, ids, width)
+            mu = response_rows(batch, ids, width, kept_logp=ksm_active(cfg))
+            src = mu if old is None else old.cpu()
+            extra["is_weights"] = torch.exp(((src - mu) * mask).sum(1).clamp(-20, 20)).double()
+            extra["grad_sq_norms"] = logit_grad_sq_norm(src, mask).double()
+        return compute_advantages(cfg.advantage, rewards, cfg.rollout.samples_per_prompt, **extra).float()
 
     # ------------------------------------------------------------------ loop
     def _servers(self):
@@ -211,6 +254,7 @@ class RLTrainer:
                     if cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0 \
                             or step + 1 == cfg.train.steps:  # fmt: skip
                         save_checkpoint(self.learner, self.ckpt_dir, cfg.checkpoint.keep_last, extra={"rl_step": step + 1})
+                        self._save_reference()
         finally:
             logger.close()
             self.driver.close()  # release the routers (nothing stays bound after a run)

@@ -20,10 +20,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moe_rl.config import ConfigError
+
 __all__ = ["PlanError", "MinibatchPlan", "StepPlan", "plan_step"]
 
 
-class PlanError(ValueError):
+class PlanError(ConfigError):
     """A step's samples cannot be split as the config asks (names the keys involved)."""
 
 

@@ -23,13 +23,15 @@ from dataclasses import dataclass
 import torch
 
 from moe_rl.algo import needs_policy_prepass, policy_loss, prepare_corrections
+from moe_rl.algo._tensors import masked_sum
+from moe_rl.algo.variance_control import ess_lr_scale
 from moe_rl.config.preflight import ksm_active
 from moe_rl.records import RolloutBatch
 from moe_rl.train.batching import Microbatch, build_microbatch, response_row_mask, response_rows
 from moe_rl.train.collectives import all_gather_rows, dp_group
 from moe_rl.train.plan import MinibatchPlan, StepPlan
 
-__all__ = ["StepInputs", "MinibatchResult", "old_logprob_rows", "update_minibatch"]
+__all__ = ["StepInputs", "MinibatchResult", "old_logprob_rows", "reference_rows", "update_minibatch"]
 
 
 @dataclass
@@ -40,6 +42,8 @@ class StepInputs:
     advantages: torch.Tensor  # [N] float32, per sample
     width: int  # R: the longest response of the step; every response-row tensor is [*, R]
     device: torch.device
+    step: int = 0
+    seed: int = 0
 
 
 @dataclass
@@ -93,8 +97,39 @@ def old_logprob_rows(cfg, learner, driver, logprob_fn, plan: StepPlan, inputs: S
     return _rows_by_sample(per_rank, gathered, len(inputs.batch))
 
 
+@torch.no_grad()
+def reference_rows(cfg, reference, driver, logprob_fn, plan: StepPlan, inputs: StepInputs) -> torch.Tensor:
+    """π_ref of every sample as rows ``[N, R]`` (for ``loss.kl_coef > 0``), identical on every rank.
+
+    Routed like π_old: the rollout's routes under R3, the old-log-prob pass's recorded routes
+    under R2 (so run this after it), natural routing otherwise; Keep Sampling Mask as the learner.
+    """
+    mbs = _microbatches(cfg, inputs, plan.owned_microbatches)
+    rows = []
+    for m in mbs:
+        routes, local = None, False
+        if driver.mode == "r3":
+            routes = m.routes.rollout
+        elif driver.mode == "r2":
+            routes, local = driver._r2_routes(m.routes), True
+        logp = reference.logprobs(m.tensors, cfg.rollout.temperature, logprob_fn, routes=routes, local_routes=local)
+        rows.append(m.to_rows(logp.float(), inputs.width))
+    gathered = all_gather_rows(torch.cat(rows), dp_group())
+    per_rank = [[i for mb in plan.minibatches for i in mb.shares[r]] for r in range(plan.dp_size)]
+    return _rows_by_sample(per_rank, gathered, len(inputs.batch))
+
+
+def _generator(inputs: StepInputs, mb_plan: MinibatchPlan, epoch: int) -> torch.Generator:
+    """Seeded from (train.seed, step, epoch, minibatch): every rank draws the same (it sees the same rows)."""
+    import numpy as np
+
+    seed = int(np.random.SeedSequence([inputs.seed, inputs.step, epoch, mb_plan.index]).generate_state(1)[0])
+    return torch.Generator().manual_seed(seed)
+
+
 def update_minibatch(cfg, learner, driver, logprob_fn, mb_plan: MinibatchPlan, inputs: StepInputs,
-                     old_rows: torch.Tensor | None) -> MinibatchResult:  # fmt: skip
+                     old_rows: torch.Tensor | None, ref_rows: torch.Tensor | None = None,
+                     epoch: int = 0) -> MinibatchResult:  # fmt: skip
     """One optimizer step on ``mb_plan`` (see the module docstring for the three phases)."""
     dev, width = inputs.device, inputs.width
     ids = list(mb_plan.sample_ids)
@@ -103,21 +138,26 @@ def update_minibatch(cfg, learner, driver, logprob_fn, mb_plan: MinibatchPlan, i
     mu = response_rows(inputs.batch, ids, width, kept_logp=ksm).to(dev)
     adv = inputs.advantages[ids].to(dev)
     old = None if old_rows is None else old_rows[ids].to(dev)
+    ref = None if ref_rows is None else ref_rows[ids].to(dev)
     mbs = _microbatches(cfg, inputs, mb_plan.microbatches)
     routes = [m.routes for m in mbs]
     group = dp_group()
 
     # phase 1: step-global corrections over the whole minibatch
-    if old is not None:
-        source = old
-    elif needs_policy_prepass(cfg.correction):
+    policy = None
+    if needs_policy_prepass(cfg.correction, cfg.loss):  # bypass corrections, M2PO, Clip-/KL-Cov: π_θ first
         learner.model.train()
         with driver.prepass(routes):
-            source = all_gather_rows(_forward_rows(learner, logprob_fn, mbs, cfg.rollout.temperature, width), group)
-    else:
-        source = mu  # plain bypass: no correction reads the ratio
+            policy = all_gather_rows(_forward_rows(learner, logprob_fn, mbs, cfg.rollout.temperature, width), group)
+    source = old if old is not None else (policy if policy is not None else mu)  # plain bypass: nothing reads it
     norm_len = getattr(cfg.loss, "norm_len", None) or cfg.rollout.max_new_tokens
-    prep = prepare_corrections(cfg.loss, cfg.correction, source, mu, mask, norm_len=norm_len)
+    generator = _generator(inputs, mb_plan, epoch)
+    prep = prepare_corrections(cfg.loss, cfg.correction, source, mu, mask, norm_len=norm_len, policy_logp=policy,
+                               advantages=adv, generator=generator)  # fmt: skip
+    lr_scale, vcpo = 1.0, {}
+    if getattr(cfg.optim, "ess_lr_scaling", False):
+        scale, vcpo = ess_lr_scale(masked_sum(source - mu, mask, dim=1), mask.any(dim=1), cfg.optim.ess_lr_min_scale)
+        lr_scale = float(scale)
 
     # phase 2: per-microbatch losses with the global denominator; gradients summed over ranks
     row_of = {sid: k for k, sid in enumerate(ids)}
@@ -129,8 +169,11 @@ def update_minibatch(cfg, learner, driver, logprob_fn, mb_plan: MinibatchPlan, i
         keep = m.from_rows(prep.keep[rows]) & t["mask"]
         weights = None if prep.weights is None else m.from_rows(prep.weights[rows])
         old_t = None if old is None else m.from_rows(old[rows])
+        ref_t = None if ref is None else m.from_rows(ref[rows])
+        cov = None if prep.cov_selected is None else m.from_rows(prep.cov_selected[rows])
         loss, _ = policy_loss(cfg.loss, cfg.correction, logp, old_t, t["rollout_logp"], t["advantages"], t["mask"],
-                              keep, weights, prep.denominator, entropy=entropy)  # fmt: skip
+                              keep, weights, prep.denominator, entropy=entropy, ref_logp=ref_t, cov_selected=cov,
+                              generator=generator)  # fmt: skip
         seen_logp.append(m.to_rows(logp.detach().float(), width))
         if entropy is not None:
             seen_entropy.append(m.to_rows(entropy.detach().float(), width))
@@ -141,12 +184,13 @@ def update_minibatch(cfg, learner, driver, logprob_fn, mb_plan: MinibatchPlan, i
     dp_size = 1 if group is None else torch.distributed.get_world_size(group)
     with driver.update_pass(routes):
         stats = learner.train_step([m.tensors for m in mbs], loss_fn, cfg.rollout.temperature, logprob_fn,
-                                   loss_scale=dp_size)  # fmt: skip
+                                   loss_scale=dp_size, lr_scale=lr_scale)  # fmt: skip
 
     # phase 3: exact minibatch metrics from the gathered detached π_θ
     logp_rows = all_gather_rows(torch.cat(seen_logp), group)
     ent_rows = all_gather_rows(torch.cat(seen_entropy), group) if seen_entropy else None
     _, metrics = policy_loss(cfg.loss, cfg.correction, logp_rows, old, mu, adv, mask, prep.keep, prep.weights,
-                             prep.denominator, entropy=ent_rows)  # fmt: skip
-    metrics = {k: float(v) for k, v in (prep.metrics | metrics).items()}
+                             prep.denominator, entropy=ent_rows, ref_logp=ref, cov_selected=prep.cov_selected,
+                             generator=_generator(inputs, mb_plan, epoch))  # fmt: skip
+    metrics = {k: float(v) for k, v in (prep.metrics | vcpo | metrics).items()}
     return MinibatchResult(metrics["loss/total"], stats.grad_norm, stats.lr, metrics)

@@ -150,7 +150,7 @@ def test_kl_and_entropy_terms_are_added(batch):
     loss, m = compute_policy_loss(cfg, CorrectionConfig(), logp, old, roll, adv, mask, ref_logp=roll, entropy=ent)
     expected = _mean(-adv[:, None] * logp, mask) + 0.1 * _mean(logp - roll, mask) - 0.01 * _mean(ent, mask)
     torch.testing.assert_close(loss, expected)
-    assert set(metrics_to_floats(m)) >= {"loss/kl", "loss/entropy", "loss/total", "loss/pg_loss"}
+    assert set(metrics_to_floats(m)) >= {"loss/kl_ref", "loss/entropy", "loss/total", "loss/pg_loss"}
 
 
 @pytest.mark.parametrize("loss_type", ["ppo_clip", "gspo", "gspo_token", "cispo", "reinforce"])

@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import one_gpu_per_rank
 from tests.distributed.torchrun import run_worker
 
+pytestmark = [pytest.mark.distributed, one_gpu_per_rank(2)]
 WORKER = Path(__file__).with_name("ep_parity_worker.py")
 
 

@@ -25,7 +25,7 @@ def test_glm4_moe_hf_and_megatron_agree_after_conversion(qk_layernorm, megatron_
 
     cfg = make_cfg(**{**GLM, "qk_layernorm": qk_layernorm})
     hf_dir = write_random_hf_checkpoint(cfg.model, tmp_path / "hf", seed=3)
-    hf = _hf_model(hf_dir).to(device)
+    hf = _hf_model(hf_dir, device)
     model = build_model(cfg, seed=99).eval()
     load_hf_weights(model, hf_dir, cfg.model)
     biases = [b for n, b in model.named_buffers() if n.endswith("router.expert_bias")]
@@ -61,7 +61,7 @@ def test_glm4_moe_export_round_trips_hf_tensors_bitwise(megatron_world, tmp_path
 
 def test_expert_bias_load_counts_only_real_tokens_with_a_padding_mask(megatron_world, device):
     """Megatron-Core 0.16.1 broadcasts the flattened padding mask over the expert dim (fixed in
-    moe_rl.learner.megatron_fixes): the load behind the score-correction bias update must count
+    moe_rl.learner.mcore_compat): the load behind the score-correction bias update must count
     k experts per non-padding token."""
     from moe_rl.learner.model import build_model, forward_logits, moe_routers
 
