@@ -13,16 +13,58 @@ from moe_rl.config import ConfigError, dump_config, load_config
 from moe_rl.records import RecordError, RolloutBatch
 
 
+def _overrides(args) -> list[str]:
+    """Positional ``a.b=value`` items, then ``--set`` ones (the same thing, kept as an alias)."""
+    return [*getattr(args, "overrides", []), *getattr(args, "set_overrides", [])]
+
+
+def _split_validate_items(items: list[str]) -> tuple[list[str], list[str]]:
+    """``config validate`` items: an existing path is a config, anything else with ``=`` an override."""
+    import os
+
+    configs = [i for i in items if os.path.exists(i) or "=" not in i]
+    return configs, [i for i in items if i not in configs]
+
+
+def _checked_config(args, env: bool):
+    """Load ``args.config`` with its overrides and run the preflight (``env``: machine checks too)."""
+    from moe_rl.config.preflight import preflight
+
+    cfg = load_config(args.config, _overrides(args))
+    for note in preflight(cfg, env=env):
+        print(f"note: {note}", file=sys.stderr)
+    return cfg
+
+
 def _config_validate(args) -> int:
-    for path in args.configs:
-        cfg = load_config(path, args.overrides)
+    from moe_rl.config.preflight import run_preflight
+
+    configs, positional = _split_validate_items(args.items)
+    if not configs:
+        raise ConfigError("config validate needs at least one YAML config path before the a.b=value overrides")
+    overrides = [*positional, *args.set_overrides]
+    failed = 0
+    for path in configs:
+        try:
+            cfg = load_config(path, overrides)
+        except ConfigError as exc:
+            print(f"error: {path}: {exc}", file=sys.stderr)
+            failed += 1
+            continue
+        report = run_preflight(cfg, env=args.env)
+        for note in report.notes:
+            print(f"note: {path}: {note}", file=sys.stderr)
+        if report.problems:
+            print(f"error: {path} cannot run:\n  " + "\n  ".join(report.problems), file=sys.stderr)
+            failed += 1
+            continue
         print(f"ok: {path} ({cfg.name}: {cfg.model.num_layers} layers, {cfg.model.num_moe_experts} experts, "
               f"routing={cfg.replay.routing}, loss={cfg.loss.type})")  # fmt: skip
-    return 0
+    return 2 if failed else 0
 
 
 def _config_show(args) -> int:
-    print(dump_config(load_config(args.config, args.overrides)), end="")
+    print(dump_config(load_config(args.config, _overrides(args))), end="")
     return 0
 
 
@@ -41,17 +83,19 @@ def _records_inspect(args) -> int:
 
 
 def _train(args) -> int:
+    cfg = _checked_config(args, env=True)
     from moe_rl.train.loop import train
 
-    train(load_config(args.config, args.overrides))
+    train(cfg)
     return 0
 
 
 def _ablate(args) -> int:
     from moe_rl.ablate import AblationError, run_ablation
 
+    _checked_config(args, env=True)
     try:
-        run_ablation(args.config, args.overrides, out_dir=args.out)
+        run_ablation(args.config, _overrides(args), out_dir=args.out)
     except AblationError as exc:  # the report was written; say which cells failed
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -61,32 +105,54 @@ def _ablate(args) -> int:
 def _launch(args) -> int:
     from moe_rl.launch import render_launch
 
-    print(render_launch(load_config(args.config, args.overrides), dry_run=args.dry_run))
+    # Config rules only: the machine checks run in the launched `moe-rl train` on the allocation.
+    print(render_launch(_checked_config(args, env=False), dry_run=args.dry_run))
     return 0
 
 
 def _diagnose(args) -> int:
     from moe_rl.diagnose import run_diagnose
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = _checked_config(args, env=True)
     out = args.out or f"{cfg.train.output_dir}/diagnose"
     numbers = run_diagnose(cfg, args.prompts, out)
     print(f"{numbers['verdict']['summary']}\nreport: {out}/report.md")
     return 0
 
 
+def _add_set_alias(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--set", dest="set_overrides", action="append", default=[], metavar="a.b=value",
+                   help="an override, same as a positional a.b=value")  # fmt: skip
+
+
+class _Parser(argparse.ArgumentParser):
+    """Takes ``a.b=value`` overrides anywhere on the line, also after options such as ``--set``."""
+
+    def parse_args(self, args=None, namespace=None):
+        ns, extra = self.parse_known_args(args, namespace)
+        dest = "items" if hasattr(ns, "items") else "overrides" if hasattr(ns, "overrides") else None
+        unknown = [e for e in extra if dest is None or e.startswith("-") or "=" not in e]
+        if unknown:
+            self.error(f"unrecognized arguments: {' '.join(unknown)}")
+        if extra:
+            setattr(ns, dest, [*getattr(ns, dest), *extra])
+        return ns
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moe-rl", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="moe-rl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     cfg = sub.add_parser("config", help="validate or print experiment configs").add_subparsers(dest="action", required=True)
-    p = cfg.add_parser("validate", help="validate one or more YAML configs")
-    p.add_argument("configs", nargs="+")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="a.b=value")
+    p = cfg.add_parser("validate", help="validate YAML configs and run the preflight (config rules; --env: machine too)")
+    p.add_argument("items", nargs="+", metavar="CONFIG|a.b=value", help="config paths, then overrides for each")
+    _add_set_alias(p)
+    p.add_argument("--env", action="store_true", help="also check this machine (GPU, TE, WORLD_SIZE, servers)")
     p.set_defaults(func=_config_validate)
     p = cfg.add_parser("show", help="print the fully resolved config as YAML")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", metavar="a.b=value")
+    _add_set_alias(p)
     p.set_defaults(func=_config_show)
 
     rec = sub.add_parser("records", help="inspect rollout records files").add_subparsers(dest="action", required=True)
@@ -97,22 +163,26 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="run RL training from a YAML config")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", metavar="a.b=value")
+    _add_set_alias(p)
     p.set_defaults(func=_train)
 
     p = sub.add_parser("ablate", help="run a router-replay ablation grid and write a report")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", metavar="a.b=value")
+    _add_set_alias(p)
     p.add_argument("--out", default=None, help="report directory (default: <train.output_dir>/ablation)")
     p.set_defaults(func=_ablate)
 
     p = sub.add_parser("launch", help="render (or run) the SLURM/torchrun/SGLang commands of a config")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", metavar="a.b=value")
+    _add_set_alias(p)
     p.add_argument("--dry-run", action="store_true", help="print the commands instead of running them")
     p.set_defaults(func=_launch)
     p = sub.add_parser("diagnose", help="zero-staleness rollout-vs-learner mismatch report (natural/R3/KSM)")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", metavar="a.b=value")
+    _add_set_alias(p)
     p.add_argument("--prompts", type=int, default=8, help="prompts to generate (x rollout.samples_per_prompt)")
     p.add_argument("--out", default=None, help="report directory (default: <train.output_dir>/diagnose)")
     p.set_defaults(func=_diagnose)

@@ -33,13 +33,40 @@ def deep_merge(base: dict, override: dict) -> dict:
     return out
 
 
+def _duplicate_keys(node: yaml.Node, prefix: str = "") -> list[str]:
+    """``'a.b' (lines 3 and 5)`` for each key repeated within one mapping of a composed YAML tree."""
+    found: list[str] = []
+    if isinstance(node, yaml.MappingNode):
+        first_line: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else "?"
+            dotted = f"{prefix}{key}"
+            if key in first_line:
+                found.append(f"{dotted!r} (lines {first_line[key]} and {key_node.start_mark.line + 1})")
+            else:
+                first_line[key] = key_node.start_mark.line + 1
+            found += _duplicate_keys(value_node, dotted + ".")
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            found += _duplicate_keys(item, f"{prefix[:-1]}[{i}]." if prefix else f"[{i}].")
+    return found
+
+
 def _read_yaml(path: Path) -> dict:
+    if path.is_dir():
+        raise ConfigError(f"config path {path} is a directory; expected a YAML file")
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_text(encoding="utf-8")
+        duplicates = _duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader))
+        data = yaml.safe_load(text)
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config path {path} is not a UTF-8 text file; expected a YAML file") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"malformed YAML in {path}: {exc}") from None
+    if duplicates:
+        raise ConfigError(f"{path}: duplicate key " + ", ".join(duplicates) + "; each key may appear once per section")
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -41,6 +41,8 @@ class ModelConfig(Section):
     vocab_size: int = Field(512, ge=2)
     seq_length: int = Field(256, ge=2, description="max positions (prompt + response)")
     rotary_base: float = Field(1_000_000.0, gt=0)
+    rotary_percent: float = Field(1.0, gt=0, le=1, description="fraction of each head dim that gets RoPE (GLM-4.5: 0.5)")
+    add_qkv_bias: bool = Field(False, description="bias on the q/k/v projections (GLM-4.5: true)")
     layernorm_epsilon: float = Field(1e-6, gt=0)
     init_method_std: float = Field(0.02, gt=0)
     num_moe_experts: int = Field(8, ge=1)
@@ -62,6 +64,10 @@ class ModelConfig(Section):
     moe_layer_freq: int | list[Literal[0, 1]] = 1
     first_k_dense_layers: int = Field(0, ge=0)
     mtp_num_layers: int = Field(0, ge=0)
+    moe_shared_expert_intermediate_size: int | None = Field(None, ge=1, description="shared experts' total width")
+    hf_architecture: Literal["Qwen3MoeForCausalLM", "Glm4MoeForCausalLM"] = Field(
+        "Qwen3MoeForCausalLM", description="HF format for init_from_hf and weight sync to SGLang"
+    )
 
     def moe_layer_pattern(self) -> list[int]:
         """Per decoder layer 1 = MoE, 0 = dense, combining moe_layer_freq and first_k_dense_layers."""

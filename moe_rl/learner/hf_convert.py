@@ -1,6 +1,7 @@
-"""HF Qwen3-MoE <-> Megatron-Core (local spec) weight conversion and HF checkpoint I/O.
+"""HF Qwen3-MoE / GLM-4.5 <-> Megatron-Core (local spec) weight conversion and HF checkpoint I/O.
 
-Owns the name/layout mapping between a HuggingFace Qwen3-MoE safetensors
+Owns the name/layout mapping between a HuggingFace Qwen3-MoE or GLM-4.5 (``Glm4MoeForCausalLM``:
+q/k/v bias, shared experts, score-correction bias; ``model.hf_architecture``) safetensors
 checkpoint (on-disk names, one tensor per expert projection) and the learner's
 ``GPTModel`` state, plus importing an HF directory into a (possibly expert-
 parallel) model and exporting one for SGLang weight sync. Measured mapping
@@ -10,7 +11,8 @@ Layout facts that a parity test catches when broken:
   * ``linear_qkv`` rows are grouped per query group: ``[q heads of group g; k_g; v_g]``.
   * ``linear_fc1`` is ``cat([gate_proj, up_proj])`` (gate first, SwiGLU).
 Both Megatron specs are handled: TE-spec names are mapped to local-spec names first
-(``canonical_name``). Scope: tp=1 and pp=1 for import/export (ep any); other layouts raise.
+(``canonical_name``). Scope: pp=1 for import/export; tp, etp and ep shards are gathered on
+export and sliced on import (``moe_rl.learner.tp_shards``); pp > 1 raises.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moe_rl.learner.model import unwrap
+from moe_rl.learner.tp_shards import gather_tp_shards, tp_slice
 
 __all__ = [
     "hf_to_megatron",
@@ -48,45 +51,52 @@ def _qkv_split_sizes(m) -> tuple[int, int, int]:
 
 
 def _pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m) -> torch.Tensor:
-    """HF ``q[nh*d, H], k[ng*d, H], v[ng*d, H]`` -> Megatron ``qkv[ng*(nh/ng+2)*d, H]``."""
+    """HF ``q[nh*d(, H)], k[ng*d(, H)], v[ng*d(, H)]`` -> Megatron ``qkv[ng*(nh/ng+2)*d(, H)]`` (weights or biases)."""
     g = m.num_query_groups
-    hidden = q.shape[-1]
+    tail = q.shape[1:]
     qs, ks, vs = _qkv_split_sizes(m)
-    per_group = torch.cat([q.reshape(g, qs, hidden), k.reshape(g, ks, hidden), v.reshape(g, vs, hidden)], dim=1)
-    return per_group.reshape(-1, hidden)
+    per_group = torch.cat([q.reshape(g, qs, *tail), k.reshape(g, ks, *tail), v.reshape(g, vs, *tail)], dim=1)
+    return per_group.reshape(-1, *tail)
 
 
 def _unpack_qkv(qkv: torch.Tensor, m) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = m.num_query_groups
-    hidden = qkv.shape[-1]
-    q, k, v = qkv.reshape(g, -1, hidden).split(_qkv_split_sizes(m), dim=1)
-    return q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)
+    tail = qkv.shape[1:]
+    q, k, v = qkv.reshape(g, -1, *tail).split(_qkv_split_sizes(m), dim=1)
+    return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
 
 
-def _layer_names(i: int, is_moe: bool, num_experts: int):
+def _mlp_names(hf: str, mg: str):
+    yield "fc1", (hf + "gate_proj.weight", hf + "up_proj.weight"), mg + "linear_fc1.weight"
+    yield "copy", (hf + "down_proj.weight",), mg + "linear_fc2.weight"
+
+
+def _layer_names(i: int, is_moe: bool, m):
     """Yield ``(kind, hf_names, megatron_name)`` for decoder layer ``i`` (global expert ids)."""
     hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
     yield "copy", (hf + "input_layernorm.weight",), mg + "input_layernorm.weight"
     yield "qkv", tuple(hf + f"self_attn.{p}_proj.weight" for p in "qkv"), mg + "self_attention.linear_qkv.weight"
+    if m.add_qkv_bias:
+        yield "qkv", tuple(hf + f"self_attn.{p}_proj.bias" for p in "qkv"), mg + "self_attention.linear_qkv.bias"
     yield "copy", (hf + "self_attn.o_proj.weight",), mg + "self_attention.linear_proj.weight"
-    yield "copy", (hf + "self_attn.q_norm.weight",), mg + "self_attention.q_layernorm.weight"
-    yield "copy", (hf + "self_attn.k_norm.weight",), mg + "self_attention.k_layernorm.weight"
+    if m.qk_layernorm:
+        yield "copy", (hf + "self_attn.q_norm.weight",), mg + "self_attention.q_layernorm.weight"
+        yield "copy", (hf + "self_attn.k_norm.weight",), mg + "self_attention.k_layernorm.weight"
     yield "copy", (hf + "post_attention_layernorm.weight",), mg + "pre_mlp_layernorm.weight"
     if not is_moe:
-        yield "fc1", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"), mg + "mlp.linear_fc1.weight"
-        yield "copy", (hf + "mlp.down_proj.weight",), mg + "mlp.linear_fc2.weight"
+        yield from _mlp_names(hf + "mlp.", mg + "mlp.")
         return
     yield "copy", (hf + "mlp.gate.weight",), mg + "mlp.router.weight"
-    for e in range(num_experts):
-        he, me = hf + f"mlp.experts.{e}.", mg + f"mlp.experts.local_experts.{e}."
-        yield "fc1", (he + "gate_proj.weight", he + "up_proj.weight"), me + "linear_fc1.weight"
-        yield "copy", (he + "down_proj.weight",), me + "linear_fc2.weight"
+    for e in range(m.num_moe_experts):
+        yield from _mlp_names(hf + f"mlp.experts.{e}.", mg + f"mlp.experts.local_experts.{e}.")
+    if m.moe_shared_expert_intermediate_size:
+        yield from _mlp_names(hf + "mlp.shared_experts.", mg + "mlp.shared_experts.")
 
 
 def _all_names(m):
     yield "copy", ("model.embed_tokens.weight",), "embedding.word_embeddings.weight"
     for i, is_moe in enumerate(m.moe_layer_pattern()):
-        yield from _layer_names(i, bool(is_moe), m.num_moe_experts)
+        yield from _layer_names(i, bool(is_moe), m)
     yield "copy", ("model.norm.weight",), "decoder.final_layernorm.weight"
     yield "copy", ("lm_head.weight",), "output_layer.weight"
 
@@ -115,8 +125,9 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], model_cfg) -> dict[str, torch
         else:
             out[mg_name] = ts[0]
     for hf_name, mg_name in _expert_bias_names(model_cfg):
-        if hf_name in hf:
-            out[mg_name] = hf[hf_name]
+        if hf_name not in hf:
+            raise KeyError(f"HF checkpoint lacks {hf_name!r} (model.moe_router_enable_expert_bias=true)")
+        out[mg_name] = hf[hf_name]
     return out
 
 
@@ -125,7 +136,7 @@ def megatron_to_hf(mg: Mapping[str, torch.Tensor], model_cfg) -> dict[str, torch
     out: dict[str, torch.Tensor] = {}
     for kind, names, mg_name in _all_names(model_cfg):
         if mg_name not in mg:
-            raise KeyError(f"Megatron state lacks {mg_name!r} (expected a full, ep-gathered, tp=1 state)")
+            raise KeyError(f"Megatron state lacks {mg_name!r} (expected a full, tp- and ep-gathered state)")
         t = mg[mg_name]
         if kind == "qkv":
             parts = _unpack_qkv(t, model_cfg)
@@ -160,9 +171,17 @@ def read_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
 def _require_convertible() -> None:
     from megatron.core import parallel_state as ps
 
-    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
-    if tp != 1 or pp != 1:
-        raise NotImplementedError(f"HF conversion supports tp=1, pp=1; this job has tp={tp}, pp={pp}")
+    pp = ps.get_pipeline_model_parallel_world_size()
+    if pp != 1:
+        raise NotImplementedError(f"HF conversion supports pp=1; this job has parallel.pp={pp}")
+
+
+def _tp_rank_and_size(name: str) -> tuple[int, int]:
+    from megatron.core import parallel_state as ps
+
+    if ".mlp.experts." in name:
+        return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
 
 
 _TE_FUSED_NORMS = (
@@ -221,9 +240,12 @@ def load_hf_weights(model, hf_dir: str | Path, model_cfg) -> None:
             src = canonical_name(name) if slot is None else f"{slot[0]}{start + slot[1]}.{slot[2]}"
             if src not in full:
                 continue
-            if full[src].shape != tensor.shape:
-                raise ValueError(f"{name}: HF tensor has shape {tuple(full[src].shape)}, model expects {tuple(tensor.shape)}")
-            tensor.copy_(full[src].to(tensor.dtype))
+            shard = tp_slice(src, full[src], *_tp_rank_and_size(src))
+            if shard.shape != tensor.shape:
+                on_rank = f" ({tuple(shard.shape)} on this tp rank)" if shard.shape != full[src].shape else ""
+                raise ValueError(f"{name}: HF tensor has shape {tuple(full[src].shape)}{on_rank}, "
+                                 f"model expects {tuple(tensor.shape)}")  # fmt: skip
+            tensor.copy_(shard.to(tensor.dtype))
             loaded.add(name)
     params = {n for n, _ in unwrap(model).named_parameters()}
     if params - loaded:
@@ -231,10 +253,10 @@ def load_hf_weights(model, hf_dir: str | Path, model_cfg) -> None:
 
 
 def full_megatron_state_dict(model, grads: bool = False) -> dict[str, torch.Tensor]:
-    """This model's parameters (and expert-bias buffers) with experts gathered over the ep group.
+    """This model's parameters (and expert-bias buffers), tp/etp shards and ep experts gathered.
 
-    Collective over the expert-parallel group: every ep rank must call it. Returns
-    CPU tensors named with global expert ids. ``grads=True`` gathers each
+    Collective over the tensor-, expert-tensor- and expert-parallel groups: every rank must call
+    it. Returns full CPU tensors named with global expert ids. ``grads=True`` gathers each
     parameter's ``main_grad`` (Megatron DDP) or ``grad`` instead.
     """
     import torch.distributed as dist
@@ -247,6 +269,8 @@ def full_megatron_state_dict(model, grads: bool = False) -> dict[str, torch.Tens
         local = {n: p.detach() for n, p in m.named_parameters()}
         local.update({n: b.detach() for n, b in m.named_buffers() if n.endswith("router.expert_bias")})
     local = {canonical_name(n): t for n, t in local.items()}
+    if ps.get_tensor_model_parallel_world_size() > 1 or ps.get_expert_tensor_parallel_world_size() > 1:
+        local = gather_tp_shards(local, ps.get_tensor_model_parallel_group(), ps.get_expert_tensor_parallel_group())
     start, num_local = _local_expert_range(model)
     ep = ps.get_expert_model_parallel_world_size()
     out: dict[str, torch.Tensor] = {}
@@ -281,7 +305,7 @@ def export_hf_checkpoint(model, model_cfg, out_dir: str | Path, template_dir: st
                          dtype: torch.dtype | None = None) -> Path | None:
     """Write the model as an HF Qwen3-MoE checkpoint dir (for SGLang ``update_weights_from_disk``).
 
-    Collective over the ep group; rank 0 writes. ``config.json`` / tokenizer files
+    Collective over the tp/etp/ep groups; rank 0 writes. ``config.json`` / tokenizer files
     come from ``template_dir`` (e.g. the dir the learner was initialised from),
     else from ``hf_init``. The directory appears atomically (written under a temp
     name, then renamed); an existing ``out_dir`` is replaced. Returns the path on

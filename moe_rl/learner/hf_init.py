@@ -1,6 +1,7 @@
-"""Random-init tiny Qwen3-MoE checkpoints in Hugging Face format, built locally from a config.
+"""Random-init tiny MoE checkpoints in Hugging Face format, built locally from a config.
 
-Owns the mapping from the experiment's ``model`` section to ``Qwen3MoeConfig`` and
+Owns the mapping from the experiment's ``model`` section to ``Qwen3MoeConfig`` or
+``Glm4MoeConfig`` (``model.hf_architecture``, capabilities in ``hf_arch``) and
 writing a complete checkpoint directory (weights, config, tokenizer) that SGLang
 and ``transformers`` load with no hub access.
 """
@@ -12,23 +13,37 @@ from pathlib import Path
 from moe_rl.rollout.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_task_tokenizer
 
 
+def _glm4_moe_config(m):
+    """``Glm4MoeConfig`` (GLM-4.5) equivalent to ``m``."""
+    from transformers import Glm4MoeConfig
+
+    return Glm4MoeConfig(
+        vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
+        num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_query_groups, head_dim=m.kv_channels, max_position_embeddings=m.seq_length,
+        initializer_range=m.init_method_std, rms_norm_eps=m.layernorm_epsilon,
+        rope_parameters={"rope_type": "default", "rope_theta": m.rotary_base},
+        partial_rotary_factor=m.rotary_percent, attention_bias=m.add_qkv_bias, use_qk_norm=m.qk_layernorm,
+        tie_word_embeddings=False, moe_intermediate_size=m.moe_ffn_hidden_size, n_routed_experts=m.num_moe_experts,
+        n_shared_experts=m.moe_shared_expert_intermediate_size // m.moe_ffn_hidden_size,
+        num_experts_per_tok=m.moe_router_topk, n_group=m.moe_router_num_groups or 1,
+        topk_group=m.moe_router_group_topk or 1, routed_scaling_factor=m.moe_router_topk_scaling_factor or 1.0,
+        first_k_dense_replace=m.first_k_dense_layers, norm_topk_prob=True,
+        architectures=["Glm4MoeForCausalLM"], pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+    )  # fmt: skip
+
+
 def hf_config_from_model_config(model_cfg):
-    """``Qwen3MoeConfig`` equivalent to ``model_cfg`` (Qwen3-MoE family only)."""
+    """HF config (``model.hf_architecture``) equivalent to ``model_cfg``."""
     from transformers import Qwen3MoeConfig
 
-    unsupported = []
-    if model_cfg.moe_router_score_function != "softmax":
-        unsupported.append(f"moe_router_score_function={model_cfg.moe_router_score_function!r} (Qwen3-MoE uses softmax)")
-    if model_cfg.moe_router_num_groups is not None:
-        unsupported.append("grouped top-k routing (moe_router_num_groups)")
-    if model_cfg.moe_router_topk_scaling_factor not in (None, 1.0):
-        unsupported.append("moe_router_topk_scaling_factor")
-    if model_cfg.mtp_num_layers:
-        unsupported.append("mtp_num_layers > 0")
-    if not model_cfg.qk_layernorm:
-        unsupported.append("qk_layernorm=false (Qwen3 always normalises q/k)")
+    from moe_rl.learner.hf_arch import unsupported_for_hf
+
+    unsupported = unsupported_for_hf(model_cfg)
     if unsupported:
-        raise ValueError("the Qwen3-MoE HF format cannot express: " + "; ".join(unsupported))
+        raise ValueError(f"the {model_cfg.hf_architecture} HF format cannot express: " + "; ".join(unsupported))
+    if model_cfg.hf_architecture == "Glm4MoeForCausalLM":
+        return _glm4_moe_config(model_cfg)
     pattern = model_cfg.moe_layer_pattern()
     return Qwen3MoeConfig(
         vocab_size=model_cfg.vocab_size,
@@ -70,15 +85,23 @@ def write_hf_side_files(model_cfg, out_dir: str | Path) -> None:
 
 
 def write_random_hf_checkpoint(model_cfg, out_dir: str | Path, seed: int = 0, dtype: str = "float32") -> Path:
-    """Write a random-init Qwen3-MoE checkpoint + task tokenizer to ``out_dir`` and return it."""
+    """Write a random-init checkpoint (``model.hf_architecture``) + task tokenizer to ``out_dir`` and return it.
+
+    Score-correction biases (GLM-4.5) are drawn too, so conversions that drop them are caught.
+    """
     import torch
-    from transformers import Qwen3MoeForCausalLM
+    from transformers import AutoModelForCausalLM
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     hf_cfg = hf_config_from_model_config(model_cfg)
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(hf_cfg).to(getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_config(hf_cfg).to(getattr(torch, dtype))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.1 * torch.randn(buf.shape, generator=gen))
     model.save_pretrained(out_dir)
     build_task_tokenizer(model_cfg.vocab_size).save_pretrained(out_dir)
     return out_dir

@@ -89,7 +89,7 @@ def transformer_config_kwargs(cfg) -> dict:
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,  # also avoids an in-place-on-view error on CPU
-        add_qkv_bias=False,
+        add_qkv_bias=m.add_qkv_bias,
         bias_activation_fusion=False,
         apply_rope_fusion=False,
         rotary_interleaved=False,  # HF rotate-half
@@ -101,6 +101,7 @@ def transformer_config_kwargs(cfg) -> dict:
         # MoE
         num_moe_experts=m.num_moe_experts,
         moe_layer_freq=m.moe_layer_pattern(),
+        moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
         moe_ffn_hidden_size=m.moe_ffn_hidden_size,
         moe_router_topk=m.moe_router_topk,
         moe_router_score_function=m.moe_router_score_function,
@@ -170,6 +171,7 @@ def build_model(cfg, seed: int | None = None):
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
         rotary_base=int(cfg.model.rotary_base),
+        rotary_percent=cfg.model.rotary_percent,
     )
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())

@@ -1,7 +1,10 @@
 """Keep Sampling Mask: the learner's log-prob of a sampled token renormalised over the
 rollout's kept set (top-k / top-p truncation), for old, current and reference passes.
 
-Owns only the math on ``logits[N, V]``; it must not know about models or batches.
+Owns only the math on ``logits[N, V]`` -- whole, or one tensor-parallel rank's vocabulary shard
+``logits[N, V/tp]`` as Megatron's vocab-parallel output layer returns it (logsumexp over the kept
+ids across tp shards: one max and one sum all-reduce per pass). It must not know about models
+or batches.
 Semantics: seed 000 and field-facts.md "Recurring user bugs" #10 -- the sampled token is
 always part of its kept set, even where the engine's returned mask disagrees at the cutoff.
 """
@@ -12,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["KeptSets", "keep_mask_logprobs", "KeepMaskResult"]
+__all__ = ["KeptSets", "keep_mask_logprobs", "KeepMaskResult", "VocabShard"]
 
 
 @dataclass(frozen=True)
@@ -61,10 +64,61 @@ class KeepMaskResult:
         return int(self.outside_mask.sum())
 
 
-def _check(logits: torch.Tensor, targets: torch.Tensor, kept: KeptSets | None, temperature: float) -> None:
+@dataclass(frozen=True)
+class VocabShard:
+    """Which slice of the vocabulary this rank's logits hold: ids ``[start, start + size)`` of ``vocab_size``.
+
+    ``group`` is the tensor-parallel process group the vocabulary is split over (None: whole
+    vocabulary, no communication). Rank ``r`` of a ``tp``-group holds ``[r * V/tp, (r+1) * V/tp)``.
+    """
+
+    start: int
+    size: int
+    vocab_size: int
+    group: object = None
+
+    @classmethod
+    def of(cls, logits: torch.Tensor, tp_group=None) -> VocabShard:
+        size = logits.shape[-1]
+        if tp_group is None:
+            return cls(0, size, size)
+        import torch.distributed as dist
+
+        return cls(dist.get_rank(tp_group) * size, size, size * dist.get_world_size(tp_group), tp_group)
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over shards; the gradient passes through unchanged (every rank holds the same loss)."""
+        if self.group is None:
+            return x
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+        return reduce_from_tensor_model_parallel_region(x, group=self.group)
+
+    def max(self, x: torch.Tensor) -> torch.Tensor:
+        """Max over shards, detached (a shift that cancels in every gradient)."""
+        x = x.detach()
+        if self.group is None:
+            return x
+        import torch.distributed as dist
+
+        x = x.clone()
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
+        return x
+
+    def logsumexp(self, z: torch.Tensor) -> torch.Tensor:
+        """``logsumexp`` over the whole vocabulary of ``z[R, size]`` -> ``[R]``."""
+        if self.group is None:
+            return torch.logsumexp(z, dim=-1)
+        m = self.max(z.amax(dim=-1))
+        return torch.log(self.sum(torch.exp(z - m[:, None]).sum(dim=-1))) + m
+
+
+def _check(logits: torch.Tensor, targets: torch.Tensor, kept: KeptSets | None, temperature: float,
+           V: int | None = None) -> None:  # fmt: skip
     if logits.dim() != 2:
         raise ValueError(f"logits must be [N, V]; got shape {tuple(logits.shape)}")
-    N, V = logits.shape
+    N = logits.shape[0]
+    V = logits.shape[1] if V is None else V
     if targets.shape != (N,):
         raise ValueError(f"targets must be [N]={N}; got shape {tuple(targets.shape)}")
     if N and (int(targets.min()) < 0 or int(targets.max()) >= V):
@@ -88,17 +142,22 @@ def _check(logits: torch.Tensor, targets: torch.Tensor, kept: KeptSets | None, t
 
 
 def keep_mask_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, kept: KeptSets | None, temperature: float = 1.0
+    logits: torch.Tensor, targets: torch.Tensor, kept: KeptSets | None, temperature: float = 1.0, tp_group=None
 ) -> KeepMaskResult:
     """``logits[N, V]``, ``targets[N]`` -> ``logp[N] = z[y] - logsumexp(z[kept ∪ {y}])``, ``z = logits / T``.
 
     Rows with an empty kept set (and every row when ``kept`` is None) use the full softmax.
     Vectorised over the ``M`` kept ids: cost O(M log M) for the sets plus O(N_full * V) for
     untruncated rows, never a Python loop over tokens. Differentiable w.r.t. ``logits``.
+
+    With ``tp_group``, ``logits[N, V/tp]`` is this rank's vocabulary shard (``VocabShard``);
+    ``targets`` and ``kept`` hold global ids. Collective over ``tp_group``: every rank returns the
+    same ``logp[N]``, and the gradient reaches each rank's shard only.
     """
-    _check(logits, targets, kept, temperature)
+    shard = VocabShard.of(logits, tp_group)
+    _check(logits, targets, kept, temperature, V=shard.vocab_size)
     targets = targets.to(logits.device)  # kept sets are moved below; outputs live on logits.device
-    N, V = logits.shape
+    N, V = logits.shape[0], shard.vocab_size
     # One fp32 (or wider) upcast shared by every term; only gathered entries (and untruncated
     # rows) are scaled, so truncated rows never touch the full vocabulary.
     dtype = torch.promote_types(logits.dtype, torch.float32)
@@ -106,17 +165,23 @@ def keep_mask_logprobs(
     def z(x: torch.Tensor) -> torch.Tensor:
         return x.to(dtype) / temperature
 
+    def local(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids in this shard, as local column indices clamped into range)."""
+        here = (ids >= shard.start) & (ids < shard.start + shard.size)
+        return here, (ids - shard.start).clamp(0, shard.size - 1)
+
     rows = torch.arange(N, device=logits.device)
-    z_target = z(logits[rows, targets])
+    here, cols = local(targets)
+    z_target = shard.sum(torch.where(here, z(logits[rows, cols]), torch.zeros((), dtype=dtype, device=logits.device)))
     outside = torch.zeros(N, dtype=torch.bool, device=logits.device)
     if kept is None:
-        return KeepMaskResult(z_target - torch.logsumexp(z(logits), dim=-1), outside)
+        return KeepMaskResult(z_target - shard.logsumexp(z(logits)), outside)
 
     lse = torch.empty(N, dtype=dtype, device=logits.device)
     lengths = kept.offsets.diff().to(logits.device)
     full = lengths == 0
     if bool(full.any()):
-        lse[full] = torch.logsumexp(z(logits[full]), dim=-1)
+        lse[full] = shard.logsumexp(z(logits[full]))
     trunc_rows = rows[~full]
     if trunc_rows.numel():
         ids = kept.ids.to(device=logits.device, dtype=torch.int64)
@@ -127,10 +192,12 @@ def keep_mask_logprobs(
         outside[trunc_rows] = ~torch.isin(target_keys, keys)
         keys = torch.unique(torch.cat([keys, target_keys]))
         seg, ids = keys // V, keys % V
-        vals = z(logits[seg, ids])
+        here, cols = local(ids)
+        seg, cols = seg[here], cols[here]
+        vals = z(logits[seg, cols])
         # Stable segment logsumexp: subtract a per-row max (detached; it cancels in the gradient).
         row_max = torch.full((N,), float("-inf"), dtype=dtype, device=logits.device)
-        row_max = row_max.scatter_reduce(0, seg, vals.detach(), reduce="amax", include_self=True)
+        row_max = shard.max(row_max.scatter_reduce(0, seg, vals.detach(), reduce="amax", include_self=True))
         sums = torch.zeros(N, dtype=dtype, device=logits.device).index_add(0, seg, torch.exp(vals - row_max[seg]))
-        lse[trunc_rows] = (torch.log(sums) + row_max)[trunc_rows]
+        lse[trunc_rows] = (torch.log(shard.sum(sums)) + row_max)[trunc_rows]
     return KeepMaskResult(z_target - lse, outside)

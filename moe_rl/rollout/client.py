@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import httpx
 import numpy as np
 
+from moe_rl.config.preflight import ksm_active
 from moe_rl.records import RecordError, RolloutSample, RouteSpec, decode_sglang_meta
 from moe_rl.rollout.auth import ServerKeys
 from moe_rl.rollout.health import run_watched
@@ -39,7 +40,7 @@ class _Retryable(Exception):
 
 @dataclass(frozen=True)
 class SamplingSettings:
-    """Per-request sampling; `top_k=-1` means no top-k (sent as vocab_size when masks are asked for)."""
+    """Per-request sampling; `top_k=-1` means no top-k (sent as min(vocab_size, mask cap) when masks are asked for)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -110,7 +111,7 @@ class RolloutClient:
             vocab_size=cfg.model.vocab_size,
             sampling=SamplingSettings.from_rollout_config(r),
             seed=r.seed,
-            return_sampling_mask=cfg.replay.keep_sampling_mask,
+            return_sampling_mask=ksm_active(cfg),  # untruncated sampling: KSM is a no-op (the preflight notes it)
             sampling_mask_max_tokens=r.sampling_mask_max_tokens,
             request_timeout_s=r.request_timeout_s,
             max_concurrency=r.max_concurrency,
@@ -126,13 +127,14 @@ class RolloutClient:
             if self.return_sampling_mask and top_k > cap:
                 raise ValueError(f"rollout.top_k={top_k} exceeds rollout.sampling_mask_max_tokens={cap}")
             return top_k
-        # SGLang returns masks only for a finite top_k <= its cap; top_k = vocab keeps every token.
-        if self.vocab_size > cap:
+        # SGLang returns masks only for a finite top_k <= its cap. Top-p-only sampling sends top_k = cap
+        # (the nucleus, cut at the cap's most likely tokens: the mask is the set really sampled from).
+        if self.vocab_size > cap and self.sampling.top_p >= 1.0:
             raise ValueError(
-                f"sampling masks with rollout.top_k=-1 need rollout.sampling_mask_max_tokens >= vocab size "
-                f"({self.vocab_size}), got {cap}; set a finite top_k or raise the cap"
+                f"sampling masks with rollout.top_k=-1 and rollout.top_p=1 (untruncated) need "
+                f"rollout.sampling_mask_max_tokens >= vocab size ({self.vocab_size}), got {cap}; request no masks"
             )
-        return self.vocab_size
+        return min(self.vocab_size, cap)
 
     def request_body(self, prompt_ids: Sequence[int], seed: int | None) -> dict:
         """JSON body of one `/generate` request for `prompt_ids[P]`."""

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from moe_rl.config import ConfigError, ExperimentConfig, save_config
+from moe_rl.config.preflight import ksm_active
 from moe_rl.records import RecordError, RolloutBatch
 from moe_rl.train.batching import check_ksm_records, kept_set_outside_fraction
 from moe_rl.train.collectives import barrier, dp_group, dp_rank_and_size, is_main_process
@@ -51,7 +52,7 @@ def check_supported(cfg: ExperimentConfig) -> None:
             f"parallel.cp={p.cp}: context parallelism is not supported by the training loop yet (inputs would need "
             "the same per-cp-rank sharding as the replayed routes); use parallel.cp=1"
         )
-    if cfg.replay.keep_sampling_mask and cfg.parallel.tp > 1:
+    if ksm_active(cfg) and cfg.parallel.tp > 1:
         raise ConfigError("replay.keep_sampling_mask with parallel.tp > 1 (vocab-sharded logits) is not supported yet")
 
 
@@ -87,7 +88,7 @@ class RLTrainer:
         self.server_keys, self.server_pool = None, None  # set by run(): auth and restarts
         self.driver = ReplayDriver.from_config(self.learner.module, cfg)
         self.task, self.reward_fn = build_task(cfg.train, cfg.model.vocab_size)
-        self.logprob_fn = make_logprob_fn(cfg.replay.keep_sampling_mask, with_entropy=cfg.loss.entropy_coef > 0)
+        self.logprob_fn = make_logprob_fn(ksm_active(cfg), with_entropy=cfg.loss.entropy_coef > 0)
         self.device = next(self.learner.model.parameters()).device
         self.reference = self._reference_policy(meta is not None) if cfg.loss.kl_coef else None
         self.plan(self.start_step)  # an impossible split fails here, before any server starts
@@ -176,7 +177,7 @@ class RLTrainer:
         cfg, t0 = self.cfg, time.perf_counter()
         batch = self.rollout(client, step)
         t_rollout = time.perf_counter() - t0
-        if cfg.replay.keep_sampling_mask:
+        if ksm_active(cfg):
             check_ksm_records(batch)
         rewards = torch.from_numpy(batch.rewards).double()
         plan = self.plan(step)
@@ -206,7 +207,7 @@ class RLTrainer:
             "response/len_mean": float(batch.response_lens.mean()),
             "response/len_max": float(batch.response_lens.max()),
             "response/truncated_frac": float(np.mean([f == "length" for f in batch.finish_reasons])),
-            "ksm/outside_mask_frac": kept_set_outside_fraction(batch) if cfg.replay.keep_sampling_mask else 0.0,
+            "ksm/outside_mask_frac": kept_set_outside_fraction(batch) if ksm_active(cfg) else 0.0,
             "time/rollout_s": t_rollout, "time/old_logp_s": t_old, "time/train_s": t_train,
             "rollout/tokens_per_s": float(batch.response_lens.sum()) / max(t_rollout, 1e-9),
         }  # fmt: skip
@@ -229,7 +230,7 @@ class RLTrainer:
         extra = {"lengths": torch.as_tensor(batch.response_lens.astype("int64"), device="cpu")}
         if cfg.advantage.estimator == "vcpo_opob":
             mask = response_row_mask(batch, ids, width)
-            mu = response_rows(batch, ids, width, kept_logp=cfg.replay.keep_sampling_mask)
+            mu = response_rows(batch, ids, width, kept_logp=ksm_active(cfg))
             src = mu if old is None else old.cpu()
             extra["is_weights"] = torch.exp(((src - mu) * mask).sum(1).clamp(-20, 20)).double()
             extra["grad_sq_norms"] = logit_grad_sq_norm(src, mask).double()

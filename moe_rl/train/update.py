@@ -25,6 +25,7 @@ import torch
 from moe_rl.algo import needs_policy_prepass, policy_loss, prepare_corrections
 from moe_rl.algo._tensors import masked_sum
 from moe_rl.algo.variance_control import ess_lr_scale
+from moe_rl.config.preflight import ksm_active
 from moe_rl.records import RolloutBatch
 from moe_rl.train.batching import Microbatch, build_microbatch, response_row_mask, response_rows
 from moe_rl.train.collectives import all_gather_rows, dp_group
@@ -54,7 +55,7 @@ class MinibatchResult:
 
 
 def _microbatches(cfg, inputs: StepInputs, id_groups) -> list[Microbatch]:
-    ksm = cfg.replay.keep_sampling_mask
+    ksm = ksm_active(cfg)
     return [
         build_microbatch(inputs.batch, ids, inputs.advantages, num_experts=cfg.model.num_moe_experts,
                          kept_logp=ksm, with_kept_sets=ksm, device=inputs.device)
@@ -132,7 +133,7 @@ def update_minibatch(cfg, learner, driver, logprob_fn, mb_plan: MinibatchPlan, i
     """One optimizer step on ``mb_plan`` (see the module docstring for the three phases)."""
     dev, width = inputs.device, inputs.width
     ids = list(mb_plan.sample_ids)
-    ksm = cfg.replay.keep_sampling_mask
+    ksm = ksm_active(cfg)
     mask = response_row_mask(inputs.batch, ids, width).to(dev)
     mu = response_rows(inputs.batch, ids, width, kept_logp=ksm).to(dev)
     adv = inputs.advantages[ids].to(dev)

@@ -3,40 +3,28 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import one_gpu_per_rank
+from tests.distributed.torchrun import run_worker
 
 pytestmark = [pytest.mark.distributed, one_gpu_per_rank(2)]
 WORKER = Path(__file__).with_name("ep_parity_worker.py")
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def ep_result(tmp_path_factory):
     """Run the 2-rank worker once (~20 s) and return its JSON report."""
     from moe_rl.config import ExperimentConfig
-    from moe_rl.learner.dist import free_port
     from moe_rl.learner.hf_init import write_random_hf_checkpoint
     from tests.distributed.ep_parity_worker import MODEL
 
     tmp = tmp_path_factory.mktemp("ep")
     hf_dir = write_random_hf_checkpoint(ExperimentConfig.model_validate({"model": MODEL}).model, tmp / "hf", seed=4)
     out = tmp / "result.json"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    for attempt in range(2):  # a free port can be taken between probe and bind: retry once
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-               f"--master_port={free_port()}", str(WORKER), "--hf-dir", str(hf_dir), "--out", str(out), "--work", str(tmp / "work")]
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
-        if proc.returncode == 0:
-            break
-        if attempt == 1 or "address already in use" not in proc.stderr.lower():
-            pytest.fail(f"torchrun worker failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+    run_worker(WORKER, "--hf-dir", str(hf_dir), "--out", str(out), "--work", str(tmp / "work"), timeout=240)
     return json.loads(out.read_text())
 
 

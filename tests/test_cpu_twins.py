@@ -1,0 +1,79 @@
+"""CPU twins (configs/cpu/<name>.yaml) differ from their cluster originals only where issue 12 allows,
+and every difference is named in the twin's header comment."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from moe_rl.config import load_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+TWINS = sorted((CONFIGS / "cpu").glob("*.yaml"))
+
+# Issue 12's list: sizes, parallel layout, precision, rollout.device, engine flags that need a GPU,
+# checkpoint.init_from_hf, step counts -- plus the twin's identity and the cluster allocation.
+MODEL_SIZES = {f"model.{k}" for k in (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+    "vocab_size", "seq_length", "num_moe_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")}  # fmt: skip
+BATCH_SIZES = {"rollout.max_new_tokens", "rollout.samples_per_prompt", "train.prompts_per_step"}
+PARALLEL = {"parallel.tp", "parallel.ep", "parallel.etp", "parallel.pp", "parallel.cp"}
+PRECISION = {"precision.params_dtype", "precision.fp8"}
+GPU_ENGINE = {"rollout.device", "rollout.extra_server_args", "rollout.mem_fraction_static", "rollout.max_total_tokens"}
+STEPS = {"train.steps", "checkpoint.save_interval"}
+IDENTITY = {"name", "train.output_dir", "checkpoint.init_from_hf"}
+ALLOWED = MODEL_SIZES | BATCH_SIZES | PARALLEL | PRECISION | GPU_ENGINE | STEPS | IDENTITY
+
+
+def allowed_key(key: str) -> str | None:
+    """The allowed key ``key`` falls under (itself or a section of it, e.g. precision.fp8), else None."""
+    return next((a for a in ALLOWED if key == a or key.startswith(a + ".")), None)
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and key != "grid":
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def twin_differences(twin: Path, original: Path | None = None) -> dict[str, tuple]:
+    """``{dotted key: (original value, twin value)}`` where the resolved configs differ."""
+    a = flatten(load_config(original or CONFIGS / twin.name).model_dump())
+    b = flatten(load_config(twin).model_dump())
+    return {k: (a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)}
+
+
+def header(path: Path) -> str:
+    lines = path.read_text().splitlines()
+    return "\n".join(line for line in lines[: next(i for i, l in enumerate(lines) if not l.startswith("#"))])
+
+
+def test_each_cluster_config_has_a_twin():
+    originals = {p.name for p in CONFIGS.glob("*.yaml") if "launch" in p.read_text() and "cuda" in p.read_text()}
+    assert originals and originals <= {t.name for t in TWINS}
+
+
+@pytest.mark.parametrize("twin", TWINS, ids=lambda p: p.stem)
+def test_twin_differs_only_in_allowed_keys_each_named_in_its_header(twin):
+    diffs = twin_differences(twin)
+    outside = {k: v for k, v in diffs.items() if allowed_key(k) is None and not k.startswith("launch.")}
+    assert outside == {}, f"{twin.name} changes features, not only sizes/layout: {outside}"
+    text = header(twin)
+    named = {allowed_key(k) for k in diffs if not k.startswith("launch.")}
+    unnamed = sorted(k for k in named if k.split(".")[-1] not in text)
+    assert unnamed == [], f"{twin.name}'s header does not name {unnamed}"
+    assert "launch.*" in text or not any(k.startswith("launch.") for k in diffs)
+
+
+def test_the_twin_diff_catches_a_feature_change(tmp_path):
+    twin = TWINS[0]
+    changed = tmp_path / twin.name
+    text = twin.read_text().replace(f"extends: ../{twin.name}", f"extends: {CONFIGS / twin.name}")
+    changed.write_text(text.replace("replay:", "replay_unused:") + "replay:\n  routing: r2\n")
+    diffs = twin_differences(changed, CONFIGS / twin.name)
+    assert diffs["replay.routing"] == ("r3", "r2") and allowed_key("replay.routing") is None

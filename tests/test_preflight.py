@@ -1,0 +1,209 @@
+"""Preflight: every shipped config passes, each rule refuses with its exact message, the CLI reports all."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_rl.cli import main
+from moe_rl.config import ConfigError, load_config
+from moe_rl.config.preflight import PreflightError, config_problems, environment_problems, preflight
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(p.parents[1])))
+def test_every_shipped_config_passes_the_config_rules(path):
+    assert config_problems(load_config(path)).problems == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["rollout.max_new_tokens=60"],
+         "rollout.max_new_tokens=60 plus the 7-token prompt of train.task='copy' exceeds model.seq_length=64; "
+         "expected rollout.max_new_tokens <= 57 or model.seq_length >= 67"),
+        (["model.seq_length=4"],
+         "rollout.max_new_tokens=4 plus the 7-token prompt of train.task='copy' exceeds model.seq_length=4; "
+         "expected model.seq_length >= 11"),
+        (["rollout.top_k=0"], "rollout.top_k=0 samples from no token; expected -1 (no top-k) or >= 1"),
+        (["optim.lr=.inf"], "optim.lr=inf is not a finite number; expected a finite value"),
+        (["loss.clip_high=.inf"], "loss.clip_high=inf is not a finite number; expected a finite value"),
+        (["train.task=bogus"],
+         "train.task='bogus' is not a known task; expected one of ['add', 'copy', 'max', 'reverse', 'sort']"),
+        (["model.vocab_size=16", "rollout.top_k=8"], "model.vocab_size=16 is too small for the task vocabulary (26 tokens)"),
+        (["train.reward_fn=no_such_module:score"],
+         "train.reward_fn='no_such_module:score' cannot be imported: No module named 'no_such_module'"),
+        (["train.reward_fn=json:no_such_fn"],
+         "train.reward_fn='json:no_such_fn' cannot be imported: module 'json' has no attribute 'no_such_fn'"),
+        (["train.reward_fn=json"], "train.reward_fn='json' must look like 'package.module:function'"),
+        (["rollout.top_k=50", "rollout.sampling_mask_max_tokens=32"],
+         "rollout.top_k=50 exceeds rollout.sampling_mask_max_tokens=32 (the largest kept set SGLang returns for "
+         "replay.keep_sampling_mask); lower top_k or raise the cap"),
+        (["model.mtp_num_layers=1"],
+         "model.mtp_num_layers=1: multi-token prediction layers are neither built by the learner nor exported to "
+         "SGLang; expected 0"),
+        (["parallel.tp=2"],
+         "replay.keep_sampling_mask=true with truncated sampling and parallel.tp=2: the training loop does not pass "
+         "the tp group to the vocab-sharded kept-set log-prob yet; expected parallel.tp=1, or rollout.top_p=1 with "
+         "rollout.top_k=-1 (untruncated: KSM is a no-op)"),
+        (["parallel.pp=2"],
+         "parallel.pp=2: the training loop and the HF export do not run pipeline parallelism; expected 1"),
+        (["parallel.cp=2"],
+         "parallel.cp=2: the training loop does not split sequences over context parallelism; expected 1"),
+        (["model.moe_router_score_function=sigmoid"],
+         "model.moe_router_score_function='sigmoid' (Qwen3-MoE routes with softmax): the HF <-> Megatron bridge "
+         "(weight sync to SGLang) cannot express it"),
+        (["model.moe_router_num_groups=2", "model.moe_router_group_topk=1"],
+         "model.moe_router_num_groups=2 (Qwen3-MoE has no group-limited top-k): the HF <-> Megatron bridge "
+         "(weight sync to SGLang) cannot express it"),
+    ],
+)
+def test_config_rule_message(overrides, message):
+    cfg = load_config(CONFIGS[0].parent / "tiny_cpu.yaml", overrides)
+    assert config_problems(cfg).problems == [message]
+    with pytest.raises(PreflightError, match="cannot run"):
+        preflight(cfg, env=False)
+
+
+def test_every_problem_is_reported_at_once():
+    cfg = load_config(overrides=["rollout.top_k=0", "optim.lr=.inf", "train.task=nope", "model.mtp_num_layers=1"])
+    assert [p.split("=")[0] for p in config_problems(cfg).problems] == [
+        "optim.lr", "rollout.top_k", "train.task", "model.mtp_num_layers",
+    ]  # fmt: skip
+
+
+def test_untruncated_keep_sampling_mask_is_a_noted_noop():
+    cfg = load_config(overrides=["replay.keep_sampling_mask=true", "rollout.top_p=1.0", "rollout.top_k=-1"])
+    report = config_problems(cfg)
+    assert report.problems == [] and "Keep Sampling Mask is a no-op" in report.notes[0]
+    assert config_problems(load_config(overrides=["replay.keep_sampling_mask=true", "rollout.top_p=0.9"])).notes == []
+
+
+def test_process_count_rule():
+    cfg = load_config(overrides=["parallel.ep=2"])
+    assert environment_problems(cfg, {"WORLD_SIZE": "2"}).problems == []
+    assert environment_problems(cfg, {"WORLD_SIZE": "1"}).problems == [
+        "parallel.tp=1 pp=1 cp=1 ep=2 etp=1 need a process count divisible by tp*pp*cp=1 and etp*ep*pp=2; "
+        "this run has WORLD_SIZE=1 (start it with torchrun --nproc-per-node 2, or lower the sizes)"
+    ]
+
+
+def test_data_parallel_ranks_must_share_each_minibatch():
+    cfg = load_config(overrides=["train.prompts_per_step=3", "rollout.samples_per_prompt=1"])
+    assert environment_problems(cfg, {"WORLD_SIZE": "2"}).problems == [
+        "each minibatch has 3 samples (train.prompts_per_step x rollout.samples_per_prompt / "
+        "train.minibatches_per_step), which the 2 data-parallel ranks of WORLD_SIZE=2 cannot share equally; "
+        "make it a multiple of 2"
+    ]
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_rollout_address_is_an_environment_problem():
+    url = f"http://127.0.0.1:{_closed_port()}"
+    problems = environment_problems(load_config(overrides=[f"rollout.addresses=[{url}]"]), {}).problems
+    assert len(problems) == 1 and problems[0].startswith(f"rollout.addresses: {url}/health is not reachable (ConnectError")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
+def test_gpu_settings_are_environment_problems_on_cpu():
+    from moe_rl.learner.model import use_transformer_engine
+
+    assert not use_transformer_engine()
+    cfg = load_config(overrides=["parallel.tp=2", "rollout.device=cuda", "precision.fp8={}"])
+    assert config_problems(cfg).problems == []
+    problems = environment_problems(cfg, {"WORLD_SIZE": "2"}).problems
+    assert problems[0] == (
+        "parallel.tp=2 needs Transformer Engine on a GPU (Megatron-Core trains MoE with tp > 1 only under sequence "
+        "parallelism); expected parallel.tp=1 on this machine"
+    )
+    assert problems[1].startswith("precision.fp8 needs ") and problems[1].endswith("expected precision.fp8=null on this machine")
+    assert problems[2] == (
+        "rollout.device='cuda' launches SGLang on a GPU, and this machine has none; expected rollout.device='cpu'"
+    )
+
+
+# --- loader: paths that are not YAML files, duplicate keys ---------------------------------------
+
+
+def test_duplicate_key_names_the_dotted_key_and_lines(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text("train:\n  steps: 3\n  seed: 1\n  steps: 4\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == f"{path}: duplicate key 'train.steps' (lines 2 and 4); each key may appear once per section"
+
+
+def test_directory_and_binary_config_paths_are_refused(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_config(tmp_path)
+    assert str(info.value) == f"config path {tmp_path} is a directory; expected a YAML file"
+    binary = tmp_path / "weights.yaml"
+    binary.write_bytes(bytes(range(256)))
+    with pytest.raises(ConfigError) as info:
+        load_config(binary)
+    assert str(info.value) == f"config path {binary} is not a UTF-8 text file; expected a YAML file"
+
+
+# --- CLI: one override syntax everywhere ---------------------------------------------------------
+
+
+def test_validate_takes_positional_overrides_and_set_alias(capsys):
+    tiny = str(CONFIGS[0].parent / "tiny_cpu.yaml")
+    assert main(["config", "validate", tiny, "rollout.top_k=0", "--set", "optim.lr=.inf", "train.task=nope"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"error: {tiny} cannot run:\n"
+        "  optim.lr=inf is not a finite number; expected a finite value\n"
+        "  rollout.top_k=0 samples from no token; expected -1 (no top-k) or >= 1\n"
+        "  train.task='nope' is not a known task; expected one of ['add', 'copy', 'max', 'reverse', 'sort']\n"
+    )
+    assert main(["config", "validate", tiny, "train.steps=3"]) == 0
+    assert capsys.readouterr().out.startswith(f"ok: {tiny} (tiny_cpu")
+
+
+def test_show_takes_set_alias_and_positional_after_it(capsys):
+    tiny = str(CONFIGS[0].parent / "tiny_cpu.yaml")
+    assert main(["config", "show", tiny, "--set", "train.steps=3", "rollout.top_k=5"]) == 0
+    out = capsys.readouterr().out
+    assert "  steps: 3\n" in out and "  top_k: 5\n" in out
+
+
+def test_validate_env_checks_the_process_count(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    tiny = str(CONFIGS[0].parent / "tiny_cpu.yaml")
+    assert main(["config", "validate", tiny, "parallel.ep=2"]) == 0
+    assert main(["config", "validate", tiny, "parallel.ep=2", "--env"]) == 2
+    assert "this run has WORLD_SIZE=1" in capsys.readouterr().err
+
+
+def test_train_refuses_before_starting_anything(capsys, tmp_path):
+    tiny = str(CONFIGS[0].parent / "tiny_cpu.yaml")
+    assert main(["train", tiny, "rollout.top_k=0", f"train.output_dir={tmp_path}/run"]) == 2
+    assert "rollout.top_k=0 samples from no token" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_tensor_parallel_splits_must_divide_the_sizes():
+    cfg = load_config(overrides=["parallel.tp=2", "model.vocab_size=513", "rollout.top_k=5"])
+    assert config_problems(cfg).problems == [
+        "model.vocab_size=513 must be divisible by the 2 tensor-parallel shards it is split into (parallel.tp/etp)"
+    ]
+
+
+def test_glm4_moe_format_rules():
+    cfg = load_config(overrides=["model.hf_architecture=Glm4MoeForCausalLM", "model.moe_shared_expert_intermediate_size=48",
+                                 "model.moe_ffn_hidden_size=32", "model.moe_router_score_function=sigmoid",
+                                 "model.moe_router_enable_expert_bias=true"])  # fmt: skip
+    assert config_problems(cfg).problems == [
+        "model.moe_shared_expert_intermediate_size=48 must be a multiple of model.moe_ffn_hidden_size=32 (GLM-4.5 has "
+        "n_shared_experts >= 1 of that width): the HF <-> Megatron bridge (weight sync to SGLang) cannot express it"
+    ]
