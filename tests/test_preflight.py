@@ -46,10 +46,10 @@ def test_every_shipped_config_passes_the_config_rules(path):
         (["model.mtp_num_layers=1"],
          "model.mtp_num_layers=1: multi-token prediction layers are neither built by the learner nor exported to "
          "SGLang; expected 0"),
-        (["parallel.tp=2"],
-         "replay.keep_sampling_mask=true with truncated sampling and parallel.tp=2: the training loop does not pass "
-         "the tp group to the vocab-sharded kept-set log-prob yet; expected parallel.tp=1, or rollout.top_p=1 with "
-         "rollout.top_k=-1 (untruncated: KSM is a no-op)"),
+        (["parallel.tp=2", "loss.entropy_coef=0.01"],
+         "replay.keep_sampling_mask=true with parallel.tp=2 and loss.entropy_coef=0.01: the kept-set entropy is not "
+         "computed on vocab-sharded logits yet (the kept-set log-prob is); expected loss.entropy_coef=0 or "
+         "parallel.tp=1"),
         (["parallel.pp=2"],
          "parallel.pp=2: the training loop and the HF export do not run pipeline parallelism; expected 1"),
         (["parallel.cp=2"],

@@ -133,11 +133,11 @@ def learner_features(cfg: ExperimentConfig) -> Iterable[str]:
             f"model.mtp_num_layers={m.mtp_num_layers}: multi-token prediction layers are neither built by the "
             "learner nor exported to SGLang; expected 0"
         )
-    if ksm_active(cfg) and p.tp > 1:
+    if ksm_active(cfg) and p.tp > 1 and cfg.loss.entropy_coef:
         yield (
-            f"replay.keep_sampling_mask=true with truncated sampling and parallel.tp={p.tp}: the training loop does "
-            "not pass the tp group to the vocab-sharded kept-set log-prob yet; expected parallel.tp=1, or "
-            "rollout.top_p=1 with rollout.top_k=-1 (untruncated: KSM is a no-op)"
+            f"replay.keep_sampling_mask=true with parallel.tp={p.tp} and loss.entropy_coef={cfg.loss.entropy_coef}: "
+            "the kept-set entropy is not computed on vocab-sharded logits yet (the kept-set log-prob is); "
+            "expected loss.entropy_coef=0 or parallel.tp=1"
         )
     if p.pp > 1:
         yield f"parallel.pp={p.pp}: the training loop and the HF export do not run pipeline parallelism; expected 1"

@@ -48,6 +48,15 @@ def kept_set_entropy(logits: torch.Tensor, targets: torch.Tensor, kept: KeptSets
     return out
 
 
+def _tp_group():
+    """Megatron's tensor-parallel group when the vocabulary is sharded over it (tp > 1), else None."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized() or ps.get_tensor_model_parallel_world_size() == 1:
+        return None
+    return ps.get_tensor_model_parallel_group()
+
+
 def make_logprob_fn(keep_sampling_mask: bool, with_entropy: bool):
     """``fn(model, mb, temperature) -> (logp[B, T], entropy[B, T] | None)`` for a microbatch's tensors.
 
@@ -62,7 +71,7 @@ def make_logprob_fn(keep_sampling_mask: bool, with_entropy: bool):
         B, T, V = logits.shape
         targets = mb["targets"].clamp(min=0).reshape(-1)  # pad targets (-1) are outside the loss mask
         flat = logits.reshape(B * T, V)
-        logp = keep_mask_logprobs(flat, targets, mb["kept"], temperature).logp.view(B, T)
+        logp = keep_mask_logprobs(flat, targets, mb["kept"], temperature, tp_group=_tp_group()).logp.view(B, T)
         logp = torch.where(mb["targets"] >= 0, logp, torch.zeros_like(logp))
         entropy = kept_set_entropy(flat, targets, mb["kept"], temperature).view(B, T) if with_entropy else None
         return logp, entropy

@@ -40,20 +40,11 @@ ROLLOUTS_DIR = "rollouts"
 
 
 def check_supported(cfg: ExperimentConfig) -> None:
-    """Refuse settings the loop cannot honour yet, naming the key (``moe-rl config validate`` runs these too)."""
-    p = cfg.parallel
-    if p.pp > 1:
-        raise ConfigError(
-            f"parallel.pp={p.pp}: pipeline parallelism is not supported by the training loop yet (its train step "
-            "is Megatron's no-pipeline schedule); use parallel.pp=1"
-        )
-    if p.cp > 1:
-        raise ConfigError(
-            f"parallel.cp={p.cp}: context parallelism is not supported by the training loop yet (inputs would need "
-            "the same per-cp-rank sharding as the replayed routes); use parallel.cp=1"
-        )
-    if ksm_active(cfg) and cfg.parallel.tp > 1:
-        raise ConfigError("replay.keep_sampling_mask with parallel.tp > 1 (vocab-sharded logits) is not supported yet")
+    """Refuse, before anything starts, what the loop cannot run: the preflight's config rules
+    (``moe-rl config validate``; the CLI also runs its machine rules). For library callers."""
+    from moe_rl.config.preflight import config_problems
+
+    config_problems(cfg).raise_if_any(f"config {cfg.name!r}")
 
 
 def records_path(directory: Path, step: int) -> Path:
