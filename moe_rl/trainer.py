@@ -114,6 +114,10 @@ class RLTrainer:
         self.learner = Learner(cfg)  # imports checkpoint.init_from_hf when set
         meta = load_checkpoint(self.learner, self.ckpt_dir) if cfg.checkpoint.resume == "auto" else None
         self.start_step = int(meta["extra"]["rl_step"]) if meta else 0
+        if meta is None:  # a fresh run starts from the cached supervised warm start (train.warm_start)
+            from moe_rl.train.warm_start import apply_warm_start
+
+            apply_warm_start(self.learner, cfg)
         self.driver = ReplayDriver.from_config(self.learner.module, cfg)
         self.task, self.reward_fn = build_task(cfg.train, cfg.model.vocab_size)
         self.logprob_fn = make_logprob_fn(cfg.replay.keep_sampling_mask, with_entropy=cfg.loss.entropy_coef > 0)
