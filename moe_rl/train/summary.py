@@ -1,7 +1,7 @@
 """The closing summary ``moe-rl train`` prints: what the run did and where its outputs are.
 
 Owns reading a finished run directory (``metrics.jsonl``, ``checkpoints/``, ``rollouts/``,
-``hf/current``, ``tensorboard/``), drawing its curves into ``<run>/plots/`` (through
+``hf/current``, ``tensorboard/``), drawing its curves into ``<run>/report/plots/`` (through
 ``moe_rl.report.write_report``, so one run reads like a one-cell ablation) and formatting a
 short text: reward first -> last, rollout-vs-learner KL and router flip rate, paths, and the
 TensorBoard command. It only reads what the trainer wrote; it computes no training quantity.
@@ -34,7 +34,7 @@ def _first_last(series: list[tuple[int, float]], fmt: str) -> str:
 
 
 def closing_summary(run_dir: str | Path, plots: bool = True) -> str:
-    """Text summary of the run in ``run_dir``; draws ``<run_dir>/plots/*.png`` first when ``plots``."""
+    """Text summary of the run in ``run_dir``; draws ``<run_dir>/report/plots/*.png`` first when ``plots``."""
     run_dir = Path(run_dir)
     metrics_path = run_dir / METRICS_FILE
     if not metrics_path.exists():
@@ -57,8 +57,8 @@ def closing_summary(run_dir: str | Path, plots: bool = True) -> str:
     if (run_dir / "hf" / "current").exists():
         lines.append(f"  HF weights       {run_dir / 'hf' / 'current'}")
     if plots:
-        report = write_report({run_dir.name: run_dir}, run_dir / "plots")
-        lines.append(f"  plots            {report.parent} (report.md, *.png)")
+        report = write_report({run_dir.name: run_dir}, run_dir / "report")
+        lines.append(f"  plots            {report.parent / 'plots'} (and {report})")
     if (run_dir / "tensorboard").exists():
         lines.append(f"  TensorBoard      tensorboard --logdir {run_dir / 'tensorboard'}")
     return "\n".join(lines)
