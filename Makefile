@@ -3,7 +3,7 @@ VENV ?= $(or $(MOE_RL_VENV),$(CURDIR)/.venv)
 PY := $(VENV)/bin/python
 export MOE_RL_VENV := $(VENV)
 
-.PHONY: install demo test bench
+.PHONY: install demo test bench gpu-check
 install:
 	bash scripts/install.sh
 
@@ -16,3 +16,8 @@ test: install
 
 bench: install
 	for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+# On a CUDA machine without internet: WHEELS=<folder(s) of the requirements/gpu-check.txt wheels>.
+# Uses $(PYTHON) (default python3, the interpreter with CUDA torch), not the CPU venv.
+gpu-check:
+	PYTHON=$(or $(PYTHON),python3) bash scripts/gpu_check.sh $(foreach w,$(WHEELS),--wheels $(w))

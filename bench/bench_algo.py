@@ -1,7 +1,7 @@
-"""Time the full off-policy correction + GSPO loss + diagnostics on ~1M tokens (CPU).
+"""Time the full off-policy correction + GSPO loss + diagnostics, and every loss, on ~1M tokens (CPU).
 
 Prints one line per measured stage (median of --repeats after one warm-up).
-Usage: python bench/bench_algo.py [--batch 256 --seq 4096 --repeats 5 --ragged]
+Usage: python bench/bench_algo.py [--batch 256 --seq 4096 --repeats 5 --ragged] [--only-losses]
 """
 
 from __future__ import annotations
@@ -15,13 +15,20 @@ from types import SimpleNamespace
 import torch
 
 from moe_rl.algo import (
+    chained_rejection_mask,
     compute_policy_loss,
+    ess_lr_scale,
     gspo_loss,
+    m2po_mask,
     metrics_to_floats,
     offpolicy_metrics,
     rejection_mask,
+    sequence_icepop_weights,
+    surrogate_loss,
     truncated_is_weights,
 )
+from moe_rl.algo.surrogates import LOSS_TYPES
+from moe_rl.config import LossConfig
 
 
 def make_batch(b: int, t: int, ragged: bool, seed: int = 0):
@@ -60,6 +67,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--ragged", action="store_true", help="random lengths in [T/8, T] instead of a full mask")
+    p.add_argument("--only-losses", action="store_true", help="time only each loss.type's fwd+bwd and the new corrections")
     args = p.parse_args()
 
     logp, old, roll, adv, mask = make_batch(args.batch, args.seq, args.ragged)
@@ -83,7 +91,29 @@ def main() -> None:
         logp.grad = None
         full_fwd().backward()
 
-    stages = {
+    def loss_stage(loss_type):
+        cfg = LossConfig(type=loss_type)
+        adv_tok = adv[:, None].expand_as(mask)
+        gen = torch.Generator().manual_seed(0)
+
+        def run():
+            logp.grad = None
+            loss, m = surrogate_loss(cfg, logp, old, adv_tok, mask, None, None, gen)
+            loss.backward()
+            metrics_to_floats(m)
+
+        return run
+
+    criteria = [{"mode": "seq_mean_k3", "upper": 0.01}, {"mode": "token_k1", "lower": 0.5, "upper": 2.0}]
+    seq_lw = torch.where(mask, old - roll, torch.zeros(())).sum(1)
+    new_stages = {f"{t} fwd+bwd (surrogate_loss)": loss_stage(t) for t in LOSS_TYPES}
+    new_stages |= {
+        "m2po_mask(tau=0.04)": lambda: m2po_mask(logp, old, mask, 0.04),
+        "chained_rejection_mask(seq_mean_k3 & token_k1)": lambda: chained_rejection_mask(old, roll, mask, criteria),
+        "sequence_icepop_weights": lambda: sequence_icepop_weights(old, roll, mask, 0.5, 5.0),
+        "ess_lr_scale (VCPO)": lambda: ess_lr_scale(seq_lw),
+    }
+    stages = {} if args.only_losses else {
         "offpolicy_metrics": lambda: offpolicy_metrics(old, roll, mask),
         "truncated_is_weights(token, batch-norm)": lambda: truncated_is_weights(old, roll, mask, "token", 2.0, True),
         "rejection_mask(seq_mean_k3)": lambda: rejection_mask(old, roll, mask, "seq_mean_k3", None, 0.01),
@@ -91,6 +121,7 @@ def main() -> None:
         "compute_policy_loss fwd (all corrections + GSPO + metrics)": full_fwd,
         "compute_policy_loss fwd+bwd": full_fwd_bwd,
     }
+    stages |= new_stages
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, B={args.batch} T={args.seq} "
           f"valid tokens {n_tok:,} ({'ragged' if args.ragged else 'full mask'}), float32")  # fmt: skip
     print(f"load average {os.getloadavg()[0]:.1f} ({os.cpu_count()} CPUs)")

@@ -2,7 +2,7 @@
 
 Owns the grid syntax (an optional top-level ``grid:`` mapping of dotted config keys to value lists,
 read and removed before schema validation), cell naming, skipping invalid combinations with a note,
-and running cells one after another with the same seeds. Training is ``moe_rl.trainer.train``;
+and running cells one after another with the same seeds. Training is ``moe_rl.train.loop.train``;
 the report is ``moe_rl.report.write_report``.
 
 Default grid (seed 001, Zheng et al.: routing replay vs off-policiness N = minibatches per step)::
@@ -231,11 +231,11 @@ def run_ablation(config_path: str | Path, overrides: list[str] | None = None,
                  out_dir: str | Path | None = None) -> Path:  # fmt: skip
     """Train every valid cell in grid order, refresh the report after each, return ``report.md``.
 
-    Cells run in this process one after another (``moe_rl.trainer.train(cfg)``); a cell that raises is
+    Cells run in this process one after another (``moe_rl.train.loop.train(cfg)``); a cell that raises is
     recorded in the report and the grid goes on, then ``AblationError`` lists the failures.
     """
     cells, out_dir = expand_grid(config_path, overrides, out_dir)
-    from moe_rl.trainer import train  # heavy (torch, Megatron): only when actually running
+    from moe_rl.train.loop import train  # heavy (torch, Megatron): only when actually running
 
     notes = [f"skipped {_run_label(c)}: {c.skip_reason}" for c in cells if c.skip_reason]
     runnable = [c for c in cells if c.config is not None]

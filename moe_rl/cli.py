@@ -34,8 +34,8 @@ def _records_inspect(args) -> int:
 
 
 def _train(args) -> int:
+    from moe_rl.train.loop import train
     from moe_rl.train.summary import print_closing_summary
-    from moe_rl.trainer import train
 
     print_closing_summary(train(load_config(args.config, args.overrides)))
     return 0

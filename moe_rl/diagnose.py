@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from moe_rl.algo import metrics_to_floats, offpolicy_metrics
-from moe_rl.batching import build_microbatches
+from moe_rl.train.batching import build_microbatch
 from moe_rl.config import ExperimentConfig
 from moe_rl.records import RolloutBatch, RouteSpec
 
@@ -55,28 +55,30 @@ def learner_logprobs(trainer, batch: RolloutBatch, replay_routes: bool, keep_mas
     Returns ``logp``/``mu`` as padded ``[N, R_max]`` float64 arrays (mu: the engine's full-vocab
     log-prob, or its kept-set-renormalised one under KSM), ``mask[N, R_max]`` and ``flips``.
     """
-    from moe_rl.replay.driver import ReplayDriver
-    from moe_rl.trainer import make_logprob_fn
+    from moe_rl.train.logprob import make_logprob_fn
 
     cfg = trainer.cfg
-    driver = ReplayDriver(trainer.driver.replay, "r3" if replay_routes else "none", cfg.correction.mode)
-    mbs = build_microbatches(
-        batch, list(range(len(batch))), torch.zeros(len(batch)), cfg.train.micro_batch_size,
-        num_experts=cfg.model.num_moe_experts, use_kept_logp=keep_mask, with_routes=True, with_kept_sets=keep_mask,
-    )  # fmt: skip
+    driver = trainer.driver
+    ids = list(range(len(batch)))
+    mbs = [
+        build_microbatch(batch, ids[i : i + cfg.train.micro_batch_size], torch.zeros(len(batch)),
+                         num_experts=cfg.model.num_moe_experts, kept_logp=keep_mask, with_kept_sets=keep_mask,
+                         device=trainer.device)
+        for i in range(0, len(ids), cfg.train.micro_batch_size)
+    ]  # fmt: skip
     logprob_fn = make_logprob_fn(keep_mask, with_entropy=False)
     R = int(batch.response_lens.max())
     logp, mu = np.zeros((len(batch), R)), np.zeros((len(batch), R))
     mask = np.zeros((len(batch), R), dtype=bool)
     trainer.learner.model.eval()
-    with torch.no_grad(), driver.old_logprob_pass([m.routes for m in mbs]):
+    with torch.no_grad(), driver.using("r3" if replay_routes else "none"), driver.update_pass([m.routes for m in mbs]):
         for m in mbs:
             out, _ = logprob_fn(trainer.learner.model, m.tensors, cfg.rollout.temperature)
             for b, sid in enumerate(m.tensors["sample_ids"]):
                 row = m.tensors["mask"][b]
                 n = int(row.sum())
-                logp[sid, :n] = out[b][row].double().numpy()
-                mu[sid, :n] = m.tensors["rollout_logp"][b][row].double().numpy()
+                logp[sid, :n] = out[b][row].double().cpu().numpy()
+                mu[sid, :n] = m.tensors["rollout_logp"][b][row].double().cpu().numpy()
                 mask[sid, :n] = True
     return {"logp": logp, "mu": mu, "mask": mask, "flips": driver.step_metrics()}
 
@@ -101,11 +103,11 @@ def measure(setting: dict) -> dict:
     numbers = metrics_to_floats(offpolicy_metrics(t["logp"], t["mu"], t["mask"]))
     numbers = {k.removeprefix("offpolicy/"): v for k, v in numbers.items()}
     flips = setting["flips"]
-    numbers["flip_rate"] = flips.get("replay/rollout_vs_natural/flip_rate", float("nan"))
-    numbers["tokens_with_flip"] = flips.get("replay/rollout_vs_natural/tokens_with_flip", float("nan"))
-    numbers["applied_flip_rate"] = flips.get("replay/rollout_vs_applied/flip_rate", numbers["flip_rate"])
+    numbers["flip_rate"] = flips.get("replay/rollout_vs_natural/response/flip_rate", float("nan"))
+    numbers["tokens_with_flip"] = flips.get("replay/rollout_vs_natural/response/tokens_with_flip", float("nan"))
+    numbers["dispatched_flip_rate"] = flips.get("replay/rollout_vs_dispatched/response/flip_rate", float("nan"))
     numbers["flip_rate_per_layer"] = {
-        k.rsplit("/", 1)[1]: v for k, v in flips.items() if k.startswith("replay/rollout_vs_natural/flip_rate/")
+        k.rsplit("/", 1)[1]: v for k, v in flips.items() if k.startswith("replay/rollout_vs_natural/response/flip_rate/")
     }
     numbers["by_position"] = position_profile(setting["logp"], setting["mu"], setting["mask"])
     return numbers
@@ -114,11 +116,12 @@ def measure(setting: dict) -> dict:
 def run_diagnose(cfg: ExperimentConfig, num_prompts: int, out_dir: str | Path) -> dict:
     """Generate, recompute under every setting, write the report; returns all numbers (also ``numbers.json``)."""
     from moe_rl.diagnose_report import write_report
-    from moe_rl.trainer import RLTrainer
+    from moe_rl.train.loop import RLTrainer
 
     out_dir = Path(out_dir)
     cfg = cfg.model_copy(update={
         "train": cfg.train.model_copy(update={"output_dir": str(out_dir)}),
+        "replay": cfg.replay.model_copy(update={"routing": "r3"}),  # bind replay; each setting picks its routing
         "logging": cfg.logging.model_copy(update={"progress": False, "tensorboard": False}),
     })  # fmt: skip
     trainer = RLTrainer(cfg)

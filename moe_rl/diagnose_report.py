@@ -15,7 +15,7 @@ TABLE_COLUMNS = (
     ("kl_k1", "KL k1"), ("kl_k3", "KL k3"), ("chi2_token", "χ² token"), ("chi2_seq", "χ² seq"), ("ess", "ESS"),
     ("ppl_ratio", "PPL ratio"), ("prob_pearson", "Pearson p"), ("prob_abs_diff_mean", "mean |Δp|"),
     ("prob_abs_diff_max", "max |Δp|"), ("flip_rate", "router flip rate"), ("tokens_with_flip", "tokens w/ flip"),
-    ("applied_flip_rate", "applied flip rate"),
+    ("dispatched_flip_rate", "flip rate rollout vs dispatched experts"),
 )  # fmt: skip
 
 

@@ -23,7 +23,8 @@ from typing import Any
 REPORT_METRICS: tuple[tuple[str, str], ...] = (
     ("reward/mean", "reward"),
     ("offpolicy/kl_k3", "KL k3 rollout vs learner"),
-    ("replay/rollout_vs_natural/flip_rate", "router flip rate rollout vs learner"),
+    ("replay/rollout_vs_natural/response/flip_rate", "router flip rate rollout vs learner"),
+    ("replay/rollout_vs_dispatched/response/flip_rate", "router flip rate rollout vs dispatched"),
     ("icepop/masked_frac", "IcePop masked fraction"),
     ("offpolicy/ess", "ESS"),
     ("time/step_s", "step time (s)"),

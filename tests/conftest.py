@@ -14,10 +14,31 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1)
 
 
+def session_device() -> torch.device:
+    """``cuda:0`` when a CUDA GPU is present, else ``cpu`` (the ``device`` fixture; also for helpers)."""
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def rank_device() -> torch.device:
+    """This process's device in a multi-process test: its GPU (``init_distributed`` gives each rank
+    ``cuda:<local_rank>``) or ``cpu``."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def one_gpu_per_rank(ranks: int):
+    """Skip mark for a ``ranks``-process test on a machine with CUDA but fewer GPUs than ranks
+    (each rank takes its own GPU; on a CPU-only machine the ranks run over gloo)."""
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return pytest.mark.skipif(
+        torch.cuda.is_available() and have < ranks,
+        reason=f"needs {ranks} GPUs (one per rank, nccl); this machine has {have}",
+    )
+
+
 @pytest.fixture(scope="session")
 def device() -> torch.device:
     """``cuda:0`` when a CUDA GPU is present, else ``cpu``: tests build their inputs on it."""
-    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    return session_device()
 
 
 @pytest.fixture(scope="session")

@@ -60,11 +60,11 @@ def test_report_numbers_match_a_direct_computation(reports):
 
 
 @pytest.mark.sglang
-def test_r3_drives_the_applied_flip_rate_to_zero(reports):
+def test_r3_drives_the_dispatched_flip_rate_to_zero(reports):
     for _, numbers in reports:
         s = numbers["settings"]
-        assert s["r3"]["applied_flip_rate"] == 0.0 and s["r3_ksm"]["applied_flip_rate"] == 0.0
-        assert s["natural"]["applied_flip_rate"] == s["natural"]["flip_rate"]
+        assert s["r3"]["dispatched_flip_rate"] == 0.0 and s["r3_ksm"]["dispatched_flip_rate"] == 0.0
+        assert s["natural"]["dispatched_flip_rate"] == s["natural"]["flip_rate"]
 
 
 @pytest.mark.sglang

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from moe_rl.config import LoggingConfig
-from moe_rl.metrics_log import MetricsLogger, read_metrics
+from moe_rl.train.metrics_log import MetricsLogger, read_metrics
 
 
 def test_resume_cuts_lines_after_the_checkpoint_and_a_torn_tail(tmp_path):

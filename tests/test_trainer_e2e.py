@@ -1,7 +1,9 @@
 """End-to-end RL on CPU: real SGLang server process + real Megatron-Core learner, through the CLI.
 
 The rollout engine runs in bf16 and the learner in fp32, so routers really disagree and
-R3 has something to fix. Each run is a `moe-rl train` subprocess (as a user runs it).
+R3 has something to fix. Each run is a `moe-rl train` subprocess (as a user runs it), on the path
+users take: responses of different lengths (up to 12 tokens, EOS-terminated), several
+microbatches per minibatch (micro_batch_size 2 of 8), two minibatches per step.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moe_rl.metrics_log import read_metrics
+from moe_rl.train.metrics_log import read_metrics
 from moe_rl.records import RolloutBatch
 
 pytestmark = pytest.mark.sglang
@@ -25,13 +27,15 @@ pytestmark = pytest.mark.sglang
 ROOT = Path(__file__).parents[1]
 BASE = [
     "train.steps=3", "train.prompts_per_step=4", "rollout.samples_per_prompt=4", "train.minibatches_per_step=2",
-    "train.micro_batch_size=8", "rollout.max_new_tokens=4", "rollout.dtype=bfloat16", "checkpoint.save_interval=1",
+    "train.micro_batch_size=2", "rollout.max_new_tokens=12", "rollout.dtype=bfloat16", "checkpoint.save_interval=1",
     "logging.tensorboard=false", "logging.progress=false",
 ]  # fmt: skip
 DOCUMENTED_KEYS = {
     "reward/mean", "offpolicy/kl_k1", "offpolicy/kl_k3", "offpolicy/chi2_token", "offpolicy/chi2_seq", "offpolicy/ess",
-    "offpolicy/ppl_ratio", "offpolicy/prob_pearson", "icepop/masked_frac", "replay/rollout_vs_natural/flip_rate",
-    "replay/rollout_vs_natural/tokens_with_flip", "replay/rollout_vs_natural/flip_rate/layer0", "train/grad_norm",
+    "offpolicy/ppl_ratio", "offpolicy/prob_pearson", "icepop/masked_frac", "replay/rollout_vs_natural/response/flip_rate",
+    "replay/rollout_vs_natural/response/tokens_with_flip", "replay/rollout_vs_natural/response/flip_rate/layer0",
+    "replay/rollout_vs_dispatched/response/flip_rate", "replay/rollout_vs_dispatched/prompt/flip_rate",
+    "train/grad_norm",
     "loss/total", "time/step_s", "time/rollout_s", "ksm/outside_mask_frac",
 }  # fmt: skip
 
@@ -62,12 +66,15 @@ def test_r3_run_logs_every_documented_metric_each_step(r3_run):
         assert all(v is None or np.isfinite(v) for v in m.values() if isinstance(v, float))
 
 
-def test_r3_replays_rollout_routes_exactly_while_natural_routing_differs(r3_run):
+def test_r3_dispatches_rollout_routes_exactly_while_natural_routing_differs(r3_run):
     _, metrics = r3_run
-    assert all(m["replay/rollout_vs_applied/flip_rate"] == 0.0 for m in metrics)
-    # bf16 engine vs fp32 learner (and weight updates): the learner's own top-k differs somewhere,
-    # so a zero applied flip rate proves the rollout's routes were used, not re-derived.
-    assert max(m["replay/rollout_vs_natural/flip_rate"] for m in metrics) > 0.0
+    # compared with the experts Megatron's dispatcher received (tests/replay shows it non-zero when a
+    # router escapes replay), over response and prompt positions alike
+    for part in ("response", "prompt"):
+        assert all(m[f"replay/rollout_vs_dispatched/{part}/flip_rate"] == 0.0 for m in metrics)
+    # bf16 engine vs fp32 learner (and weight updates): the learner's own top-k differs somewhere
+    assert max(m["replay/rollout_vs_natural/response/flip_rate"] for m in metrics) > 0.0
+    assert max(m["response/len_max"] - m["response/len_mean"] for m in metrics) > 0, "responses should be ragged"
 
 
 def test_rollouts_are_persisted_with_routes_masks_and_versions(r3_run):
@@ -85,8 +92,10 @@ def test_routing_none_on_the_same_data_reports_natural_flips(tmp_path, r3_run):
     metrics = run_train(tmp_path, "replay.routing=none", "train.steps=1")
     # step 1 generates the same rollout (same seeds, same initial weights) as the R3 run
     assert metrics[0]["reward/mean"] == r3_metrics[0]["reward/mean"]
-    assert metrics[0]["replay/rollout_vs_natural/flip_rate"] > 0.0
-    assert "replay/rollout_vs_applied/flip_rate" not in metrics[0]
+    assert metrics[0]["replay/rollout_vs_natural/response/flip_rate"] > 0.0
+    # natural routing: what was dispatched is the learner's own choice
+    assert metrics[0]["replay/rollout_vs_dispatched/response/flip_rate"] == metrics[0][
+        "replay/rollout_vs_natural/response/flip_rate"]
 
 
 def test_killed_run_resumes_from_checkpoint_with_identical_next_step(tmp_path, r3_run):

@@ -1,49 +1,185 @@
-"""Outcome-reward advantages for groups of responses to the same prompt: GRPO and RLOO.
+"""Outcome-reward advantages ``adv[B]`` from ``rewards[B]``: group baselines and batch whitening.
 
-Owns only the group baselines; rewards arrive as ``rewards[B]`` with the G responses
-of each prompt contiguous (B = num_prompts · G). Seed 000, "IS-aware advantage
-estimators" lists both among verl's estimators.
+Owns GRPO, RLOO, REINFORCE++ (with and without group baseline), OPO and VCPO's
+minimum-variance off-policy baseline (OPOB). Groups are given either by ``group_size``
+(the G responses of each prompt contiguous, B = num_prompts · G) or by ``group_ids[B]``
+(any integers; groups may have unequal sizes, including 1). A singleton group has no
+baseline to compare against: its advantage is defined as 0 for every group-baseline
+estimator (verl instead keeps the raw reward there; see docs/algo.md). Sources: seed 000,
+"IS-aware advantage estimators" and "ESS-guided variance control".
 """
 
 from __future__ import annotations
 
 import torch
 
+ADVANTAGE_ESTIMATORS = (
+    "grpo", "grpo_no_std", "rloo", "reinforce_pp", "reinforce_pp_baseline", "opo", "vcpo_opob",
+)  # fmt: skip
 
-def _groups(rewards: torch.Tensor, group_size: int, min_size: int) -> torch.Tensor:
+
+def _check_rewards(rewards: torch.Tensor) -> torch.Tensor:
     if not isinstance(rewards, torch.Tensor) or rewards.dim() != 1 or not rewards.is_floating_point():
         got = tuple(rewards.shape) if isinstance(rewards, torch.Tensor) else type(rewards).__name__
         raise ValueError(f"rewards: expected a 1-D float tensor [B], got {got}")
-    if int(group_size) < min_size or rewards.numel() % int(group_size) != 0:
-        raise ValueError(
-            f"group_size: expected an integer ≥ {min_size} dividing B={rewards.numel()}, got {group_size}"
-        )
     if not bool(torch.isfinite(rewards).all()):
         raise ValueError("rewards: expected finite values, got NaN or inf")
-    return rewards.reshape(-1, int(group_size))
+    return rewards
+
+
+def group_index(rewards: torch.Tensor, group_size: int | None, group_ids: torch.Tensor | None) -> torch.Tensor:
+    """Dense group index ``g[B]`` in [0, num_groups) from ``group_size`` or ``group_ids[B]`` (exactly one)."""
+    _check_rewards(rewards)
+    n = rewards.numel()
+    if (group_size is None) == (group_ids is None):
+        raise ValueError("advantages: pass exactly one of group_size (contiguous equal groups) or group_ids [B]")
+    if group_ids is None:
+        if int(group_size) < 1 or n % int(group_size) != 0:
+            raise ValueError(f"group_size: expected an integer ≥ 1 dividing B={n}, got {group_size}")
+        return torch.arange(n, device=rewards.device) // int(group_size)
+    if not isinstance(group_ids, torch.Tensor) or group_ids.shape != rewards.shape or group_ids.is_floating_point():
+        got = tuple(group_ids.shape) if isinstance(group_ids, torch.Tensor) else type(group_ids).__name__
+        raise ValueError(f"group_ids: expected an integer tensor of shape ({n},) like rewards, got {got}")
+    return torch.unique(group_ids.to(rewards.device), return_inverse=True)[1]
+
+
+def _group_sum(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Per-sample sum of ``x[B]`` over its group ``g[B]`` (broadcast back to [B])."""
+    sums = torch.zeros(int(g.max()) + 1, dtype=x.dtype, device=x.device).index_add_(0, g, x)
+    return sums[g]
+
+
+def _weighted_baseline(rewards, g, weights):
+    """Σ_group w·r / Σ_group w for each sample, and the group sizes (both [B])."""
+    count = _group_sum(torch.ones_like(rewards), g)
+    num, den = _group_sum(weights * rewards, g), _group_sum(weights, g)
+    plain = _group_sum(rewards, g) / count
+    return torch.where(den > 0, num / den.clamp_min(torch.finfo(rewards.dtype).tiny), plain), count
 
 
 def grpo_advantages(
-    rewards: torch.Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6
+    rewards: torch.Tensor,
+    group_size: int | None = None,
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+    group_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GRPO group-relative advantages ``adv[B]`` from ``rewards[B]``.
 
     A_i = (r_i − mean_g r) / (std_g r + eps) with the unbiased (n−1) group std, or
     A_i = r_i − mean_g r when ``normalize_std=False`` (Dr. GRPO). A group whose
-    rewards are all equal gets A = 0.
+    rewards are all equal, and a singleton group, get A = 0.
     """
-    g = _groups(rewards, group_size, 2)
-    centred = g - g.mean(dim=1, keepdim=True)
-    if normalize_std:
-        centred = centred / (g.std(dim=1, keepdim=True) + eps)
-    return centred.reshape(-1)
+    g = group_index(rewards, group_size, group_ids)
+    mean, count = _weighted_baseline(rewards, g, torch.ones_like(rewards))
+    centred = torch.where(count > 1, rewards - mean, torch.zeros_like(rewards))
+    if not normalize_std:
+        return centred
+    var = _group_sum(centred * centred, g) / (count - 1).clamp_min(1)
+    return centred / (var.sqrt() + eps)
 
 
-def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """RLOO leave-one-out advantages ``adv[B]``: A_i = r_i − mean_{j≠i} r_j = G/(G−1)·(r_i − mean_g r)."""
-    g = _groups(rewards, group_size, 2)
-    n = g.shape[1]
-    return ((g - g.mean(dim=1, keepdim=True)) * (n / (n - 1))).reshape(-1)
+def rloo_advantages(
+    rewards: torch.Tensor, group_size: int | None = None, group_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """RLOO leave-one-out advantages ``adv[B]``: A_i = r_i − mean_{j≠i} r_j = n/(n−1)·(r_i − mean_g r); 0 if n = 1."""
+    g = group_index(rewards, group_size, group_ids)
+    mean, count = _weighted_baseline(rewards, g, torch.ones_like(rewards))
+    return torch.where(count > 1, (rewards - mean) * count / (count - 1).clamp_min(1), torch.zeros_like(rewards))
+
+
+def _whiten(x: torch.Tensor, weights: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """(x − mean) / (std + eps) over the batch, weighted (e.g. by response length) if ``weights`` is given."""
+    w = torch.ones_like(x) if weights is None else weights.to(x.dtype)
+    n = w.sum()
+    mean = (w * x).sum() / n
+    var = (w * (x - mean) ** 2).sum() / (n - 1).clamp_min(1)  # unbiased, like verl's masked_whiten
+    return (x - mean) / (var.sqrt() + eps)
+
+
+def reinforce_pp_advantages(
+    rewards: torch.Tensor,
+    group_size: int | None = None,
+    group_ids: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
+    baseline: bool = False,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """REINFORCE++ ``adv[B]``: batch-whitened rewards, optionally after a group-mean baseline.
+
+    ``baseline=False``: A = whiten(r) over the batch (REINFORCE++, Hu 2025, arXiv:2501.03262).
+    ``baseline=True``: A = whiten(r − mean_g r) (REINFORCE++-baseline); singletons get r − r = 0
+    before whitening. Group arguments are only needed with ``baseline=True``.
+    ``lengths[B]`` (response lengths) weights each sample by its token count in the whitening
+    statistics — verl whitens the token-level tensor, which is exactly that; without it every
+    sequence counts once.
+    """
+    _check_rewards(rewards)
+    x = rewards
+    if baseline:
+        g = group_index(rewards, group_size, group_ids)
+        mean, _ = _weighted_baseline(rewards, g, torch.ones_like(rewards))
+        x = rewards - mean
+    if lengths is not None and lengths.shape != rewards.shape:
+        raise ValueError(f"lengths: expected shape {tuple(rewards.shape)}, got {tuple(lengths.shape)}")
+    return _whiten(x, lengths, eps)
+
+
+def opo_advantages(
+    rewards: torch.Tensor,
+    lengths: torch.Tensor,
+    group_size: int | None = None,
+    group_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """OPO ``adv[B]``: A_i = r_i − Σ_g |y_j| r_j / Σ_g |y_j| (length-weighted group baseline; 0 if n = 1).
+
+    On-Policy RL with Optimal reward baseline (Hao et al. 2025, arXiv:2505.23585); ``lengths[B]``
+    are response token counts.
+    """
+    g = group_index(rewards, group_size, group_ids)
+    if not isinstance(lengths, torch.Tensor) or lengths.shape != rewards.shape or bool((lengths < 0).any()):
+        raise ValueError(f"lengths: expected non-negative response lengths of shape {tuple(rewards.shape)}")
+    base, count = _weighted_baseline(rewards, g, lengths.to(rewards.dtype))
+    return torch.where(count > 1, rewards - base, torch.zeros_like(rewards))
+
+
+def opob_advantages(
+    rewards: torch.Tensor,
+    is_weights: torch.Tensor,
+    grad_sq_norms: torch.Tensor,
+    group_size: int | None = None,
+    group_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """VCPO's minimum-variance off-policy baseline (OPOB): ``adv[B]`` = r_i − b*_g.
+
+    b*_g = Σ_g w_j² ‖g_j‖² r_j / Σ_g w_j² ‖g_j‖² (Huang et al. 2026, arXiv:2602.17616;
+    seed 000, "ESS-guided variance control"), with ``is_weights[B]`` the sequence IS weights
+    w_j and ``grad_sq_norms[B]`` a proxy for each sample's squared gradient norm
+    (see :func:`logit_grad_sq_norm`). Where every weight of a group is 0 the plain mean is
+    used; singleton groups get 0.
+    """
+    g = group_index(rewards, group_size, group_ids)
+    for name, t in (("is_weights", is_weights), ("grad_sq_norms", grad_sq_norms)):
+        if not isinstance(t, torch.Tensor) or t.shape != rewards.shape or not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{name}: expected a finite tensor of shape {tuple(rewards.shape)}")
+        if bool((t < 0).any()):
+            raise ValueError(f"{name}: expected non-negative values")
+    weights = is_weights.to(rewards.dtype) ** 2 * grad_sq_norms.to(rewards.dtype)
+    base, count = _weighted_baseline(rewards, g, weights)
+    return torch.where(count > 1, rewards - base, torch.zeros_like(rewards))
+
+
+def logit_grad_sq_norm(logp: torch.Tensor, mask: torch.Tensor, sum_p_sq: torch.Tensor | None = None) -> torch.Tensor:
+    """Proxy ``n[B]`` for ‖∇ log π(y_i)‖²: the squared norm of the gradient w.r.t. the logits.
+
+    Per token, ∂ log p(y_t)/∂z = onehot(y_t) − p, whose squared norm is 1 − 2 p(y_t) + Σ_v p_v².
+    ``sum_p_sq[B, T]`` (Σ_v p_v² from the learner's softmax) gives that exactly; without it the
+    sampled-token part (1 − p(y_t))² is used (a lower bound). Summed over the response's tokens
+    (cross-token terms ignored). Inputs: ``logp[B, T]``, ``mask[B, T]``.
+    """
+    p = torch.exp(logp.detach())
+    per_tok = (1 - p) ** 2 if sum_p_sq is None else 1 - 2 * p + sum_p_sq.detach()
+    return torch.where(mask.bool(), per_tok, torch.zeros_like(per_tok)).sum(dim=1)
 
 
 def broadcast_to_tokens(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -53,19 +189,39 @@ def broadcast_to_tokens(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return adv[:, None] * mask.to(adv.dtype)
 
 
-ADVANTAGE_ESTIMATORS = ("grpo", "grpo_no_std", "rloo")
-
-
-def compute_advantages(adv_cfg, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+def compute_advantages(
+    adv_cfg,
+    rewards: torch.Tensor,
+    group_size: int | None = None,
+    *,
+    group_ids: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
+    grad_sq_norms: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``adv[B]`` from ``rewards[B]`` as the config's ``advantage`` section asks.
 
-    ``adv_cfg`` needs ``estimator`` ("grpo" | "grpo_no_std" | "rloo") and ``eps``.
+    ``adv_cfg`` needs ``estimator`` (one of ``ADVANTAGE_ESTIMATORS``) and ``eps``. ``opo`` needs
+    ``lengths[B]``; ``vcpo_opob`` needs ``is_weights[B]`` and ``grad_sq_norms[B]``;
+    ``reinforce_pp`` uses ``lengths`` if given (token-weighted whitening, as verl).
     """
     estimator = adv_cfg.estimator
     if estimator == "grpo":
-        return grpo_advantages(rewards, group_size, normalize_std=True, eps=adv_cfg.eps)
+        return grpo_advantages(rewards, group_size, normalize_std=True, eps=adv_cfg.eps, group_ids=group_ids)
     if estimator == "grpo_no_std":
-        return grpo_advantages(rewards, group_size, normalize_std=False)
+        return grpo_advantages(rewards, group_size, normalize_std=False, group_ids=group_ids)
     if estimator == "rloo":
-        return rloo_advantages(rewards, group_size)
+        return rloo_advantages(rewards, group_size, group_ids)
+    if estimator in ("reinforce_pp", "reinforce_pp_baseline"):
+        base = estimator == "reinforce_pp_baseline"
+        return reinforce_pp_advantages(rewards, group_size if base else None, group_ids if base else None,
+                                       lengths, baseline=base, eps=adv_cfg.eps)  # fmt: skip
+    if estimator == "opo":
+        if lengths is None:
+            raise ValueError("advantage.estimator='opo' needs the response lengths [B]; got lengths=None")
+        return opo_advantages(rewards, lengths, group_size, group_ids)
+    if estimator == "vcpo_opob":
+        if is_weights is None or grad_sq_norms is None:
+            raise ValueError("advantage.estimator='vcpo_opob' needs is_weights [B] and grad_sq_norms [B]; got None")
+        return opob_advantages(rewards, is_weights, grad_sq_norms, group_size, group_ids)
     raise ValueError(f"advantage.estimator: expected one of {ADVANTAGE_ESTIMATORS}, got {estimator!r}")

@@ -1,6 +1,6 @@
 """Per-token importance weights that correct the engine mismatch π_old / μ.
 
-Owns IcePop (band-masked ratio) and truncated IS (token / sequence), plus the
+Owns IcePop (band-masked ratio, token or sequence level) and truncated IS (token / sequence), plus the
 IS-weight health statistics. Every weight returned here is detached: it is a
 change of measure, never something to differentiate (seed 003, "Implementation
 in verl: The Three-Policy Framework"; seed 001, "Correction Approach 2: Truncated
@@ -53,6 +53,17 @@ def weight_stats(prefix: str, w: torch.Tensor, valid: torch.Tensor) -> Metrics:
     }
 
 
+def _check_band(old_logp, rollout_logp, mask, low, high):
+    mask = check_mask(mask)
+    old_logp = check_logp("old_logp", old_logp, mask)
+    rollout_logp = check_logp("rollout_logp", rollout_logp, mask)
+    low = check_nonneg("icepop low", low)
+    high = check_positive("icepop high", high)
+    if not high > low:
+        raise ValueError(f"icepop band: expected low < high, got low={low}, high={high}")
+    return old_logp, rollout_logp, mask, low, high
+
+
 @torch.no_grad()
 def icepop_weights(
     old_logp: torch.Tensor,
@@ -74,13 +85,7 @@ def icepop_weights(
     them in the 1/Σ|y| normaliser. Padding gets weight 0. Returns detached weights and
     ``icepop/masked_frac`` (+ low/high split) over valid tokens.
     """
-    mask = check_mask(mask)
-    old_logp = check_logp("old_logp", old_logp, mask)
-    rollout_logp = check_logp("rollout_logp", rollout_logp, mask)
-    low = check_nonneg("icepop low", low)
-    high = check_positive("icepop high", high)
-    if not high > low:
-        raise ValueError(f"icepop band: expected low < high, got low={low}, high={high}")
+    old_logp, rollout_logp, mask, low, high = _check_band(old_logp, rollout_logp, mask, low, high)
     return _icepop_weights(old_logp, rollout_logp, mask, low, high, weighted)
 
 
@@ -98,6 +103,45 @@ def _icepop_weights(old_logp, rollout_logp, mask, low, high, weighted):
         "icepop/masked_frac": metric((n_below + n_above) / n),
         "icepop/masked_frac_low": metric(n_below / n),
         "icepop/masked_frac_high": metric(n_above / n),
+    }
+
+
+@torch.no_grad()
+def sequence_icepop_weights(
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    low: float = 0.5,
+    high: float = 5.0,
+    weighted: bool = True,
+    geometric: bool = False,
+) -> tuple[torch.Tensor, Metrics]:
+    """Sequence-level IcePop weights ``w[B, T]``: one band test per sequence, broadcast to its tokens.
+
+    log K_i = Σ_t m·(log π_old − log μ) (``geometric=False``: the sequence ratio K_i = Π_t ρ_t,
+    verl's sequence-level band) or (1/|y_i|) Σ_t m·(log π_old − log μ) (``geometric=True``: the
+    geometric-mean ratio, length-invariant). The band low ≤ K_i ≤ high is tested in log space,
+    so no product is exponentiated; ``weighted=True`` gives w = min(K_i, e²⁰)·1[band], else
+    1[band]. Sources: seed 004, "IcePop" (two-sided masking) applied at sequence level as in
+    seed 003's sequence-level rejection. Out-of-band sequences stay in the mask with weight 0.
+    Metrics: ``icepop/seq_masked_frac`` (+ low/high split) and ``icepop/masked_frac`` (tokens).
+    """
+    old_logp, rollout_logp, mask, low, high = _check_band(old_logp, rollout_logp, mask, low, high)
+    valid = seq_valid(mask)
+    lr = old_logp - rollout_logp
+    log_k = masked_mean(lr, mask, dim=1) if geometric else masked_sum(lr, mask, dim=1)
+    below = (log_k < (math.log(low) if low > 0 else float("-inf"))) & valid
+    above = (log_k > math.log(high)) & valid
+    keep = valid & ~below & ~above
+    k = torch.exp(log_k.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    w_seq = torch.where(keep, k if weighted else torch.ones_like(k), torch.zeros_like(k))
+    w = torch.where(mask, w_seq[:, None], torch.zeros((), dtype=k.dtype, device=k.device))
+    n_seq = valid.sum()
+    return w, {
+        "icepop/seq_masked_frac": metric((below.sum() + above.sum()) / n_seq),
+        "icepop/seq_masked_frac_low": metric(below.sum() / n_seq),
+        "icepop/seq_masked_frac_high": metric(above.sum() / n_seq),
+        "icepop/masked_frac": metric((mask & ~keep[:, None]).sum() / mask.sum()),
     }
 
 

@@ -58,6 +58,27 @@ def _finish(per_token, mask, is_weights, aggregation, loss_denominator, metrics)
     return loss, metrics
 
 
+def sequence_log_ratio(
+    x: torch.Tensor, mask: torch.Tensor, is_weights: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log s[B], inside[B]): log s_i = masked mean of ``x[B, T]`` (a token log-ratio), clamped at ±20.
+
+    Beyond ±20 the gradient is zero (``inside`` = 0 there; verl's behaviour). With detached
+    ``is_weights[B, T]`` the value is unchanged but the gradient reaching token t is weighted
+    by w_t / w̄_i (w̄_i the sequence's mean weight), so that after the weights multiply the
+    sequence's tokens each token's gradient carries its own weight — as in GSPO-token.
+    """
+    raw = masked_mean(x, mask, dim=1)
+    inside = ((raw >= -LOG_RATIO_BOUND) & (raw <= LOG_RATIO_BOUND)).to(x.dtype)
+    log_s = raw.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    if is_weights is None:
+        return log_s, inside
+    w_bar = masked_mean(is_weights, mask, dim=1)
+    u = masked_mean(is_weights * x, mask, dim=1)
+    scale = torch.where(w_bar > 0, 1 / w_bar.clamp_min(torch.finfo(w_bar.dtype).tiny), torch.zeros_like(w_bar))
+    return log_s.detach() + (u - u.detach()) * scale * inside, inside
+
+
 def ppo_clip_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -127,14 +148,16 @@ def gspo_loss(
     sequence; ℓ_i is broadcast to the sequence's tokens before aggregation.
     ``token_level=True`` (GSPO-token): s_{i,t} = sg[s_i] · π_θ(y_t) / sg[π_θ(y_t)] — equal to
     s_i in value, gradient only through the token's own log-prob — with per-token A_{i,t}.
-    With A constant per sequence and ``seq_mean_token_mean`` both variants give the
-    same loss and gradient. Metrics: clip_frac (tokens in clipped sequences), seq_ratio_*.
+    With A constant per sequence both variants give the same loss and gradient, also with
+    token IS weights (each token's gradient is weighted by its own w_t in both forms) and
+    beyond |mean log-ratio| > 20 (log s_i clamped at ±20, zero gradient outside); see
+    ``sequence_log_ratio``. Metrics: clip_frac (tokens in clipped sequences), seq_ratio_*.
     """
     logp, old_logp, adv, mask, is_weights = _inputs(logp, old_logp, advantages, mask, is_weights)
     lo, hi = _clip_bounds(clip_low, clip_high)
-    log_s = masked_mean(logp - old_logp, mask, dim=1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # [B]
+    log_s, inside = sequence_log_ratio(logp - old_logp, mask, None if token_level else is_weights)  # [B]
     if token_level:
-        log_s_tok = log_s.detach()[:, None] + logp - logp.detach()
+        log_s_tok = log_s.detach()[:, None] + (logp - logp.detach()) * inside[:, None]
         s = torch.exp(log_s_tok)  # [B, T]; value s_i, d/dlogp_t = s_i
         unclipped, clipped = -adv * s, -adv * s.clamp(lo, hi)
         per_token = torch.maximum(unclipped, clipped)
@@ -148,7 +171,7 @@ def gspo_loss(
         clip_active = (clipped > unclipped)[:, None] & mask
     valid = seq_valid(mask)
     with torch.no_grad():
-        s_seq = torch.exp(log_s)[valid]
+        s_seq = torch.exp(log_s.detach())[valid]
         metrics: Metrics = {
             "loss/clip_frac": metric(clip_active.sum() / mask.sum().clamp_min(1)),
             "loss/seq_ratio_mean": metric(s_seq.mean() if s_seq.numel() else 1.0),

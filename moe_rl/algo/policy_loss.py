@@ -14,27 +14,35 @@ Framework"; seed 000, "Notation map"): μ = ``rollout_logp`` (SGLang), π_old =
   explicitly (seed 000, "Bypass mode loss").
 - Rejection (rs_mode, token veto, OPSM) always applies: each is computed on the input
   mask and the keep masks are AND-ed. OPSM always compares π_θ with μ (DeepSeek-V3.2).
+- Step-global statistics come from three phases the training loop calls per minibatch:
+  ``prepare_corrections`` (whole minibatch, all ranks: π_θ-free rejection, IS weights with
+  batch normalisation, the loss denominator), ``policy_loss`` per microbatch with grad, and
+  ``policy_loss`` once more on the gathered detached π_θ for exact minibatch metrics.
+  ``compute_policy_loss`` is the three on one batch.
 - Truncated IS is computed over the kept tokens, so batch normalisation is over what
   enters the loss. IcePop together with TIS gives min(ρ, C)·1[band] (the band mask times
-  the truncated weight), never two ratio factors.
+  the truncated weight), never two ratio factors (verl's token-IcePop preset is ρ·1[band]:
+  IcePop alone, weighted).
+- M2PO (``correction.m2po_tau``) couples all tokens of the minibatch and needs π_θ: it is
+  computed in ``prepare_corrections`` from the no-grad pre-pass's ``policy_logp``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from moe_rl.algo._tensors import check_logp, check_mask, check_seq_or_token, metric, seq_valid
-from moe_rl.algo.aggregation import AGGREGATIONS, aggregate
-from moe_rl.algo.importance import icepop_weights, truncated_is_weights
+from moe_rl.algo.aggregation import AGGREGATIONS, aggregate, default_denominator
+from moe_rl.algo.covariance_losses import cov_selection
+from moe_rl.algo.importance import icepop_weights, sequence_icepop_weights, truncated_is_weights
 from moe_rl.algo.kl import kl_penalty
-from moe_rl.algo.losses import cispo_loss, gspo_loss, ppo_clip_loss, reinforce_loss
 from moe_rl.algo.metrics import _offpolicy_metrics
-from moe_rl.algo.rejection import opsm_mask, rejection_mask, token_veto
-
-LOSS_TYPES = ("ppo_clip", "gspo", "gspo_token", "cispo", "reinforce")
-RATIO_LOSSES = ("ppo_clip", "gspo", "gspo_token", "cispo")  # losses whose ratio is anchored on π_old
+from moe_rl.algo.rejection import chained_rejection_mask, opsm_mask, rejection_mask, token_veto
+from moe_rl.algo.surrogates import LOSS_TYPES, RATIO_LOSSES, surrogate_loss
+from moe_rl.algo.variance_control import m2po_mask
 
 
 class CorrectionConfigLike(Protocol):
@@ -53,13 +61,15 @@ class CorrectionConfigLike(Protocol):
     icepop_weighted: bool
     token_veto_threshold: float | None
     opsm_delta: float | None
+    # Optional (defaults when absent): icepop_level ("token"), rejection ([]), m2po_tau (None).
 
 
 class LossConfigLike(Protocol):
     """Attributes read from the config's ``loss`` section (moe_rl.config.LossConfig).
 
-    Optional: ``cispo_clip_low`` (default None = no lower bound), ``cispo_clip_high``
-    (default ``clip_high``).
+    Optional (schema defaults when absent): ``cispo_clip_low`` (None = no lower bound),
+    ``cispo_clip_high`` (None = ``clip_high``), the per-loss fields read by
+    ``surrogates.surrogate_loss``, ``norm_len`` (None) and ``scale_factor`` (1.0).
     """
 
     type: str
@@ -86,16 +96,17 @@ def _anchor_and_source(mode, logp, old_logp, rollout, mask):
     raise ValueError(f"correction.mode: expected 'bypass' or 'decoupled', got {mode!r}")
 
 
-def _rejection(cfg, source, rollout, mask, logp, advantages, metrics):
+def _sequence_free_rejection(cfg, source, rollout, mask, metrics):
+    """Rejection that needs no π_θ (rs_mode / rejection list, token veto): step-global, in ``prepare_corrections``."""
     keep = mask
     if cfg.rs_mode is not None:
         k, m = rejection_mask(source, rollout, mask, cfg.rs_mode, cfg.rs_lower, cfg.rs_upper)
         keep, metrics = keep & k, metrics | m
+    if getattr(cfg, "rejection", None):
+        k, m = chained_rejection_mask(source, rollout, mask, cfg.rejection)
+        keep, metrics = keep & k, metrics | m
     if cfg.token_veto_threshold is not None:
         k, m = token_veto(source, rollout, mask, cfg.token_veto_threshold)
-        keep, metrics = keep & k, metrics | m
-    if cfg.opsm_delta is not None:
-        k, m = opsm_mask(logp, rollout, mask, advantages, cfg.opsm_delta)
         keep, metrics = keep & k, metrics | m
     return keep, metrics
 
@@ -103,9 +114,11 @@ def _rejection(cfg, source, rollout, mask, logp, advantages, metrics):
 def _is_weights(cfg, loss_type, source, rollout, mask, keep, metrics):
     """IS weights to multiply into the loss (or None), plus their metrics.
 
-    IcePop alone: k·1[band] (``icepop_weighted``) or 1[band]. TIS alone: min(ρ, C) (token or
-    sequence). Both: the band mask times the truncated weight, min(ρ, C)·1[band] — verl's
-    token-IcePop preset — since two ratio factors would count π_old/μ twice.
+    IcePop alone: k·1[band] (``icepop_weighted``) or 1[band], on token ratios or (``icepop_level``
+    sequence / geometric) on each sequence's ratio. TIS alone: min(ρ, C) (token or sequence).
+    Both: the band mask times the truncated weight, min(ρ, C)·1[band], since two ratio factors
+    would count π_old/μ twice. verl's token-IcePop preset is ρ·1[band], i.e. IcePop alone
+    with ``icepop_weighted`` (docs/algo.md).
     """
     is_level = "none" if cfg.is_level is None else cfg.is_level
     if is_level not in ("none", "token", "sequence"):
@@ -116,7 +129,14 @@ def _is_weights(cfg, loss_type, source, rollout, mask, keep, metrics):
         # A ratio factor is never applied to a ratio loss in bypass (π_θ/μ is already in it),
         # and not twice when TIS supplies the weight: then IcePop contributes only its mask.
         weighted = cfg.icepop_weighted and not ratio_in_bypass and is_level == "none"
-        band, m = icepop_weights(source, rollout, mask, cfg.icepop_low, cfg.icepop_high, weighted)
+        level = getattr(cfg, "icepop_level", "token")
+        if level == "token":
+            band, m = icepop_weights(source, rollout, mask, cfg.icepop_low, cfg.icepop_high, weighted)
+        elif level in ("sequence", "geometric"):
+            band, m = sequence_icepop_weights(source, rollout, mask, cfg.icepop_low, cfg.icepop_high, weighted,
+                                              geometric=level == "geometric")  # fmt: skip
+        else:
+            raise ValueError(f"correction.icepop_level: expected 'token', 'sequence' or 'geometric', got {level!r}")
         metrics = metrics | m
     weights = None
     if is_level != "none" and bool(keep.any()):
@@ -130,7 +150,99 @@ def _is_weights(cfg, loss_type, source, rollout, mask, keep, metrics):
     return (band if weights is None else band * weights), metrics
 
 
-def compute_policy_loss(
+@dataclass
+class PreparedCorrections:
+    """Step-global corrections of one minibatch, computed once over all its samples.
+
+    ``keep[N, T]``: tokens entering the loss after the π_θ-free rejections (rs_mode, token veto);
+    ``weights[N, T]``: detached IS weights to multiply into each token's loss (None = none),
+    batch normalisation included; ``denominator``: the aggregation's divisor over the whole
+    minibatch (kept tokens, kept sequences, or N·norm_len); ``metrics``: rejection / IS metrics.
+    Rows are samples, so the caller can slice rows (and re-lay positions) into microbatches.
+    """
+
+    keep: torch.Tensor
+    weights: torch.Tensor | None
+    denominator: float
+    metrics: dict[str, torch.Tensor]
+    cov_selected: torch.Tensor | None = None  # [N, T] Clip-Cov / KL-Cov tokens; pass rows to policy_loss
+
+
+def needs_policy_prepass(correction_cfg: CorrectionConfigLike, loss_cfg: LossConfigLike | None = None) -> bool:
+    """True when the minibatch's corrections need π_θ before the update (a no-grad forward).
+
+    Only bypass mode measures its corrections on π_θ (π_old ≔ μ); in decoupled mode they are
+    functions of π_old and μ, both known before the update.
+    """
+    c = correction_cfg
+    if loss_cfg is not None and loss_cfg.type in ("clip_cov", "kl_cov"):
+        return True  # their token selection is a function of π_θ over the whole minibatch
+    if getattr(c, "m2po_tau", None) is not None:
+        return True  # M2PO's ratio is π_θ / anchor in both modes
+    if c.mode != "bypass":
+        return False
+    is_level = "none" if c.is_level is None else c.is_level
+    rejects = c.rs_mode is not None or bool(getattr(c, "rejection", None)) or c.token_veto_threshold is not None
+    return rejects or is_level != "none" or bool(c.icepop)
+
+
+def _denominator(aggregation: str, keep: torch.Tensor, norm_len: int | None) -> float:
+    return float(default_denominator(keep, aggregation, norm_len))
+
+
+@torch.no_grad()
+def prepare_corrections(
+    loss_cfg: LossConfigLike,
+    correction_cfg: CorrectionConfigLike,
+    source_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    norm_len: int | None = None,
+    policy_logp: torch.Tensor | None = None,
+    advantages: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> PreparedCorrections:
+    """Phase 1 of a minibatch: rejection, IS weights and the loss denominator over ALL its samples.
+
+    ``source_logp[N, T]`` is the numerator of the correction ratio: π_old in decoupled mode,
+    π_θ (no-grad pre-pass; the weights do not change within a minibatch) in bypass mode.
+    ``rollout_logp[N, T]`` is μ and ``mask[N, T]`` the valid response tokens. Called on the
+    whole minibatch (every microbatch, every data-parallel rank), so batch normalisation,
+    the denominator and the fractions do not depend on micro_batch_size or dp size.
+    Sequence-local corrections that need π_θ (OPSM) are applied per microbatch in
+    ``policy_loss``; the sequences they drop stay in the denominator (as IcePop's band does).
+    ``norm_len`` defaults to ``loss_cfg.norm_len``. ``policy_logp[N, T]`` (π_θ from the no-grad
+    pre-pass) is needed for M2PO (``correction.m2po_tau``): its ratio is π_θ/π_old in decoupled
+    mode (π_old = ``source_logp``) and π_θ/μ in bypass mode. For ``loss.type`` clip_cov / kl_cov,
+    ``policy_logp`` and ``advantages`` ([N] or [N, T]) give the step-global token selection
+    (``cov_selected``; Clip-Cov draws with ``generator``, seeded from train.seed, step and
+    minibatch — identical on every rank, which all see the gathered rows); without them each
+    ``policy_loss`` call selects on its own microbatch.
+    """
+    if loss_cfg.aggregation not in AGGREGATIONS:
+        raise ValueError(f"loss.aggregation: expected one of {AGGREGATIONS}, got {loss_cfg.aggregation!r}")
+    mask = check_mask(mask)
+    rollout = check_logp("rollout_logp", rollout_logp.detach(), mask)
+    source = check_logp("source_logp", source_logp.detach(), mask)
+    keep, metrics = _sequence_free_rejection(correction_cfg, source, rollout, mask, {})
+    if getattr(correction_cfg, "m2po_tau", None) is not None:
+        if policy_logp is None:
+            raise ValueError("policy_logp: correction.m2po_tau needs π_θ log-probs [N, T] from the no-grad pre-pass")
+        anchor = rollout if correction_cfg.mode == "bypass" else source
+        k, m = m2po_mask(policy_logp.detach(), anchor, mask, correction_cfg.m2po_tau)
+        keep, metrics = keep & k, metrics | m
+    if norm_len is None:
+        norm_len = getattr(loss_cfg, "norm_len", None)
+    weights, metrics = _is_weights(correction_cfg, loss_cfg.type, source, rollout, mask, keep, metrics)
+    selected = None
+    if policy_logp is not None and advantages is not None:
+        anchor = rollout if correction_cfg.mode == "bypass" else source
+        selected = cov_selection(loss_cfg, policy_logp, anchor, advantages, keep, generator)
+    return PreparedCorrections(keep, weights, _denominator(loss_cfg.aggregation, keep, norm_len), metrics, selected)
+
+
+def policy_loss(
     loss_cfg: LossConfigLike,
     correction_cfg: CorrectionConfigLike,
     logp: torch.Tensor,
@@ -138,24 +250,30 @@ def compute_policy_loss(
     rollout_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    keep: torch.Tensor,
+    weights: torch.Tensor | None,
+    denominator: float,
+    *,
     ref_logp: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
-    loss_denominator: float | None = None,
+    generator: torch.Generator | None = None,
+    cov_selected: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Total policy loss and flat ``group/name`` metrics (detached 0-d tensors).
+    """Phase 2 (per microbatch, with grad) and phase 3 (whole minibatch, detached, for metrics).
 
-    Inputs: ``logp[B, T]`` (π_θ, grad), ``old_logp[B, T]`` (π_old; None or == rollout in
-    bypass), ``rollout_logp[B, T]`` (μ), ``advantages[B]`` or ``[B, T]``, ``mask[B, T]``,
-    optional ``ref_logp[B, T]`` (needed when kl_coef > 0), ``entropy[B, T]`` (needed when
-    entropy_coef > 0), ``loss_denominator`` (global normaliser, see ``aggregate``).
-    loss = pg_loss + kl_coef · agg(KL) − entropy_coef · agg(entropy), all aggregated over
-    the kept mask. If rejection removes every token the loss is a graph-connected zero.
+    ``keep[B, T]`` / ``weights[B, T]`` / ``denominator`` come from ``prepare_corrections`` on the
+    whole minibatch (rows and positions re-laid for this microbatch). The loss is a sum over
+    this microbatch's tokens divided by the global denominator, so summing it over microbatches
+    and ranks gives the minibatch loss. Called once more on the gathered, detached π_θ of the
+    whole minibatch, its metrics (clip fractions, ratios, OPSM, off-policy diagnostics, KL,
+    entropy) are step-global and its loss equals that sum. ``generator`` seeds Clip-Cov's
+    random token selection (seed it from train.seed, step, minibatch and rank) when no
+    ``cov_selected[B, T]`` (rows of ``PreparedCorrections.cov_selected``) is given. The loss is
+    multiplied by ``loss.scale_factor``; the KL to the reference is logged as ``loss/kl_ref``.
     """
     loss_type = loss_cfg.type
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss.type: expected one of {LOSS_TYPES}, got {loss_type!r}")
-    if loss_cfg.aggregation not in AGGREGATIONS:
-        raise ValueError(f"loss.aggregation: expected one of {AGGREGATIONS}, got {loss_cfg.aggregation!r}")
     mask = check_mask(mask)
     rollout = check_logp("rollout_logp", rollout_logp.detach(), mask)
     logp_c = check_logp("logp", logp, mask)
@@ -169,40 +287,71 @@ def compute_policy_loss(
     ent_c = None if entropy is None else check_logp("entropy", entropy, mask)
 
     metrics = _offpolicy_metrics(source, rollout, mask)
-    keep, metrics = _rejection(correction_cfg, source, rollout, mask, logp_c, adv, metrics)
-    weights, metrics = _is_weights(correction_cfg, loss_type, source, rollout, mask, keep, metrics)
+    keep = keep & mask
+    if correction_cfg.opsm_delta is not None:
+        k, m = opsm_mask(logp_c, rollout, mask, adv, correction_cfg.opsm_delta)
+        keep, metrics = keep & k, metrics | m
     metrics["correction/kept_token_frac"] = metric(keep.sum() / mask.sum())
     metrics["correction/kept_seq_frac"] = metric(seq_valid(keep).sum() / seq_valid(mask).sum())
 
-    agg = loss_cfg.aggregation
+    agg, den = loss_cfg.aggregation, denominator
     if not bool(keep.any()):
         pg = (logp_c * 0).sum()  # everything rejected: zero loss, zero gradient, graph intact
         metrics["loss/pg_loss"] = metric(pg)
-    elif loss_type == "ppo_clip":
-        pg, m = ppo_clip_loss(logp_c, anchor, adv, keep, loss_cfg.clip_low, loss_cfg.clip_high,
-                              loss_cfg.dual_clip_c, weights, agg, loss_denominator)  # fmt: skip
-        metrics |= m
-    elif loss_type in ("gspo", "gspo_token"):
-        pg, m = gspo_loss(logp_c, anchor, adv, keep, loss_cfg.clip_low, loss_cfg.clip_high,
-                          loss_type == "gspo_token", weights, agg, loss_denominator)  # fmt: skip
-        metrics |= m
-    elif loss_type == "cispo":
-        lo = getattr(loss_cfg, "cispo_clip_low", None)
-        hi = getattr(loss_cfg, "cispo_clip_high", None) or loss_cfg.clip_high
-        pg, m = cispo_loss(logp_c, anchor, adv, keep, lo, hi, weights, agg, loss_denominator)
-        metrics |= m
     else:
-        pg, m = reinforce_loss(logp_c, adv, keep, weights, agg, loss_denominator)
+        pg, m = surrogate_loss(loss_cfg, logp_c, anchor, adv, keep, weights, den, generator, cov_selected)
         metrics |= m
 
     total = pg
     if loss_cfg.kl_coef:
-        kl = aggregate(kl_penalty(logp_c, ref, loss_cfg.kl_estimator), keep, agg, loss_denominator)
+        kl = aggregate(kl_penalty(logp_c, ref, loss_cfg.kl_estimator), keep, agg, den)
         total = total + loss_cfg.kl_coef * kl
-        metrics["loss/kl"] = metric(kl)
+        metrics["loss/kl_ref"] = metric(kl)
     if ent_c is not None:
-        ent = aggregate(ent_c, keep, agg, loss_denominator)
+        ent = aggregate(ent_c, keep, agg, den)
         total = total - loss_cfg.entropy_coef * ent
         metrics["loss/entropy"] = metric(ent)
+    scale = getattr(loss_cfg, "scale_factor", 1.0)
+    if scale != 1.0:
+        if not scale > 0:
+            raise ValueError(f"loss.scale_factor: expected a number > 0, got {scale}")
+        total = total * scale
     metrics["loss/total"] = metric(total)
     return total, metrics
+
+
+def compute_policy_loss(
+    loss_cfg: LossConfigLike,
+    correction_cfg: CorrectionConfigLike,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor | None,
+    rollout_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    ref_logp: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    loss_denominator: float | None = None,
+    norm_len: int | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Total policy loss and flat ``group/name`` metrics (detached 0-d tensors) of ONE batch.
+
+    Inputs: ``logp[B, T]`` (π_θ, grad), ``old_logp[B, T]`` (π_old; None or == rollout in
+    bypass), ``rollout_logp[B, T]`` (μ), ``advantages[B]`` or ``[B, T]``, ``mask[B, T]``,
+    optional ``ref_logp[B, T]`` (needed when kl_coef > 0), ``entropy[B, T]`` (needed when
+    entropy_coef > 0), ``loss_denominator`` (overrides the batch's own divisor).
+    loss = pg_loss + kl_coef · agg(KL) − entropy_coef · agg(entropy), all aggregated over
+    the kept mask. If rejection removes every token the loss is a graph-connected zero.
+    This is ``prepare_corrections`` + ``policy_loss`` on one batch; the training loop calls the
+    phases itself so that a minibatch split into microbatches and ranks gives the same step.
+    """
+    mask = check_mask(mask)
+    rollout = check_logp("rollout_logp", rollout_logp.detach(), mask)
+    _, source = _anchor_and_source(correction_cfg.mode, logp, old_logp, rollout, mask)
+    prepared = prepare_corrections(loss_cfg, correction_cfg, source, rollout, mask, norm_len=norm_len,
+                                   policy_logp=logp.detach(), advantages=advantages, generator=generator)  # fmt: skip
+    den = prepared.denominator if loss_denominator is None else loss_denominator
+    total, metrics = policy_loss(loss_cfg, correction_cfg, logp, old_logp, rollout, advantages, mask,
+                                 prepared.keep, prepared.weights, den, ref_logp=ref_logp, entropy=entropy,
+                                 cov_selected=prepared.cov_selected)  # fmt: skip
+    return total, prepared.metrics | metrics

@@ -209,3 +209,44 @@ def _opsm_mask(logp, rollout_logp, mask, adv, delta):
         "opsm/token_masked_frac": metric((mask.sum(dim=1) * drop).sum() / mask.sum()),
         "opsm/kl_mean": metric(masked_mean(kl_seq, valid)),
     }
+
+
+def _criterion_fields(criterion) -> tuple[str, float | None, float | None]:
+    """(mode, lower, upper) from a dict or an object with those attributes (config ``RejectionCriterion``)."""
+    get = criterion.get if isinstance(criterion, dict) else lambda k, d=None: getattr(criterion, k, d)
+    mode = get("mode")
+    if mode is None:
+        raise ValueError(f"correction.rejection: each criterion needs a 'mode' (one of {RS_MODES}), got {criterion!r}")
+    return mode, get("lower", None), get("upper", None)
+
+
+@torch.no_grad()
+def chained_rejection_mask(
+    old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, criteria
+) -> tuple[torch.Tensor, Metrics]:
+    """AND of several rejection criteria, each ``{mode, lower, upper}`` as in :func:`rejection_mask`.
+
+    Every criterion is evaluated on the *input* mask (so each reports what it alone rejects)
+    and the keep masks are AND-ed; verl's comma-separated ``rollout_rs`` does the same.
+    Metrics: per criterion ``rs/<i>_<mode>/masked_frac`` and ``.../seq_masked_frac``, plus the
+    combined ``rs/masked_frac`` and ``rs/seq_masked_frac``.
+    """
+    mask = check_mask(mask)
+    old_logp = check_logp("old_logp", old_logp, mask)
+    rollout_logp = check_logp("rollout_logp", rollout_logp, mask)
+    if not criteria:
+        raise ValueError("correction.rejection: expected a non-empty list of {mode, lower, upper} criteria")
+    keep, metrics = mask, {}
+    for i, criterion in enumerate(criteria):
+        mode, lower, upper = _criterion_fields(criterion)
+        if mode not in RS_MODES:
+            raise ValueError(f"correction.rejection[{i}].mode: expected one of {RS_MODES}, got {mode!r}")
+        lower, upper = _rs_bounds(mode, lower, upper)
+        k, m = _rejection_mask(old_logp, rollout_logp, mask, mode, lower, upper)
+        keep = keep & k
+        metrics[f"rs/{i}_{mode}/masked_frac"] = m["rs/masked_frac"]
+        metrics[f"rs/{i}_{mode}/seq_masked_frac"] = m["rs/seq_masked_frac"]
+    n_tok = mask.sum()
+    metrics["rs/masked_frac"] = metric((n_tok - keep.sum()) / n_tok)
+    metrics["rs/seq_masked_frac"] = metric((keep.sum(dim=1) < mask.sum(dim=1)).sum() / seq_valid(mask).sum())
+    return keep, metrics

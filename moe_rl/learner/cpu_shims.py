@@ -11,7 +11,8 @@ Shims (name -> failure prevented):
                         ``torch.cuda.current_device()`` in RoPE ``get_emb`` and
                         ``Router.gating`` (they move CPU params "to the GPU").
   te_general_gemm       ``NameError: te_general_gemm`` in the router GEMM when
-                        Transformer Engine is absent.
+                        Transformer Engine is absent (0.16.x; also on a GPU, so
+                        ``mcore_compat.apply_megatron_fixes`` applies it there).
   dispatcher_stream     ``torch.cuda.Stream requires CUDA`` when the alltoall
                         token dispatcher creates its device->host side stream.
   split_sizes_numpy     ``all_to_all_single(): incompatible function arguments``:
@@ -31,6 +32,9 @@ import inspect
 from typing import Callable
 
 import torch
+
+from moe_rl.learner.mcore_compat import bind_te_general_gemm as _apply_te_general_gemm
+from moe_rl.learner.mcore_compat import need_te_general_gemm as _need_te_general_gemm
 
 __all__ = ["CPU_SHIMS", "apply_cpu_shims", "applied_shims", "seed_model_parallel_rng"]
 
@@ -107,20 +111,8 @@ def _apply_current_device() -> None:
 
 
 # --- te_general_gemm ---------------------------------------------------------
-
-
-def _need_te_general_gemm() -> bool:
-    from megatron.core.transformer.moe import moe_utils
-
-    return not hasattr(moe_utils, "te_general_gemm") and _source_mentions(
-        moe_utils, "te_general_gemm is not None"
-    )
-
-
-def _apply_te_general_gemm() -> None:
-    from megatron.core.transformer.moe import moe_utils
-
-    moe_utils.te_general_gemm = None  # the code path checks ``is not None``
+# Not CPU-specific (a GPU without Transformer Engine hits it too): ``moe_rl.learner.mcore_compat``
+# owns it and applies it on every device; it stays listed here so the CPU set is complete.
 
 
 # --- dispatcher_stream -------------------------------------------------------
@@ -153,7 +145,7 @@ def _need_split_sizes_numpy() -> bool:
     move = getattr(token_dispatcher, "maybe_move_tensor_to_cpu", None)
     if move is None or getattr(move, "_moe_rl_shim", False):
         return False
-    return torch.is_tensor(move(torch.tensor([1, 2]), as_numpy=True))
+    return torch.is_tensor(move(torch.tensor([1, 2], device="cpu"), as_numpy=True))
 
 
 def _apply_split_sizes_numpy() -> None:
@@ -174,7 +166,7 @@ def _apply_split_sizes_numpy() -> None:
 
 # --- cuda_rng_state ----------------------------------------------------------
 
-_EMPTY_RNG_STATE = torch.zeros(0, dtype=torch.uint8)
+_EMPTY_RNG_STATE = torch.zeros(0, dtype=torch.uint8, device="cpu")
 
 
 def _need_cuda_rng_state() -> bool:

@@ -79,6 +79,18 @@ def launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
     return LaunchEnv(0, 1, 0, "127.0.0.1", free_port(), "single")
 
 
+def _local_gpu(env: LaunchEnv) -> int:
+    """The GPU of this rank (one per rank): ``local_rank``, which must name a visible device."""
+    count = torch.cuda.device_count()
+    if env.local_rank >= count:
+        raise ValueError(
+            f"rank {env.rank} has local_rank={env.local_rank} ({env.launcher}) but this node shows {count} CUDA "
+            f"GPU(s); expected one GPU per rank: start at most {count} processes per node "
+            "(torchrun --nproc-per-node) or check CUDA_VISIBLE_DEVICES"
+        )
+    return env.local_rank
+
+
 def init_distributed(parallel_cfg, environ: dict[str, str] | None = None) -> LaunchEnv:
     """Create the default process group and Megatron's model-parallel groups.
 
@@ -89,8 +101,10 @@ def init_distributed(parallel_cfg, environ: dict[str, str] | None = None) -> Lau
     from megatron.core import parallel_state
 
     from moe_rl.learner.cpu_shims import apply_cpu_shims
+    from moe_rl.learner.mcore_compat import apply_megatron_fixes
 
-    apply_cpu_shims()
+    apply_cpu_shims()  # first: on CPU the shim set lists te_general_gemm itself
+    apply_megatron_fixes()
     env = launch_env(environ)
     tp, pp, ep, cp = (int(getattr(parallel_cfg, k)) for k in ("tp", "pp", "ep", "cp"))
     etp = getattr(parallel_cfg, "etp", None)
@@ -105,7 +119,7 @@ def init_distributed(parallel_cfg, environ: dict[str, str] | None = None) -> Lau
     if not dist.is_initialized():
         cuda = torch.cuda.is_available()
         if cuda:
-            torch.cuda.set_device(env.local_rank)
+            torch.cuda.set_device(_local_gpu(env))
         backend = getattr(parallel_cfg, "backend", "auto")
         dist.init_process_group(
             backend=("nccl" if cuda else "gloo") if backend == "auto" else backend,

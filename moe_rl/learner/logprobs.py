@@ -43,7 +43,8 @@ def logprobs_from_logits(
     """``logits[B, T, V/tp]``, ``targets[B, T]`` -> ``(logp[B, T], entropy[B, T] | None)``, fp32.
 
     ``logits / temperature`` is normalised over the full vocabulary (all tp
-    shards). ``targets < 0`` (padding) give ``logp = 0``. Both outputs carry
+    shards). ``targets`` may be on another device (moved to ``logits.device``).
+    ``targets < 0`` (padding) give ``logp = 0``. Both outputs carry
     gradients. ``tp_group="auto"`` uses Megatron's tensor-parallel group when
     tp > 1; pass ``None`` for unsharded logits.
     """
@@ -55,6 +56,7 @@ def logprobs_from_logits(
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0; got {temperature}")
     group = _tp_group() if tp_group == "auto" else tp_group
+    targets = targets.to(logits.device)
     # One fp32 upcast shared by log-probs and entropy: bf16 log-softmax loses ~1e-2 nats.
     z = logits.float() / temperature
     local_v = z.shape[-1]
@@ -91,15 +93,17 @@ def response_logprobs(
     segment_ids: torch.Tensor | None = None,
     temperature: float = 1.0,
     with_entropy: bool = True,
+    padding_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward ``input_ids[B, T]`` and score ``targets[B, T]``: ``(logp[B, T], entropy[B, T] | None)``.
 
     Padded batch: right-pad ``input_ids`` with any id and ``targets`` with -1.
     Packed batch: concatenate samples along T and pass ``segment_ids[B, T]``; the
     last input of each sample has its own next token as target, so no target
-    crosses a sample boundary. Select response tokens with the caller's mask.
+    crosses a sample boundary. Select response tokens with the caller's mask. Inputs may be on any
+    device; outputs are on the model's device.
     """
     from moe_rl.learner.model import forward_logits
 
-    logits = forward_logits(model, input_ids, segment_ids=segment_ids)
+    logits = forward_logits(model, input_ids, segment_ids=segment_ids, padding_mask=padding_mask)
     return logprobs_from_logits(logits, targets, temperature=temperature, with_entropy=with_entropy)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_rl.learner.cpu_shims import apply_cpu_shims, seed_model_parallel_rng
+from moe_rl.learner.device import model_device
 from moe_rl.learner.fp8 import fp8_runtime_missing, fp8_transformer_fields, te_available
 
 __all__ = [
@@ -152,7 +153,10 @@ def build_model(cfg, seed: int | None = None):
     """
     from megatron.core.models.gpt import GPTModel
 
-    apply_cpu_shims()
+    from moe_rl.learner.mcore_compat import apply_megatron_fixes
+
+    apply_cpu_shims()  # first: on CPU the shim set lists te_general_gemm itself
+    apply_megatron_fixes()
     tcfg = transformer_config_from(cfg)
     seed_model_parallel_rng(cfg.train.seed if seed is None else seed)
     use_te = use_transformer_engine()
@@ -212,15 +216,24 @@ def forward_logits(
     *,
     segment_ids: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
+    padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run the model: ``input_ids[B, T]`` -> ``logits[B, T, V/tp]`` (vocab-sharded when tp > 1).
 
-    Padded batches need nothing extra (right padding never influences earlier
+    ``padding_mask[B, T]`` (True = padding, Megatron's convention) keeps pad tokens out of the
+    routers' aux / z losses and expert-bias token counts.
+
+    Inputs may live on any device: they are moved to the model's parameters' device (no copy when
+    already there). Padded batches need nothing extra (right padding never influences earlier
     tokens under the causal mask). Packed batches pass ``segment_ids[B, T]``:
     attention stays within a sequence and positions restart per sequence.
     """
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [B, T]; got shape {tuple(input_ids.shape)}")
+    device = model_device(model)
+    input_ids = input_ids.to(device)
+    segment_ids = None if segment_ids is None else segment_ids.to(device)
+    position_ids = None if position_ids is None else position_ids.to(device)
     if position_ids is None:
         if segment_ids is None:
             T = input_ids.shape[1]
@@ -232,11 +245,12 @@ def forward_logits(
             "packed batches (segment_ids) use an explicit block-diagonal mask, which the Transformer "
             "Engine spec's causal attention ignores; pad the batch instead (THD PackedSeqParams not wired yet)"
         )
-    if torch.cuda.is_available() and segment_ids is None:
+    if device.type == "cuda" and segment_ids is None:
         mask = None  # Megatron builds its causal mask on the GPU (TE ignores masks for causal attention)
     else:
         mask = attention_mask(input_ids, segment_ids)
-    return model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask)
+    extra = {} if padding_mask is None else {"padding_mask": padding_mask.to(device=input_ids.device, dtype=torch.bool)}
+    return model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, **extra)
 
 
 def moe_routers(model) -> list:

@@ -16,6 +16,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from moe_rl.learner.device import model_device
+
 __all__ = ["wrap_ddp", "build_optimizer", "lr_at", "set_lr", "grad_norm_and_clip", "is_expert_param"]
 
 
@@ -89,10 +91,11 @@ def set_lr(optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def _sq_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+def _sq_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squares of ``grads`` as a float64 scalar on ``device`` (where the all-reduce runs)."""
     if not grads:
-        return torch.zeros((), dtype=torch.float64)
-    return sum(g.double().pow(2).sum() for g in grads).cpu()
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return sum(g.double().pow(2).sum() for g in grads).to(device)
 
 
 def grad_norm_and_clip(ddp_model, max_norm: float) -> float:
@@ -118,10 +121,10 @@ def grad_norm_and_clip(ddp_model, max_norm: float) -> float:
             expert.append(g)
         elif param_is_not_tensor_parallel_duplicate(p):
             dense.append(g)
-    dense_sq, expert_sq = _sq_norm(dense), _sq_norm(expert)
+    # nccl reduces on the GPU, gloo on the host: keep the partial sums where the grads are.
+    device = all_grads[0].device if all_grads else model_device(ddp_model)
+    dense_sq, expert_sq = _sq_norm(dense, device), _sq_norm(expert, device)
     if dist.is_initialized():
-        dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        dense_sq, expert_sq = dense_sq.to(dev), expert_sq.to(dev)
         dist.all_reduce(dense_sq, group=ps.get_model_parallel_group())
         dist.all_reduce(expert_sq, group=ps.get_expert_tensor_model_pipeline_parallel_group())
     total = math.sqrt(float(dense_sq) + float(expert_sq))

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moe_rl.learner.device import model_device, to_device
 from moe_rl.learner.hf_convert import export_hf_checkpoint, load_hf_weights
 from moe_rl.learner.logprobs import response_logprobs
 from moe_rl.learner.model import build_model, unwrap
@@ -108,22 +109,29 @@ class Learner:
         MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(cp / num_microbatches, device=device))
 
     def train_step(self, microbatches: Sequence[Microbatch], loss_fn: LossFn,
-                   temperature: float = 1.0, logprob_fn: LogprobFn | None = None) -> StepStats:
-        """Accumulate gradients over ``microbatches``, clip, and take one optimizer step.
+                   temperature: float = 1.0, logprob_fn: LogprobFn | None = None,
+                   loss_scale: float | None = None, lr_scale: float = 1.0) -> StepStats:
+        """Accumulate gradients over ``microbatches``, finalise them as Megatron does, clip, step.
 
-        Each microbatch contributes ``loss / len(microbatches)``; give ``loss_fn``
-        a global denominator (e.g. ``loss_denominator`` in ``compute_policy_loss``)
-        and it becomes a token mean over the whole step instead.
+        Each microbatch contributes ``loss * loss_scale`` (default ``1 / len(microbatches)``: a
+        mean over microbatches). A loss already divided by a step-global denominator passes
+        ``loss_scale = dp_size``: Megatron's DDP averages gradients over data-parallel ranks, so
+        the reduced gradient is then the gradient of the sum over every microbatch of every rank.
+        Gradient finalisation is Megatron's ``finalize_model_grads``: dp / expert-dp reduction,
+        sequence-parallel norm grads over tp, and the expert-bias update from the token counts.
         """
         if not microbatches:
             raise ValueError("train_step needs at least one microbatch; got 0")
         n = len(microbatches)
+        scale = 1.0 / n if loss_scale is None else float(loss_scale)
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         self._set_aux_loss_scale(n)
         losses, metrics = [], []
+        device = model_device(self.model)
         for mb in microbatches:
+            mb = to_device(mb, device)  # callers may hand host tensors; the model's device is the one
             if logprob_fn is not None:
                 logp, entropy = logprob_fn(self.model, mb, temperature)
             else:
@@ -134,11 +142,13 @@ class Learner:
             loss, m = loss_fn(logp, entropy, mb)
             if loss.dim() != 0:
                 raise ValueError(f"loss_fn must return a scalar loss; got shape {tuple(loss.shape)}")
-            (loss / n).backward()
+            (loss * scale).backward()
             losses.append(float(loss.detach()))
             metrics.append({k: float(v.detach()) if torch.is_tensor(v) else float(v) for k, v in m.items()})
-        self.model.finish_grad_sync()
-        lr = lr_at(self.step, self.cfg.optim, self.total_steps)
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+        finalize_model_grads([self.model])
+        lr = lr_at(self.step, self.cfg.optim, self.total_steps) * float(lr_scale)  # lr_scale: e.g. VCPO's ESS rule
         set_lr(self.optimizer, lr)
         grad_norm = self._clip_and_step()
         self.step += 1

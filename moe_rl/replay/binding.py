@@ -38,8 +38,11 @@ def unsupported_router_options(tcfg) -> list[str]:
     bad = []
     if getattr(tcfg, "moe_router_fusion", False):
         bad.append("moe_router_fusion=True (the fused top-k kernel never calls the replay hook)")
-    if getattr(tcfg, "moe_router_load_balancing_type", None) == "sinkhorn":
-        bad.append("moe_router_load_balancing_type='sinkhorn' (sinkhorn routing bypasses the replay hook)")
+    balancing = getattr(tcfg, "moe_router_load_balancing_type", None)
+    balancing = balancing if isinstance(balancing, (list, tuple)) else [balancing]
+    for kind in ("sinkhorn", "quantile_balancing"):  # quantile_balancing: megatron-core 0.19+
+        if kind in balancing:
+            bad.append(f"moe_router_load_balancing_type={kind!r} ({kind} routing bypasses the replay hook)")
     if getattr(tcfg, "moe_expert_capacity_factor", None) is not None:
         bad.append(
             f"moe_expert_capacity_factor={tcfg.moe_expert_capacity_factor} "

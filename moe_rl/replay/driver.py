@@ -8,13 +8,19 @@ counters; it must not run forwards itself. Policy (seed 001, Zheng et al. 2025; 
   update minibatch.
 - ``r2``: the learner's own routes are recorded in the old-log-prob pass (decoupled mode) and
   replayed in every update minibatch.
-- ``none``: natural routing everywhere (routes are still observed for the metrics).
+- ``none``: natural routing everywhere; no replay is bound to the model (so router options
+  that replay cannot honour stay allowed), routes are only observed.
 
-Metrics per step (no extra forward; names ``replay/<comparison>/...``):
-``rollout_vs_natural`` rollout routes vs the learner's natural top-k, ``rollout_vs_applied``
-rollout vs the routes the learner actually used (exactly 0 under R3), ``r2_vs_natural`` R2's
-record vs the current policy's natural top-k. Under replay a layer's "natural" top-k is what
-it would pick given the replayed routing of the layers before it.
+Metrics per step, counted in the update passes over positions that score a response token
+(``response``) and, separately, the prompt positions before them (``prompt``); names
+``replay/<comparison>/<response|prompt>/{flip_rate, flip_rate/layer<i>, tokens_with_flip}``:
+
+- ``rollout_vs_dispatched``: the rollout's routes vs the experts Megatron's dispatcher actually
+  received (``DispatchProbe``). Exactly 0 under working R3; any unbound or bypassed router shows.
+- ``rollout_vs_natural``: the rollout's routes vs the learner's own top-k (under replay, what a
+  layer would pick given the replayed routing of the layers before it).
+- ``r2_vs_dispatched`` / ``r2_vs_natural`` (R2): the old-policy record vs what was dispatched /
+  what the current policy would pick.
 """
 
 from __future__ import annotations
@@ -26,8 +32,9 @@ from typing import Iterator, Sequence
 import torch
 
 from moe_rl.records.routes import pad_routes
-from moe_rl.replay.binding import RouteCapture, RoutingReplay
-from moe_rl.replay.metrics import FlipCounter
+from moe_rl.replay.binding import RoutingReplay
+from moe_rl.replay.dispatch_probe import DispatchCapture, DispatchProbe
+from moe_rl.replay.metrics import FlipCounter, expert_set_flips, routes_vs_map_flips
 
 __all__ = ["MicrobatchRoutes", "ReplayDriver", "ROUTING_MODES"]
 
@@ -38,21 +45,22 @@ ROUTING_MODES = ("none", "r2", "r3")
 class MicrobatchRoutes:
     """What the driver needs of one learner microbatch.
 
-    ``sample_ids``: B stable ids (R2 keys its records by them, so update minibatches may
-    regroup samples). ``rollout[B, S, L_moe, K]``: the rollout routes packed with
-    ``pack_microbatch_routes`` (None if the rollout returned none). ``valid[B, S]``: input
-    positions that carry a real rollout route (excludes padding).
+    ``sample_ids``: B stable ids (R2 keys its records by them). ``valid[B, S]``: real input
+    positions (not padding). ``rollout[B, S, L_moe, K]``: the rollout routes packed with
+    ``pack_microbatch_routes`` (None if the rollout returned none). ``response[B, S]``: positions
+    that score a response token (the metrics' ``response`` class; ``valid & ~response`` is ``prompt``).
     """
 
     sample_ids: Sequence[int]
     valid: torch.Tensor
     rollout: torch.Tensor | None = None
+    response: torch.Tensor | None = None
 
 
 class ReplayDriver:
     """Chooses the routes of each pass for ``mode`` in ``ROUTING_MODES`` and accumulates metrics."""
 
-    def __init__(self, replay: RoutingReplay, mode: str, correction_mode: str = "decoupled"):
+    def __init__(self, model, mode: str, correction_mode: str = "decoupled"):
         if mode not in ROUTING_MODES:
             raise ValueError(f"replay.routing must be one of {ROUTING_MODES}; got {mode!r}")
         if mode == "r2" and correction_mode != "decoupled":
@@ -60,57 +68,64 @@ class ReplayDriver:
                 "replay.routing='r2' needs correction.mode='decoupled' (it records routes in the old-log-prob "
                 f"pass, which correction.mode={correction_mode!r} does not run)"
             )
-        tcfg = replay.config
+        self.probe = DispatchProbe(model)
+        self.replay = RoutingReplay(model) if mode != "none" else None
+        tcfg = _unwrap(model).config
         sharded = tcfg.context_parallel_size > 1 or (tcfg.sequence_parallel and tcfg.tensor_model_parallel_size > 1)
         if mode == "r2" and sharded:
             raise ValueError(
                 "replay.routing='r2' keeps per-sample records of unsharded sequences; context parallel and "
                 "sequence parallel (tp > 1) are not supported with it yet -- use replay.routing='r3'"
             )
-        self.replay = replay
         self.mode = mode
-        self._r2_records: dict[int, torch.Tensor] = {}  # sample id -> local routes [S, L_local, K]
+        self.num_experts = tcfg.num_moe_experts
+        self._r2_records: dict[int, torch.Tensor] = {}  # sample id -> local routes [rows, L_local, K]
         self._counters: dict[str, FlipCounter] = {}
 
     @classmethod
     def from_config(cls, model, cfg) -> ReplayDriver:
         """Driver for ``cfg.replay.routing`` bound to ``model`` (an ``ExperimentConfig``)."""
-        return cls(RoutingReplay(model), cfg.replay.routing, cfg.correction.mode)
+        return cls(model, cfg.replay.routing, cfg.correction.mode)
+
+    @property
+    def layer_ids(self) -> list[int]:
+        """Global MoE-layer index of each router this rank holds."""
+        return self.probe.moe_layer_ids
 
     # ------------------------------------------------------------------ passes
     @contextlib.contextmanager
-    def old_logprob_pass(self, microbatches: Sequence[MicrobatchRoutes]) -> Iterator[RouteCapture]:
-        """Context for the old-log-prob forwards, one per microbatch in order."""
+    def old_logprob_pass(self, microbatches: Sequence[MicrobatchRoutes]) -> Iterator[None]:
+        """Context for the old-log-prob forwards, one per microbatch in order (R2 records here)."""
         if self.mode == "r2":
-            self._r2_records.clear()
             with self.replay.record() as cap:
-                yield cap
+                yield
             for i, mb in enumerate(microbatches):
                 rec = cap.recorded(i)
+                lengths = mb.valid.sum(dim=1)
                 for b, sid in enumerate(mb.sample_ids):
-                    self._r2_records[int(sid)] = rec[b]
-                self._count("rollout_vs_natural", mb, mb.rollout, rec)
+                    self._r2_records[int(sid)] = rec[b, : int(lengths[b])].cpu()
             return
-        with self._rollout_or_natural(microbatches) as cap:
-            yield cap
+        with self._routing(microbatches, observe_natural=False):
+            yield
 
     @contextlib.contextmanager
-    def update_pass(self, microbatches: Sequence[MicrobatchRoutes]) -> Iterator[RouteCapture]:
-        """Context for one update minibatch: forwards *and backwards* of its microbatches."""
-        if self.mode != "r2":
-            with self._rollout_or_natural(microbatches) as cap:
-                yield cap
-            return
-        given = [self._r2_routes(mb) for mb in microbatches]
-        with self.replay.replay(given, local=True) as cap:
-            yield cap
-        for i, (mb, r2) in enumerate(zip(microbatches, given)):
-            self._count("r2_vs_natural", mb, r2, cap.natural(i))
-            self._count("r2_vs_applied", mb, r2, cap.applied(i))
-            self._count("rollout_vs_natural", mb, mb.rollout, cap.natural(i))
+    def update_pass(self, microbatches: Sequence[MicrobatchRoutes]) -> Iterator[None]:
+        """Context for one update minibatch: forwards *and backwards* of its microbatches; counts flips."""
+        with self.probe.capture() as dispatched, self._routing(microbatches, observe_natural=True) as cap:
+            yield
+        self._count_update(microbatches, dispatched, cap)
 
     @contextlib.contextmanager
-    def _rollout_or_natural(self, microbatches: Sequence[MicrobatchRoutes]) -> Iterator[RouteCapture]:
+    def prepass(self, microbatches: Sequence[MicrobatchRoutes]) -> Iterator[None]:
+        """Context for a no-grad forward of an update minibatch with its update routing (no metrics)."""
+        with self._routing(microbatches, observe_natural=False):
+            yield
+
+    @contextlib.contextmanager
+    def _routing(self, microbatches, observe_natural: bool):
+        if self.mode == "none":
+            yield None
+            return
         if self.mode == "r3":
             missing = [i for i, mb in enumerate(microbatches) if mb.rollout is None]
             if missing:
@@ -118,49 +133,104 @@ class ReplayDriver:
                     f"replay.routing='r3' but microbatches {missing} carry no rollout routes; start SGLang with "
                     "--enable-return-routed-experts and request return_routed_experts=true"
                 )
-            with self.replay.replay([mb.rollout for mb in microbatches]) as cap:
+            with self.replay.replay([mb.rollout for mb in microbatches], observe_natural=observe_natural) as cap:
                 yield cap
-            for i, mb in enumerate(microbatches):
-                self._count("rollout_vs_natural", mb, mb.rollout, cap.natural(i))
-                self._count("rollout_vs_applied", mb, mb.rollout, cap.applied(i))
             return
-        with self.replay.record() as cap:
+        given = [self._r2_routes(mb) for mb in microbatches]
+        with self.replay.replay(given, local=True, observe_natural=observe_natural) as cap:
             yield cap
-        for i, mb in enumerate(microbatches):
-            self._count("rollout_vs_natural", mb, mb.rollout, cap.recorded(i))
 
     def _r2_routes(self, mb: MicrobatchRoutes) -> torch.Tensor:
-        """Stack R2 records of ``mb.sample_ids`` into local ``[B, S, L_local, K]`` for S = valid's width."""
+        """R2 records of ``mb.sample_ids`` as local ``[B, S, L_local, K]`` for S = valid's width."""
         S = mb.valid.shape[1]
         rows = []
         for b, sid in enumerate(mb.sample_ids):
             rec = self._r2_records.get(int(sid))
             if rec is None:
-                raise KeyError(f"sample id {sid} has no R2 record; was it in this step's old-log-prob pass?")
+                raise KeyError(
+                    f"sample id {sid} has no R2 record on this rank; the step plan must give every rank the "
+                    "samples it scored in the old-log-prob pass"
+                )
             if rec.shape[0] >= S:
                 rows.append(rec[:S])
                 continue
-            pad = pad_routes(S - rec.shape[0], rec.shape[1], rec.shape[2], self.replay.num_experts, start=b * S)
-            rows.append(torch.cat([rec, torch.from_numpy(pad.astype("int64"))]))
+            pad = pad_routes(S - rec.shape[0], rec.shape[1], rec.shape[2], self.num_experts, start=b * S)
+            rows.append(torch.cat([rec, torch.from_numpy(pad.astype("int64")).to(rec.device)]))
         return torch.stack(rows)
 
-    # ------------------------------------------------------------------ metrics
-    def _count(self, name: str, mb: MicrobatchRoutes, reference, other: torch.Tensor) -> None:
-        if reference is None:
-            return
-        ids = self.replay.moe_layer_ids
-        if reference.shape[2] != len(ids):  # global rollout routes: keep this stage's layers
-            reference = reference[:, :, ids]
-        if reference.shape[1] != other.shape[1]:
-            return  # sequence-sharded (SP / CP) comparisons need the shard layout; skipped
-        counter = self._counters.setdefault(name, FlipCounter(f"replay/{name}", ids))
-        counter.add(reference, other, mb.valid)
+    @contextlib.contextmanager
+    def using(self, mode: str) -> Iterator[None]:
+        """Temporarily route as ``mode`` (``none`` / ``r3``; e.g. the diagnose settings); R3 needs a bound replay."""
+        if mode not in ("none", "r3") or (mode == "r3" and self.replay is None):
+            raise ValueError(f"cannot switch this driver (replay.routing={self.mode!r}) to routing {mode!r}")
+        saved, self.mode = self.mode, mode
+        try:
+            yield
+        finally:
+            self.mode = saved
 
-    def step_metrics(self, reset: bool = True) -> dict[str, float]:
-        """Flip metrics accumulated since the last reset (see module docstring for the names)."""
+    def begin_step(self) -> None:
+        """Forget the previous step's R2 records."""
+        self._r2_records.clear()
+
+    # ------------------------------------------------------------------ metrics
+    def _count_update(self, microbatches, dispatched: DispatchCapture, cap) -> None:
+        local = self.layer_ids
+        for i, mb in enumerate(microbatches):
+            maps = dispatched.maps(i)
+            rollout = None if mb.rollout is None else mb.rollout[:, :, local]
+            if rollout is not None and rollout.shape[1] != maps.shape[1]:
+                continue  # sequence-sharded (SP / CP) comparisons need the shard layout; skipped
+            natural = cap.natural(i) if cap is not None else None
+            if rollout is not None:
+                self._add("rollout_vs_dispatched", mb, routes_vs_map_flips(rollout, maps))
+                self._add("rollout_vs_natural", mb, self._natural_flips(rollout, natural, maps))
+            if self.mode == "r2":
+                r2 = self._r2_routes(mb)
+                self._add("r2_vs_dispatched", mb, routes_vs_map_flips(r2, maps))
+                self._add("r2_vs_natural", mb, self._natural_flips(r2, natural, maps))
+
+    def _natural_flips(self, reference, natural, maps) -> torch.Tensor:
+        """``reference[B, S, L, K]`` vs the learner's natural top-k on every probed layer ``[B, S, L]``.
+
+        Under replay the binding observes each bound layer's natural top-k; a layer routing
+        naturally (no replay, or not bound) dispatched its natural choice, so its map is used.
+        """
+        flips = routes_vs_map_flips(reference, maps)
+        if natural is None:
+            return flips
+        bound = {lid: j for j, lid in enumerate(self.replay.moe_layer_ids)}
+        for col, lid in enumerate(self.layer_ids):
+            if lid in bound:
+                flips[..., col] = expert_set_flips(reference[..., col, :].cpu(), natural[..., bound[lid], :].cpu())
+        return flips
+
+    def _add(self, name: str, mb: MicrobatchRoutes, flips: torch.Tensor) -> None:
+        valid = mb.valid.cpu().bool()
+        response = valid if mb.response is None else mb.response.cpu().bool() & valid
+        for part, where in (("response", response), ("prompt", valid & ~response)):
+            key = f"replay/{name}/{part}"
+            self._counters.setdefault(key, FlipCounter(key, self.layer_ids)).add_flips(flips, where)
+
+    def step_metrics(self, reset: bool = True, group=None) -> dict[str, float]:
+        """Flip metrics since the last reset, summed over ``group`` (the data-parallel ranks)."""
         out: dict[str, float] = {}
-        for counter in self._counters.values():
+        for key in sorted(self._counters):
+            counter = self._counters[key]
+            counter.all_reduce(group)
             out.update(counter.summary())
         if reset:
             self._counters.clear()
         return out
+
+    def close(self) -> None:
+        """Release the routers (replay binding and probe hooks)."""
+        if self.replay is not None:
+            self.replay.close()
+        self.probe.close()
+
+
+def _unwrap(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model

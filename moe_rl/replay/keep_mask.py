@@ -31,17 +31,17 @@ class KeptSets:
     def from_lists(cls, rows: list, device=None) -> KeptSets:
         """Build from one id sequence (or ``None`` = no truncation) per token."""
         lengths = [0 if r is None else len(r) for r in rows]
-        offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
-        offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
+        offsets = torch.zeros(len(rows) + 1, dtype=torch.int64, device=device)
+        offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64, device=device), 0)
         flat = [int(x) for r in rows if r is not None for x in r]
-        return cls(torch.tensor(flat, dtype=torch.int64, device=device), offsets.to(device))
+        return cls(torch.tensor(flat, dtype=torch.int64, device=device), offsets)
 
     @classmethod
     def from_numpy(cls, ids, offsets, device=None) -> KeptSets:
         """From a ``RolloutBatch``'s ``mask_ids[M]`` / ``mask_offsets[N+1]`` (or a slice re-based to 0)."""
-        offsets = torch.as_tensor(offsets, dtype=torch.int64)
-        ids = torch.as_tensor(ids)[int(offsets[0]) : int(offsets[-1])].to(torch.int64)
-        return cls(ids.to(device), (offsets - offsets[0]).to(device))
+        offsets = torch.as_tensor(offsets, dtype=torch.int64, device="cpu")  # host: sliced by value below
+        ids = torch.as_tensor(ids, device="cpu")[int(offsets[0]) : int(offsets[-1])]
+        return cls(ids.to(device=device, dtype=torch.int64), (offsets - offsets[0]).to(device))
 
     @property
     def num_rows(self) -> int:
@@ -97,6 +97,7 @@ def keep_mask_logprobs(
     untruncated rows, never a Python loop over tokens. Differentiable w.r.t. ``logits``.
     """
     _check(logits, targets, kept, temperature)
+    targets = targets.to(logits.device)  # kept sets are moved below; outputs live on logits.device
     N, V = logits.shape
     # One fp32 (or wider) upcast shared by every term; only gathered entries (and untruncated
     # rows) are scaled, so truncated rows never touch the full vocabulary.

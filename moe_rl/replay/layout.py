@@ -72,7 +72,7 @@ def pack_microbatch_routes(
         out[b, :n] = r
         start = (first_sample + b) * seq_len + n
         out[b, n:] = pad_routes(seq_len - n, L, K, num_experts, start=start)
-    routes = torch.from_numpy(out)
+    routes = torch.from_numpy(out)  # host-built; RoutingReplay moves it to the routers' device once
     check_routes(routes, num_experts)
     return routes
 

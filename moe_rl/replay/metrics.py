@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["expert_set_flips", "FlipCounter"]
+__all__ = ["expert_set_flips", "routes_vs_map_flips", "FlipCounter"]
 
 
 def expert_set_flips(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -21,6 +21,22 @@ def expert_set_flips(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             f"routes to compare must have the same shape [..., L, K]; got {tuple(a.shape)} and {tuple(b.shape)}"
         )
     return (a.sort(dim=-1).values != b.sort(dim=-1).values).any(dim=-1)
+
+
+def routes_vs_map_flips(routes: torch.Tensor, maps: torch.Tensor) -> torch.Tensor:
+    """``routes[..., L, K]`` expert ids vs dispatched ``maps[..., L, E]`` bool -> ``flips[..., L]``.
+
+    A flip: the set of ``K`` ids differs from the experts the map marks (a dropped or an extra
+    expert counts).
+    """
+    if routes.shape[:-1] != maps.shape[:-1]:
+        raise ValueError(
+            f"routes[..., L, K] and maps[..., L, E] must agree on [..., L]; got {tuple(routes.shape)} "
+            f"and {tuple(maps.shape)}"
+        )
+    ref = torch.zeros(maps.shape, dtype=torch.bool, device="cpu")  # host-side comparison
+    ref.scatter_(-1, routes.to(torch.int64).cpu(), True)
+    return (ref != maps.cpu()).any(dim=-1)
 
 
 class FlipCounter:
@@ -35,7 +51,8 @@ class FlipCounter:
     def __init__(self, name: str, layer_ids: Sequence[int]):
         self.name = name
         self.layer_ids = list(layer_ids)
-        self.layer_flips = torch.zeros(len(self.layer_ids), dtype=torch.float64)
+        # host-side counters: the per-microbatch flips are summed on the GPU, then moved here
+        self.layer_flips = torch.zeros(len(self.layer_ids), dtype=torch.float64, device="cpu")
         self.tokens = 0
         self.tokens_any = 0
 
@@ -48,10 +65,29 @@ class FlipCounter:
         if valid.shape != reference.shape[:2]:
             want = tuple(reference.shape[:2])
             raise ValueError(f"{self.name}: valid must be [B, S]={want}; got {tuple(valid.shape)}")
-        flips = expert_set_flips(reference.cpu(), other.cpu())[valid.cpu().bool()]  # [N_valid, L]
+        self.add_flips(expert_set_flips(reference.cpu(), other.cpu()), valid)
+
+    def add_flips(self, flips: torch.Tensor, valid: torch.Tensor) -> None:
+        """Count ``flips[B, S, L]`` (bool) on tokens where ``valid[B, S]`` (host-side counters)."""
+        flips = flips.cpu()[valid.cpu().bool()]  # [N_valid, L]
         self.layer_flips += flips.sum(dim=0).double()
         self.tokens += int(flips.shape[0])
         self.tokens_any += int(flips.any(dim=-1).sum())
+
+    def all_reduce(self, group=None) -> None:
+        """Sum the counts over ``group`` (data-parallel ranks see different tokens); in place."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or dist.get_world_size(group) == 1:
+            return
+        counts = torch.tensor([self.tokens, self.tokens_any], dtype=torch.float64, device="cpu")
+        packed = torch.cat([self.layer_flips, counts])
+        if dist.get_backend(group) == "nccl":  # NCCL reduces device tensors only
+            packed = packed.cuda()
+        dist.all_reduce(packed, group=group)
+        packed = packed.cpu()
+        self.layer_flips = packed[:-2]
+        self.tokens, self.tokens_any = int(packed[-2]), int(packed[-1])
 
     def summary(self) -> dict[str, float]:
         if self.tokens == 0:

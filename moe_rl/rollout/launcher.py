@@ -105,9 +105,18 @@ def server_command(spec: ServerSpec, port: int, python: str = sys.executable) ->
     return cmd + list(spec.extra_args)
 
 
+# The learner's launcher (torchrun / torch.distributed) describes *its* process group in these; a
+# server started from rank 0 that inherits them joins that rendezvous and never becomes healthy.
+_LEARNER_DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                      "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
+
+
 def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The server's environment: on CPU, the CPU engine switch and the stand-ins on PYTHONPATH."""
+    """The server's environment: the learner's distributed variables removed; on CPU, the CPU engine
+    switch and the stand-ins on PYTHONPATH."""
     env = dict(os.environ if base is None else base)
+    for key in [k for k in env if k in _LEARNER_DIST_VARS or k.startswith("TORCHELASTIC_")]:
+        del env[key]
     if spec.device == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"  # otherwise is_cpu() is false and CUDA paths are taken
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(STUBS_DIR), env.get("PYTHONPATH", "")) if p)

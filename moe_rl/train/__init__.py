@@ -1,1 +1,1 @@
-"""The RL training loop and what runs around it (warm start, closing summary)."""
+"""The training loop and what it consumes: the step plan, batching, the update passes, metrics sinks, warm start, closing summary."""

@@ -24,11 +24,11 @@ def test_two_cell_grid_trains_both_cells_on_one_server_and_reports(tmp_path):
     rows = list(csv.DictReader((tmp_path / "summary.csv").open()))
     cells = {r["cell"] for r in rows}
     assert cells == {"routing-none", "routing-r3"}
-    flips = {r["cell"]: float(r["final"]) for r in rows if r["metric"] == "replay/rollout_vs_natural/flip_rate"}
+    flips = {r["cell"]: float(r["final"]) for r in rows if r["metric"] == "replay/rollout_vs_natural/response/flip_rate"}
     assert set(flips) == cells  # the routing=none baseline logs its flip rate too
     # same seeds, same initial weights synced into the same server: both cells see the same first rollout
     first = {c: json.loads((tmp_path / c / "metrics.jsonl").read_text().splitlines()[0]) for c in cells}
     assert first["routing-none"]["reward/mean"] == first["routing-r3"]["reward/mean"]
-    assert first["routing-r3"]["replay/rollout_vs_applied/flip_rate"] == 0.0
+    assert first["routing-r3"]["replay/rollout_vs_dispatched/response/flip_rate"] == 0.0
     assert (tmp_path / "report.md").read_text().count("routing-") >= 2
     assert len(list((tmp_path / "plots").glob("*.png"))) >= 3

@@ -54,7 +54,7 @@ def test_advantage_errors():
     with pytest.raises(ValueError, match="group_size"):
         grpo_advantages(torch.ones(6), group_size=4)
     with pytest.raises(ValueError, match="group_size"):
-        rloo_advantages(torch.ones(4), group_size=1)
+        rloo_advantages(torch.ones(4), group_size=0)
     with pytest.raises(ValueError, match="rewards"):
         grpo_advantages(torch.ones(2, 2), group_size=2)
     with pytest.raises(ValueError, match="finite"):

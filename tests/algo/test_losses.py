@@ -166,7 +166,10 @@ def test_gradcheck_float64(name):
         "ppo": lambda lp: ppo_clip_loss(lp, old, adv, mask, is_weights=w)[0],
         "ppo_dual_seq": lambda lp: ppo_clip_loss(lp, old, adv, mask, dual_clip_c=2.0, aggregation=seq)[0],
         "ppo_sum_norm": lambda lp: ppo_clip_loss(lp, old, adv, mask, aggregation="seq_mean_token_sum_norm")[0],
-        "gspo": lambda lp: gspo_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.2, is_weights=w)[0],
+        # With token IS weights GSPO's gradient is deliberately Σ_t w_t-weighted (issue 11), not
+        # the derivative of its value w̄_i·ℓ_i; the unweighted sequence loss is checked here and
+        # the weighted one against GSPO-token in test_algo_fixes.py.
+        "gspo": lambda lp: gspo_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.2)[0],
         # GSPO-token's stop-gradients make its gradient the true one only for sequence-constant
         # advantages (GSPO paper §4.3); that is the case checked here.
         "gspo_token": lambda lp: gspo_loss(lp, old, adv[:, 0], mask, clip_low=0.2, clip_high=0.2, token_level=True)[0],

@@ -126,7 +126,10 @@ def test_rejections_are_anded_and_reported(batch):
     kl_seq = torch.where(mask, roll - logp.detach(), torch.zeros((), dtype=F64)).sum(1) / mask.sum(1)
     keep_seq = torch.tensor([False, True, True]) & ~((adv < 0) & (kl_seq > 0.0))
     keep = mask & keep_seq[:, None]
-    torch.testing.assert_close(loss, _mean(-adv[:, None] * logp, keep))
+    # OPSM's dropped sequences stay in the normaliser (DeepSeek-V3.2: 1/G over all sequences);
+    # the veto's are removed from it (a step-global, π_θ-free rejection).
+    not_vetoed = mask & torch.tensor([False, True, True])[:, None]
+    torch.testing.assert_close(loss, (-adv[:, None] * logp)[keep].sum() / not_vetoed.sum())
     assert m["veto/seq_masked_frac"].item() == pytest.approx(1 / 3)
     assert m["correction/kept_seq_frac"].item() == pytest.approx(keep_seq.sum().item() / 3)
 
@@ -147,7 +150,7 @@ def test_kl_and_entropy_terms_are_added(batch):
     loss, m = compute_policy_loss(cfg, CorrectionConfig(), logp, old, roll, adv, mask, ref_logp=roll, entropy=ent)
     expected = _mean(-adv[:, None] * logp, mask) + 0.1 * _mean(logp - roll, mask) - 0.01 * _mean(ent, mask)
     torch.testing.assert_close(loss, expected)
-    assert set(metrics_to_floats(m)) >= {"loss/kl", "loss/entropy", "loss/total", "loss/pg_loss"}
+    assert set(metrics_to_floats(m)) >= {"loss/kl_ref", "loss/entropy", "loss/total", "loss/pg_loss"}
 
 
 @pytest.mark.parametrize("loss_type", ["ppo_clip", "gspo", "gspo_token", "cispo", "reinforce"])

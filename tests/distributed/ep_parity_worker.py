@@ -1,4 +1,4 @@
-"""torchrun worker (2 ranks, gloo): expert parallel ep=2 vs ep=1, and vocab-parallel log-probs at tp=2.
+"""torchrun worker (2 ranks; gloo on CPU, one GPU per rank with nccl): expert parallel ep=2 vs ep=1, and vocab-parallel log-probs at tp=2.
 
 Run: ``torchrun --nproc_per_node=2 --master_port=<free> tests/distributed/ep_parity_worker.py
 --hf-dir <tiny HF dir> --out <result.json> --work <scratch dir>``. Rank 0 writes the JSON the pytest
@@ -27,6 +27,7 @@ from moe_rl.learner.hf_convert import full_megatron_state_dict, load_hf_weights,
 from moe_rl.learner.logprobs import logprobs_from_logits  # noqa: E402
 from moe_rl.learner.model import build_model  # noqa: E402
 from moe_rl.learner.train_step import Learner  # noqa: E402
+from tests.conftest import rank_device  # noqa: E402
 
 MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
              num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32, ffn_hidden_size=96,
@@ -55,12 +56,12 @@ def _learner(hf_dir: str, ep: int, dispatcher: str) -> Learner:
 
 def _shard(rank: int, step: int) -> dict:
     g = torch.Generator().manual_seed(100 * step + rank)  # this rank's data shard, same for every layout
-    tokens = torch.randint(0, MODEL["vocab_size"], (2, 33), generator=g)
+    tokens = torch.randint(0, MODEL["vocab_size"], (2, 33), generator=g).to(rank_device())
     return {"input_ids": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
 def _gather_losses(loss: float) -> list[float]:
-    t = torch.tensor([loss], dtype=torch.float64)
+    t = torch.tensor([loss], dtype=torch.float64, device=rank_device())  # nccl reduces GPU tensors only
     out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(out, t)
     return [float(x) for x in out]
@@ -88,7 +89,8 @@ def export_and_resume_at_ep2(hf_dir: str, work: Path, rank: int) -> dict:
     load_checkpoint(fresh, work / "ckpt")
     got = fresh.train_step([_shard(rank, 2)], nll)
     params_equal = all(torch.equal(p, q) for p, q in zip(learner.module.parameters(), fresh.module.parameters()))
-    flags = torch.tensor([int(got.loss == want.loss and got.grad_norm == want.grad_norm), int(params_equal)])
+    flags = torch.tensor([int(got.loss == want.loss and got.grad_norm == want.grad_norm), int(params_equal)],
+                         device=rank_device())
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     return {"export_round_trip_bitwise": same, "resume_step_exact": bool(flags[0]), "resume_params_equal": bool(flags[1])}
 
@@ -97,8 +99,8 @@ def vocab_parallel_check(rank: int) -> dict:
     """tp=2: each rank holds half the vocab; log-probs, entropy and grads must match the full softmax."""
     init_distributed(ParallelConfig(tp=2))
     g = torch.Generator().manual_seed(7)
-    full = (torch.randn(3, 5, 40, generator=g) * 4).double()
-    targets = torch.randint(0, 40, (3, 5), generator=g)
+    full = (torch.randn(3, 5, 40, generator=g) * 4).double().to(rank_device())
+    targets = torch.randint(0, 40, (3, 5), generator=g).to(rank_device())
     targets[0, 0] = -1
     shard = full[..., rank * 20:(rank + 1) * 20].float().clone().requires_grad_(True)
     logp, ent = logprobs_from_logits(shard, targets, temperature=0.7)

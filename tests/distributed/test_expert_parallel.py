@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import one_gpu_per_rank
+
+pytestmark = [pytest.mark.distributed, one_gpu_per_rank(2)]
 WORKER = Path(__file__).with_name("ep_parity_worker.py")
 REPO = Path(__file__).resolve().parents[2]
 

@@ -69,7 +69,7 @@ def test_rendered_script_trains_one_step_with_a_local_srun_stand_in(tmp_path):
                                               "--nproc-per-node=1"]]  # fmt: skip
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1]
-    assert "reward/mean" in records[0] and "replay/rollout_vs_natural/flip_rate" in records[0]
+    assert "reward/mean" in records[0] and "replay/rollout_vs_natural/response/flip_rate" in records[0]
     server_log = (logs / "rollout-127.0.0.1.log").read_text()
     # 2 prompts x 4 samples went to the srun-started server, which also got the learner's weights.
     assert server_log.count("POST /generate") >= 8, "the learner did not generate on the server from rollout.addresses"

@@ -11,7 +11,7 @@ from tests.learner.test_train_step import fixed_batch
 
 def random_subset_nll(logp, entropy, mb):
     """NLL over a random half of the tokens: the step consumes the torch RNG, so resume must restore it."""
-    keep = (torch.rand(logp.shape) < 0.5).float() * (mb["targets"] >= 0).float()
+    keep = (torch.rand(logp.shape, device=logp.device) < 0.5).float() * (mb["targets"] >= 0).float()
     return -(logp * keep).sum() / keep.sum().clamp_min(1), {}
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moe_rl.learner.fp8 import te_available
 from tests.learner.conftest import make_cfg
 
 
@@ -20,12 +21,18 @@ def test_fp8_config_maps_onto_megatron_field_names():
     assert fp8_transformer_fields(None) == {}
 
 
-def test_fp8_without_gpu_and_te_fails_at_config_time_naming_both():
+def test_fp8_without_gpu_or_te_fails_at_config_time_naming_what_is_missing():
+    from moe_rl.learner.fp8 import fp8_runtime_missing
     from moe_rl.learner.model import transformer_config_from
 
+    missing = fp8_runtime_missing()
+    if not missing:
+        pytest.skip("this machine has a CUDA GPU and Transformer Engine: FP8 is allowed here")
     cfg = make_cfg()
     cfg.precision.fp8 = {"format": "e4m3", "recipe": "blockwise"}
-    with pytest.raises(ValueError, match=r"precision.fp8=.*needs a CUDA GPU.*and Transformer Engine"):
+    # CPU: "needs a CUDA GPU ... and Transformer Engine"; a GPU without TE: "needs Transformer Engine"
+    want = r"precision.fp8=.*needs " + r".* and ".join(m.split(" (")[0] for m in missing)
+    with pytest.raises(ValueError, match=want):
         transformer_config_from(cfg)
 
 
@@ -60,7 +67,7 @@ def test_fp8_missing_lists_what_this_machine_lacks():
     assert "Transformer Engine" in fp8_runtime_missing(has_te=False, has_cuda=True)[0]
 
 
-def test_deepseek_v3_router_options_reach_megatron(megatron_world):
+def test_deepseek_v3_router_options_reach_megatron(megatron_world, device):
     """Sigmoid scores + expert bias + grouped top-k build and route within the allowed groups."""
     from moe_rl.learner.model import build_model, forward_logits, moe_routers, transformer_config_from
 
@@ -76,7 +83,7 @@ def test_deepseek_v3_router_options_reach_megatron(megatron_world):
     assert all(r.expert_bias is not None for r in routers)
     maps = []
     hook = routers[0].register_forward_hook(lambda m, i, o: maps.append(o[1]))
-    forward_logits(model, torch.randint(0, 256, (2, 16)))
+    forward_logits(model, torch.randint(0, 256, (2, 16), device=device))
     hook.remove()
     chosen_groups = (maps[0].view(-1, 4, 2).any(-1)).sum(-1)  # experts 0-1 group 0, 2-3 group 1, ...
     # top-4 of 8 experts inside the best 2 of 4 groups (2 experts each) fills exactly 2 groups;
@@ -100,6 +107,7 @@ def test_routing_replay_is_attached_to_every_router(megatron_world):
     assert all(getattr(r, "router_replay", None) is not None for r in moe_routers(model))
 
 
+@pytest.mark.skipif(te_available() and torch.cuda.is_available(), reason="TE on a GPU supports tp > 1")
 def test_tensor_parallel_without_te_is_rejected_at_config_time():
     from moe_rl.config import ExperimentConfig
     from moe_rl.learner.model import transformer_config_from
@@ -145,11 +153,24 @@ def test_parallel_sizes_that_do_not_divide_the_world_are_refused():
         init_distributed(ParallelConfig(ep=2), environ={})
 
 
-def test_cpu_world_uses_gloo_and_megatron_groups_of_size_one(megatron_world):
+def test_single_world_uses_gloo_on_cpu_nccl_on_gpu_and_megatron_groups_of_size_one(megatron_world):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     assert megatron_world.launcher == "single"
-    assert dist.get_backend() == "gloo"
+    assert dist.get_backend() == ("nccl" if torch.cuda.is_available() else "gloo")
     assert (ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size(),
             ps.get_pipeline_model_parallel_world_size()) == (1, 1, 1)
+
+
+def test_a_rank_without_its_own_gpu_gets_one_clear_error():
+    """One GPU per rank: local_rank must name a visible device (two ranks on a one-GPU node ask for cuda:1)."""
+    from moe_rl.learner.dist import LaunchEnv, _local_gpu
+
+    count = torch.cuda.device_count()
+    env = LaunchEnv(rank=count, world_size=count + 1, local_rank=count, master_addr="127.0.0.1", master_port=1,
+                    launcher="torchrun")
+    with pytest.raises(ValueError, match=rf"local_rank={count} \(torchrun\) but this node shows {count} CUDA GPU"):
+        _local_gpu(env)
+    if count:
+        assert _local_gpu(LaunchEnv(0, 1, count - 1, "127.0.0.1", 1, "torchrun")) == count - 1

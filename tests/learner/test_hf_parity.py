@@ -14,10 +14,10 @@ VARIANTS = {
 }
 
 
-def _hf_model(hf_dir):
+def _hf_model(hf_dir, device):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device).eval()
 
 
 def _hf_topk_sets(hf_model, ids):
@@ -55,7 +55,7 @@ def _megatron_topk_sets(model, ids):
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_hf_and_megatron_agree_after_conversion(variant, megatron_world, tmp_path):
+def test_hf_and_megatron_agree_after_conversion(variant, megatron_world, tmp_path, device):
     from moe_rl.learner.hf_convert import load_hf_weights
     from moe_rl.learner.hf_init import write_random_hf_checkpoint
     from moe_rl.learner.model import build_model
@@ -63,11 +63,11 @@ def test_hf_and_megatron_agree_after_conversion(variant, megatron_world, tmp_pat
     # A larger init std than the default makes the logits sensitive to every mapping detail.
     cfg = make_cfg(init_method_std=0.1, **VARIANTS[variant])
     hf_dir = write_random_hf_checkpoint(cfg.model, tmp_path / "hf", seed=3)
-    hf = _hf_model(hf_dir)
+    hf = _hf_model(hf_dir, device)
     model = build_model(cfg, seed=99).eval()
     load_hf_weights(model, hf_dir, cfg.model)
 
-    ids = torch.randint(0, cfg.model.vocab_size, (3, 40), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, cfg.model.vocab_size, (3, 40), generator=torch.Generator().manual_seed(0)).to(device)
     hf_logits, hf_sets = _hf_topk_sets(hf, ids)
     mg_logits, mg_sets = _megatron_topk_sets(model, ids)
 

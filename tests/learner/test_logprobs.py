@@ -18,10 +18,10 @@ from tests.learner.conftest import make_cfg
     b=st.integers(1, 3), t=st.integers(1, 5), v=st.integers(2, 40),
     temperature=st.floats(0.25, 4.0), scale=st.floats(0.1, 30.0), seed=st.integers(0, 2**16),
 )
-def test_logprobs_and_entropy_match_reference_softmax(b, t, v, temperature, scale, seed):
+def test_logprobs_and_entropy_match_reference_softmax(device, b, t, v, temperature, scale, seed):
     g = torch.Generator().manual_seed(seed)
-    logits = (torch.randn(b, t, v, generator=g) * scale).to(torch.bfloat16)
-    targets = torch.randint(0, v, (b, t), generator=g)
+    logits = (torch.randn(b, t, v, generator=g) * scale).to(device=device, dtype=torch.bfloat16)
+    targets = torch.randint(0, v, (b, t), generator=g).to(device)
     logp, ent = logprobs_from_logits(logits, targets, temperature=temperature, tp_group=None)
 
     # Reference in float64 by a second formula: explicit probabilities.
@@ -35,9 +35,9 @@ def test_logprobs_and_entropy_match_reference_softmax(b, t, v, temperature, scal
     assert (ent >= -1e-6).all() and (ent <= math.log(v) + 1e-5).all(), "entropy outside [0, log V]"
 
 
-def test_padding_targets_give_zero_logp_and_no_gradient():
-    logits = torch.randn(2, 4, 10, requires_grad=True)
-    targets = torch.tensor([[1, 2, -1, -1], [3, 4, 5, -1]])
+def test_padding_targets_give_zero_logp_and_no_gradient(device):
+    logits = torch.randn(2, 4, 10, device=device, requires_grad=True)
+    targets = torch.tensor([[1, 2, -1, -1], [3, 4, 5, -1]], device=device)
     logp, _ = logprobs_from_logits(logits, targets, with_entropy=False, tp_group=None)
     assert (logp[targets < 0] == 0).all()
     logp.sum().backward()
@@ -55,7 +55,7 @@ def test_bad_shapes_and_temperature_raise_one_clear_error():
         logprobs_from_logits(torch.zeros(1, 1, 5), torch.zeros(1, 1, dtype=torch.long), temperature=0.0, tp_group=None)
 
 
-def test_packed_forward_matches_padded_forward(megatron_world):
+def test_packed_forward_matches_padded_forward(megatron_world, device):
     """Two samples packed in one row with segment ids score exactly like the padded batch."""
     from moe_rl.learner.logprobs import response_logprobs
     from moe_rl.learner.model import build_model
@@ -63,15 +63,15 @@ def test_packed_forward_matches_padded_forward(megatron_world):
     cfg = make_cfg(init_method_std=0.1)
     model = build_model(cfg, seed=11).eval()
     g = torch.Generator().manual_seed(1)
-    a, b = torch.randint(0, 256, (9,), generator=g), torch.randint(0, 256, (6,), generator=g)
+    a, b = torch.randint(0, 256, (9,), generator=g).to(device), torch.randint(0, 256, (6,), generator=g).to(device)
 
-    pad_in = torch.zeros(2, 8, dtype=torch.long)
-    pad_tg = torch.full((2, 8), -1)
+    pad_in = torch.zeros(2, 8, dtype=torch.long, device=device)
+    pad_tg = torch.full((2, 8), -1, device=device)
     pad_in[0, :8], pad_tg[0, :8] = a[:-1], a[1:]
     pad_in[1, :5], pad_tg[1, :5] = b[:-1], b[1:]
     packed_in = torch.cat([a[:-1], b[:-1]]).unsqueeze(0)
     packed_tg = torch.cat([a[1:], b[1:]]).unsqueeze(0)
-    seg = torch.tensor([[0] * 8 + [1] * 5])
+    seg = torch.tensor([[0] * 8 + [1] * 5], device=device)
 
     with torch.no_grad():
         lp_pad, ent_pad = response_logprobs(model, pad_in, pad_tg)

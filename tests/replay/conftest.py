@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import session_device
+
 
 def make_cfg(**model_overrides):
     """ExperimentConfig of a tiny MoE model (3 layers, 8 experts, top-2) with overrides on ``model``."""
@@ -59,12 +61,13 @@ def compose_model(seed: int = 0, mtp: bool = False, **tcfg_overrides):
     tcfg = dataclasses.replace(transformer_config_from(cfg), **tcfg_overrides)
     seed_model_parallel_rng(seed)
     spec = _layer_spec(tcfg, False)
-    return GPTModel(
+    model = GPTModel(
         config=tcfg, transformer_layer_spec=spec, vocab_size=cfg.model.vocab_size,
         max_sequence_length=cfg.model.seq_length, position_embedding_type="rope",
         share_embeddings_and_output_weights=False,
         mtp_block_spec=get_gpt_mtp_block_spec(tcfg, spec, use_transformer_engine=False) if mtp else None,
     )
+    return model.to(session_device())
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""torchrun worker (2 ranks, gloo): replay under expert parallel (ep=2) and pipeline parallel (pp=2).
+"""torchrun worker (2 ranks; gloo on CPU, one GPU per rank with nccl): replay under expert parallel (ep=2) and pipeline parallel (pp=2).
 
 ep=2: each rank replays its own tokens' routes. pp=2: each stage takes its own MoE layers out of
 the whole model's routes. Exits non-zero (assertion) if a dispatched routing map differs from
@@ -16,6 +16,7 @@ from moe_rl.config import ExperimentConfig  # noqa: E402
 from moe_rl.learner.dist import destroy_distributed, init_distributed  # noqa: E402
 from moe_rl.learner.model import build_model, forward_logits  # noqa: E402
 from moe_rl.replay.binding import RoutingReplay  # noqa: E402
+from tests.conftest import rank_device  # noqa: E402
 from tests.replay.routing_probe import RoutingMapProbe, expected_map, random_routes  # noqa: E402
 
 E, K, L = 8, 2, 2
@@ -32,7 +33,7 @@ def check(dispatcher: str, rank: int) -> None:
     replay = RoutingReplay(model)
     probe = RoutingMapProbe(model)
     # each EP rank holds different samples (EP ranks are data-parallel ranks) and different routes
-    routes = [random_routes(2, 6, L, K, E, seed=100 * rank + m) for m in range(2)]
+    routes = [random_routes(2, 6, L, K, E, seed=100 * rank + m, device=rank_device()) for m in range(2)]
     ids = torch.randint(0, 128, (2, 2, 6), generator=torch.Generator().manual_seed(rank))
     with replay.replay(routes):
         for m in range(2):
@@ -60,9 +61,10 @@ def build_pp_stage(cfg):
         transformer_config_from(one_stage), pipeline_model_parallel_size=2, pipeline_dtype=torch.float32
     )
     seed_model_parallel_rng(0)
-    return GPTModel(config=tcfg, transformer_layer_spec=_layer_spec(tcfg, False), vocab_size=cfg.model.vocab_size,
-                    max_sequence_length=cfg.model.seq_length, position_embedding_type="rope",
-                    share_embeddings_and_output_weights=False)
+    stage = GPTModel(config=tcfg, transformer_layer_spec=_layer_spec(tcfg, False), vocab_size=cfg.model.vocab_size,
+                     max_sequence_length=cfg.model.seq_length, position_embedding_type="rope",
+                     share_embeddings_and_output_weights=False)
+    return stage.to(rank_device())
 
 
 def check_pp(rank: int) -> None:
@@ -80,7 +82,7 @@ def check_pp(rank: int) -> None:
     expect_ids = [[0], [1, 2]][rank]
     assert replay.moe_layer_ids == expect_ids, f"stage {rank}: MoE layer ids {replay.moe_layer_ids} != {expect_ids}"
     probe = RoutingMapProbe(model)
-    routes = random_routes(2, 6, 3, K, E, seed=7)  # the same whole-model routes on both stages
+    routes = random_routes(2, 6, 3, K, E, seed=7, device=rank_device())  # the same whole-model routes on both stages
     ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(0))
     # each stage runs its own layers locally (no p2p needed to check which routes reach which router)
     with replay.replay([routes]), torch.no_grad():

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
+from tests.conftest import session_device
+
 
 class RoutingMapProbe:
     """Collects every decoder router's ``routing_map[S*B, E]`` per call (forward and recompute)."""
@@ -34,7 +36,7 @@ class RoutingMapProbe:
 def expected_map(routes_bslk: torch.Tensor, layer: int, num_experts: int) -> torch.Tensor:
     """``routing_map[S*B, E]`` that routes ``[B, S, L, K]`` should produce for one layer (row s*B + b)."""
     B, S, _, K = routes_bslk.shape
-    out = torch.zeros(S * B, num_experts, dtype=torch.bool)
+    out = torch.zeros(S * B, num_experts, dtype=torch.bool, device=routes_bslk.device)
     for b in range(B):
         for s in range(S):
             for e in routes_bslk[b, s, layer].tolist():
@@ -42,6 +44,7 @@ def expected_map(routes_bslk: torch.Tensor, layer: int, num_experts: int) -> tor
     return out
 
 
-def random_routes(B: int, S: int, L: int, K: int, E: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.argsort(torch.rand(B, S, L, E, generator=g), dim=-1)[..., :K]
+def random_routes(B: int, S: int, L: int, K: int, E: int, seed: int, device=None) -> torch.Tensor:
+    """Distinct random experts ``[B, S, L, K]`` on ``device`` (default: the session device)."""
+    g = torch.Generator().manual_seed(seed)  # CPU generator: the same routes on every device
+    return torch.argsort(torch.rand(B, S, L, E, generator=g), dim=-1)[..., :K].to(device or session_device())

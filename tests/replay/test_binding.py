@@ -7,6 +7,7 @@ from megatron.core.transformer.moe.router_replay import RouterReplay
 
 from moe_rl.replay.binding import ReplayError, RoutingReplay
 from moe_rl.replay.layout import pack_microbatch_routes
+from tests.conftest import session_device
 from tests.replay.conftest import forward
 from tests.replay.routing_probe import RoutingMapProbe, expected_map, random_routes
 
@@ -14,7 +15,7 @@ E, K = 8, 2
 
 
 def _ids(B, S, seed):
-    return torch.randint(0, 128, (B, S), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(0, 128, (B, S), generator=torch.Generator().manual_seed(seed)).to(session_device())
 
 
 def test_replayed_routes_reach_the_dispatcher_per_layer_per_token_across_padded_microbatches(build):
@@ -26,7 +27,8 @@ def test_replayed_routes_reach_the_dispatcher_per_layer_per_token_across_padded_
     mbs = []
     for m, lens in enumerate(lengths):
         samples = [
-            random_routes(1, n, 2, K, E, seed=10 * m + i)[0].numpy().astype(np.uint8) for i, n in enumerate(lens)
+            random_routes(1, n, 2, K, E, seed=10 * m + i)[0].cpu().numpy().astype(np.uint8)  # as records hold them
+            for i, n in enumerate(lens)
         ]
         mbs.append(pack_microbatch_routes(samples, seq_len=S, num_experts=E, first_sample=2 * m))
     probe = RoutingMapProbe(model)
@@ -224,7 +226,7 @@ def test_mtp_router_gets_no_routes_and_routes_naturally(compose):
     probe = RoutingMapProbe(model)
     ids = _ids(2, 6, 0)
     with replay.replay([routes]):
-        pos = torch.arange(6).expand(2, 6)
+        pos = torch.arange(6, device=ids.device).expand(2, 6)
         loss = model(input_ids=ids, position_ids=pos, attention_mask=attention_mask(ids), labels=ids)
         loss.float().mean().backward()
     hook.remove()

@@ -46,7 +46,8 @@ def _brute_logp(z: np.ndarray, y: int, kept: np.ndarray | None) -> float:
     temperature=st.floats(0.3, 2.0),
     drop_sampled=st.floats(0.0, 1.0),
 )
-def test_keep_mask_matches_brute_force_masked_softmax(seed, n, vocab, top_k, top_p, temperature, drop_sampled):
+def test_keep_mask_matches_brute_force_masked_softmax(device, seed, n, vocab, top_k, top_p, temperature,
+                                                      drop_sampled):
     rng = np.random.default_rng(seed)
     logits = rng.normal(0, 3, size=(n, vocab))
     z = logits / temperature
@@ -65,23 +66,23 @@ def test_keep_mask_matches_brute_force_masked_softmax(seed, n, vocab, top_k, top
         targets.append(y)
         expect_outside.append(outside)
     out = keep_mask_logprobs(
-        torch.tensor(logits, dtype=torch.float64),
-        torch.tensor(targets),
-        KeptSets.from_lists(rows),
+        torch.tensor(logits, dtype=torch.float64, device=device),
+        torch.tensor(targets, device=device),
+        KeptSets.from_lists(rows, device=device),
         temperature=temperature,
     )
     expected = [
         _brute_logp(z[i], targets[i], None if rows[i] is None else np.append(rows[i], targets[i])) for i in range(n)
     ]
     # the learner must still renormalise over kept ∪ {y} for the disagreeing rows
-    np.testing.assert_allclose(out.logp.numpy(), expected, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(out.logp.cpu().numpy(), expected, rtol=0, atol=1e-5)
     assert out.outside_mask.tolist() == expect_outside
 
 
-def test_no_truncation_equals_full_log_softmax():
-    torch.manual_seed(0)
-    logits = torch.randn(7, 33, dtype=torch.float64)
-    y = torch.randint(0, 33, (7,))
+def test_no_truncation_equals_full_log_softmax(device):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 33, dtype=torch.float64, generator=g).to(device)
+    y = torch.randint(0, 33, (7,), generator=g).to(device)
     ref = torch.log_softmax(logits / 0.7, -1).gather(1, y[:, None])[:, 0]
     for kept in (None, KeptSets.from_lists([None] * 7)):
         out = keep_mask_logprobs(logits, y, kept, temperature=0.7)
@@ -89,27 +90,28 @@ def test_no_truncation_equals_full_log_softmax():
         assert out.num_outside == 0
 
 
-def test_hand_computed_two_token_set():
+def test_hand_computed_two_token_set(device):
     # kept {0, 2} of logits [0, ln 3, ln 3]: p(2 | kept) = 3 / (1 + 3) -> log 0.75
-    logits = torch.tensor([[0.0, np.log(3.0), np.log(3.0)]])
-    out = keep_mask_logprobs(logits, torch.tensor([2]), KeptSets.from_lists([[0, 2]]))
+    logits = torch.tensor([[0.0, np.log(3.0), np.log(3.0)]], device=device)
+    out = keep_mask_logprobs(logits, torch.tensor([2], device=device), KeptSets.from_lists([[0, 2]], device=device))
     assert out.logp.item() == pytest.approx(np.log(0.75), abs=1e-6)
 
 
-def test_duplicate_kept_ids_count_once():
-    logits = torch.tensor([[1.0, 2.0, 0.5]])
-    a = keep_mask_logprobs(logits, torch.tensor([1]), KeptSets.from_lists([[0, 1, 1, 0]])).logp
-    b = keep_mask_logprobs(logits, torch.tensor([1]), KeptSets.from_lists([[0, 1]])).logp
+def test_duplicate_kept_ids_count_once(device):
+    logits = torch.tensor([[1.0, 2.0, 0.5]], device=device)
+    y = torch.tensor([1], device=device)
+    a = keep_mask_logprobs(logits, y, KeptSets.from_lists([[0, 1, 1, 0]], device=device)).logp
+    b = keep_mask_logprobs(logits, y, KeptSets.from_lists([[0, 1]], device=device)).logp
     torch.testing.assert_close(a, b)
 
 
-def test_gradient_is_zero_outside_the_kept_set_and_matches_autograd_of_brute_force():
-    torch.manual_seed(1)
-    logits = torch.randn(3, 10, dtype=torch.float64, requires_grad=True)
+def test_gradient_is_zero_outside_the_kept_set_and_matches_autograd_of_brute_force(device):
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 10, dtype=torch.float64, generator=g).to(device).requires_grad_(True)
     kept = [[1, 4, 7], None, [2]]
-    y = torch.tensor([4, 9, 2])
-    keep_mask_logprobs(logits, y, KeptSets.from_lists(kept), temperature=1.3).logp.sum().backward()
-    mask = torch.zeros(3, 10, dtype=torch.bool)
+    y = torch.tensor([4, 9, 2], device=device)
+    keep_mask_logprobs(logits, y, KeptSets.from_lists(kept), temperature=1.3).logp.sum().backward()  # host sets
+    mask = torch.zeros(3, 10, dtype=torch.bool, device=device)
     mask[0, [1, 4, 7]] = True
     mask[1] = True
     mask[2, 2] = True

@@ -1,4 +1,5 @@
-"""Replay under expert parallel (ep=2) and pipeline parallel (pp=2): two real processes (torchrun, gloo)."""
+"""Replay under expert parallel (ep=2) and pipeline parallel (pp=2): two real processes (torchrun; gloo on
+CPU, nccl with one GPU per rank)."""
 
 import os
 import subprocess
@@ -8,6 +9,9 @@ from pathlib import Path
 import pytest
 
 from moe_rl.learner.dist import free_port
+from tests.conftest import one_gpu_per_rank
+
+pytestmark = [pytest.mark.distributed, one_gpu_per_rank(2)]
 
 WORKER = Path(__file__).with_name("parallel_worker.py")
 

@@ -28,11 +28,11 @@ def _rollout(model, replay, prompt_lens, response_lens, seed):
         with replay.record() as rec, torch.no_grad():
             logits = forward(model, tokens[None, :-1])[0]  # [P+R-1, V]: position t predicts token t+1
         resp_logits = logits[P - 1 :]  # [R, V], predicts the response tokens
-        kept = [np.sort(resp_logits[t].topk(3).indices.numpy()).astype(np.int32) for t in range(R)]
+        kept = [np.sort(resp_logits[t].topk(3).indices.cpu().numpy()).astype(np.int32) for t in range(R)]
         kept = [np.union1d(k, [int(tokens[P + t])]).astype(np.int32) for t, k in enumerate(kept)]
         samples.append(RolloutSample(
             prompt_ids=tokens[:P].numpy().astype(np.int32), response_ids=tokens[P:].numpy().astype(np.int32),
-            rollout_logp=np.zeros(R, np.float32), routes=rec.recorded(0)[0].numpy(), sampling_mask=kept,
+            rollout_logp=np.zeros(R, np.float32), routes=rec.recorded(0)[0].cpu().numpy(), sampling_mask=kept,
         ))
     return RolloutBatch.from_samples(samples, num_experts=E)
 
@@ -55,23 +55,24 @@ def test_records_file_routes_replay_exactly_and_kept_sets_renormalise(build, tmp
         ids[b, : len(tokens)] = torch.from_numpy(tokens.astype(np.int64))
         valid[b, : len(tokens)] = True
     probe = RoutingMapProbe(model)
-    driver = ReplayDriver(replay, "r3")
+    replay.close()  # the driver binds its own
+    driver = ReplayDriver(model, "r3")
     with driver.update_pass([MicrobatchRoutes(sample_ids=[0, 1, 2], valid=valid, rollout=routes)]):
         logits = forward(model, ids)
         logits.float().pow(2).mean().backward()
-    for l in range(L):
-        assert torch.equal(probe.maps[l][0], expected_map(routes, l, E))
+    for l in range(L):  # host-packed routes and host ids went in; the probe saw them on the model's device
+        assert torch.equal(probe.maps[l][0].cpu(), expected_map(routes, l, E))
     m = driver.step_metrics()
-    assert m["replay/rollout_vs_applied/flip_rate"] == 0.0
+    assert m["replay/rollout_vs_dispatched/response/flip_rate"] == 0.0
     # same weights and tokens as the "engine": natural routes agree except for float near-ties
-    assert m["replay/rollout_vs_natural/flip_rate"] < 0.05
+    assert m["replay/rollout_vs_natural/response/flip_rate"] < 0.05
 
     # Keep Sampling Mask on the response positions, kept sets straight from the loaded file
     roffs = np.concatenate([[0], np.cumsum(loaded.response_lens)])
     for b, s in enumerate(samples):
         p, r = len(s.prompt_ids), len(s.response_ids)
         resp_logits = logits[b, p - 1 : p - 1 + r].detach()
-        y = torch.from_numpy(s.response_ids.astype(np.int64))
+        y = torch.from_numpy(s.response_ids.astype(np.int64)).to(resp_logits.device)
         sets = KeptSets.from_numpy(loaded.mask_ids, loaded.mask_offsets[roffs[b] : roffs[b + 1] + 1])
         out = keep_mask_logprobs(resp_logits, y, sets)
         full = torch.log_softmax(resp_logits.float(), -1).gather(1, y[:, None])[:, 0]

@@ -1,7 +1,7 @@
 """Per-step metrics sinks: JSONL (always readable), TensorBoard, wandb (offline-capable), progress bar.
 
 Owns where metrics go, not what they are: every key arrives flat and slash-namespaced
-(``reward/mean``, ``offpolicy/kl_k3``, ``replay/rollout_vs_natural/flip_rate``) and is
+(``reward/mean``, ``offpolicy/kl_k3``, ``replay/rollout_vs_dispatched/response/flip_rate``) and is
 written unchanged. On resume, lines for steps after the checkpoint are dropped so the
 file reads as one uninterrupted run.
 """
@@ -17,7 +17,7 @@ METRICS_FILE = "metrics.jsonl"
 PROGRESS_KEYS = {
     "reward": "reward/mean",
     "kl": "offpolicy/kl_k3",
-    "flip": "replay/rollout_vs_natural/flip_rate",
+    "flip": "replay/rollout_vs_dispatched/response/flip_rate",
 }
 
 

@@ -1,0 +1,132 @@
+"""Megatron-Core version support (>= 0.16.1, < 0.20) and the fixes that apply on every device.
+
+Owns the version check and the release-specific patches that are not about the CPU (those live in
+``moe_rl.learner.cpu_shims``). Each patch is guarded by a probe of the failure it prevents, so on a
+release that fixed it the patch is a no-op.
+
+Patches (name -> failure prevented):
+  te_general_gemm   0.16.x without Transformer Engine: ``NameError: name 'te_general_gemm' is not
+                    defined`` in ``router_gating_linear`` (moe_utils.py imports the name only inside
+                    ``try: from ...transformer_engine import ...`` but tests ``te_general_gemm is not
+                    None`` unconditionally). Seen on CPU and on an H100 (no TE); 0.17+ binds it to None.
+  expert_bias_padding_mask  0.16.1: ``TopKRouter._apply_expert_bias`` computes
+                    ``routing_map[N, E] & ~padding_mask[N]``, a broadcast error as soon as a padding mask
+                    reaches a router with an expert bias (tests/learner/test_expert_bias.py).
+
+API differences, read in the 0.16.1, 0.17.0, 0.18.0 and 0.19.2 sources (docs/gpu.md lists them):
+``RouterReplay.get_replay_topk`` keeps its signature and call site throughout; 0.17 adds static
+CUDA-graph buffers and 0.19 a ``layer_number`` (both unused by moe_rl); 0.19's
+``quantile_balancing`` routing type bypasses the replay hook (rejected by
+``moe_rl.replay.binding.unsupported_router_options``); the DDP / optimizer config fields moe_rl sets
+exist unchanged in all four.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+
+__all__ = ["SUPPORTED", "megatron_core_version", "check_megatron_core_version", "apply_megatron_fixes",
+           "need_te_general_gemm", "bind_te_general_gemm"]
+
+SUPPORTED = ((0, 16, 1), (0, 20, 0))
+"""Supported megatron-core releases: ``SUPPORTED[0] <= version < SUPPORTED[1]``."""
+
+
+def megatron_core_version() -> tuple[int, int, int]:
+    """Imported megatron-core release as ``(major, minor, patch)``, from ``megatron.core.package_info``
+    (also right for a source checkout on ``PYTHONPATH``, which has no package metadata)."""
+    from megatron.core import package_info
+
+    return tuple(int(x) for x in (package_info.MAJOR, package_info.MINOR, package_info.PATCH))
+
+
+def check_megatron_core_version(version: tuple[int, int, int] | None = None) -> tuple[int, int, int]:
+    """Return the installed version; ``RuntimeError`` naming the supported range if it is outside it."""
+    version = megatron_core_version() if version is None else version
+    lo, hi = SUPPORTED
+    if not lo <= tuple(version) < hi:
+        have = ".".join(map(str, version))
+        raise RuntimeError(
+            f"megatron-core {have} is installed; moe_rl supports megatron-core >= {'.'.join(map(str, lo))}, "
+            f"< {'.'.join(map(str, hi[:2]))} (pip install 'megatron-core>=0.16.1,<0.20')"
+        )
+    return tuple(version)
+
+
+def need_te_general_gemm() -> bool:
+    """True when ``router_gating_linear`` would hit an unbound ``te_general_gemm`` (0.16.x, no TE)."""
+    import inspect
+
+
+    from megatron.core.transformer.moe import moe_utils
+
+    if hasattr(moe_utils, "te_general_gemm"):
+        return False
+    try:
+        return "te_general_gemm is not None" in inspect.getsource(moe_utils)
+    except (OSError, TypeError):
+        return False
+
+
+def bind_te_general_gemm() -> None:
+    """Bind the missing name to None: the router then takes its plain torch matmul branch."""
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.te_general_gemm = None
+
+
+def _expert_bias_counts_valid_tokens(self, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None):
+    """``TopKRouter._apply_expert_bias`` with the pad mask broadcast over experts.
+
+    megatron-core 0.16.1 computes ``routing_map[N, E] & ~padding_mask[N]``, which cannot broadcast
+    (a RuntimeError as soon as a padding mask reaches a router with ``moe_router_enable_expert_bias``);
+    the intent — count only non-pad tokens per expert — needs ``padding_mask[:, None]``.
+    """
+    if self.enable_expert_bias and torch.is_grad_enabled():
+        with torch.no_grad():
+            if padding_mask is not None:
+                routing_map = routing_map & ~padding_mask.reshape(-1, 1).bool()
+            self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+
+def need_expert_bias_fix() -> bool:
+    """megatron-core 0.16.1: ``TopKRouter._apply_expert_bias`` cannot broadcast its pad mask."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    method = TopKRouter._apply_expert_bias
+    if method is _expert_bias_counts_valid_tokens:
+        return False
+    try:
+        source = inspect.getsource(method)
+    except (OSError, TypeError):
+        return False
+    return "routing_map & (~padding_mask)" in source
+
+
+def fix_expert_bias() -> None:
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    TopKRouter._apply_expert_bias = _expert_bias_counts_valid_tokens
+
+
+_FIXES = {
+    "te_general_gemm": (need_te_general_gemm, bind_te_general_gemm),
+    "expert_bias_padding_mask": (need_expert_bias_fix, fix_expert_bias),
+}
+
+
+def apply_megatron_fixes() -> list[str]:
+    """Check the version and apply every fix whose probe fires (any device); return the names applied.
+
+    Idempotent: a fix applied once no longer probes as needed.
+    """
+    check_megatron_core_version()
+    applied = []
+    for name, (needed, apply) in _FIXES.items():
+        if needed():
+            apply()
+            applied.append(name)
+    return applied

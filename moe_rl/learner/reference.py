@@ -1,0 +1,176 @@
+"""Frozen reference policy π_ref for the KL penalty (``loss.kl_coef > 0``).
+
+Owns the reference model: a second ``GPTModel`` with the learner's Megatron layout holding
+the weights at the start of RL (after HF import or warm start), with no gradients, its
+log-probs for a microbatch (natural routing, or the routes the old-log-prob pass used),
+optional CPU offload between uses, and its safetensors file per rank. It never touches the
+learner's model, optimizer or RNG streams.
+
+Wiring (trainer): build it once with ``ReferencePolicy.from_learner(cfg, learner.module)``
+right after the learner is initialised (or ``ReferencePolicy.load(cfg, ckpt_dir)`` on resume);
+``save(ckpt_dir)`` with the first checkpoint; in the old-log-prob pass call
+``logprobs(mb, temperature, logprob_fn, routes=...)`` per microbatch with the routes π_old
+used; pass the result as ``ref_logp`` to the loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ReferencePolicy", "reference_path"]
+
+REFERENCE_DIR = "reference"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def reference_path(ckpt_dir: str | Path, rank: int | None = None) -> Path:
+    """``<ckpt_dir>/reference/rank_<r>.safetensors``: written once, kept across checkpoint pruning."""
+    return Path(ckpt_dir) / REFERENCE_DIR / f"rank_{_rank() if rank is None else rank:05d}.safetensors"
+
+
+def _tensor_state(model) -> dict[str, torch.Tensor]:
+    """The model's tensor state (parameters and buffers; Megatron's ``_extra_state`` blobs left out)."""
+    return {k: v for k, v in model.state_dict().items() if torch.is_tensor(v) and not k.endswith("_extra_state")}
+
+
+class ReferencePolicy:
+    """π_ref: a frozen ``GPTModel`` (same layout as the learner) and its log-prob pass.
+
+    ``offload=True`` keeps the weights on the CPU between uses and moves them to the
+    learner's device only inside :meth:`logprobs` (a no-op on a CPU-only machine).
+    """
+
+    def __init__(self, model, *, offload: bool = False, device: torch.device | None = None):
+        self.model = model
+        self.model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.offload = bool(offload)
+        self.device = device if device is not None else next(model.parameters()).device
+        self._replay = None
+        if self.offload:
+            self.model.to("cpu")
+
+    # ------------------------------------------------------------------ construction
+    @staticmethod
+    def _build(cfg):
+        """A fresh model of ``cfg``'s layout, built without disturbing any RNG stream the learner uses."""
+        from moe_rl.learner.checkpoint import rng_state, set_rng_state
+        from moe_rl.learner.model import build_model
+
+        state = rng_state()
+        try:
+            return build_model(cfg)
+        finally:
+            set_rng_state(state)
+
+    @classmethod
+    def from_learner(cls, cfg, learner_module, *, offload: bool = False) -> ReferencePolicy:
+        """Copy ``learner_module``'s current weights (the bare ``GPTModel``, e.g. ``Learner.module``)."""
+        model = cls._build(cfg)
+        missing, unexpected = model.load_state_dict(_tensor_state(learner_module), strict=False)
+        _check_keys(missing, unexpected, "learner state")
+        return cls(model, offload=offload, device=next(learner_module.parameters()).device)
+
+    @classmethod
+    def load(cls, cfg, ckpt_dir: str | Path, *, offload: bool = False) -> ReferencePolicy:
+        """Rebuild π_ref from ``save``'s file for this rank; a clear error if it is missing or mismatched."""
+        from safetensors.torch import load_file
+
+        path = reference_path(ckpt_dir)
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path}: no reference weights for this rank; loss.kl_coef > 0 needs the reference policy saved "
+                "with the first checkpoint (start a new run, or set loss.kl_coef=0)"
+            )
+        model = cls._build(cfg)
+        missing, unexpected = model.load_state_dict(load_file(str(path), device="cpu"), strict=False)
+        _check_keys(missing, unexpected, str(path))
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        return cls(model, offload=offload, device=device)
+
+    def save(self, ckpt_dir: str | Path) -> Path:
+        """Write this rank's weights to ``reference_path(ckpt_dir)`` (safetensors, atomic; every rank calls it)."""
+        from safetensors.torch import save_file
+
+        path = reference_path(ckpt_dir)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in _tensor_state(self.model).items()}
+        tmp = path.with_suffix(".tmp")
+        save_file(tensors, str(tmp), metadata={"format": "moe_rl.reference/1", "keys": json.dumps(len(tensors))})
+        os.replace(tmp, path)
+        return path
+
+    # ------------------------------------------------------------------ use
+    @contextlib.contextmanager
+    def _on_device(self):
+        if not self.offload or self.device is None or self.device.type == "cpu":
+            yield
+            return
+        self.model.to(self.device)
+        try:
+            yield
+        finally:
+            self.model.to("cpu")
+
+    def _routing(self, routes: torch.Tensor | None, local: bool):
+        if routes is None:
+            return contextlib.nullcontext()
+        if self._replay is None:
+            from moe_rl.replay.binding import RoutingReplay
+
+            self._replay = RoutingReplay(self.model)
+        return self._replay.replay([routes], local=local, observe_natural=False)
+
+    @torch.no_grad()
+    def logprobs(
+        self,
+        mb: dict,
+        temperature: float = 1.0,
+        logprob_fn=None,
+        *,
+        routes: torch.Tensor | None = None,
+        local_routes: bool = False,
+    ) -> torch.Tensor:
+        """``ref_logp[B, T]`` of ``mb["targets"]`` under π_ref for one microbatch.
+
+        ``logprob_fn(model, mb, temperature) -> (logp, entropy)`` is the learner's (Keep Sampling
+        Mask renormalisation included); None = full softmax. ``routes``: the routes π_old's pass
+        used for this microbatch — the rollout's ``[B, S, L_moe, K]`` under R3, or the recorded
+        local routes (``local_routes=True``) under R2 — so π_ref and π_old see the same experts;
+        None = natural routing (``replay.routing: none``).
+        """
+        from moe_rl.learner.logprobs import response_logprobs
+
+        with self._on_device(), self._routing(routes, local_routes):
+            if logprob_fn is not None:
+                logp, _ = logprob_fn(self.model, mb, temperature)
+            else:
+                logp, _ = response_logprobs(self.model, mb["input_ids"], mb["targets"],
+                                            segment_ids=mb.get("segment_ids"), temperature=temperature,
+                                            with_entropy=False)  # fmt: skip
+        return logp.detach()
+
+    def close(self) -> None:
+        """Release the reference model's router binding (if replay was used)."""
+        if self._replay is not None:
+            self._replay.close()
+            self._replay = None
+
+
+def _check_keys(missing, unexpected, source: str) -> None:
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ValueError(
+            f"reference policy: {source} does not match the model layout (missing {missing[:5]}, "
+            f"unexpected {list(unexpected)[:5]}); expected the same model config and parallel layout"
+        )

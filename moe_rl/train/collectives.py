@@ -1,0 +1,47 @@
+"""Data-parallel exchanges of the training loop: who this rank is, and gathering response rows.
+
+Owns the only collectives the loop issues itself (Megatron's DDP and ``finalize_model_grads``
+reduce the gradients): an all-gather of per-sample rows over the data-parallel group, so every
+rank sees a whole minibatch exactly as a single rank would.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["dp_group", "dp_rank_and_size", "all_gather_rows", "barrier", "is_main_process"]
+
+
+def dp_group():
+    """Megatron's data-parallel group (None when Megatron is not initialised)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_group() if ps.model_parallel_is_initialized() else None
+
+
+def dp_rank_and_size() -> tuple[int, int]:
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 0, 1
+    return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+
+
+def all_gather_rows(x: torch.Tensor, group=None) -> torch.Tensor:
+    """``x[n, ...]`` on every data-parallel rank -> ``[dp * n, ...]`` in rank order (same ``n`` everywhere)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts)
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def is_main_process() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0

@@ -1,0 +1,70 @@
+"""The learner's per-token log-probs (and entropy) of a microbatch, with or without Keep Sampling Mask.
+
+Owns the choice between the full-vocabulary softmax and the kept-set renormalisation and the
+matching entropy: under Keep Sampling Mask both the log-prob and the entropy are over the
+rollout's kept set, so μ, π_old and π_θ all live on the same truncated support (seed 000,
+"Keep Sampling Mask"). Pad tokens are passed to Megatron as ``padding_mask``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_rl.learner.logprobs import logprobs_from_logits
+from moe_rl.learner.model import forward_logits
+from moe_rl.replay.keep_mask import KeptSets, keep_mask_logprobs
+
+__all__ = ["kept_set_entropy", "make_logprob_fn"]
+
+
+def kept_set_entropy(logits: torch.Tensor, targets: torch.Tensor, kept: KeptSets, temperature: float) -> torch.Tensor:
+    """Entropy ``H[N]`` of ``softmax(logits[N, V] / temperature)`` renormalised over each row's kept set.
+
+    The support of row ``i`` is its kept ids plus ``targets[i]`` (the sampled token is always kept);
+    an empty kept set means the full vocabulary. Differentiable w.r.t. ``logits``.
+    """
+    N, V = logits.shape
+    z_all = logits.float() / temperature
+    out = torch.empty(N, dtype=z_all.dtype, device=logits.device)
+    lengths = kept.offsets.diff().to(logits.device)
+    full = lengths == 0
+    if bool(full.any()):
+        p = torch.log_softmax(z_all[full], dim=-1)
+        out[full] = -(p.exp() * p).sum(-1)
+    rows = torch.arange(N, device=logits.device)
+    trunc = rows[~full]
+    if trunc.numel():
+        seg = torch.repeat_interleave(rows, lengths)
+        keys = torch.unique(torch.cat([seg * V + kept.ids.to(logits.device).long(), trunc * V + targets[trunc]]))
+        seg, ids = keys // V, keys % V
+        vals = z_all[seg, ids]
+        row_max = torch.full((N,), float("-inf"), dtype=vals.dtype, device=logits.device)
+        row_max = row_max.scatter_reduce(0, seg, vals.detach(), reduce="amax", include_self=True)
+        e = torch.exp(vals - row_max[seg])
+        sums = torch.zeros(N, dtype=vals.dtype, device=logits.device).index_add(0, seg, e)
+        p = e / sums[seg]
+        expected = torch.zeros(N, dtype=vals.dtype, device=logits.device).index_add(0, seg, p * vals)
+        out[trunc] = (torch.log(sums) + row_max - expected)[trunc]
+    return out
+
+
+def make_logprob_fn(keep_sampling_mask: bool, with_entropy: bool):
+    """``fn(model, mb, temperature) -> (logp[B, T], entropy[B, T] | None)`` for a microbatch's tensors.
+
+    ``keep_sampling_mask`` renormalises over ``mb["kept"]`` (required then: the loop refuses records
+    without kept sets before it gets here).
+    """
+
+    def logprob_fn(model, mb: dict, temperature: float):
+        logits = forward_logits(model, mb["input_ids"], padding_mask=mb.get("padding_mask"))
+        if not keep_sampling_mask:
+            return logprobs_from_logits(logits, mb["targets"], temperature=temperature, with_entropy=with_entropy)
+        B, T, V = logits.shape
+        targets = mb["targets"].clamp(min=0).reshape(-1)  # pad targets (-1) are outside the loss mask
+        flat = logits.reshape(B * T, V)
+        logp = keep_mask_logprobs(flat, targets, mb["kept"], temperature).logp.view(B, T)
+        logp = torch.where(mb["targets"] >= 0, logp, torch.zeros_like(logp))
+        entropy = kept_set_entropy(flat, targets, mb["kept"], temperature).view(B, T) if with_entropy else None
+        return logp, entropy
+
+    return logprob_fn

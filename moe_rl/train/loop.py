@@ -1,0 +1,274 @@
+"""The synchronous RL loop: rollout -> rewards -> advantages -> plan -> old log-probs -> updates -> sync.
+
+Owns the order of one RL step and its persistence (records before training, checkpoints,
+metrics, exported weights). It holds no algorithm branches (``moe_rl.algo``), no routing
+decisions (``moe_rl.replay.ReplayDriver``) and no grouping decisions: which samples go to
+which rank, minibatch and microbatch is the step's ``StepPlan`` (``moe_rl.train.plan``), which
+``moe_rl.train.update`` executes. Per step ``s`` (all seeded by ``(train.seed, s)``, so a resumed
+run repeats an uninterrupted one):
+
+1. rank 0 samples prompts and generates on SGLang (routes, masks, log-probs), scores rewards and
+   saves ``<run>/rollouts/step_<s>.safetensors`` before anything trains on it; every rank loads
+   it. With ``train.rollouts_from: DIR`` the records are read from ``DIR`` instead (no server);
+2. GRPO/RLOO advantages; the step plan; in decoupled mode the old-log-prob pass;
+3. ``minibatches_per_step`` optimizer steps (times ``epochs_per_step``) under the replay driver;
+4. export HF weights, ``/update_weights_from_disk`` to every server, checkpoint every K steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moe_rl.config import ConfigError, ExperimentConfig, save_config
+from moe_rl.records import RecordError, RolloutBatch
+from moe_rl.train.batching import check_ksm_records, kept_set_outside_fraction
+from moe_rl.train.collectives import barrier, dp_group, dp_rank_and_size, is_main_process
+from moe_rl.train.logprob import make_logprob_fn
+from moe_rl.train.metrics_log import MetricsLogger
+from moe_rl.train.plan import plan_step
+from moe_rl.train.update import StepInputs, old_logprob_rows, reference_rows, update_minibatch
+
+__all__ = ["RLTrainer", "train", "check_supported", "ROLLOUTS_DIR"]
+
+ROLLOUTS_DIR = "rollouts"
+
+
+def check_supported(cfg: ExperimentConfig) -> None:
+    """Refuse settings the loop cannot honour yet, naming the key (``moe-rl config validate`` runs these too)."""
+    p = cfg.parallel
+    if p.pp > 1:
+        raise ConfigError(
+            f"parallel.pp={p.pp}: pipeline parallelism is not supported by the training loop yet (its train step "
+            "is Megatron's no-pipeline schedule); use parallel.pp=1"
+        )
+    if p.cp > 1:
+        raise ConfigError(
+            f"parallel.cp={p.cp}: context parallelism is not supported by the training loop yet (inputs would need "
+            "the same per-cp-rank sharding as the replayed routes); use parallel.cp=1"
+        )
+    if cfg.replay.keep_sampling_mask and cfg.parallel.tp > 1:
+        raise ConfigError("replay.keep_sampling_mask with parallel.tp > 1 (vocab-sharded logits) is not supported yet")
+
+
+def records_path(directory: Path, step: int) -> Path:
+    return Path(directory) / f"step_{step:06d}.safetensors"
+
+
+class RLTrainer:
+    """One experiment's learner, replay driver, task and sinks; ``run()`` drives the steps."""
+
+    def __init__(self, cfg: ExperimentConfig):
+        from moe_rl.learner.checkpoint import load_checkpoint
+        from moe_rl.learner.dist import init_distributed
+        from moe_rl.learner.train_step import Learner
+        from moe_rl.replay.driver import ReplayDriver
+        from moe_rl.rollout.tasks import build_task
+
+        check_supported(cfg)
+        self.cfg = cfg
+        self.run_dir = Path(cfg.train.output_dir)
+        self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
+        self.records_dir = Path(cfg.train.rollouts_from) if cfg.train.rollouts_from else self.run_dir / ROLLOUTS_DIR
+        init_distributed(cfg.parallel)
+        self.is_main = is_main_process()
+        if self.is_main:
+            save_config(cfg, self.run_dir / "config.yaml")
+        self.learner = Learner(cfg)  # imports checkpoint.init_from_hf when set
+        meta = load_checkpoint(self.learner, self.ckpt_dir) if cfg.checkpoint.resume == "auto" else None
+        self.start_step = int(meta["extra"]["rl_step"]) if meta else 0
+        if meta is None:  # a fresh run starts from the cached supervised warm start (train.warm_start)
+            from moe_rl.train.warm_start import apply_warm_start
+
+            apply_warm_start(self.learner, cfg)
+        self.driver = ReplayDriver.from_config(self.learner.module, cfg)
+        self.task, self.reward_fn = build_task(cfg.train, cfg.model.vocab_size)
+        self.logprob_fn = make_logprob_fn(cfg.replay.keep_sampling_mask, with_entropy=cfg.loss.entropy_coef > 0)
+        self.device = next(self.learner.model.parameters()).device
+        self.reference = self._reference_policy(meta is not None) if cfg.loss.kl_coef else None
+        self.plan(self.start_step)  # an impossible split fails here, before any server starts
+
+    def plan(self, step: int):
+        """This rank's ``StepPlan`` for ``step``."""
+        cfg = self.cfg
+        dp_rank, dp_size = dp_rank_and_size()
+        n = cfg.train.prompts_per_step * cfg.rollout.samples_per_prompt
+        return plan_step(n, minibatches=cfg.train.minibatches_per_step, micro_batch_size=cfg.train.micro_batch_size,
+                         epochs=cfg.train.epochs_per_step, dp_rank=dp_rank, dp_size=dp_size, seed=cfg.train.seed,
+                         step=step)  # fmt: skip
+
+    def _reference_policy(self, resumed: bool):
+        """π_ref for ``loss.kl_coef > 0``: the weights at the start of RL, reloaded on resume."""
+        from moe_rl.learner.reference import ReferencePolicy, reference_path
+
+        offload = torch.cuda.is_available()
+        if resumed and reference_path(self.ckpt_dir).is_file():
+            return ReferencePolicy.load(self.cfg, self.ckpt_dir, offload=offload)
+        return ReferencePolicy.from_learner(self.cfg, self.learner.module, offload=offload)
+
+    @property
+    def from_records(self) -> bool:
+        return bool(self.cfg.train.rollouts_from)
+
+    # ------------------------------------------------------------------ weights
+    def export_weights(self) -> Path:
+        """Export the learner as an HF dir for SGLang (collective); path of the live copy."""
+        from moe_rl.learner.hf_convert import export_hf_checkpoint
+        from moe_rl.rollout.quantize import quantize_hf_dir
+
+        out = self.run_dir / "hf" / "current"
+        export_hf_checkpoint(self.learner.module, self.cfg.model, out, template_dir=self.cfg.checkpoint.init_from_hf)
+        if self.is_main and self.cfg.rollout.weight_quantization != "none":
+            quantize_hf_dir(out, self.cfg.rollout.weight_quantization)
+        barrier()
+        return out
+
+    def sync_weights(self, addresses: list[str], step: int) -> float:
+        from moe_rl.rollout.weights import update_weights_from_disk
+
+        if self.from_records:
+            return 0.0
+        t0 = time.perf_counter()
+        hf_dir = self.export_weights()
+        if self.is_main:
+            update_weights_from_disk(addresses, hf_dir, f"step-{step}")
+        return time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ one step
+    def rollout(self, client, step: int) -> RolloutBatch:
+        """This step's batch: generated, scored and persisted by rank 0 (or read from saved records)."""
+        path = records_path(self.records_dir, step)
+        if self.from_records:
+            if not path.is_file():
+                raise FileNotFoundError(f"train.rollouts_from={self.cfg.train.rollouts_from}: no records for step {step} "
+                                        f"(expected {path})")  # fmt: skip
+            return RolloutBatch.load(path)
+        if self.is_main:
+            rng = np.random.default_rng([self.cfg.train.seed, step])
+            prompts = self.task.sample_prompts(self.cfg.train.prompts_per_step, rng)
+            n = self.cfg.rollout.samples_per_prompt
+            samples = client.generate([p.ids for p in prompts], n, step=step)
+            for k, sample in enumerate(samples):
+                sample.reward = float(self.reward_fn(prompts[k // n], sample.response_ids.tolist()))
+            batch = RolloutBatch.from_samples(samples, num_experts=self.cfg.model.num_moe_experts)
+            batch.validate(self.cfg.model)
+            batch.save(path)  # persisted before it is trained on
+        barrier()
+        return RolloutBatch.load(path)
+
+    def step(self, client, step: int) -> dict:
+        cfg, t0 = self.cfg, time.perf_counter()
+        batch = self.rollout(client, step)
+        t_rollout = time.perf_counter() - t0
+        if cfg.replay.keep_sampling_mask:
+            check_ksm_records(batch)
+        rewards = torch.from_numpy(batch.rewards).double()
+        plan = self.plan(step)
+        if plan.num_samples != len(batch):
+            raise RecordError(f"{self.records_dir}: step {step} has {len(batch)} samples; the config asks for "
+                              f"{plan.num_samples} (train.prompts_per_step x rollout.samples_per_prompt)")  # fmt: skip
+        inputs = StepInputs(batch, torch.zeros(len(batch), device="cpu"), int(batch.response_lens.max()), self.device, step,
+                            cfg.train.seed)  # fmt: skip
+        self.driver.begin_step()
+        t1 = time.perf_counter()
+        old = ref = None
+        if cfg.correction.mode == "decoupled":
+            old = old_logprob_rows(cfg, self.learner, self.driver, self.logprob_fn, plan, inputs)
+        if self.reference is not None:
+            ref = reference_rows(cfg, self.reference, self.driver, self.logprob_fn, plan, inputs)
+        t_old = time.perf_counter() - t1
+        inputs.advantages = self.advantages(batch, rewards, old, inputs.width)
+        t2 = time.perf_counter()
+        results = [update_minibatch(cfg, self.learner, self.driver, self.logprob_fn, mb, inputs, old, ref, epoch)
+                   for epoch, mb in plan.updates()]  # fmt: skip
+        t_train = time.perf_counter() - t2
+        metrics = _mean([r.metrics | {"train/loss": r.loss, "train/grad_norm": r.grad_norm, "train/lr": r.lr}
+                         for r in results])  # fmt: skip
+        metrics |= self.driver.step_metrics(group=dp_group())
+        metrics |= {
+            "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()), "reward/max": float(rewards.max()),
+            "response/len_mean": float(batch.response_lens.mean()),
+            "response/len_max": float(batch.response_lens.max()),
+            "response/truncated_frac": float(np.mean([f == "length" for f in batch.finish_reasons])),
+            "ksm/outside_mask_frac": kept_set_outside_fraction(batch) if cfg.replay.keep_sampling_mask else 0.0,
+            "time/rollout_s": t_rollout, "time/old_logp_s": t_old, "time/train_s": t_train,
+            "rollout/tokens_per_s": float(batch.response_lens.sum()) / max(t_rollout, 1e-9),
+        }  # fmt: skip
+        return metrics
+
+    def _save_reference(self) -> None:
+        """The reference weights go with the first checkpoint (they never change afterwards)."""
+        from moe_rl.learner.reference import reference_path
+
+        if self.reference is not None and not reference_path(self.ckpt_dir).is_file():
+            self.reference.save(self.ckpt_dir)
+
+    def advantages(self, batch: RolloutBatch, rewards: torch.Tensor, old: torch.Tensor | None, width: int):
+        """Per-sample advantages ``[N]``; VCPO's baseline reads π_old (or μ in bypass mode)."""
+        from moe_rl.algo import compute_advantages
+        from moe_rl.algo.advantages import logit_grad_sq_norm
+        from moe_rl.train.batching import response_row_mask, response_rows
+
+        cfg, ids = self.cfg, list(range(len(batch)))
+        extra = {"lengths": torch.as_tensor(batch.response_lens.astype("int64"), device="cpu")}
+        if cfg.advantage.estimator == "vcpo_opob":
+            mask = response_row_mask(batch, ids, width)
+            mu = response_rows(batch, ids, width, kept_logp=cfg.replay.keep_sampling_mask)
+            src = mu if old is None else old.cpu()
+            extra["is_weights"] = torch.exp(((src - mu) * mask).sum(1).clamp(-20, 20)).double()
+            extra["grad_sq_norms"] = logit_grad_sq_norm(src, mask).double()
+        return compute_advantages(cfg.advantage, rewards, cfg.rollout.samples_per_prompt, **extra).float()
+
+    # ------------------------------------------------------------------ loop
+    def _servers(self):
+        from moe_rl.rollout.launcher import rollout_servers
+
+        if self.from_records or not self.is_main:
+            return contextlib.nullcontext([])
+        return rollout_servers(self.cfg.rollout, self.export_weights(), self.run_dir / "logs")
+
+    def run(self) -> Path:
+        from moe_rl.learner.checkpoint import save_checkpoint
+        from moe_rl.rollout.client import RolloutClient
+
+        cfg = self.cfg
+        logger = MetricsLogger(self.run_dir, cfg.logging, cfg.train.steps, self.start_step, self.is_main, cfg.name)
+        if not self.from_records and not self.is_main:
+            self.export_weights()  # the export is collective; rank 0 runs it inside _servers()
+        try:
+            with self._servers() as addresses:
+                if self.is_main and not self.from_records:  # label the served weights with our version
+                    from moe_rl.rollout.weights import update_weights_from_disk
+
+                    update_weights_from_disk(addresses, self.run_dir / "hf" / "current", f"step-{self.start_step}")
+                client = RolloutClient.from_config(cfg, addresses) if self.is_main and not self.from_records else None
+                for step in range(self.start_step, cfg.train.steps):
+                    t0 = time.perf_counter()
+                    metrics = self.step(client, step)
+                    metrics["time/sync_s"] = self.sync_weights(addresses, step + 1)
+                    metrics["time/step_s"] = time.perf_counter() - t0
+                    # log before checkpointing: a kill in between resumes from the older checkpoint,
+                    # which cuts this line again, so no step's metrics can go missing
+                    logger.log(step + 1, metrics)
+                    if cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0 \
+                            or step + 1 == cfg.train.steps:  # fmt: skip
+                        save_checkpoint(self.learner, self.ckpt_dir, cfg.checkpoint.keep_last, extra={"rl_step": step + 1})
+                        self._save_reference()
+        finally:
+            logger.close()
+            self.driver.close()  # release the routers (nothing stays bound after a run)
+        return self.run_dir
+
+
+def _mean(records: list[dict]) -> dict[str, float]:
+    keys = sorted({k for r in records for k in r})
+    return {k: float(np.mean([r[k] for r in records if k in r])) for k in keys}
+
+
+def train(cfg: ExperimentConfig) -> Path:
+    """Run RL training for ``cfg``; returns the run directory (metrics.jsonl, rollouts/, checkpoints/)."""
+    return RLTrainer(cfg).run()

@@ -1,0 +1,195 @@
+"""The learner side of one RL step, executing a ``StepPlan``: the old-log-prob pass and the updates.
+
+Owns the order of passes per minibatch and the step-global statistics (issue: "the same answer
+as one rank"): every quantity that couples samples — rejection, IS batch normalisation, the
+loss denominator, every logged metric — is computed on response rows ``[N_mb, R]`` of the
+whole minibatch, gathered from all data-parallel ranks, in three phases:
+
+1. ``prepare_corrections`` on π_old (decoupled) or on π_θ from a no-grad pre-pass (bypass with
+   corrections: the weights do not change within a minibatch, so the pre-pass sees the π_θ the
+   update will). Nothing here depends on micro_batch_size or dp size;
+2. each microbatch's loss (its tokens' sum over the step-global denominator), backward,
+   Megatron's gradient finalisation, one optimizer step;
+3. ``policy_loss`` once more on the gathered detached π_θ rows: exact minibatch metrics, and
+   the minibatch loss (the sum of the microbatch losses).
+Megatron's aux / z losses are per-microbatch means by design: the one exception to
+microbatch invariance (docs/training.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moe_rl.algo import needs_policy_prepass, policy_loss, prepare_corrections
+from moe_rl.algo._tensors import masked_sum
+from moe_rl.algo.variance_control import ess_lr_scale
+from moe_rl.records import RolloutBatch
+from moe_rl.train.batching import Microbatch, build_microbatch, response_row_mask, response_rows
+from moe_rl.train.collectives import all_gather_rows, dp_group
+from moe_rl.train.plan import MinibatchPlan, StepPlan
+
+__all__ = ["StepInputs", "MinibatchResult", "old_logprob_rows", "reference_rows", "update_minibatch"]
+
+
+@dataclass
+class StepInputs:
+    """What every pass of one step reads: the records, per-sample advantages and the row width."""
+
+    batch: RolloutBatch
+    advantages: torch.Tensor  # [N] float32, per sample
+    width: int  # R: the longest response of the step; every response-row tensor is [*, R]
+    device: torch.device
+    step: int = 0
+    seed: int = 0
+
+
+@dataclass
+class MinibatchResult:
+    loss: float
+    grad_norm: float
+    lr: float
+    metrics: dict[str, float]
+
+
+def _microbatches(cfg, inputs: StepInputs, id_groups) -> list[Microbatch]:
+    ksm = cfg.replay.keep_sampling_mask
+    return [
+        build_microbatch(inputs.batch, ids, inputs.advantages, num_experts=cfg.model.num_moe_experts,
+                         kept_logp=ksm, with_kept_sets=ksm, device=inputs.device)
+        for ids in id_groups
+    ]  # fmt: skip
+
+
+def _rows_by_sample(plan_ids_per_rank, gathered: torch.Tensor, num_samples: int) -> torch.Tensor:
+    """Gathered rows (rank-major, each rank's ids in ``plan_ids_per_rank[r]``) -> ``[N, R]`` by sample id."""
+    out = torch.zeros(num_samples, gathered.shape[1], dtype=gathered.dtype, device=gathered.device)
+    order = torch.tensor([i for ids in plan_ids_per_rank for i in ids], dtype=torch.long, device=gathered.device)
+    out[order] = gathered
+    return out
+
+
+@torch.no_grad()
+def _forward_rows(learner, logprob_fn, mbs: list[Microbatch], temperature: float, width: int) -> torch.Tensor:
+    """No-grad forwards of ``mbs`` -> this rank's log-prob rows ``[n, width]`` in microbatch order."""
+    rows = []
+    for mb in mbs:
+        logp, _ = logprob_fn(learner.model, mb.tensors, temperature)
+        rows.append(mb.to_rows(logp.float(), width))
+    return torch.cat(rows)
+
+
+def old_logprob_rows(cfg, learner, driver, logprob_fn, plan: StepPlan, inputs: StepInputs) -> torch.Tensor:
+    """π_old of every sample of the step as rows ``[N, R]``, identical on every data-parallel rank.
+
+    Each rank scores exactly the samples it will update on (``plan.owned_microbatches``) under
+    the driver's old-log-prob routing (R3 replays the rollout's routes, R2 records the
+    learner's own); the rows are then all-gathered.
+    """
+    mbs = _microbatches(cfg, inputs, plan.owned_microbatches)
+    learner.model.eval()
+    with driver.old_logprob_pass([m.routes for m in mbs]):
+        local = _forward_rows(learner, logprob_fn, mbs, cfg.rollout.temperature, inputs.width)
+    gathered = all_gather_rows(local, dp_group())
+    per_rank = [[i for mb in plan.minibatches for i in mb.shares[r]] for r in range(plan.dp_size)]
+    return _rows_by_sample(per_rank, gathered, len(inputs.batch))
+
+
+@torch.no_grad()
+def reference_rows(cfg, reference, driver, logprob_fn, plan: StepPlan, inputs: StepInputs) -> torch.Tensor:
+    """π_ref of every sample as rows ``[N, R]`` (for ``loss.kl_coef > 0``), identical on every rank.
+
+    Routed like π_old: the rollout's routes under R3, the old-log-prob pass's recorded routes
+    under R2 (so run this after it), natural routing otherwise; Keep Sampling Mask as the learner.
+    """
+    mbs = _microbatches(cfg, inputs, plan.owned_microbatches)
+    rows = []
+    for m in mbs:
+        routes, local = None, False
+        if driver.mode == "r3":
+            routes = m.routes.rollout
+        elif driver.mode == "r2":
+            routes, local = driver._r2_routes(m.routes), True
+        logp = reference.logprobs(m.tensors, cfg.rollout.temperature, logprob_fn, routes=routes, local_routes=local)
+        rows.append(m.to_rows(logp.float(), inputs.width))
+    gathered = all_gather_rows(torch.cat(rows), dp_group())
+    per_rank = [[i for mb in plan.minibatches for i in mb.shares[r]] for r in range(plan.dp_size)]
+    return _rows_by_sample(per_rank, gathered, len(inputs.batch))
+
+
+def _generator(inputs: StepInputs, mb_plan: MinibatchPlan, epoch: int) -> torch.Generator:
+    """Seeded from (train.seed, step, epoch, minibatch): every rank draws the same (it sees the same rows)."""
+    import numpy as np
+
+    seed = int(np.random.SeedSequence([inputs.seed, inputs.step, epoch, mb_plan.index]).generate_state(1)[0])
+    return torch.Generator().manual_seed(seed)
+
+
+def update_minibatch(cfg, learner, driver, logprob_fn, mb_plan: MinibatchPlan, inputs: StepInputs,
+                     old_rows: torch.Tensor | None, ref_rows: torch.Tensor | None = None,
+                     epoch: int = 0) -> MinibatchResult:  # fmt: skip
+    """One optimizer step on ``mb_plan`` (see the module docstring for the three phases)."""
+    dev, width = inputs.device, inputs.width
+    ids = list(mb_plan.sample_ids)
+    ksm = cfg.replay.keep_sampling_mask
+    mask = response_row_mask(inputs.batch, ids, width).to(dev)
+    mu = response_rows(inputs.batch, ids, width, kept_logp=ksm).to(dev)
+    adv = inputs.advantages[ids].to(dev)
+    old = None if old_rows is None else old_rows[ids].to(dev)
+    ref = None if ref_rows is None else ref_rows[ids].to(dev)
+    mbs = _microbatches(cfg, inputs, mb_plan.microbatches)
+    routes = [m.routes for m in mbs]
+    group = dp_group()
+
+    # phase 1: step-global corrections over the whole minibatch
+    policy = None
+    if needs_policy_prepass(cfg.correction, cfg.loss):  # bypass corrections, M2PO, Clip-/KL-Cov: π_θ first
+        learner.model.train()
+        with driver.prepass(routes):
+            policy = all_gather_rows(_forward_rows(learner, logprob_fn, mbs, cfg.rollout.temperature, width), group)
+    source = old if old is not None else (policy if policy is not None else mu)  # plain bypass: nothing reads it
+    norm_len = getattr(cfg.loss, "norm_len", None) or cfg.rollout.max_new_tokens
+    generator = _generator(inputs, mb_plan, epoch)
+    prep = prepare_corrections(cfg.loss, cfg.correction, source, mu, mask, norm_len=norm_len, policy_logp=policy,
+                               advantages=adv, generator=generator)  # fmt: skip
+    lr_scale, vcpo = 1.0, {}
+    if getattr(cfg.optim, "ess_lr_scaling", False):
+        scale, vcpo = ess_lr_scale(masked_sum(source - mu, mask, dim=1), mask.any(dim=1), cfg.optim.ess_lr_min_scale)
+        lr_scale = float(scale)
+
+    # phase 2: per-microbatch losses with the global denominator; gradients summed over ranks
+    row_of = {sid: k for k, sid in enumerate(ids)}
+    seen_logp, seen_entropy = [], []
+
+    def loss_fn(logp, entropy, t):
+        m = t["microbatch"]
+        rows = torch.tensor([row_of[s] for s in m.sample_ids], dtype=torch.long, device=dev)
+        keep = m.from_rows(prep.keep[rows]) & t["mask"]
+        weights = None if prep.weights is None else m.from_rows(prep.weights[rows])
+        old_t = None if old is None else m.from_rows(old[rows])
+        ref_t = None if ref is None else m.from_rows(ref[rows])
+        cov = None if prep.cov_selected is None else m.from_rows(prep.cov_selected[rows])
+        loss, _ = policy_loss(cfg.loss, cfg.correction, logp, old_t, t["rollout_logp"], t["advantages"], t["mask"],
+                              keep, weights, prep.denominator, entropy=entropy, ref_logp=ref_t, cov_selected=cov,
+                              generator=generator)  # fmt: skip
+        seen_logp.append(m.to_rows(logp.detach().float(), width))
+        if entropy is not None:
+            seen_entropy.append(m.to_rows(entropy.detach().float(), width))
+        return loss, {}
+
+    for m in mbs:
+        m.tensors["microbatch"] = m
+    dp_size = 1 if group is None else torch.distributed.get_world_size(group)
+    with driver.update_pass(routes):
+        stats = learner.train_step([m.tensors for m in mbs], loss_fn, cfg.rollout.temperature, logprob_fn,
+                                   loss_scale=dp_size, lr_scale=lr_scale)  # fmt: skip
+
+    # phase 3: exact minibatch metrics from the gathered detached π_θ
+    logp_rows = all_gather_rows(torch.cat(seen_logp), group)
+    ent_rows = all_gather_rows(torch.cat(seen_entropy), group) if seen_entropy else None
+    _, metrics = policy_loss(cfg.loss, cfg.correction, logp_rows, old, mu, adv, mask, prep.keep, prep.weights,
+                             prep.denominator, entropy=ent_rows, ref_logp=ref, cov_selected=prep.cov_selected,
+                             generator=_generator(inputs, mb_plan, epoch))  # fmt: skip
+    metrics = {k: float(v) for k, v in (prep.metrics | vcpo | metrics).items()}
+    return MinibatchResult(metrics["loss/total"], stats.grad_norm, stats.lr, metrics)

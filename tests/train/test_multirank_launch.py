@@ -1,0 +1,49 @@
+"""The documented multi-rank command, run as a user runs it: ``NPROC=2 launch/local.sh CONFIG parallel.ep=2``.
+
+Rank 0 of a torchrun job starts its own SGLang server (the server must not inherit torchrun's
+RANK / WORLD_SIZE / MASTER_* rendezvous, or it never becomes healthy); both ranks train on its
+rollouts with expert parallelism, ragged responses and several microbatches per minibatch.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moe_rl.train.metrics_log import read_metrics
+from tests.conftest import one_gpu_per_rank
+
+pytestmark = [pytest.mark.sglang, pytest.mark.distributed]
+REPO = Path(__file__).parents[2]
+
+
+@one_gpu_per_rank(2)
+def test_two_rank_expert_parallel_run_starts_its_own_server_from_rank_0(tmp_path):
+    env = {**os.environ, "NPROC": "2", "MOE_RL_PYTHON": sys.executable}
+    cmd = ["bash", str(REPO / "launch/local.sh"), str(REPO / "configs/tiny_cpu.yaml"), "parallel.ep=2", "train.steps=2",
+           "train.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=12",
+           "train.micro_batch_size=2", "logging.tensorboard=false", "logging.progress=false",
+           "rollout.startup_timeout_s=600",
+           f"train.output_dir={tmp_path}"]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"NPROC=2 launch/local.sh ... parallel.ep=2 failed:\n{proc.stderr[-4000:]}"
+    metrics = read_metrics(tmp_path / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(m["replay/rollout_vs_dispatched/response/flip_rate"] == 0.0 for m in metrics)
+    assert all(m["train/grad_norm"] > 0 for m in metrics)
+    assert (tmp_path / "logs" / "sglang_0.log").is_file(), "rank 0 should have started (and logged) its own server"
+
+
+def test_the_server_environment_drops_the_learners_rendezvous_variables():
+    from moe_rl.rollout.launcher import ServerSpec, server_env
+
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+                "TORCHELASTIC_RUN_ID": "x", "GROUP_RANK": "0", "PATH": "/usr/bin"}  # fmt: skip
+    env = server_env(ServerSpec(model_path="/m"), base=torchrun)
+    assert env["PATH"] == "/usr/bin"
+    leaked = sorted(k for k in torchrun if k != "PATH" and k in env)
+    assert not leaked, f"the SGLang server would join the learner's process group through {leaked}"
