@@ -52,7 +52,7 @@ def closing_summary(run_dir: str | Path, plots: bool = True) -> str:
         lines.append(f"  checkpoints      {run_dir / 'checkpoints'} ({', '.join(ckpts)})")
     records = sorted((run_dir / "rollouts").glob("step_*.safetensors"))
     if records:
-        lines.append(f"  rollout records {run_dir / 'rollouts'} ({len(records)} files; "
+        lines.append(f"  rollout records  {run_dir / 'rollouts'} ({len(records)} files; "
                      f"`moe-rl records inspect {records[-1]}`)")  # fmt: skip
     if (run_dir / "hf" / "current").exists():
         lines.append(f"  HF weights       {run_dir / 'hf' / 'current'}")
