@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moe_rl.metrics_log import read_metrics
+from moe_rl.train.metrics_log import read_metrics
 from moe_rl.records import RolloutBatch
 from moe_rl.rollout.tokenizer import EOS_ID
 
