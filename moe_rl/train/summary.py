@@ -16,11 +16,15 @@ from moe_rl.report import METRICS_FILE, read_metrics, write_report
 
 __all__ = ["SUMMARY_METRICS", "closing_summary", "print_closing_summary"]
 
-# (metrics.jsonl key, label, format) in print order.
+# (metrics.jsonl key, label, format) in print order; the loop's response-token flip metrics come
+# first, then the keys runs from before the moe_rl.train loop logged (a run has one or the other).
 SUMMARY_METRICS: tuple[tuple[str, str, str], ...] = (
     ("reward/mean", "mean reward", ".3f"),
     ("response/len_mean", "mean response length (tokens)", ".1f"),
     ("offpolicy/kl_k3", "KL k3 rollout vs learner", ".2e"),
+    ("replay/rollout_vs_natural/response/flip_rate", "router flip rate rollout vs learner", ".2%"),
+    ("replay/rollout_vs_dispatched/response/flip_rate", "router flip rate rollout vs dispatched", ".2%"),
+    ("replay/rollout_vs_natural/response/tokens_with_flip", "tokens with >= 1 flipped layer", ".2%"),
     ("replay/rollout_vs_natural/flip_rate", "router flip rate rollout vs learner", ".2%"),
     ("replay/rollout_vs_applied/flip_rate", "router flip rate rollout vs applied (replay)", ".2%"),
 )

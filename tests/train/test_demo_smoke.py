@@ -65,7 +65,7 @@ def test_closing_summary_names_reward_and_where_the_outputs_are(demo_run):
     metrics = read_metrics(out / "run" / "metrics.jsonl")
     first, last = metrics[0]["reward/mean"], metrics[-1]["reward/mean"]
     assert "mean reward" in text and f"{first:.3f} (step 1) -> {last:.3f} (step 2)" in text
-    for expected in ("KL k3 rollout vs learner", "router flip rate rollout vs learner", str(out / "run" / "metrics.jsonl"),
+    for expected in ("KL k3 rollout vs learner", "router flip rate rollout vs dispatched", str(out / "run" / "metrics.jsonl"),
                      str(out / "run" / "rollouts"), f"tensorboard --logdir {out / 'run' / 'tensorboard'}"):  # fmt: skip
         assert expected in text, expected
     assert (out / "run" / "report" / "plots" / "reward_mean.png").exists()
