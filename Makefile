@@ -1,4 +1,4 @@
-# The two README commands: `make demo` (set up + run the tiny MoE RL job) and `make test`.
+# The two README commands: `make demo` (set up + run the warm-started MoE RL demo) and `make test`.
 VENV ?= $(or $(MOE_RL_VENV),$(CURDIR)/.venv)
 PY := $(VENV)/bin/python
 export MOE_RL_VENV := $(VENV)
@@ -7,8 +7,9 @@ export MOE_RL_VENV := $(VENV)
 install:
 	bash scripts/install.sh
 
+# A fresh run directory each time (a second `make demo` trains again; the warm start is cached).
 demo: install
-	$(VENV)/bin/moe-rl train configs/tiny_cpu.yaml
+	$(VENV)/bin/moe-rl train configs/demo.yaml train.output_dir=runs/demo/$$(date +%Y%m%d-%H%M%S)
 
 test: install
 	$(PY) -m pytest -q tests

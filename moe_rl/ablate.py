@@ -2,7 +2,7 @@
 
 Owns the grid syntax (an optional top-level ``grid:`` mapping of dotted config keys to value lists,
 read and removed before schema validation), cell naming, skipping invalid combinations with a note,
-and running cells one after another with the same seeds. Training is ``moe_rl.trainer.train``;
+and running cells one after another with the same seeds. Training is ``moe_rl.train.loop.train``;
 the report is ``moe_rl.report.write_report``.
 
 Default grid (seed 001, Zheng et al.: routing replay vs off-policiness N = minibatches per step)::
@@ -10,6 +10,11 @@ Default grid (seed 001, Zheng et al.: routing replay vs off-policiness N = minib
     grid:
       replay.routing: [none, r2, r3]
       train.minibatches_per_step: [1, 2, 4]
+      seeds: [1, 2, 3]        # optional: every cell once per seed (sets train.seed and rollout.seed)
+
+With ``seeds`` each cell runs once per seed in ``<out>/<cell>/seed-<s>/`` and the report gives
+mean ± std over the seeds and curves with bands; every run starts from the same warm start
+(``train.warm_start`` does not depend on the seed).
 """
 
 from __future__ import annotations
@@ -48,15 +53,19 @@ class AblationError(RuntimeError):
     """One or more grid cells failed to train; the report was still written."""
 
 
+SEED_KEYS = ("train.seed", "rollout.seed")  # what a grid-level ``seeds`` value sets
+
+
 @dataclass(frozen=True)
 class Cell:
-    """One grid point: its dotted-key settings, run directory and config (None when skipped)."""
+    """One run of a grid point: settings, seed (None without ``seeds``), run dir, config (None when skipped)."""
 
     name: str
     settings: dict[str, Any]
     run_dir: Path
     config: ExperimentConfig | None
     skip_reason: str | None = None
+    seed: int | None = None
 
 
 def _flatten(node: dict, prefix: str = "") -> dict[str, Any]:
@@ -95,6 +104,25 @@ def _check_grid_key(key: str) -> None:
             model = section
         elif section is not None:
             raise ConfigError(f"grid key {key!r} is a whole section; vary one of its fields instead")
+
+
+def parse_seeds(raw: Any) -> list[int] | None:
+    """Validate ``grid.seeds`` (None: no seed axis) into a list of distinct non-negative ints."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or not raw or not all(isinstance(s, int) and not isinstance(s, bool) for s in raw):
+        raise ConfigError(f"grid.seeds must be a non-empty list of integers, got {raw!r}")
+    if any(s < 0 for s in raw) or len(set(raw)) != len(raw):
+        raise ConfigError(f"grid.seeds must be distinct integers >= 0, got {raw!r}")
+    return list(raw)
+
+
+def split_seeds(raw: Any) -> tuple[Any, list[int] | None]:
+    """``grid:`` value -> (the grid without ``seeds`` (None when only seeds were given), the seeds)."""
+    if not isinstance(raw, dict) or "seeds" not in raw:
+        return raw, None
+    rest = {k: v for k, v in raw.items() if k != "seeds"}
+    return (rest or None), parse_seeds(raw["seeds"])
 
 
 def parse_grid(raw: Any) -> dict[str, list[Any]]:
@@ -138,36 +166,44 @@ def expand_grid(config_path: str | Path, overrides: list[str] | None = None,
                 out_dir: str | Path | None = None) -> tuple[list[Cell], Path]:  # fmt: skip
     """All cells of the config's grid (overrides apply to the base and may set ``grid.*``) and the out dir.
 
-    Each cell's ``train.output_dir`` is ``<out_dir>/<cell name>`` (``checkpoint.dir`` likewise when
-    set); seeds are left as configured so every cell starts from the same seeds. A combination the
-    schema rejects becomes a cell with ``skip_reason`` set instead of an error.
+    Each cell's ``train.output_dir`` is ``<out_dir>/<cell name>`` (``/seed-<s>`` per seed with
+    ``grid.seeds``; ``checkpoint.dir`` likewise when set); without ``grid.seeds`` seeds are left as
+    configured, so every cell starts from the same seeds. A combination the schema rejects becomes a
+    cell with ``skip_reason`` set instead of an error.
     """
     tree = apply_overrides(load_yaml_tree(config_path), list(overrides or []))
-    grid = parse_grid(tree.pop("grid", None))
+    raw_grid, seeds = split_seeds(tree.pop("grid", None))
+    grid = parse_grid(raw_grid)
+    if seeds is not None and (clash := [k for k in SEED_KEYS if k in grid]):
+        raise ConfigError(f"grid.seeds sets {' and '.join(SEED_KEYS)}; drop grid key(s) {clash} or grid.seeds")
     if out_dir is None:
         base_out = tree.get("train", {}).get("output_dir", TrainConfig.model_fields["output_dir"].default)
         out_dir = Path(base_out) / "ablation"
     out_dir = Path(out_dir)
     keys = list(grid)
     cells = []
-    for combo in itertools.product(*(grid[k] for k in keys)):
+    for combo, seed in itertools.product(itertools.product(*(grid[k] for k in keys)), seeds or [None]):
         settings = dict(zip(keys, combo))
         name = cell_name(settings, keys)
-        run_dir = out_dir / name
+        run_dir = out_dir / name if seed is None else out_dir / name / f"seed-{seed}"
         cell_tree = copy.deepcopy(tree)
-        for key, value in settings.items():
+        for key, value in [*settings.items(), *((k, seed) for k in SEED_KEYS if seed is not None)]:
             _set(cell_tree, key, value)
         _set(cell_tree, "train.output_dir", str(run_dir))
         if cell_tree.get("checkpoint", {}).get("dir") is not None:
             _set(cell_tree, "checkpoint.dir", str(run_dir / "checkpoints"))
         try:
-            cells.append(Cell(name, settings, run_dir, validate_tree(cell_tree)))
+            cells.append(Cell(name, settings, run_dir, validate_tree(cell_tree), seed=seed))
         except ConfigError as exc:
             reason = str(exc).removeprefix("invalid experiment config:").strip().replace("\n", " ")
-            cells.append(Cell(name, settings, run_dir, None, reason))
-    if len({c.name for c in cells}) != len(cells):
+            cells.append(Cell(name, settings, run_dir, None, reason, seed=seed))
+    if len({(c.name, c.seed) for c in cells}) != len(cells):
         raise ConfigError(f"grid values give two cells the same directory name: {[c.name for c in cells]}")
     return cells, out_dir
+
+
+def _run_label(cell: Cell) -> str:
+    return cell.name if cell.seed is None else f"{cell.name} (seed {cell.seed})"
 
 
 @contextlib.contextmanager
@@ -178,7 +214,8 @@ def _shared_rollout_servers(cells: list[Cell], out_dir: Path) -> Iterator[list[s
     is sent, and each trainer syncs its own initial weights into the server before generating.
     """
     first = cells[0].config
-    same = {(c.config.rollout.model_dump_json(), c.config.model.model_dump_json()) for c in cells}
+    # rollout.seed only seeds the client's per-request sampling seeds, so seeds may share a server
+    same = {(c.config.rollout.model_dump_json(exclude={"seed"}), c.config.model.model_dump_json()) for c in cells}
     if first.rollout.addresses or len(same) > 1:
         yield None
         return
@@ -194,32 +231,33 @@ def run_ablation(config_path: str | Path, overrides: list[str] | None = None,
                  out_dir: str | Path | None = None) -> Path:  # fmt: skip
     """Train every valid cell in grid order, refresh the report after each, return ``report.md``.
 
-    Cells run in this process one after another (``moe_rl.trainer.train(cfg)``); a cell that raises is
+    Cells run in this process one after another (``moe_rl.train.loop.train(cfg)``); a cell that raises is
     recorded in the report and the grid goes on, then ``AblationError`` lists the failures.
     """
     cells, out_dir = expand_grid(config_path, overrides, out_dir)
     from moe_rl.train.loop import train  # heavy (torch, Megatron): only when actually running
 
-    notes = [f"skipped {c.name}: {c.skip_reason}" for c in cells if c.skip_reason]
+    notes = [f"skipped {_run_label(c)}: {c.skip_reason}" for c in cells if c.skip_reason]
     runnable = [c for c in cells if c.config is not None]
     settings = {c.name: c.settings for c in runnable}
-    done: dict[str, Path] = {}
+    done: dict[str, list[Path]] = {}
     failures: list[str] = []
     if not runnable:
         raise ConfigError("every grid cell is invalid:\n  " + "\n  ".join(notes))
     report = out_dir / "report.md"
     with _shared_rollout_servers(runnable, out_dir) as addresses:
         for i, cell in enumerate(runnable, 1):
-            print(f"[ablate] cell {i}/{len(runnable)}: {cell.name}", file=sys.stderr, flush=True)
-            save_config(cell.config, out_dir / "configs" / f"{cell.name}.yaml")
+            print(f"[ablate] run {i}/{len(runnable)}: {_run_label(cell)}", file=sys.stderr, flush=True)
+            suffix = "" if cell.seed is None else f"__seed-{cell.seed}"
+            save_config(cell.config, out_dir / "configs" / f"{cell.name}{suffix}.yaml")
             cfg = cell.config
             if addresses:  # each cell loads its own initial weights into the shared server first
                 cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"addresses": addresses})})
             try:
-                done[cell.name] = Path(train(cfg))
+                done.setdefault(cell.name, []).append(Path(train(cfg)))
             except Exception as exc:  # one broken cell must not cost the rest of the grid
-                failures.append(f"failed {cell.name}: {type(exc).__name__}: {exc}")
-                done[cell.name] = cell.run_dir  # whatever metrics it logged before failing
+                failures.append(f"failed {_run_label(cell)}: {type(exc).__name__}: {exc}")
+                done.setdefault(cell.name, []).append(cell.run_dir)  # whatever it logged before failing
             report = write_report(done, out_dir, settings, notes + failures)
     if failures:
         summary = f"{len(failures)} of {len(runnable)} cells failed (report: {report}):\n"

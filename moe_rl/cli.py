@@ -85,8 +85,9 @@ def _records_inspect(args) -> int:
 def _train(args) -> int:
     cfg = _checked_config(args, env=True)
     from moe_rl.train.loop import train
+    from moe_rl.train.summary import print_closing_summary
 
-    train(cfg)
+    print_closing_summary(train(cfg))
     return 0
 
 

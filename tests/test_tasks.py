@@ -56,3 +56,29 @@ def test_user_reward_function_is_loaded_from_module_path(tmp_path, monkeypatch):
 def test_unknown_task_names_the_field():
     with pytest.raises(ValueError, match="train.task='divide' is not a known task"):
         DigitTask("divide", 64)
+
+
+def test_long_tasks_vary_the_digit_count_and_need_eos_right_after_the_answer():
+    task = DigitTask("copy_long", 64)
+    prompts = task.sample_prompts(200, np.random.default_rng(0))
+    assert {len(p.answer) for p in prompts} == set(range(7, 12))  # 8-12 tokens with the eos
+    assert all(p.text.startswith("copy : ") for p in prompts)
+    prompt = task.make_prompt([3, 1, 4, 1, 5, 9, 2])
+    right, digit = prompt.answer, task.digit_ids
+    assert task.score(prompt, right + [EOS_ID]) == pytest.approx(1.0)
+    assert task.score(prompt, right) == pytest.approx(0.15 + 0.7)  # no eos: half the format credit
+    assert task.score(prompt, right + [digit[0], EOS_ID]) == pytest.approx(0.15 + 0.7)  # one digit too many
+    assert task.score(prompt, right[:-1] + [EOS_ID]) == pytest.approx(0.15 * 6 / 7 + 0.7 * 6 / 7)  # one short
+    assert DigitTask("reverse_long", 64).make_prompt([1, 2, 3, 4, 5, 6, 7]).answer_text == "7 6 5 4 3 2 1"
+
+
+def test_fixed_length_tasks_keep_their_prompt_stream():
+    rng_a, rng_b = np.random.default_rng(3), np.random.default_rng(3)
+    got = [p.text for p in DigitTask("copy", 64).sample_prompts(4, rng_a)]
+    expected = ["copy : " + " ".join(map(str, rng_b.integers(0, 10, 3).tolist())) + " >" for _ in range(4)]
+    assert got == expected
+
+
+def test_unknown_task_names_the_field_and_the_long_variants():
+    with pytest.raises(ValueError, match=r"train.task='copy_short'.*'copy_long'"):
+        DigitTask("copy_short", 64)

@@ -325,6 +325,20 @@ class OptimConfig(Section):
     ess_lr_min_scale: float = Field(0.1, gt=0, le=1, description="lower clamp of the VCPO lr multiplier")
 
 
+class WarmStartConfig(Section):
+    """Supervised warm start before RL: teacher forcing on the task's correct answers (moe_rl.train.warm_start).
+
+    Independent of ``train.seed``, so every seed / ablation cell starts from the same policy; the
+    result is cached as safetensors under ``cache_dir``, keyed by the config hash and code version.
+    """
+
+    steps: int = Field(40, ge=1, description="optimizer steps of the supervised phase")
+    lr: float = Field(3e-3, gt=0)
+    batch_size: int = Field(32, ge=1, description="prompts (with their correct answers) per step")
+    seed: int = Field(0, description="model init and prompt sampling of the warm start")
+    cache_dir: str = Field("~/.cache/moe_rl/warm_start", description="where the cached warm-start weights live")
+
+
 class TrainConfig(Section):
     steps: int = Field(10, ge=1)
     prompts_per_step: int = Field(8, ge=1)
@@ -339,6 +353,7 @@ class TrainConfig(Section):
     rollouts_from: str | None = Field(
         None, description="train on saved records DIR/step_<s>.safetensors instead of generating (no server)"
     )
+    warm_start: WarmStartConfig | None = Field(None, description="supervised phase before RL; None = start from init")
 
 
 class LoggingConfig(Section):

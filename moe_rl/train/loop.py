@@ -77,6 +77,10 @@ class RLTrainer:
         if self.is_main:  # only now is the run known to start (a model-shape change failed above)
             save_config(cfg, self.run_dir / "config.yaml")
         self.server_keys, self.server_pool = None, None  # set by run(): auth and restarts
+        if meta is None:  # a fresh run starts from the cached supervised warm start (train.warm_start)
+            from moe_rl.train.warm_start import apply_warm_start
+
+            apply_warm_start(self.learner, cfg)
         self.driver = ReplayDriver.from_config(self.learner.module, cfg)
         self.task, self.reward_fn = build_task(cfg.train, cfg.model.vocab_size)
         self.logprob_fn = make_logprob_fn(ksm_active(cfg), with_entropy=cfg.loss.entropy_coef > 0)

@@ -1,0 +1,189 @@
+"""Supervised warm start: teacher forcing on the task's correct answers before RL, cached on disk.
+
+Owns the short SFT phase (``train.warm_start``) and its cache. RL post-training starts from a
+model that can already do the task a little; this phase gives the demo and the ablations such a
+model in seconds. It trains a fresh Megatron-Core ``Learner`` (same model config, its own seed,
+optimizer and LR) on ``prompt + answer + <eos>`` with the loss on the answer tokens only, saves
+each rank's weights as safetensors under ``<cache_dir>/<key>/``, and loads them into the RL
+learner. ``key`` hashes every input that changes the result (model, precision, parallel layout,
+task, warm-start settings) and the code version (package version + the source of the modules
+that produce the weights), so a changed config or code trains again and an unchanged one reuses
+the file. ``train.seed`` is not part of it: every RL seed and ablation cell starts from the same
+warm start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = ["warm_start_key", "sft_microbatch", "train_warm_start", "apply_warm_start", "cache_path"]
+
+# Modules whose source decides the warm-start weights (besides this one): the task and the model build.
+_CODE_FILES = ("train/warm_start.py", "rollout/tasks.py", "rollout/tokenizer.py", "learner/model.py")
+
+
+def _code_version() -> str:
+    import moe_rl
+
+    root = Path(moe_rl.__file__).parent
+    digest = hashlib.sha256(moe_rl.__version__.encode())
+    for rel in _CODE_FILES:
+        digest.update((root / rel).read_bytes())
+    return f"{moe_rl.__version__}+{digest.hexdigest()[:12]}"
+
+
+def warm_start_key(cfg) -> str:
+    """Hex key of everything the warm-start weights depend on (config sections + code version)."""
+    ws = cfg.train.warm_start
+    inputs = {
+        "model": cfg.model.model_dump(mode="json"),
+        "params_dtype": cfg.precision.params_dtype,
+        "parallel": cfg.parallel.model_dump(mode="json", exclude={"backend"}),
+        "task": cfg.train.task,
+        "warm_start": ws.model_dump(mode="json", exclude={"cache_dir"}),
+        "code": _code_version(),
+    }
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _rank_world() -> tuple[int, int]:
+    if torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()
+
+
+def cache_path(cfg) -> Path:
+    """``<cache_dir>/<key>``: one ``rank_<r>.safetensors`` per rank plus ``meta.json``."""
+    return Path(cfg.train.warm_start.cache_dir).expanduser() / warm_start_key(cfg)
+
+
+def sft_microbatch(prompts, device: torch.device) -> dict[str, torch.Tensor]:
+    """Teacher-forcing batch of ``prompt.ids + prompt.answer + [eos]`` for each prompt.
+
+    Returns ``input_ids[B, T]`` (right-padded with ``<pad>``), ``targets[B, T]`` (next token, -1 on
+    padding) and ``mask[B, T]`` (1.0 where the target is an answer token or the closing ``<eos>``),
+    ``T = max(len(sequence)) - 1``.
+    """
+    from moe_rl.rollout.tokenizer import EOS_ID, PAD_ID
+
+    seqs = [(list(p.ids), list(p.answer) + [EOS_ID]) for p in prompts]
+    T = max(len(a) + len(b) for a, b in seqs) - 1
+    input_ids = torch.full((len(seqs), T), PAD_ID, dtype=torch.long)
+    targets = torch.full((len(seqs), T), -1, dtype=torch.long)
+    mask = torch.zeros((len(seqs), T), dtype=torch.float32)
+    for row, (prompt, response) in enumerate(seqs):
+        tokens = torch.tensor(prompt + response)
+        n = len(tokens) - 1
+        input_ids[row, :n] = tokens[:-1]
+        targets[row, :n] = tokens[1:]
+        mask[row, len(prompt) - 1 : n] = 1.0  # targets from the first answer token on
+    return {"input_ids": input_ids.to(device), "targets": targets.to(device), "mask": mask.to(device)}
+
+
+def _nll_loss(logp: torch.Tensor, entropy, mb: dict) -> tuple[torch.Tensor, dict]:
+    """Mean negative log-likelihood of the answer tokens; ``logp[B, T]``."""
+    mask = mb["mask"]
+    nll = -(logp * mask).sum() / mask.sum().clamp(min=1)
+    with torch.no_grad():
+        p_target = (logp.exp() * mask).sum() / mask.sum().clamp(min=1)
+    return nll, {"nll": nll.detach(), "p_target": p_target}
+
+
+def train_warm_start(cfg, log=None) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """Run the supervised phase on a fresh learner; returns its weights and per-step ``{nll, p_target}``.
+
+    ``init_distributed`` must have run. Collective when world > 1 (every rank sees the same data;
+    DDP averages identical gradients).
+    """
+    from moe_rl.learner.model import build_model
+    from moe_rl.learner.train_step import Learner
+    from moe_rl.rollout.tasks import DigitTask
+
+    ws = cfg.train.warm_start
+    optim = cfg.optim.model_copy(update={"lr": ws.lr, "lr_warmup_steps": 0, "lr_decay_style": "constant"})
+    sft_cfg = cfg.model_copy(update={"optim": optim})
+    learner = Learner(sft_cfg, total_steps=ws.steps, model=build_model(sft_cfg, seed=ws.seed))
+    device = next(learner.module.parameters()).device
+    task = DigitTask(cfg.train.task, cfg.model.vocab_size)
+    history = []
+    for step in range(ws.steps):
+        prompts = task.sample_prompts(ws.batch_size, np.random.default_rng([ws.seed, step]))
+        stats = learner.train_step([sft_microbatch(prompts, device)], _nll_loss)
+        history.append({"step": step + 1, "nll": stats.metrics["nll"], "p_target": stats.metrics["p_target"]})
+        if log and ((step + 1) % 10 == 0 or step + 1 == ws.steps):
+            log(f"[warm start] step {step + 1}/{ws.steps}: nll {stats.metrics['nll']:.3f}, "
+                f"mean p(answer token) {stats.metrics['p_target']:.3f}")  # fmt: skip
+    weights = {k: v.detach().cpu().contiguous() for k, v in learner.module.state_dict().items()
+               if torch.is_tensor(v)}  # fmt: skip
+    return weights, history
+
+
+def _save_atomic(weights: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file(weights, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+
+
+def _load_into(module: torch.nn.Module, path: Path) -> None:
+    from safetensors.torch import load_file
+
+    weights = load_file(str(path))
+    missing, unexpected = module.load_state_dict(weights, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ValueError(f"warm-start cache {path} does not fit model.*: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}; delete it or change train.warm_start.cache_dir")  # fmt: skip
+
+
+def apply_warm_start(learner, cfg) -> dict | None:
+    """Load the cached warm start into ``learner`` (training and caching it first if absent).
+
+    No-op (returns None) when ``cfg.train.warm_start`` is None. Collective: every rank calls it.
+    Returns ``{"path", "cached", "seconds", "nll_first", "nll_last"}``.
+    """
+    ws = cfg.train.warm_start
+    if ws is None:
+        return None
+    rank, world = _rank_world()
+    t0 = time.perf_counter()
+    directory = cache_path(cfg)
+    path = directory / f"rank_{rank:05d}.safetensors"
+    meta_path = directory / "meta.json"
+    cached = meta_path.exists() and all((directory / f"rank_{r:05d}.safetensors").exists() for r in range(world))
+    _barrier()  # every rank has looked before any rank writes
+    log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if rank == 0 else None
+    if not cached:
+        weights, history = train_warm_start(cfg, log)
+        _save_atomic(weights, path, {"key": directory.name, "rank": str(rank)})
+        _barrier()
+        if rank == 0:
+            meta = {"key": directory.name, "world_size": world, "seconds": time.perf_counter() - t0,
+                    "warm_start": ws.model_dump(mode="json"), "task": cfg.train.task, "history": history}  # fmt: skip
+            tmp = meta_path.with_name(f".meta.json.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(meta, indent=1))
+            os.replace(tmp, meta_path)
+        _barrier()
+    _load_into(learner.module, path)
+    meta = json.loads(meta_path.read_text())
+    info = {"path": str(directory), "cached": cached, "seconds": time.perf_counter() - t0,
+            "nll_first": meta["history"][0]["nll"], "nll_last": meta["history"][-1]["nll"]}  # fmt: skip
+    if log:
+        how = "loaded from cache" if cached else f"trained {ws.steps} steps in {info['seconds']:.1f} s"
+        log(f"[warm start] {how}: nll {info['nll_first']:.3f} -> {info['nll_last']:.3f} ({directory})")
+    return info
