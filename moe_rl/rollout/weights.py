@@ -126,7 +126,7 @@ def _serialize_bucket(named: list[tuple[str, torch.Tensor]]) -> tuple[str, list[
         shared.append((name, copy))
     buf = io.BytesIO()
     with _file_system_sharing():
-        ForkingPickler(buf, protocol=4).dump(shared)
+        ForkingPickler(buf, 4).dump(shared)
     return base64.b64encode(buf.getvalue()).decode(), [t for _, t in shared]
 
 
