@@ -63,6 +63,7 @@ def load_folded(path: Path) -> tuple[collections.Counter, collections.Counter, i
     py-spy only records threads that are running (not idle in select/epoll), so every sample is work.
     """
     per_role, inclusive, total = collections.Counter(), collections.Counter(), 0
+    leaf = collections.Counter()
     for line in path.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack:
@@ -75,13 +76,18 @@ def load_folded(path: Path) -> tuple[collections.Counter, collections.Counter, i
         who = role(m.group(1)) if m else "?"
         total += n
         per_role[who] += n
+        if len(frames) > last + 1:
+            leaf[(who, "self: " + re.sub(r":\d+\)$", ")", frames[-1]))] += n
         seen = set()
         for frame in frames[last + 1 :]:
             name = re.sub(r":\d+\)$", ")", frame)  # per function, not per line
             if name not in seen:
                 seen.add(name)
                 inclusive[(who, name)] += n
-    return per_role, inclusive, total
+    inclusive.update(leaf)
+    # drop entry frames (event loops, thread bootstraps): they span nearly all of their process
+    roots = {k for k, v in inclusive.items() if not k[1].startswith("self: ") and v >= 0.9 * per_role[k[0]]}
+    return per_role, collections.Counter({k: v for k, v in inclusive.items() if k not in roots}), total
 
 
 def summarize(paths: dict[str, Path], top: int) -> str:
@@ -96,7 +102,8 @@ def summarize(paths: dict[str, Path], top: int) -> str:
         (a, (_, inc_a, tot_a)), (b, (_, inc_b, tot_b)) = (modes[0], data[modes[0]]), (modes[1], data[modes[1]])
         keys = set(inc_a) | set(inc_b)
         diff = sorted(keys, key=lambda k: -(inc_b[k] / tot_b - inc_a[k] / tot_a))
-        lines.append(f"## frames whose inclusive share grows most from '{a}' to '{b}' (percent of all samples)")
+        lines.append(f"## frames whose share grows most from '{a}' to '{b}' (percent of all busy samples; "
+                     "'self:' = time in that frame itself, else inclusive; entry frames omitted)")
         for who, frame in diff[:top]:
             lines.append(f"  {100 * inc_a[(who, frame)] / tot_a:5.1f}% -> {100 * inc_b[(who, frame)] / tot_b:5.1f}%  "
                          f"[{who}] {frame}")  # fmt: skip
