@@ -99,7 +99,8 @@ def main() -> None:
         model_dir, prompts, make = make_clients(Path(tmp), args.concurrency, args.new_tokens)
         t0 = time.perf_counter()
         server_spec = ServerSpec(
-            str(model_dir), dtype=args.dtype, deterministic=args.deterministic, mem_fraction_static=0.3
+            str(model_dir), dtype=args.dtype, deterministic=args.deterministic, mem_fraction_static=0.3,
+            startup_timeout_s=900,  # a shared, loaded machine can take minutes
         )
         with SGLangServer(server_spec, Path(tmp) / "server.log") as server:
             print(f"server healthy after {time.perf_counter() - t0:.1f} s ({args.dtype}, "

@@ -122,7 +122,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, prompts, clients = make_clients(Path(tmp), args.concurrency, args.new_tokens)
-        spec = ServerSpec(str(model_dir), dtype=args.dtype, deterministic=True, mem_fraction_static=0.3)
+        spec = ServerSpec(str(model_dir), dtype=args.dtype, deterministic=True, mem_fraction_static=0.3,
+                          startup_timeout_s=900)
         with SGLangServer(spec, Path(tmp) / "server.log") as server:
             clients = clients(server.url)
             for client in clients.values():
