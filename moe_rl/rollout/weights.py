@@ -115,19 +115,29 @@ def _file_system_sharing():
         mp.set_sharing_strategy(old)
 
 
-def _serialize_bucket(named: list[tuple[str, torch.Tensor]]) -> tuple[str, list[torch.Tensor]]:
-    """Base64 ForkingPickler payload of shared-memory copies; the copies must outlive the request."""
+def _serialize_bucket(named: list[tuple[str, torch.Tensor]]) -> tuple[str, torch.Tensor]:
+    """Base64 ForkingPickler payload of one bucket; returns it with the buffer that must outlive the request.
+
+    The bucket's tensors are copied into ONE shared-memory buffer (64-byte aligned views), so the
+    payload names a single /dev/shm file that the server opens once (torch caches the storage).
+    """
     from multiprocessing.reduction import ForkingPickler
 
-    shared = []
-    for name, tensor in named:
-        copy = torch.empty(tensor.shape, dtype=tensor.dtype).share_memory_()
-        copy.copy_(tensor.detach())
-        shared.append((name, copy))
+    offsets, total = [], 0
+    for _, tensor in named:
+        offsets.append(total)
+        total += -(-tensor.numel() * tensor.element_size() // 64) * 64
     buf = io.BytesIO()
-    with _file_system_sharing():
-        ForkingPickler(buf, 4).dump(shared)
-    return base64.b64encode(buf.getvalue()).decode(), [t for _, t in shared]
+    with _file_system_sharing():  # allocate by file name directly: no second copy when pickling
+        flat = torch.empty(total, dtype=torch.uint8).share_memory_()
+        views = []
+        for (name, tensor), start in zip(named, offsets):
+            nbytes = tensor.numel() * tensor.element_size()
+            view = flat[start : start + nbytes].view(tensor.dtype).view(tensor.shape)
+            view.copy_(tensor.detach())
+            views.append((name, view))
+        ForkingPickler(buf, 4).dump(views)
+    return base64.b64encode(buf.getvalue()).decode(), flat
 
 
 def buckets(named: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
