@@ -164,3 +164,19 @@ def test_buckets_keep_order_and_size_limit():
 def test_only_loopback_addresses_count_as_this_host():
     assert is_local_address("http://127.0.0.1:30000") and is_local_address("http://localhost:1")
     assert not is_local_address("http://10.1.2.3:30000")
+
+
+def test_weight_sync_mode_follows_the_config_and_the_server_hosts(tiny_hf_dir):
+    from moe_rl.config import load_config
+    from moe_rl.rollout.weights import WeightSync
+
+    local, remote = ["http://127.0.0.1:30000"], ["http://10.1.2.3:30000"]
+    cfg = load_config(None, [f"checkpoint.init_from_hf={tiny_hf_dir}"])
+    assert cfg.rollout.weight_sync == "auto"
+    assert WeightSync.from_config(cfg, local).mode == "tensor"
+    assert WeightSync.from_config(cfg, remote, export_dir="/tmp/x").mode == "disk"
+    assert WeightSync.from_config(cfg, local).reference["lm_head.weight"] == (512, 64)
+    with pytest.raises(ValueError, match=r"rollout.weight_sync='tensor' .* \['http://10.1.2.3:30000'\] are not on this host"):
+        WeightSync.from_config(load_config(None, ["rollout.weight_sync=tensor"]), remote)
+    with pytest.raises(ValueError, match="rollout.weight_sync='disk' needs an export_dir"):
+        WeightSync.from_config(load_config(None, ["rollout.weight_sync=disk"]), local)
