@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from moe_rl.config import ModelConfig
 from moe_rl.learner.hf_convert import read_hf_state_dict
 from moe_rl.learner.hf_init import write_random_hf_checkpoint
@@ -66,6 +68,9 @@ def bench_model(name: str, cfg: ModelConfig, pairs: int, bucket_mb: int, tmp: Pa
 
 
 def main() -> None:
+    # The trainer side uses one thread: on this 2-core host the server needs the other, and torch's
+    # OpenMP copies/reductions slow down by 10-100x when the machine is oversubscribed.
+    torch.set_num_threads(1)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--models", default="tiny,100m")

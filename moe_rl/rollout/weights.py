@@ -36,6 +36,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import httpx
+import numpy as np
 import torch
 
 WEIGHT_SYNC_MODES = ("tensor", "disk")
@@ -234,8 +235,16 @@ def check_weights(named: Mapping[str, torch.Tensor], reference: Mapping[str, tup
                     f"{tuple(reference[name])}; nothing was sent"
                 )
     for name, tensor in named.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        if tensor.is_floating_point() and not _all_finite(tensor):
             raise WeightSyncError(f"weights to sync: {name} holds NaN or Inf values; nothing was sent")
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """numpy where it can (single-threaded: torch's OpenMP reductions crawl on an oversubscribed host)."""
+    t = tensor.detach().cpu()
+    if t.dtype in (torch.float16, torch.float32, torch.float64):
+        return bool(np.isfinite(t.numpy()).all())
+    return bool(torch.isfinite(t).all())
 
 
 def is_local_address(address: str) -> bool:
