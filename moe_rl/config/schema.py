@@ -146,6 +146,13 @@ class RolloutConfig(Section):
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: Literal["bfloat16", "float32"] = "float32"
     weight_quantization: Literal["none", "fp8_e4m3", "fp8_e5m2"] = "none"
+    weight_sync: Literal["auto", "tensor", "disk"] = Field(
+        "auto",
+        description="learner -> server weights: tensor = shared-memory tensors over /update_weights_from_tensor "
+        "(servers on this host); disk = exported HF dir over /update_weights_from_disk; auto = tensor when every "
+        "server is on this host, else disk",
+    )
+    weight_sync_bucket_mb: int = Field(256, ge=1, description="tensor sync: MiB of weights per request")
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1, description="-1 = no top-k")

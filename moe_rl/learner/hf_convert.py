@@ -39,6 +39,8 @@ __all__ = [
     "full_megatron_state_dict",
     "canonical_name",
     "export_hf_checkpoint",
+    "export_hf_state_dict",
+    "write_hf_checkpoint",
 ]
 
 _HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -301,6 +303,39 @@ def _write_side_files(out: Path, model_cfg, template_dir: Path | None) -> None:
     write_hf_side_files(model_cfg, out)
 
 
+def export_hf_state_dict(model, model_cfg, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
+    """The model as HF Qwen3-MoE ``{name: tensor}`` in memory (CPU), for weight sync without disk.
+
+    Collective over the ep group; returns the dict on rank 0, None elsewhere.
+    """
+    import torch.distributed as dist
+
+    _require_convertible()
+    state = full_megatron_state_dict(model)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    hf = megatron_to_hf(state, model_cfg)
+    return hf if dtype is None else {k: v.to(dtype) for k, v in hf.items()}
+
+
+def write_hf_checkpoint(hf: Mapping[str, torch.Tensor], model_cfg, out_dir: str | Path,
+                        template_dir: str | Path | None = None) -> Path:
+    """Write an HF state dict + side files to ``out_dir`` atomically (temp dir, then rename)."""
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    save_file(dict(hf), tmp / "model.safetensors", metadata={"format": "pt"})
+    _write_side_files(tmp, model_cfg, Path(template_dir) if template_dir is not None else None)
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, out)
+    return out
+
+
 def export_hf_checkpoint(model, model_cfg, out_dir: str | Path, template_dir: str | Path | None = None,
                          dtype: torch.dtype | None = None) -> Path | None:
     """Write the model as an HF Qwen3-MoE checkpoint dir (for SGLang ``update_weights_from_disk``).
@@ -311,25 +346,7 @@ def export_hf_checkpoint(model, model_cfg, out_dir: str | Path, template_dir: st
     name, then renamed); an existing ``out_dir`` is replaced. Returns the path on
     the writing rank, None elsewhere.
     """
-    import torch.distributed as dist
-
-    _require_convertible()
-    state = full_megatron_state_dict(model)
-    if dist.is_initialized() and dist.get_rank() != 0:
+    hf = export_hf_state_dict(model, model_cfg, dtype)
+    if hf is None:
         return None
-    hf = megatron_to_hf(state, model_cfg)
-    if dtype is not None:
-        hf = {k: v.to(dtype) for k, v in hf.items()}
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    save_file(hf, tmp / "model.safetensors", metadata={"format": "pt"})
-    _write_side_files(tmp, model_cfg, Path(template_dir) if template_dir is not None else None)
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, out)
-    return out
+    return write_hf_checkpoint(hf, model_cfg, out_dir, template_dir)

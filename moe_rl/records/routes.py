@@ -1,7 +1,8 @@
-"""Compact storage of MoE routes: dtype choice, wire (int32) conversion, validation, pad rows.
+"""Compact storage of MoE routes: dtype choice, wire conversion, validation, pad rows.
 
-Routes are ``[rows, moe_layers, top_k]`` expert ids. On the SGLang wire they are
-int32 (4 bytes); here 1 byte per id when experts <= 256, 2 bytes otherwise.
+Routes are ``[rows, moe_layers, top_k]`` expert ids. On the upstream SGLang wire they are
+int32 (4 bytes); moe_rl's patched server and the records use 1 byte per id when experts <= 256,
+2 bytes otherwise.
 """
 
 from __future__ import annotations
@@ -76,21 +77,41 @@ def pad_routes(num_rows: int, num_layers: int, top_k: int, num_experts: int, sta
     return ids.astype(route_dtype(num_experts))
 
 
-def wire_to_routes(
-    raw: bytes, num_rows: int, num_hidden_layers: int, top_k: int, moe_layer_ids: list[int], num_experts: int
-) -> np.ndarray:
-    """Decode SGLang's raw int32 ``[rows, num_hidden_layers, top_k]`` bytes into compact MoE-layer routes.
+WIRE_ROUTE_DTYPES = {"uint8": np.dtype("u1"), "uint16": np.dtype("<u2"), "int32": np.dtype("<i4")}
 
-    Dense layers (zeros on the wire) are dropped by keeping only ``moe_layer_ids``.
+
+def wire_to_routes(
+    raw: bytes,
+    num_rows: int,
+    num_hidden_layers: int,
+    top_k: int,
+    moe_layer_ids: list[int],
+    num_experts: int,
+    wire_dtype: str = "int32",
+) -> np.ndarray:
+    """Decode SGLang's raw ``[rows, num_hidden_layers, top_k]`` route bytes into compact MoE-layer routes.
+
+    ``wire_dtype`` is ``int32`` (upstream SGLang) or ``uint8`` / ``uint16`` (moe_rl's patched server,
+    ``meta_info["routed_experts_dtype"]``). Dense layers (zeros on the wire) are dropped by keeping
+    only ``moe_layer_ids``.
     """
-    expected = num_rows * num_hidden_layers * top_k * 4
-    if len(raw) != expected:
-        have = len(raw) / 4 / max(num_hidden_layers * top_k, 1)
+    dtype = WIRE_ROUTE_DTYPES.get(wire_dtype)
+    if dtype is None:
+        raise RecordError(f"routed_experts_dtype={wire_dtype!r}; expected one of {sorted(WIRE_ROUTE_DTYPES)}")
+    if dtype.kind == "u" and num_experts > np.iinfo(dtype).max + 1:
         raise RecordError(
-            f"routed_experts has {len(raw)} bytes = {have:g} rows of [{num_hidden_layers} layers x top_k {top_k}] "
-            f"int32; expected {num_rows} rows (prompt + response - 1 - start_len) = {expected} bytes"
+            f"routed_experts_dtype={wire_dtype} cannot hold ids of {num_experts} experts "
+            f"(the server's model disagrees with this config's num_moe_experts)"
         )
-    full = np.frombuffer(raw, dtype="<i4").reshape(num_rows, num_hidden_layers, top_k)
+    per_row = num_hidden_layers * top_k * dtype.itemsize
+    expected = num_rows * per_row
+    if len(raw) != expected:
+        raise RecordError(
+            f"routed_experts has {len(raw)} bytes = {len(raw) / max(per_row, 1):g} rows of [{num_hidden_layers} "
+            f"layers x top_k {top_k}] {wire_dtype}; expected {num_rows} rows (prompt + response - 1 - start_len) "
+            f"= {expected} bytes"
+        )
+    full = np.frombuffer(raw, dtype=dtype).reshape(num_rows, num_hidden_layers, top_k)
     if moe_layer_ids == list(range(num_hidden_layers)):
         selected = full
     else:
@@ -99,9 +120,11 @@ def wire_to_routes(
     return np.ascontiguousarray(routes)
 
 
-def routes_to_wire(routes: np.ndarray, num_hidden_layers: int, moe_layer_ids: list[int]) -> bytes:
-    """Inverse of ``wire_to_routes``: int32 bytes with dense layers as zeros (for fixtures and tests)."""
+def routes_to_wire(
+    routes: np.ndarray, num_hidden_layers: int, moe_layer_ids: list[int], wire_dtype: str = "int32"
+) -> bytes:
+    """Inverse of ``wire_to_routes``: bytes with dense layers as zeros (for fixtures and tests)."""
     rows, _, top_k = routes.shape
-    full = np.zeros((rows, num_hidden_layers, top_k), dtype="<i4")
+    full = np.zeros((rows, num_hidden_layers, top_k), dtype=WIRE_ROUTE_DTYPES[wire_dtype])
     full[:, moe_layer_ids, :] = routes
     return full.tobytes()

@@ -136,8 +136,11 @@ class RolloutClient:
             )
         return min(self.vocab_size, cap)
 
-    def request_body(self, prompt_ids: Sequence[int], seed: int | None) -> dict:
-        """JSON body of one `/generate` request for `prompt_ids[P]`."""
+    def request_body(self, prompt_ids: Sequence[int], seed: int | None, routes_start_len: int = 0) -> dict:
+        """JSON body of one `/generate` request for `prompt_ids[P]`.
+
+        `routes_start_len > 0` (continued generation) asks only for route rows from that position on.
+        """
         params = {
             "temperature": self.sampling.temperature,
             "top_p": self.sampling.top_p,
@@ -152,7 +155,7 @@ class RolloutClient:
             "return_logprob": True,
             "return_routed_experts": self.route_spec is not None,
             "return_sampling_mask": self.return_sampling_mask,
-        }
+        } | ({"routed_experts_start_len": int(routes_start_len)} if routes_start_len else {})
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int = 1, **kwargs) -> list[RolloutSample]:
         """Blocking `agenerate` (runs its own event loop)."""
@@ -166,8 +169,13 @@ class RolloutClient:
         group_ids: Sequence[int] | None = None,
         step: int = 0,
         seeded: bool = True,
+        routes_start_len: Sequence[int] | None = None,
     ) -> list[RolloutSample]:
-        """`len(prompts) * n` samples, or RolloutError; never fewer. `seeded=False` sends no seed."""
+        """`len(prompts) * n` samples, or RolloutError; never fewer. `seeded=False` sends no seed.
+
+        `routes_start_len[i]` (multi-turn / continued generation): prompt `i`'s samples carry only the
+        route rows `[start, P + R - 1)`, the rows before it being known from the earlier turn.
+        """
         if n < 1:
             raise ValueError(f"n={n}; expected >= 1 samples per prompt")
         group_ids = list(range(len(prompts))) if group_ids is None else list(group_ids)
@@ -176,9 +184,12 @@ class RolloutClient:
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"prompts[{i}] is empty; expected at least one token id")
+        starts = [0] * len(prompts) if routes_start_len is None else [int(s) for s in routes_start_len]
+        if len(starts) != len(prompts) or any(not 0 <= s <= len(p) for s, p in zip(starts, prompts)):
+            raise ValueError(f"routes_start_len={starts}; expected one value in [0, len(prompt)] per prompt")
         jobs = [
-            (np.asarray(p, dtype=np.int32), g, sample_seed(self.seed, step, g, j) if seeded else None)
-            for p, g in zip(prompts, group_ids)
+            (np.asarray(p, dtype=np.int32), g, sample_seed(self.seed, step, g, j) if seeded else None, start)
+            for p, g, start in zip(prompts, group_ids, starts)
             for j in range(n)
         ]
         gate = asyncio.Semaphore(self.max_concurrency)
@@ -195,8 +206,8 @@ class RolloutClient:
 
             return await run_watched(whole_batch(), self.addresses, self.health_timeout_s, self.headers)
 
-    async def _one(self, http: httpx.AsyncClient, gate: asyncio.Semaphore, prompt, group_id, seed) -> RolloutSample:
-        body = self.request_body(prompt, seed)
+    async def _one(self, http: httpx.AsyncClient, gate: asyncio.Semaphore, prompt, group_id, seed, start) -> RolloutSample:
+        body = self.request_body(prompt, seed, start)
         errors = []
         async with gate:
             first = next(self._next_server)  # round-robin per request; a retry moves to the next server
@@ -204,7 +215,7 @@ class RolloutClient:
                 url = self.addresses[(first + attempt) % len(self.addresses)]
                 try:
                     reply = await self._post(http, url, body)
-                    return self._to_sample(reply, prompt, group_id, url)
+                    return self._to_sample(reply, prompt, group_id, url, start)
                 except _Retryable as err:
                     errors.append(f"attempt {attempt + 1} at {url}: {err}")
                 if attempt < self.max_retries:
@@ -233,7 +244,7 @@ class RolloutClient:
             raise RolloutResponseError(f"{url}/generate reply lacks 'output_ids'/'meta_info': {str(reply)[:300]}")
         return reply
 
-    def _to_sample(self, reply: dict, prompt: np.ndarray, group_id: int, url: str) -> RolloutSample:
+    def _to_sample(self, reply: dict, prompt: np.ndarray, group_id: int, url: str, start: int = 0) -> RolloutSample:
         meta = reply["meta_info"]
         finish = meta.get("finish_reason")
         if isinstance(finish, dict) and finish.get("type") == "abort":
@@ -244,7 +255,9 @@ class RolloutClient:
             )
         response = np.asarray(reply["output_ids"], dtype=np.int32)
         try:
-            decoded = decode_sglang_meta(meta, len(prompt), response, self.route_spec, vocab_size=self.vocab_size)
+            decoded = decode_sglang_meta(
+                meta, len(prompt), response, self.route_spec, vocab_size=self.vocab_size, start_len=start
+            )
         except RecordError as err:
             raise RolloutResponseError(f"malformed /generate reply from {url}: {err}") from err
         return RolloutSample(

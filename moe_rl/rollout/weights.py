@@ -1,23 +1,55 @@
-"""Push a learner-exported HF checkpoint to SGLang servers and verify the version they report.
+"""Push learner weights to SGLang servers, verify the version they report, track servers left invalid.
 
-Owns weight sync without NCCL: `POST /update_weights_from_disk` (the server reloads the files,
-flushes its prefix cache and takes the new `weight_version`), then `GET /model_info` on every
-server must report exactly that version before the next batch is generated. Rollout records
-carry the version reported in each reply's `meta_info`, so stale samples are identifiable.
+Owns ``rollout.weight_sync``:
+
+* ``tensor``: the HF-named state dict goes to ``/update_weights_from_tensor`` in buckets of
+  ``rollout.weight_sync_bucket_mb`` between ``/begin_weight_update`` and ``/end_weight_update``.
+  Tensors travel as shared-memory handles (torch's ``file_system`` sharing: ``/dev/shm``, no disk
+  and no copy through HTTP), so the servers must run on this host; a GPU server copies them to
+  its device.
+* ``disk``: the state dict is written as an HF checkpoint dir and loaded with
+  ``/update_weights_from_disk`` (any host that sees the path; SGLang rolls back on failure).
+* ``auto``: tensor when every server address is on this host, else disk.
+
+FP8 rollout weights (``rollout.weight_quantization``) are applied to the in-memory tensors with the
+same function the disk path uses, so both paths serve identical weights. Before anything is sent
+the weights are checked against the previous sync (or the server's checkpoint): same names, same
+shapes, all finite; a failure there sends nothing, so the previous weights keep serving. A tensor
+sync that fails after some buckets were loaded leaves that server half-updated (SGLang has no
+rollback): it is marked invalid, ``check_servable`` refuses rollouts from it, and the next
+``sync`` (always a full one) makes it valid again. After every sync ``GET /model_info`` on every
+server must report the new ``weight_version``; samples carry the version of the reply.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import base64
+import contextlib
+import io
+import ipaddress
+import json
+import socket
+import struct
+import time
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from urllib.parse import urlparse
 
 import httpx
+import numpy as np
+import torch
+
+WEIGHT_SYNC_MODES = ("tensor", "disk")
 
 from moe_rl.rollout.auth import ServerKeys
 
 
 class WeightSyncError(RuntimeError):
-    """A server refused the update or reports a different weight version afterwards."""
+    """A sync was refused or failed; the message names the server and what state it is left in."""
+
+
+class ServerInvalidError(WeightSyncError):
+    """Rollouts were asked of a server whose weights are half-updated; a full sync must come first."""
 
 
 def server_weight_version(address: str, timeout_s: float = 30.0, keys: ServerKeys | None = None) -> str:
@@ -31,15 +63,37 @@ def server_weight_version(address: str, timeout_s: float = 30.0, keys: ServerKey
     return str(info["weight_version"])
 
 
+def _post(address: str, endpoint: str, body: dict, timeout_s: float, headers: dict | None = None) -> tuple[bool, str]:
+    """(success, message) of a weight-update endpoint; transport errors raise WeightSyncError.
+
+    ``headers``: the admin (or API) key when the servers have one (``ServerKeys.headers(admin=True)``).
+    """
+    try:
+        resp = httpx.post(f"{address}/{endpoint}", json=body, timeout=timeout_s, headers=headers or {})
+    except httpx.HTTPError as err:
+        raise WeightSyncError(f"{address}/{endpoint} failed: {type(err).__name__}: {err}") from err
+    reply = resp.json() if resp.headers.get("content-type", "").startswith("application/json") else {}
+    ok = resp.status_code == 200 and bool(reply.get("success", False))
+    return ok, f"HTTP {resp.status_code}: {reply.get('message', resp.text[:300])}"
+
+
+def _check_version(addresses: Iterable[str], weight_version: str, keys: ServerKeys | None = None) -> None:
+    for address in addresses:
+        reported = server_weight_version(address, keys=keys)
+        if reported != str(weight_version):
+            raise WeightSyncError(
+                f"{address} reports weight_version={reported!r} after the update; expected {weight_version!r}"
+            )
+
+
 def update_weights_from_disk(
     addresses: Sequence[str], model_path: str | Path, weight_version: str, timeout_s: float = 600.0,
     keys: ServerKeys | None = None,
 ) -> None:
     """Load `model_path` (an HF checkpoint dir) into every server as `weight_version`; verify it.
 
-    Servers are updated one after another; any failure raises WeightSyncError naming the server,
-    after which the servers may hold different versions (re-run the sync before generating).
-    ``keys``: the servers' keys (the admin key goes on the update when set, auth.py).
+    Servers are updated one after another; a refused load is rolled back by SGLang (the server
+    keeps its previous weights) and raises WeightSyncError naming the server.
     """
     if not weight_version:
         raise ValueError("weight_version is empty; expected a non-empty version label such as 'step-12'")
@@ -49,19 +103,285 @@ def update_weights_from_disk(
     body = {"model_path": str(model_path.resolve()), "weight_version": str(weight_version), "flush_cache": True}
     for address in addresses:
         address = address.rstrip("/")
-        try:
-            resp = httpx.post(f"{address}/update_weights_from_disk", json=body, timeout=timeout_s,
-                              headers=keys.headers(admin=True) if keys else {})  # fmt: skip
-        except httpx.HTTPError as err:
-            raise WeightSyncError(f"{address}/update_weights_from_disk failed: {type(err).__name__}: {err}") from err
-        reply = resp.json() if resp.headers.get("content-type", "").startswith("application/json") else {}
-        if resp.status_code != 200 or not reply.get("success", False):
+        ok, message = _post(address, "update_weights_from_disk", body, timeout_s,
+                            headers=keys.headers(admin=True) if keys else None)  # fmt: skip
+        if not ok:
+            raise WeightSyncError(f"{address} refused weights from {model_path} ({message})")
+        _check_version([address], weight_version, keys)
+
+
+# ----------------------------------------------------------------------------------- tensor transport
+@contextlib.contextmanager
+def _file_system_sharing():
+    """torch shares CPU tensors by /dev/shm file name (openable by an unrelated process) inside."""
+    import torch.multiprocessing as mp
+
+    old = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("file_system")
+    try:
+        yield
+    finally:
+        mp.set_sharing_strategy(old)
+
+
+def _serialize_bucket(named: list[tuple[str, torch.Tensor]]) -> tuple[str, torch.Tensor]:
+    """Base64 ForkingPickler payload of one bucket; returns it with the buffer that must outlive the request.
+
+    The bucket's tensors are copied into ONE shared-memory buffer (64-byte aligned views), so the
+    payload names a single /dev/shm file that the server opens once (torch caches the storage).
+    """
+    from multiprocessing.reduction import ForkingPickler
+
+    offsets, total = [], 0
+    for _, tensor in named:
+        offsets.append(total)
+        total += -(-tensor.numel() * tensor.element_size() // 64) * 64
+    buf = io.BytesIO()
+    with _file_system_sharing():  # allocate by file name directly: no second copy when pickling
+        flat = torch.empty(total, dtype=torch.uint8).share_memory_()
+        views = []
+        for (name, tensor), start in zip(named, offsets):
+            nbytes = tensor.numel() * tensor.element_size()
+            view = flat[start : start + nbytes].view(tensor.dtype).view(tensor.shape)
+            view.copy_(tensor.detach())
+            views.append((name, view))
+        ForkingPickler(buf, 4).dump(views)
+    return base64.b64encode(buf.getvalue()).decode(), flat
+
+
+def buckets(named: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """Consecutive groups of tensors of at most `bucket_bytes` each (a bigger tensor goes alone)."""
+    out: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, tensor in named.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if out[-1] and size + nbytes > bucket_bytes:
+            out.append([])
+            size = 0
+        out[-1].append((name, tensor))
+        size += nbytes
+    return [b for b in out if b]
+
+
+def push_tensors(
+    address: str, named: Mapping[str, torch.Tensor], weight_version: str, bucket_bytes: int, timeout_s: float = 600.0,
+    headers: dict | None = None,
+) -> int:
+    """Load `named` into one server in buckets; returns the number of buckets.
+
+    Raises WeightSyncError; its ``buckets_loaded`` attribute says how many buckets the server had
+    already loaded (0 = the server still serves its previous weights). Intermediate buckets label
+    the server ``<version>.partial`` so a half-updated server can never pass for either version.
+    """
+    groups = buckets(named, bucket_bytes)
+    ok, message = _post(address, "begin_weight_update", {}, timeout_s, headers)
+    if not ok and "already open" in message:  # a session left open by an earlier failed sync
+        _post(address, "end_weight_update", {}, timeout_s, headers)
+        ok, message = _post(address, "begin_weight_update", {}, timeout_s, headers)
+    if not ok:
+        raise _failed(f"{address}/begin_weight_update refused ({message})", 0)
+    loaded = 0
+    try:
+        for i, group in enumerate(groups):
+            last = i == len(groups) - 1
+            payload, keep_alive = _serialize_bucket(group)
+            body = {
+                "serialized_named_tensors": [payload],
+                "weight_version": str(weight_version) if last else f"{weight_version}.partial",
+                "flush_cache": last,
+            }
+            try:
+                ok, message = _post(address, "update_weights_from_tensor", body, timeout_s, headers)
+            except WeightSyncError as err:
+                raise _failed(str(err), loaded + 1) from err  # the server may have loaded it before failing
+            del keep_alive
+            if not ok:
+                raise _failed(f"{address} refused bucket {i + 1}/{len(groups)} ({message})", loaded + 1)
+            loaded += 1
+    finally:
+        with contextlib.suppress(WeightSyncError):
+            _post(address, "end_weight_update", {}, timeout_s, headers)
+    return len(groups)
+
+
+def _failed(message: str, buckets_loaded: int) -> WeightSyncError:
+    err = WeightSyncError(message)
+    err.buckets_loaded = buckets_loaded
+    return err
+
+
+# ----------------------------------------------------------------------------------- checks
+def reference_from_hf_dir(hf_dir: str | Path) -> dict[str, tuple[int, ...]]:
+    """``{name: shape}`` of an HF safetensors checkpoint, read from the file headers only."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in sorted(Path(hf_dir).glob("*.safetensors")):
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+        shapes.update({k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"})
+    if not shapes:
+        raise FileNotFoundError(f"{hf_dir} holds no *.safetensors weights")
+    return shapes
+
+
+def check_weights(named: Mapping[str, torch.Tensor], reference: Mapping[str, tuple[int, ...]] | None) -> None:
+    """Same names and shapes as `reference` (when given) and all values finite; else WeightSyncError.
+
+    SGLang ignores unknown names silently and crashes its scheduler on a wrong shape, so this is
+    the only place such an export is caught before it reaches a server.
+    """
+    if reference is not None:
+        missing, extra = sorted(set(reference) - set(named)), sorted(set(named) - set(reference))
+        if missing or extra:
             raise WeightSyncError(
-                f"{address} refused weights from {model_path} (HTTP {resp.status_code}): "
-                f"{reply.get('message', resp.text[:300])}"
+                f"weights to sync do not match the served model: {len(missing)} missing (e.g. {missing[:3]}), "
+                f"{len(extra)} unknown (e.g. {extra[:3]}); nothing was sent"
             )
-        reported = server_weight_version(address, keys=keys)
-        if reported != str(weight_version):
-            raise WeightSyncError(
-                f"{address} reports weight_version={reported!r} after the update; expected {weight_version!r}"
+        for name, tensor in named.items():
+            if tuple(tensor.shape) != tuple(reference[name]):
+                raise WeightSyncError(
+                    f"weights to sync: {name} has shape {tuple(tensor.shape)}, the served model has "
+                    f"{tuple(reference[name])}; nothing was sent"
+                )
+    for name, tensor in named.items():
+        if tensor.is_floating_point() and not _all_finite(tensor):
+            raise WeightSyncError(f"weights to sync: {name} holds NaN or Inf values; nothing was sent")
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """numpy where it can (single-threaded: torch's OpenMP reductions crawl on an oversubscribed host)."""
+    t = tensor.detach().cpu()
+    if t.dtype in (torch.float16, torch.float32, torch.float64):
+        return bool(np.isfinite(t.numpy()).all())
+    return bool(torch.isfinite(t).all())
+
+
+def is_local_address(address: str) -> bool:
+    """True when `address` (http://host:port) resolves to a loopback interface of this host."""
+    host = urlparse(address if "//" in address else f"//{address}").hostname or ""
+    with contextlib.suppress(OSError, ValueError):
+        return all(ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(host, None))
+    return False
+
+
+def quantize_state_dict(named: Mapping[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
+    """FP8 fake quantisation of the projection weights, exactly as `quantize_hf_dir` does on disk."""
+    from moe_rl.rollout.quantize import QUANTIZED_SUFFIXES, fake_quantize
+
+    if fmt == "none":
+        return dict(named)
+    return {k: fake_quantize(v, fmt, 128) if k.endswith(QUANTIZED_SUFFIXES) else v for k, v in named.items()}
+
+
+# ----------------------------------------------------------------------------------- the entry point
+class WeightSync:
+    """Learner -> rollout servers, per ``rollout.weight_sync``; remembers which servers are invalid.
+
+    ``sync(model_module, addresses, version)`` is collective (every learner rank calls it; rank 0
+    talks to the servers) and returns seconds. ``push(hf_state, addresses, version)`` is the
+    rank-0 half for a ready HF-named state dict. ``check_servable(addresses)`` raises
+    ServerInvalidError for a server a failed sync left half-updated.
+    """
+
+    def __init__(
+        self,
+        mode: str,
+        model_cfg,
+        *,
+        export_dir: str | Path | None = None,
+        template_dir: str | Path | None = None,
+        weight_quantization: str = "none",
+        bucket_bytes: int = 256 << 20,
+        reference: Mapping[str, tuple[int, ...]] | None = None,
+        timeout_s: float = 600.0,
+        keys: ServerKeys | None = None,
+    ):
+        if mode not in WEIGHT_SYNC_MODES:
+            raise ValueError(f"rollout.weight_sync={mode!r}; expected one of {WEIGHT_SYNC_MODES} (or 'auto')")
+        if mode == "disk" and export_dir is None:
+            raise ValueError("rollout.weight_sync='disk' needs an export_dir for the HF checkpoint")
+        self.mode = mode
+        self.model_cfg = model_cfg
+        self.export_dir = None if export_dir is None else Path(export_dir)
+        self.template_dir = template_dir
+        self.weight_quantization = weight_quantization
+        self.bucket_bytes = bucket_bytes
+        self.reference = None if reference is None else dict(reference)
+        self.timeout_s = timeout_s
+        self.invalid: dict[str, str] = {}  # address -> why
+        self.version: str | None = None
+        self.keys = keys
+        self.last_state: Mapping[str, torch.Tensor] | None = None  # what the servers should hold (rank 0)
+
+    @classmethod
+    def from_config(cls, cfg, addresses: Sequence[str], export_dir: str | Path | None = None) -> WeightSync:
+        """The sync for an ExperimentConfig and the servers in use (``auto`` looks at their hosts)."""
+        r = cfg.rollout
+        mode = r.weight_sync
+        local = all(is_local_address(a) for a in addresses)
+        if mode == "auto":
+            mode = "tensor" if local else "disk"
+        elif mode == "tensor" and not local:
+            remote = [a for a in addresses if not is_local_address(a)]
+            raise ValueError(
+                f"rollout.weight_sync='tensor' shares tensors through this host's memory, but {remote} are not "
+                f"on this host; use rollout.weight_sync='disk' (or 'auto')"
             )
+        init = cfg.checkpoint.init_from_hf
+        return cls(
+            mode, cfg.model, export_dir=export_dir, template_dir=init, weight_quantization=r.weight_quantization,
+            bucket_bytes=r.weight_sync_bucket_mb << 20, reference=reference_from_hf_dir(init) if init else None,
+            keys=ServerKeys.from_rollout_config(r),
+        )  # fmt: skip
+
+    def check_servable(self, addresses: Sequence[str]) -> None:
+        """Raise ServerInvalidError if a failed sync left any of `addresses` half-updated."""
+        bad = {a: why for a, why in self.invalid.items() if a in {x.rstrip("/") for x in addresses}}
+        if bad:
+            raise ServerInvalidError(
+                f"refusing rollouts from {sorted(bad)}: a failed weight sync left them half-updated "
+                f"({'; '.join(bad.values())}); run a full sync first"
+            )
+
+    def sync(self, model_module, addresses: Sequence[str], version: str) -> float:
+        """Export the learner (collective) and push it to every server; seconds taken (rank 0)."""
+        from moe_rl.learner.hf_convert import export_hf_state_dict
+
+        t0 = time.perf_counter()
+        hf_state = export_hf_state_dict(model_module, self.model_cfg)
+        if hf_state is not None:
+            self.push(hf_state, addresses, version)
+        return time.perf_counter() - t0
+
+    def push(self, hf_state: Mapping[str, torch.Tensor], addresses: Sequence[str], version: str) -> None:
+        """Check, (quantise,) and load `hf_state` into every server as `version`; verify the version."""
+        if not version:
+            raise ValueError("weight version is empty; expected a label such as 'step-12'")
+        addresses = [a.rstrip("/") for a in addresses]
+        check_weights(hf_state, self.reference)  # raises before anything is sent
+        named = quantize_state_dict(hf_state, self.weight_quantization)
+        if self.mode == "disk":
+            from moe_rl.learner.hf_convert import write_hf_checkpoint
+
+            path = write_hf_checkpoint(named, self.model_cfg, self.export_dir, self.template_dir)
+            update_weights_from_disk(addresses, path, version, self.timeout_s, keys=self.keys)
+        else:
+            failures = []
+            for address in addresses:
+                try:
+                    headers = self.keys.headers(admin=True) if self.keys else None
+                    push_tensors(address, named, version, self.bucket_bytes, self.timeout_s, headers)
+                    _check_version([address], version, self.keys)
+                except WeightSyncError as err:
+                    if getattr(err, "buckets_loaded", 1) > 0:
+                        self.invalid[address] = f"{address}: {err}"
+                        failures.append(f"{address} is left half-updated and marked invalid: {err}")
+                    else:
+                        failures.append(f"{address} keeps its previous weights: {err}")
+                    continue
+                self.invalid.pop(address, None)
+            if failures:
+                raise WeightSyncError(f"weight sync to version {version!r} failed: " + "; ".join(failures))
+        self.reference = {k: tuple(v.shape) for k, v in hf_state.items()}
+        self.version = str(version)
+        self.last_state = hf_state

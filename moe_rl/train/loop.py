@@ -77,6 +77,7 @@ class RLTrainer:
         if self.is_main:  # only now is the run known to start (a model-shape change failed above)
             save_config(cfg, self.run_dir / "config.yaml")
         self.server_keys, self.server_pool = None, None  # set by run(): auth and restarts
+        self.weight_sync = None  # created at the first sync (its mode depends on the servers' hosts)
         if meta is None:  # a fresh run starts from the cached supervised warm start (train.warm_start)
             from moe_rl.train.warm_start import apply_warm_start
 
@@ -124,20 +125,24 @@ class RLTrainer:
         return out
 
     def sync_weights(self, addresses: list[str], step: int) -> float:
-        from moe_rl.rollout.weights import update_weights_from_disk
+        """Export (collective) and load the learner into every server as ``step-<step>``: tensors through
+        shared memory for servers on this host, an HF checkpoint on disk otherwise (``rollout.weight_sync``)."""
+        from moe_rl.rollout.weights import WeightSync
 
         if self.from_records:
             return 0.0
-        t0 = time.perf_counter()
-        hf_dir = self.export_weights()
-        if self.is_main:
-            update_weights_from_disk(addresses, hf_dir, f"step-{step}", keys=self.server_keys)
-        return time.perf_counter() - t0
+        if self.weight_sync is None:
+            self.weight_sync = WeightSync.from_config(self.cfg, addresses, export_dir=self.run_dir / "hf" / "current")
+        return self.weight_sync.sync(self.learner.module, addresses if self.is_main else [], f"step-{step}")
 
     def resync(self, addresses: list[str], step: int) -> None:
-        """Push the last exported weights again as ``step-<step>`` (after a restart or a version mismatch)."""
+        """Push the served weights again as ``step-<step>`` (rank 0, after a restart or a version mismatch)."""
         from moe_rl.rollout.weights import update_weights_from_disk
 
+        ws = self.weight_sync
+        if ws is not None and ws.last_state is not None:
+            ws.push(ws.last_state, addresses, f"step-{step}")  # a full sync: clears any half-updated state
+            return
         update_weights_from_disk(addresses, self.run_dir / "hf" / "current", f"step-{step}", keys=self.server_keys)
 
     # ------------------------------------------------------------------ one step
@@ -155,6 +160,8 @@ class RLTrainer:
             rng = np.random.default_rng([self.cfg.train.seed, step])
             prompts = self.task.sample_prompts(self.cfg.train.prompts_per_step, rng)
             n = self.cfg.rollout.samples_per_prompt
+            if self.weight_sync is not None:
+                self.weight_sync.check_servable(client.addresses)  # never sample a half-updated server
             samples = generate_checked(  # the synced weight version only; a dead server we launched restarts
                 lambda: client.generate([p.ids for p in prompts], n, step=step), f"step-{step}",
                 resync=lambda: self.resync(client.addresses, step),
@@ -277,6 +284,8 @@ class RLTrainer:
                         save_checkpoint(self.learner, self.ckpt_dir, cfg.checkpoint.keep_last,
                                         extra={"rl_step": step + 1}, step=step + 1)  # dirs named by RL step
                         self._save_reference()
+                if self.weight_sync is not None and self.weight_sync.mode == "tensor":
+                    self.export_weights()  # <run>/hf/current holds the final weights whatever the sync path
         finally:
             logger.close()
             self._release()

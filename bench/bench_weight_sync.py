@@ -1,0 +1,88 @@
+"""Weight sync seconds, disk vs tensor, on the real SGLang CPU server: tiny model and ~100M parameters.
+
+For each model: start one server on checkpoint A, load checkpoint B's HF state dict into memory (what
+`export_hf_state_dict` hands over after a train step), then time interleaved pairs of
+  disk:   write the HF dir (safetensors + side files) and POST /update_weights_from_disk
+  tensor: check names/shapes/finite, copy into shared memory, POST /update_weights_from_tensor
+          in `rollout.weight_sync_bucket_mb` buckets between begin/end_weight_update
+each followed by the `/model_info` version check. Prints per-pair seconds, medians and the median of
+the per-pair ratios disk/tensor. Last line: `weight_sync_speedup_<model>=...` per model.
+
+  python bench/bench_weight_sync.py [--pairs 5] [--models tiny,100m] [--bucket-mb 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from moe_rl.config import ModelConfig
+from moe_rl.learner.hf_convert import read_hf_state_dict
+from moe_rl.learner.hf_init import write_random_hf_checkpoint
+from moe_rl.rollout.launcher import ServerSpec, SGLangServer
+from moe_rl.rollout.weights import WeightSync, reference_from_hf_dir
+
+MODELS = {
+    "tiny": ModelConfig(num_layers=2, vocab_size=512),
+    # Qwen3-MoE-shaped: GQA attention with qk-norm, 16 experts top-2 in every layer; ~103M parameters
+    "100m": ModelConfig(num_layers=8, hidden_size=512, num_attention_heads=8, num_query_groups=4, kv_channels=64,
+                        vocab_size=32768, num_moe_experts=16, moe_router_topk=2, moe_ffn_hidden_size=320),
+}  # fmt: skip
+
+
+def bench_model(name: str, cfg: ModelConfig, pairs: int, bucket_mb: int, tmp: Path) -> float:
+    dir_a = write_random_hf_checkpoint(cfg, tmp / f"{name}_a", seed=0)
+    dir_b = write_random_hf_checkpoint(cfg, tmp / f"{name}_b", seed=1)
+    state = read_hf_state_dict(dir_b)
+    params = sum(t.numel() for t in state.values())
+    mib = sum(t.numel() * t.element_size() for t in state.values()) / 2**20
+    reference = reference_from_hf_dir(dir_a)
+    syncs = {
+        "disk": WeightSync("disk", cfg, export_dir=tmp / f"{name}_export", template_dir=dir_a, reference=reference),
+        "tensor": WeightSync("tensor", cfg, bucket_bytes=bucket_mb << 20, reference=reference),
+    }
+    spec = ServerSpec(str(dir_a), dtype="float32", deterministic=False, mem_fraction_static=0.3,
+                      startup_timeout_s=600)  # fmt: skip
+    times: dict[str, list[float]] = {mode: [] for mode in syncs}
+    with SGLangServer(spec, tmp / f"{name}_server.log") as server:
+        print(f"[{name}] {params / 1e6:.1f}M parameters, {mib:.0f} MiB fp32; load average {os.getloadavg()[0]:.1f}")
+        syncs["tensor"].push(state, [server.url], "warmup")  # first-call imports on both sides
+        for pair in range(pairs):
+            order = list(syncs.items()) if pair % 2 == 0 else list(syncs.items())[::-1]
+            for mode, sync in order:
+                t0 = time.perf_counter()
+                sync.push(state, [server.url], f"{mode}-{pair}")
+                times[mode].append(time.perf_counter() - t0)
+            print(f"[{name}] pair {pair}: disk {times['disk'][-1]:.3f} s, tensor {times['tensor'][-1]:.3f} s")
+    ratios = sorted(d / t for d, t in zip(times["disk"], times["tensor"]))
+    for mode, values in times.items():
+        print(f"[{name}] median {mode:6s}: {statistics.median(values):.3f} s (min {min(values):.3f}, max {max(values):.3f})")
+    print(f"[{name}] disk/tensor per pair: {' '.join(f'{r:.2f}' for r in ratios)}")
+    return statistics.median(ratios)
+
+
+def main() -> None:
+    # The trainer side uses one thread: on this 2-core host the server needs the other, and torch's
+    # OpenMP copies/reductions slow down by 10-100x when the machine is oversubscribed.
+    torch.set_num_threads(1)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pairs", type=int, default=5)
+    ap.add_argument("--models", default="tiny,100m")
+    ap.add_argument("--bucket-mb", type=int, default=256)
+    args = ap.parse_args()
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            results[name] = bench_model(name, MODELS[name], args.pairs, args.bucket_mb, Path(tmp))
+    for name, speedup in results.items():
+        print(f"weight_sync_speedup_{name}={speedup:.2f}")
+
+
+if __name__ == "__main__":
+    main()
