@@ -33,7 +33,7 @@ def test_every_shipped_config_passes_the_config_rules(path):
         (["optim.lr=.inf"], "optim.lr=inf is not a finite number; expected a finite value"),
         (["loss.clip_high=.inf"], "loss.clip_high=inf is not a finite number; expected a finite value"),
         (["train.task=bogus"],
-         "train.task='bogus' is not a known task; expected one of ['add', 'copy', 'max', 'reverse', 'sort']"),
+         "train.task='bogus' is not a known task; expected one of ['add', 'copy', 'copy_long', 'max', 'reverse', 'reverse_long', 'sort', 'sort_long']"),
         (["model.vocab_size=16", "rollout.top_k=8"], "model.vocab_size=16 is too small for the task vocabulary (26 tokens)"),
         (["train.reward_fn=no_such_module:score"],
          "train.reward_fn='no_such_module:score' cannot be imported: No module named 'no_such_module'"),
@@ -164,7 +164,7 @@ def test_validate_takes_positional_overrides_and_set_alias(capsys):
         f"error: {tiny} cannot run:\n"
         "  optim.lr=inf is not a finite number; expected a finite value\n"
         "  rollout.top_k=0 samples from no token; expected -1 (no top-k) or >= 1\n"
-        "  train.task='nope' is not a known task; expected one of ['add', 'copy', 'max', 'reverse', 'sort']\n"
+        "  train.task='nope' is not a known task; expected one of ['add', 'copy', 'copy_long', 'max', 'reverse', 'reverse_long', 'sort', 'sort_long']\n"
     )
     assert main(["config", "validate", tiny, "train.steps=3"]) == 0
     assert capsys.readouterr().out.startswith(f"ok: {tiny} (tiny_cpu")

@@ -91,18 +91,18 @@ def sampling_settings(cfg: ExperimentConfig) -> Iterable[str]:
 
 def task_and_lengths(cfg: ExperimentConfig) -> Iterable[str]:
     """The task exists, its vocabulary fits the model, and prompt + response fit model.seq_length."""
-    from moe_rl.rollout.tasks import TASKS, DigitTask
+    from moe_rl.rollout.tasks import KNOWN_TASKS, DigitTask
 
     t, m, r = cfg.train, cfg.model, cfg.rollout
-    if t.task not in TASKS:
-        yield f"train.task={t.task!r} is not a known task; expected one of {sorted(TASKS)}"
+    if t.task not in KNOWN_TASKS:
+        yield f"train.task={t.task!r} is not a known task; expected one of {sorted(KNOWN_TASKS)}"
         return
     try:
         task = DigitTask(t.task, m.vocab_size)
     except ValueError as exc:  # the task vocabulary does not fit model.vocab_size
         yield str(exc)
         return
-    prompt_len = len(task.make_prompt([1] * task.num_digits).ids)
+    prompt_len = len(task.make_prompt([1] * task.digit_range[1]).ids)  # the longest prompt
     if prompt_len + r.max_new_tokens > m.seq_length:
         room = m.seq_length - prompt_len
         fix = f"rollout.max_new_tokens <= {room} or " if room >= 1 else ""
