@@ -84,7 +84,8 @@ def _barrier() -> None:
 def _all_ranks_agree(ok: bool) -> bool:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces device tensors only
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 

@@ -101,7 +101,7 @@ def write_random_hf_checkpoint(model_cfg, out_dir: str | Path, seed: int = 0, dt
     with torch.no_grad():
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
-                buf.copy_(0.1 * torch.randn(buf.shape, generator=gen))
+                buf.copy_(0.1 * torch.randn(buf.shape, generator=gen, device="cpu"))
     model.save_pretrained(out_dir)
     build_task_tokenizer(model_cfg.vocab_size).save_pretrained(out_dir)
     return out_dir

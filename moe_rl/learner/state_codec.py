@@ -43,12 +43,12 @@ def _encode(obj, path: str, tensors: dict[str, torch.Tensor], seen: set[int]):
         return {"__tensor__": key}
     if isinstance(obj, np.ndarray):
         key = f"t{len(tensors)}"
-        tensors[key] = torch.from_numpy(np.ascontiguousarray(obj)).clone()
+        tensors[key] = torch.as_tensor(np.ascontiguousarray(obj), device="cpu").clone()
         return {"__ndarray__": key}
     if isinstance(obj, (bytes, bytearray, io.BytesIO)):
         raw = obj.getvalue() if isinstance(obj, io.BytesIO) else bytes(obj)
         key = f"t{len(tensors)}"
-        tensors[key] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
+        tensors[key] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8, device="cpu")
         return {"__bytesio__" if isinstance(obj, io.BytesIO) else "__bytes__": key}
     if isinstance(obj, dict):
         if all(isinstance(k, str) and not k.startswith("__") for k in obj):

@@ -81,11 +81,11 @@ def sft_microbatch(prompts, device: torch.device) -> dict[str, torch.Tensor]:
 
     seqs = [(list(p.ids), list(p.answer) + [EOS_ID]) for p in prompts]
     T = max(len(a) + len(b) for a, b in seqs) - 1
-    input_ids = torch.full((len(seqs), T), PAD_ID, dtype=torch.long)
-    targets = torch.full((len(seqs), T), -1, dtype=torch.long)
-    mask = torch.zeros((len(seqs), T), dtype=torch.float32)
+    input_ids = torch.full((len(seqs), T), PAD_ID, dtype=torch.long, device="cpu")  # host build: train_step moves it
+    targets = torch.full((len(seqs), T), -1, dtype=torch.long, device="cpu")
+    mask = torch.zeros((len(seqs), T), dtype=torch.float32, device="cpu")
     for row, (prompt, response) in enumerate(seqs):
-        tokens = torch.tensor(prompt + response)
+        tokens = torch.tensor(prompt + response, device="cpu")
         n = len(tokens) - 1
         input_ids[row, :n] = tokens[:-1]
         targets[row, :n] = tokens[1:]

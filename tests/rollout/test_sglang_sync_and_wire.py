@@ -161,12 +161,12 @@ def test_sync_failing_midway_marks_the_server_invalid_until_a_full_resync(
     url = sglang_server.url
     real_post, calls = weights._post, []
 
-    def drop_second_bucket(address, endpoint, body, timeout_s):
+    def drop_second_bucket(address, endpoint, body, timeout_s, headers=None):
         if endpoint == "update_weights_from_tensor":
             calls.append(endpoint)
             if len(calls) == 2:
                 raise WeightSyncError(f"{address}/{endpoint} failed: ReadError: injected connection drop")
-        return real_post(address, endpoint, body, timeout_s)
+        return real_post(address, endpoint, body, timeout_s, headers)
 
     state = read_hf_state_dict(model_dir_v2)
     monkeypatch.setattr(weights, "_post", drop_second_bucket)
