@@ -136,11 +136,11 @@ class ReplayDriver:
             with self.replay.replay([mb.rollout for mb in microbatches], observe_natural=observe_natural) as cap:
                 yield cap
             return
-        given = [self._r2_routes(mb) for mb in microbatches]
+        given = [self.r2_routes(mb) for mb in microbatches]
         with self.replay.replay(given, local=True, observe_natural=observe_natural) as cap:
             yield cap
 
-    def _r2_routes(self, mb: MicrobatchRoutes) -> torch.Tensor:
+    def r2_routes(self, mb: MicrobatchRoutes) -> torch.Tensor:
         """R2 records of ``mb.sample_ids`` as local ``[B, S, L_local, K]`` for S = valid's width."""
         S = mb.valid.shape[1]
         rows = []
@@ -186,7 +186,7 @@ class ReplayDriver:
                 self._add("rollout_vs_dispatched", mb, routes_vs_map_flips(rollout, maps))
                 self._add("rollout_vs_natural", mb, self._natural_flips(rollout, natural, maps))
             if self.mode == "r2":
-                r2 = self._r2_routes(mb)
+                r2 = self.r2_routes(mb)
                 self._add("r2_vs_dispatched", mb, routes_vs_map_flips(r2, maps))
                 self._add("r2_vs_natural", mb, self._natural_flips(r2, natural, maps))
 

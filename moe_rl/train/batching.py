@@ -164,9 +164,10 @@ def build_microbatch(
         rows_b.append(torch.full((R,), b, dtype=torch.long))
         rows_t.append(torch.arange(P - 1, P - 1 + R))
         rows_j.append(torch.arange(R))
-    pos = tuple(torch.cat(x).to(device) for x in (rows_b, rows_t, rows_j))
+    host_pos = tuple(torch.cat(x) for x in (rows_b, rows_t, rows_j))
     mask = torch.zeros(B, T, dtype=torch.bool)
-    mask[pos[0].cpu(), pos[1].cpu()] = True
+    mask[host_pos[0], host_pos[1]] = True
+    pos = tuple(x.to(device) for x in host_pos)
     width = int(batch.response_lens[list(ids)].max())
     mu = response_rows(batch, ids, width, kept_logp=kept_logp)
     tensors = {

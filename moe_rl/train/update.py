@@ -111,7 +111,7 @@ def reference_rows(cfg, reference, driver, logprob_fn, plan: StepPlan, inputs: S
         if driver.mode == "r3":
             routes = m.routes.rollout
         elif driver.mode == "r2":
-            routes, local = driver._r2_routes(m.routes), True
+            routes, local = driver.r2_routes(m.routes), True
         logp = reference.logprobs(m.tensors, cfg.rollout.temperature, logprob_fn, routes=routes, local_routes=local)
         rows.append(m.to_rows(logp.float(), inputs.width))
     gathered = all_gather_rows(torch.cat(rows), dp_group())
