@@ -105,27 +105,27 @@ class ReplayDriver:
                 for b, sid in enumerate(mb.sample_ids):
                     self._r2_records[int(sid)] = rec[b, : int(lengths[b])].cpu()
             return
-        with self._routing(microbatches, observe_natural=False):
+        with self._routing(self._replayed_routes(microbatches), observe_natural=False):
             yield
 
     @contextlib.contextmanager
     def update_pass(self, microbatches: Sequence[MicrobatchRoutes]) -> Iterator[None]:
         """Context for one update minibatch: forwards *and backwards* of its microbatches; counts flips."""
-        with self.probe.capture() as dispatched, self._routing(microbatches, observe_natural=True) as cap:
+        given = self._replayed_routes(microbatches)
+        with self.probe.capture() as dispatched, self._routing(given, observe_natural=True) as cap:
             yield
-        self._count_update(microbatches, dispatched, cap)
+        self._count_update(microbatches, dispatched, cap, given)
 
     @contextlib.contextmanager
     def prepass(self, microbatches: Sequence[MicrobatchRoutes]) -> Iterator[None]:
         """Context for a no-grad forward of an update minibatch with its update routing (no metrics)."""
-        with self._routing(microbatches, observe_natural=False):
+        with self._routing(self._replayed_routes(microbatches), observe_natural=False):
             yield
 
-    @contextlib.contextmanager
-    def _routing(self, microbatches, observe_natural: bool):
+    def _replayed_routes(self, microbatches) -> list[torch.Tensor] | None:
+        """The routes each microbatch is replayed with: the rollout's (R3), the records' (R2), none (natural)."""
         if self.mode == "none":
-            yield None
-            return
+            return None
         if self.mode == "r3":
             missing = [i for i, mb in enumerate(microbatches) if mb.rollout is None]
             if missing:
@@ -133,11 +133,15 @@ class ReplayDriver:
                     f"replay.routing='r3' but microbatches {missing} carry no rollout routes; start SGLang with "
                     "--enable-return-routed-experts and request return_routed_experts=true"
                 )
-            with self.replay.replay([mb.rollout for mb in microbatches], observe_natural=observe_natural) as cap:
-                yield cap
+            return [mb.rollout for mb in microbatches]
+        return [self.r2_routes(mb) for mb in microbatches]
+
+    @contextlib.contextmanager
+    def _routing(self, given: list[torch.Tensor] | None, observe_natural: bool):
+        if given is None:
+            yield None
             return
-        given = [self.r2_routes(mb) for mb in microbatches]
-        with self.replay.replay(given, local=True, observe_natural=observe_natural) as cap:
+        with self.replay.replay(given, local=self.mode == "r2", observe_natural=observe_natural) as cap:
             yield cap
 
     def r2_routes(self, mb: MicrobatchRoutes) -> torch.Tensor:
@@ -174,7 +178,7 @@ class ReplayDriver:
         self._r2_records.clear()
 
     # ------------------------------------------------------------------ metrics
-    def _count_update(self, microbatches, dispatched: DispatchCapture, cap) -> None:
+    def _count_update(self, microbatches, dispatched: DispatchCapture, cap, given) -> None:
         local = self.layer_ids
         for i, mb in enumerate(microbatches):
             maps = dispatched.maps(i)
@@ -186,7 +190,7 @@ class ReplayDriver:
                 self._add("rollout_vs_dispatched", mb, routes_vs_map_flips(rollout, maps))
                 self._add("rollout_vs_natural", mb, self._natural_flips(rollout, natural, maps))
             if self.mode == "r2":
-                r2 = self.r2_routes(mb)
+                r2 = given[i]
                 self._add("r2_vs_dispatched", mb, routes_vs_map_flips(r2, maps))
                 self._add("r2_vs_natural", mb, self._natural_flips(r2, natural, maps))
 
