@@ -53,6 +53,7 @@ class ServerSpec:
     mem_fraction_static: float = 0.05
     max_total_tokens: int = 4096
     startup_timeout_s: float = 180.0
+    sleep_on_idle: bool = True  # --sleep-on-idle: no busy-wait between rollouts (the learner shares the cores)
     cpu_threads: int | None = None  # CPU engine: torch intra-op threads (None = all cores)
     extra_args: tuple[str, ...] = ()
     api_key_env: str | None = None  # names of the variables holding the keys (never the keys)
@@ -73,6 +74,7 @@ class ServerSpec:
             mem_fraction_static=rollout.mem_fraction_static,
             max_total_tokens=rollout.max_total_tokens,
             startup_timeout_s=rollout.startup_timeout_s,
+            sleep_on_idle=rollout.sleep_on_idle,
             extra_args=tuple(rollout.extra_server_args),
             api_key_env=rollout.api_key_env,
             admin_api_key_env=rollout.admin_api_key_env,
@@ -111,6 +113,8 @@ def server_command(spec: ServerSpec, port: int, python: str = sys.executable) ->
     if spec.deterministic:
         # Batch-invariant numerics + per-request `sampling_seed`; without the flag the seed is ignored.
         cmd.append("--enable-deterministic-inference")
+    if spec.sleep_on_idle:
+        cmd.append("--sleep-on-idle")
     return cmd + list(spec.extra_args)
 
 

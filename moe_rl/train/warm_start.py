@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["warm_start_key", "sft_microbatch", "train_warm_start", "apply_warm_start", "cache_path"]
+__all__ = ["warm_start_key", "sft_microbatch", "train_warm_start", "temper", "apply_warm_start", "cache_path"]
 
 # Modules whose source decides the warm-start weights (besides this one): the task and the model build.
 _CODE_FILES = ("train/warm_start.py", "rollout/tasks.py", "rollout/tokenizer.py", "learner/model.py")
@@ -128,7 +128,19 @@ def train_warm_start(cfg, log=None) -> tuple[dict[str, torch.Tensor], list[dict]
                 f"mean p(answer token) {stats.metrics['p_target']:.3f}")  # fmt: skip
     weights = {k: v.detach().cpu().contiguous() for k, v in learner.module.state_dict().items()
                if torch.is_tensor(v)}  # fmt: skip
-    return weights, history
+    return temper(weights, ws.temperature), history
+
+
+def temper(weights: dict[str, torch.Tensor], temperature: float) -> dict[str, torch.Tensor]:
+    """Divide the output layer (each rank's vocab shard alike) by ``temperature``: the same policy at T.
+
+    Every logit is divided by T, so the most likely token is unchanged and T > 1 flattens each
+    next-token distribution: ``softmax(z / T)``.
+    """
+    if temperature == 1.0:
+        return weights
+    (name,) = [k for k in weights if k.endswith("output_layer.weight")]
+    return {**weights, name: (weights[name].float() / temperature).to(weights[name].dtype)}
 
 
 def _save_atomic(weights: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:

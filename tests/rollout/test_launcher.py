@@ -55,6 +55,9 @@ def test_command_enables_routes_determinism_and_mask_cap_from_config():
     assert cmd[-1] == "--x"
     nondeterministic = server_command(ServerSpec.from_rollout_config(RolloutConfig(deterministic=False), "/m"), 1)
     assert "--enable-deterministic-inference" not in nondeterministic
+    assert "--sleep-on-idle" in cmd  # the default: an idle scheduler must not spin a core the learner needs
+    spinning = server_command(ServerSpec.from_rollout_config(RolloutConfig(sleep_on_idle=False), "/m"), 1)
+    assert "--sleep-on-idle" not in spinning
 
 
 def test_stand_ins_go_on_the_cpu_server_path_only():
