@@ -18,7 +18,8 @@ torch.set_num_threads(1)
 
 def demo_cfg(tmp_path: Path, *overrides: str):
     return load_config(ROOT / "configs/demo.yaml", [f"train.warm_start.cache_dir={tmp_path / 'cache'}",
-                                                    "train.warm_start.steps=60", *overrides])  # fmt: skip
+                                                    "train.warm_start.steps=60", "train.warm_start.temperature=1",
+                                                    *overrides])  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,8 @@ def test_cache_key_follows_model_task_and_warm_start_settings_not_the_rl_seed(tm
     base = warm_start_key(demo_cfg(tmp_path))
     assert warm_start_key(demo_cfg(tmp_path, "train.seed=5", "rollout.seed=5", "optim.lr=0.1")) == base
     for change in ("train.warm_start.steps=61", "train.warm_start.lr=0.01", "train.warm_start.seed=1",
-                   "model.hidden_size=96", "train.task=reverse_long", "precision.params_dtype=bfloat16"):  # fmt: skip
+                   "model.hidden_size=96", "train.task=reverse_long", "precision.params_dtype=bfloat16",
+                   "train.warm_start.temperature=3"):  # fmt: skip
         assert warm_start_key(demo_cfg(tmp_path, change)) != base, change
 
 
@@ -116,3 +118,24 @@ def test_no_warm_start_configured_is_a_no_op(world, tmp_path):
     before = {k: v.clone() for k, v in learner.module.state_dict().items() if torch.is_tensor(v)}
     assert apply_warm_start(learner, cfg) is None
     assert all(torch.equal(v, learner.module.state_dict()[k]) for k, v in before.items())
+
+
+def test_temperature_hands_rl_the_same_policy_at_temperature_t(world, tmp_path, device):
+    """``temper`` divides every logit by T: log_softmax(z / T), same argmax, flatter samples."""
+    from moe_rl.learner.model import forward_logits
+    from moe_rl.learner.train_step import Learner
+    from moe_rl.train.warm_start import sft_microbatch, temper
+
+    cfg = demo_cfg(tmp_path)
+    policy, tempered = Learner(cfg), Learner(cfg)
+    weights = {k: v for k, v in policy.module.state_dict().items() if torch.is_tensor(v)}
+    assert temper(weights, 1.0) is weights
+    tempered.module.load_state_dict(temper(weights, 3.0), strict=False)
+    prompts = DigitTask(cfg.train.task, cfg.model.vocab_size).sample_prompts(8, np.random.default_rng(0))
+    ids = sft_microbatch(prompts, device)["input_ids"]
+    with torch.no_grad():
+        z, z_t = forward_logits(policy.model, ids).float(), forward_logits(tempered.model, ids).float()
+    torch.testing.assert_close(z_t.log_softmax(-1), (z / 3.0).log_softmax(-1), rtol=1e-5, atol=1e-5)
+    assert torch.equal(z_t.argmax(-1), z.argmax(-1))
+    assert weights["output_layer.weight"].abs().sum() > 0 and not torch.equal(
+        tempered.module.state_dict()["output_layer.weight"], weights["output_layer.weight"])
