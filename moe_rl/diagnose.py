@@ -10,6 +10,9 @@ TIM test of VeXact). Verdict, plots and report files live in ``diagnose_report``
 from __future__ import annotations
 
 import json
+import shutil
+import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -121,13 +124,22 @@ def run_diagnose(cfg: ExperimentConfig, num_prompts: int, out_dir: str | Path) -
     from moe_rl.train.loop import RLTrainer
 
     out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # The trainer's run directory (HF export, checkpoints, server logs) is scratch: the report folder
+    # gets the report, the numbers and the rollout records only. Kept (and named) if the diagnosis fails.
+    scratch = Path(tempfile.mkdtemp(prefix="moe_rl_diagnose_"))
     cfg = cfg.model_copy(update={
-        "train": cfg.train.model_copy(update={"output_dir": str(out_dir)}),
+        "train": cfg.train.model_copy(update={"output_dir": str(scratch)}),
         "replay": cfg.replay.model_copy(update={"routing": "r3"}),  # bind replay; each setting picks its routing
         "logging": cfg.logging.model_copy(update={"progress": False, "tensorboard": False}),
     })  # fmt: skip
-    trainer = RLTrainer(cfg)
-    batch = generate(trainer, num_prompts)
+    try:
+        trainer = RLTrainer(cfg)
+        batch = generate(trainer, num_prompts)
+        batch.save(out_dir / "rollouts.safetensors")
+    except BaseException:
+        print(f"diagnose failed; the run directory (server logs) is kept: {scratch}", file=sys.stderr)
+        raise
     settings, arrays = {}, {}
     for name, (replay_routes, keep_mask) in SETTINGS.items():
         raw = learner_logprobs(trainer, batch, replay_routes, keep_mask)
@@ -144,6 +156,8 @@ def run_diagnose(cfg: ExperimentConfig, num_prompts: int, out_dir: str | Path) -
     np.savez_compressed(out_dir / "per_token.npz", **arrays)
     write_report(numbers, arrays, out_dir)  # adds numbers["verdict"]
     (out_dir / "numbers.json").write_text(json.dumps(numbers, indent=1))
+    trainer.close()
+    shutil.rmtree(scratch, ignore_errors=True)
     return numbers
 
 

@@ -41,6 +41,10 @@ def test_report_files_are_written(reports):
                      "abs_dp_by_position.png", "log_ratio_hist.png"):  # fmt: skip
             assert (out / name).stat().st_size > 100, name
         assert set(numbers["settings"]) == {"natural", "r3", "ksm", "r3_ksm"}
+        # the report folder holds the report and its evidence, not the scratch run (weights, checkpoints)
+        assert sorted(p.name for p in out.iterdir()) == sorted(
+            ["report.md", "numbers.json", "per_token.npz", "rollouts.safetensors", "flip_rate_per_layer.png",
+             "abs_dp_by_position.png", "log_ratio_hist.png"])  # fmt: skip
         assert numbers["verdict"]["summary"] in (out / "report.md").read_text()
 
 

@@ -291,6 +291,10 @@ class RLTrainer:
             self._release()
         return self.run_dir
 
+    def close(self) -> None:
+        """Release the routers and the run lock; ``run`` does it itself, callers driving the trainer do it here."""
+        self._release()
+
     def _release(self) -> None:
         """Release the routers (nothing stays bound after a run) and the run directory's lock."""
         self.driver.close()
