@@ -120,7 +120,6 @@ def measure(setting: dict) -> dict:
 
 def run_diagnose(cfg: ExperimentConfig, num_prompts: int, out_dir: str | Path) -> dict:
     """Generate, recompute under every setting, write the report; returns all numbers (also ``numbers.json``)."""
-    from moe_rl.diagnose_report import write_report
     from moe_rl.train.loop import RLTrainer
 
     out_dir = Path(out_dir)
@@ -134,17 +133,28 @@ def run_diagnose(cfg: ExperimentConfig, num_prompts: int, out_dir: str | Path) -
         "logging": cfg.logging.model_copy(update={"progress": False, "tensorboard": False}),
     })  # fmt: skip
     try:
-        trainer = RLTrainer(cfg)
+        numbers = _diagnose_in(RLTrainer(cfg), cfg, num_prompts, out_dir)
+    except BaseException:
+        print(f"diagnose failed; its run directory (server logs, HF export) is kept: {scratch}", file=sys.stderr)
+        raise
+    shutil.rmtree(scratch, ignore_errors=True)
+    return numbers
+
+
+def _diagnose_in(trainer, cfg: ExperimentConfig, num_prompts: int, out_dir: Path) -> dict:
+    """The diagnosis proper on a built trainer; releases it (routers, run lock) whatever happens."""
+    from moe_rl.diagnose_report import write_report
+
+    try:
         batch = generate(trainer, num_prompts)
         batch.save(out_dir / "rollouts.safetensors")
-    except BaseException:
-        print(f"diagnose failed; the run directory (server logs) is kept: {scratch}", file=sys.stderr)
-        raise
-    settings, arrays = {}, {}
-    for name, (replay_routes, keep_mask) in SETTINGS.items():
-        raw = learner_logprobs(trainer, batch, replay_routes, keep_mask)
-        settings[name] = measure(raw)
-        arrays.update({f"{name}/{k}": v for k, v in raw.items() if k != "flips"})
+        settings, arrays = {}, {}
+        for name, (replay_routes, keep_mask) in SETTINGS.items():
+            raw = learner_logprobs(trainer, batch, replay_routes, keep_mask)
+            settings[name] = measure(raw)
+            arrays.update({f"{name}/{k}": v for k, v in raw.items() if k != "flips"})
+    finally:
+        trainer.close()
     numbers = {
         "samples": len(batch),
         "response_tokens": int(batch.response_lens.sum()),
@@ -156,8 +166,6 @@ def run_diagnose(cfg: ExperimentConfig, num_prompts: int, out_dir: str | Path) -
     np.savez_compressed(out_dir / "per_token.npz", **arrays)
     write_report(numbers, arrays, out_dir)  # adds numbers["verdict"]
     (out_dir / "numbers.json").write_text(json.dumps(numbers, indent=1))
-    trainer.close()
-    shutil.rmtree(scratch, ignore_errors=True)
     return numbers
 
 

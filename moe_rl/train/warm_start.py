@@ -197,5 +197,6 @@ def apply_warm_start(learner, cfg) -> dict | None:
             "nll_first": meta["history"][0]["nll"], "nll_last": meta["history"][-1]["nll"]}  # fmt: skip
     if log:
         how = "loaded from cache" if cached else f"trained {ws.steps} steps in {info['seconds']:.1f} s"
-        log(f"[warm start] {how}: nll {info['nll_first']:.3f} -> {info['nll_last']:.3f} ({directory})")
+        tempered = f"; RL starts from it at temperature {ws.temperature:g}" if ws.temperature != 1.0 else ""
+        log(f"[warm start] {how}: nll {info['nll_first']:.3f} -> {info['nll_last']:.3f}{tempered} ({directory})")
     return info
