@@ -257,7 +257,7 @@ class RLTrainer:
         if (done := run_complete_message(self.start_step, cfg.train.steps)) is not None:
             if self.is_main:
                 print(done, flush=True)
-            self._release()
+            self.close()
             return self.run_dir
         logger = MetricsLogger(self.run_dir, cfg.logging, cfg.train.steps, self.start_step, self.is_main, cfg.name)
         self.server_keys = ServerKeys.from_rollout_config(cfg.rollout)  # an unset key variable fails before any server
@@ -288,15 +288,14 @@ class RLTrainer:
                     self.export_weights()  # <run>/hf/current holds the final weights whatever the sync path
         finally:
             logger.close()
-            self._release()
+            self.close()
         return self.run_dir
 
     def close(self) -> None:
-        """Release the routers and the run lock; ``run`` does it itself, callers driving the trainer do it here."""
-        self._release()
+        """Release the routers (nothing stays bound after a run) and the run directory's lock.
 
-    def _release(self) -> None:
-        """Release the routers (nothing stays bound after a run) and the run directory's lock."""
+        ``run`` does it itself; callers driving the trainer by hand (``moe-rl diagnose``) call it.
+        """
         self.driver.close()
         if self.run_lock is not None:
             self.run_lock.release()
