@@ -22,7 +22,8 @@ from safetensors.numpy import load_file, save_file
 
 from moe_rl.records.routes import RecordError, check_distinct_experts, compact_routes, route_dtype
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: optional provenance arrays (dataset rows, token versions, fingerprint)
+READABLE_VERSIONS = (1, 2)  # format 1 files load: every format-2 addition is optional
 # Largest log-prob accepted: the SGLang decoder's bound (sglang_meta._checked_logprobs), float rounding above 0.
 LOGPROB_TOLERANCE = 1e-4
 REQUIRED_ARRAYS = ("prompt_ids", "prompt_lens", "response_ids", "response_lens", "rollout_logp", "rewards", "group_ids")
@@ -292,9 +293,9 @@ class RolloutBatch:
         if raw_meta is None:
             raise RecordError("not a moe_rl records file (no 'moe_rl' metadata)")
         meta = json.loads(raw_meta)
-        if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+        if not isinstance(meta, dict) or meta.get("format_version") not in READABLE_VERSIONS:
             version = meta.get("format_version") if isinstance(meta, dict) else None
-            raise RecordError(f"format_version {version} != supported {FORMAT_VERSION}")
+            raise RecordError(f"format_version {version} is not one of the supported {list(READABLE_VERSIONS)}")
         arrays = load_file(str(path))
         missing = [k for k in REQUIRED_ARRAYS if k not in arrays]
         if missing:
