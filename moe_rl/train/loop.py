@@ -32,6 +32,7 @@ from moe_rl.train.collectives import barrier, dp_group, dp_rank_and_size, is_mai
 from moe_rl.train.logprob import make_logprob_fn
 from moe_rl.train.metrics_log import MetricsLogger
 from moe_rl.train.plan import plan_step
+from moe_rl.train.run_identity import resolve_run_id, write_run_id
 from moe_rl.train.update import StepInputs, old_logprob_rows, reference_rows, update_minibatch
 
 __all__ = ["RLTrainer", "train", "check_supported", "ROLLOUTS_DIR"]
@@ -74,8 +75,10 @@ class RLTrainer:
         self.learner = Learner(cfg)  # imports checkpoint.init_from_hf when set
         meta = load_checkpoint(self.learner, self.ckpt_dir) if cfg.checkpoint.resume == "auto" else None
         self.start_step = int(meta["extra"]["rl_step"]) if meta else 0
+        self.run_id = resolve_run_id(self.run_dir, resumed=meta is not None)  # same id on every rank
         if self.is_main:  # only now is the run known to start (a model-shape change failed above)
             save_config(cfg, self.run_dir / "config.yaml")
+            write_run_id(self.run_dir, self.run_id)
         self.server_keys, self.server_pool = None, None  # set by run(): auth and restarts
         self.weight_sync = None  # created at the first sync (its mode depends on the servers' hosts)
         if meta is None:  # a fresh run starts from the cached supervised warm start (train.warm_start)

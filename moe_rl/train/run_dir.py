@@ -34,6 +34,8 @@ from pathlib import Path
 
 import yaml
 
+from moe_rl.train.run_identity import RUN_ID_FILE
+
 logger = logging.getLogger(__name__)
 
 LOCK_FILE = ".moe_rl.lock"
@@ -208,7 +210,7 @@ def discard_previous_run(run_dir: Path, ckpt_dir: Path) -> None:
 
     for step in checkpoint_steps(ckpt_dir):
         shutil.rmtree(ckpt_dir / f"step_{step:08d}")
-    for path in (ckpt_dir / "latest", run_dir / METRICS_FILE, run_dir / CONFIG_FILE):
+    for path in (ckpt_dir / "latest", run_dir / METRICS_FILE, run_dir / CONFIG_FILE, run_dir / RUN_ID_FILE):
         path.unlink(missing_ok=True)
     logger.warning("checkpoint.overwrite=true: discarded the previous run in %s", run_dir)
 

@@ -1,0 +1,57 @@
+"""The run's identity: one id per run, kept across resumes, decided on rank 0 and broadcast.
+
+A fresh run (no checkpoint to resume) gets a new random id; a resumed run keeps the id stored in
+``<train.output_dir>/run_id`` (a run from before ids existed gets a new one on its first resume).
+Everything that must tell runs apart uses it: the checkpoint directory's identity and the reference
+policy's completion marker, the weight-version label's nonce, the records' producing run, wandb's id.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import tempfile
+from pathlib import Path
+
+__all__ = ["RUN_ID_FILE", "new_run_id", "read_run_id", "write_run_id", "resolve_run_id"]
+
+RUN_ID_FILE = "run_id"
+
+
+def new_run_id() -> str:
+    """12 hex characters (48 random bits)."""
+    return secrets.token_hex(6)
+
+
+def read_run_id(directory: str | Path) -> str | None:
+    path = Path(directory) / RUN_ID_FILE
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        return None
+    return text or None
+
+
+def write_run_id(directory: str | Path, run_id: str) -> Path:
+    """Atomically write ``<directory>/run_id``."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{RUN_ID_FILE}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as fh:
+        fh.write(run_id + "\n")
+    os.replace(tmp, directory / RUN_ID_FILE)
+    return directory / RUN_ID_FILE
+
+
+def resolve_run_id(run_dir: str | Path, resumed: bool) -> str:
+    """This run's id on every rank: rank 0 reads it (resume) or draws a new one, then broadcasts it."""
+    import torch.distributed as dist
+
+    run_id = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        run_id = (read_run_id(run_dir) if resumed else None) or new_run_id()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [run_id]
+        dist.broadcast_object_list(box, src=0)
+        run_id = box[0]
+    return run_id
