@@ -23,8 +23,10 @@ Framework"; seed 000, "Notation map"): μ = ``rollout_logp`` (SGLang), π_old =
   enters the loss. IcePop together with TIS gives min(ρ, C)·1[band] (the band mask times
   the truncated weight), never two ratio factors (verl's token-IcePop preset is ρ·1[band]:
   IcePop alone, weighted).
-- M2PO (``correction.m2po_tau``) couples all tokens of the minibatch and needs π_θ: it is
-  computed in ``prepare_corrections`` from the no-grad pre-pass's ``policy_logp``.
+- M2PO (``correction.m2po_tau``) bounds the second moment of the log ratio to the behaviour
+  policy (seed 000: χ²(π‖μ) ≤ R²·M₂, M₂ = E[(log ρ)²]) over the tokens that survive rejection:
+  ρ = π_old/μ in decoupled mode (AReaL's proximal vs behaviour log-probs), sg[π_θ]/μ in bypass
+  mode (the no-grad pre-pass). It couples all tokens of the minibatch (``prepare_corrections``).
 """
 
 from __future__ import annotations
@@ -168,22 +170,26 @@ class PreparedCorrections:
     cov_selected: torch.Tensor | None = None  # [N, T] Clip-Cov / KL-Cov tokens; pass rows to policy_loss
 
 
-def needs_policy_prepass(correction_cfg: CorrectionConfigLike, loss_cfg: LossConfigLike | None = None) -> bool:
+def needs_policy_prepass(
+    correction_cfg: CorrectionConfigLike, loss_cfg: LossConfigLike | None = None, optim_cfg=None
+) -> bool:
     """True when the minibatch's corrections need π_θ before the update (a no-grad forward).
 
-    Only bypass mode measures its corrections on π_θ (π_old ≔ μ); in decoupled mode they are
-    functions of π_old and μ, both known before the update.
+    Only bypass mode measures its corrections on π_θ (π_old ≔ μ): rejection, IS weights, IcePop,
+    M2PO and VCPO's ESS lr scaling (``optim_cfg.ess_lr_scaling``) all read sg[π_θ]/μ there; in
+    decoupled mode they are functions of π_old and μ, both known before the update. Clip-Cov and
+    KL-Cov select tokens by π_θ in both modes.
     """
     c = correction_cfg
     if loss_cfg is not None and loss_cfg.type in ("clip_cov", "kl_cov"):
         return True  # their token selection is a function of π_θ over the whole minibatch
-    if getattr(c, "m2po_tau", None) is not None:
-        return True  # M2PO's ratio is π_θ / anchor in both modes
     if c.mode != "bypass":
         return False
     is_level = "none" if c.is_level is None else c.is_level
     rejects = c.rs_mode is not None or bool(getattr(c, "rejection", None)) or c.token_veto_threshold is not None
-    return rejects or is_level != "none" or bool(c.icepop)
+    m2po = getattr(c, "m2po_tau", None) is not None
+    ess = bool(getattr(optim_cfg, "ess_lr_scaling", False))
+    return rejects or is_level != "none" or bool(c.icepop) or m2po or ess
 
 
 def _denominator(aggregation: str, keep: torch.Tensor, norm_len: int | None) -> float:
@@ -212,9 +218,10 @@ def prepare_corrections(
     the denominator and the fractions do not depend on micro_batch_size or dp size.
     Sequence-local corrections that need π_θ (OPSM) are applied per microbatch in
     ``policy_loss``; the sequences they drop stay in the denominator (as IcePop's band does).
-    ``norm_len`` defaults to ``loss_cfg.norm_len``. ``policy_logp[N, T]`` (π_θ from the no-grad
-    pre-pass) is needed for M2PO (``correction.m2po_tau``): its ratio is π_θ/π_old in decoupled
-    mode (π_old = ``source_logp``) and π_θ/μ in bypass mode. For ``loss.type`` clip_cov / kl_cov,
+    ``norm_len`` defaults to ``loss_cfg.norm_len``. M2PO (``correction.m2po_tau``) masks on
+    (log ``source_logp`` − log μ)² — π_old/μ in decoupled mode, sg[π_θ]/μ in bypass mode — over the
+    tokens that survive the rejections, so its budget (and ``m2po/m2_after``) is over what enters
+    the loss. ``policy_logp[N, T]`` is π_θ from the no-grad pre-pass. For ``loss.type`` clip_cov / kl_cov,
     ``policy_logp`` and ``advantages`` ([N] or [N, T]) give the step-global token selection
     (``cov_selected``; Clip-Cov draws with ``generator``, seeded from train.seed, step and
     minibatch — identical on every rank, which all see the gathered rows); without them each
@@ -226,11 +233,8 @@ def prepare_corrections(
     rollout = check_logp("rollout_logp", rollout_logp.detach(), mask)
     source = check_logp("source_logp", source_logp.detach(), mask)
     keep, metrics = _sequence_free_rejection(correction_cfg, source, rollout, mask, {})
-    if getattr(correction_cfg, "m2po_tau", None) is not None:
-        if policy_logp is None:
-            raise ValueError("policy_logp: correction.m2po_tau needs π_θ log-probs [N, T] from the no-grad pre-pass")
-        anchor = rollout if correction_cfg.mode == "bypass" else source
-        k, m = m2po_mask(policy_logp.detach(), anchor, mask, correction_cfg.m2po_tau)
+    if getattr(correction_cfg, "m2po_tau", None) is not None:  # the behaviour ratio, after rejection
+        k, m = m2po_mask(source, rollout, keep, correction_cfg.m2po_tau)
         keep, metrics = keep & k, metrics | m
     if norm_len is None:
         norm_len = getattr(loss_cfg, "norm_len", None)

@@ -25,8 +25,9 @@ def m2po_mask(
 ) -> tuple[torch.Tensor, Metrics]:
     """M2PO keep mask ``keep[B, T]``: drop the tokens with the largest (log ρ)² until the second moment fits.
 
-    log ρ_t = log π_θ − log anchor (the ratio the loss's trust region uses: π_old in decoupled
-    mode, μ in bypass mode). Sorting the valid tokens by (log ρ)² ascending, the kept set is the
+    log ρ_t = log ``logp`` − log ``anchor_logp``: the ratio to the behaviour policy μ (seed 000's
+    χ²(π‖μ) ≤ R²·M₂; the trainer passes π_old/μ in decoupled mode, sg[π_θ]/μ in bypass mode, on
+    the tokens that survive rejection). Sorting the valid tokens by (log ρ)² ascending, the kept set is the
     longest prefix whose mean (log ρ)² is ≤ τ; every longer prefix exceeds it (the prefix mean
     of ascending values never decreases), so this masks the fewest tokens, always the largest.
     Ties are broken by position. Inputs ``logp[B, T]``, ``anchor_logp[B, T]``, ``mask[B, T]``.
@@ -47,6 +48,9 @@ def m2po_mask(
     keep[flat_idx[order[:n_keep]]] = True
     keep = keep.view_as(mask)
     n = values.numel()
+    if n == 0:  # nothing to measure (every token already rejected)
+        zero = metric(0.0)
+        return keep, {"m2po/masked_frac": zero, "m2po/m2_before": zero, "m2po/m2_after": zero}
     return keep, {
         "m2po/masked_frac": metric((n - n_keep) / n),
         "m2po/m2_before": metric(values.mean()),

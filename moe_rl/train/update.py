@@ -145,7 +145,7 @@ def update_minibatch(cfg, learner, driver, logprob_fn, mb_plan: MinibatchPlan, i
 
     # phase 1: step-global corrections over the whole minibatch
     policy = None
-    if needs_policy_prepass(cfg.correction, cfg.loss):  # bypass corrections, M2PO, Clip-/KL-Cov: π_θ first
+    if needs_policy_prepass(cfg.correction, cfg.loss, cfg.optim):  # bypass corrections / ESS, Clip-/KL-Cov: π_θ
         learner.model.train()
         with driver.prepass(routes):
             policy = all_gather_rows(_forward_rows(learner, logprob_fn, mbs, cfg.rollout.temperature, width), group)

@@ -65,16 +65,42 @@ def test_m2po_hand_worked(device):
     assert keep.tolist() == [[True, True, False, False]]
 
 
-def test_m2po_in_prepare_corrections_uses_the_loss_ratio(device):
+def test_m2po_in_prepare_corrections_measures_the_behaviour_ratio(device):
+    # Seed 000: E[(log ρ)²] ≤ τ with ρ to the behaviour policy μ; AReaL's M2PO masks on the behaviour
+    # vs proximal log-probs. Decoupled: π_old/μ (no π_θ needed); bypass: sg[π_θ]/μ (the pre-pass).
     old, roll, mask = _batch(device, seed=1)
     policy = old + 0.4 * torch.randn(old.shape, generator=torch.Generator().manual_seed(9), dtype=F64).to(device)
-    for mode, anchor in (("decoupled", old), ("bypass", roll)):
+    for mode, source in (("decoupled", old), ("bypass", policy)):
         cfg = CorrectionConfig(mode=mode, m2po_tau=0.04)
-        source = old if mode == "decoupled" else policy
         prep = prepare_corrections(LossConfig(), cfg, source, roll, mask, policy_logp=policy)
-        torch.testing.assert_close(prep.keep, m2po_mask(policy, anchor, mask, 0.04)[0])
-    with pytest.raises(ValueError, match="policy_logp"):
-        prepare_corrections(LossConfig(), CorrectionConfig(m2po_tau=0.04), old, roll, mask)
+        torch.testing.assert_close(prep.keep, _brute_force_keep(source - roll, mask, 0.04))
+    # the first minibatch of a step (π_θ = π_old) still masks when the engines disagree
+    prep = prepare_corrections(LossConfig(), CorrectionConfig(m2po_tau=0.04), old, roll, mask, policy_logp=old)
+    assert prep.metrics["m2po/masked_frac"].item() > 0.2 and prep.metrics["m2po/m2_before"].item() > 0.04
+
+
+def _brute_force_keep(lr, mask, tau):
+    keep = torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device)
+    keep[sorted(_brute_force_m2po(lr, mask, tau))] = True
+    return keep.view_as(mask)
+
+
+def test_m2po_budget_is_over_the_tokens_that_survive_rejection(device):
+    # sequence 0: log ρ = [0, 0, -2.5] (vetoed at 1e-1: its two on-policy tokens leave the loss too);
+    # sequence 1: log ρ = [.245] x 3, (log ρ)² = .06 > τ. Budgeted before the veto, the two zeros
+    # would pull the mean under τ and keep sequence 1 (mean .06 entering the loss).
+    lr = torch.tensor([[0.0, 0.0, -2.5], [0.245, 0.245, 0.245]], dtype=F64, device=device)
+    roll = torch.full_like(lr, -1.0)
+    mask = torch.ones_like(lr, dtype=torch.bool)
+    cfg = CorrectionConfig(m2po_tau=0.04, token_veto_threshold=0.1)
+    prep = prepare_corrections(LossConfig(), cfg, roll + lr, roll, mask)
+    assert not bool(prep.keep.any()), prep.keep
+    assert prep.metrics["m2po/m2_before"].item() == pytest.approx(0.245**2)
+    assert prep.metrics["m2po/m2_after"].item() == 0.0
+    # with a looser budget the kept tokens' mean is what m2_after reports
+    prep = prepare_corrections(LossConfig(), CorrectionConfig(m2po_tau=0.07, token_veto_threshold=0.1), roll + lr, roll, mask)
+    assert prep.keep.tolist() == [[False] * 3, [True] * 3]
+    assert prep.metrics["m2po/m2_after"].item() == pytest.approx(0.245**2)
 
 
 def test_ess_lr_scale_independent_formula(device):

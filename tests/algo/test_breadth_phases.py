@@ -32,7 +32,7 @@ def test_microbatch_split_equals_one_batch(device, loss_type):
     loss_cfg = LossConfig(type=loss_type, clip_cov_ratio=0.1, clip_cov_lb=-1.0, clip_cov_ub=1.0, kl_cov_ratio=0.1)
     corr = CorrectionConfig(m2po_tau=0.05, is_level="token", is_batch_normalize=True,
                             rejection=[{"mode": "seq_mean_k3", "upper": 0.02}, {"mode": "token_k1", "lower": 0.6, "upper": 1.7}])  # fmt: skip
-    assert needs_policy_prepass(corr, loss_cfg)
+    assert needs_policy_prepass(corr, loss_cfg) == (loss_type in ("clip_cov", "kl_cov"))  # M2PO reads π_old/μ here
 
     x = logp.clone().requires_grad_(True)
     whole, _ = compute_policy_loss(loss_cfg, corr, x, old, roll, adv, mask, generator=torch.Generator().manual_seed(3))
@@ -53,3 +53,15 @@ def test_microbatch_split_equals_one_batch(device, loss_type):
     (g_split,) = torch.autograd.grad(total, y)
     torch.testing.assert_close(total.detach(), whole.detach())
     torch.testing.assert_close(g_split, g_whole)
+
+
+def test_prepass_runs_whenever_bypass_reads_the_policy():
+    """Bypass mode measures M2PO and VCPO's ESS on sg[π_θ]/μ: both need the pre-pass; decoupled reads π_old/μ."""
+    from types import SimpleNamespace
+
+    plain = CorrectionConfig(mode="bypass", icepop=False)
+    assert not needs_policy_prepass(plain, LossConfig())
+    assert needs_policy_prepass(plain, LossConfig(), SimpleNamespace(ess_lr_scaling=True))
+    assert needs_policy_prepass(CorrectionConfig(mode="bypass", icepop=False, m2po_tau=0.04), LossConfig())
+    assert not needs_policy_prepass(CorrectionConfig(mode="decoupled", m2po_tau=0.04), LossConfig(),
+                                    SimpleNamespace(ess_lr_scaling=True))  # fmt: skip
