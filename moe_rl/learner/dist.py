@@ -147,3 +147,17 @@ def destroy_distributed() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def decided_by_rank0(decide):
+    """``decide()`` evaluated on rank 0 only and broadcast: every rank returns rank 0's answer.
+
+    For what several ranks (or nodes, each with its own view of a filesystem) must agree on: what
+    exists, which file to load. ``decide`` must return a picklable value; without a process group it
+    is simply called.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return decide()
+    box = [decide() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -6,9 +6,18 @@ log-probs for a microbatch (natural routing, or the routes the old-log-prob pass
 optional CPU offload between uses, and its safetensors file per rank. It never touches the
 learner's model, optimizer or RNG streams.
 
+Lifecycle (the KL anchor must never silently be another run's, another step's or half of one):
+``<ckpt>/reference/`` holds one file per rank and a completion marker ``complete.json`` naming the
+run id, written by rank 0 only after every rank's file is in place. ``save_reference`` runs before
+a run's first checkpoint (so no checkpoint exists without its reference) and replaces anything else
+in the directory; on resume ``reference_problem`` must find this run's marker, or the resume is
+refused — a missing reference is never rebuilt from the resumed (trained) weights.
+``checkpoint.overwrite`` deletes the directory with the old run. Rank 0 decides, every rank follows
+(``moe_rl.learner.dist.decided_by_rank0``).
+
 Wiring (trainer): build it once with ``ReferencePolicy.from_learner(cfg, learner.module)``
 right after the learner is initialised (or ``ReferencePolicy.load(cfg, ckpt_dir)`` on resume);
-``save(ckpt_dir)`` with the first checkpoint; in the old-log-prob pass call
+``save_reference`` before the first checkpoint; in the old-log-prob pass call
 ``logprobs(mb, temperature, logprob_fn, routes=...)`` per microbatch with the routes π_old
 used; pass the result as ``ref_logp`` to the loss.
 """
@@ -18,14 +27,17 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["ReferencePolicy", "reference_path"]
+__all__ = ["ReferencePolicy", "reference_path", "reference_problem", "save_reference", "REFERENCE_DIR"]
 
 REFERENCE_DIR = "reference"
+MARKER_FILE = "complete.json"
+MARKER_FORMAT = "moe_rl.reference-complete/1"
 
 
 def _rank() -> int:
@@ -35,6 +47,59 @@ def _rank() -> int:
 def reference_path(ckpt_dir: str | Path, rank: int | None = None) -> Path:
     """``<ckpt_dir>/reference/rank_<r>.safetensors``: written once, kept across checkpoint pruning."""
     return Path(ckpt_dir) / REFERENCE_DIR / f"rank_{_rank() if rank is None else rank:05d}.safetensors"
+
+
+def _read_marker(ckpt_dir: str | Path) -> dict | None:
+    try:
+        marker = json.loads((Path(ckpt_dir) / REFERENCE_DIR / MARKER_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) and marker.get("format") == MARKER_FORMAT else None
+
+
+def reference_problem(ckpt_dir: str | Path, run_id: str) -> str | None:
+    """Why ``<ckpt_dir>/reference/`` is not this run's complete reference (None: it is). Call on rank 0."""
+    where = Path(ckpt_dir) / REFERENCE_DIR
+    marker = _read_marker(ckpt_dir)
+    if marker is None:
+        state = "is incomplete (no completion marker: a save was interrupted)" if where.is_dir() else "is missing"
+        return f"the reference policy in {where} {state}"
+    if marker.get("run_id") != run_id:
+        return f"the reference policy in {where} belongs to run {marker.get('run_id')!r}, not this run ({run_id!r})"
+    missing = [f"rank_{r:05d}" for r in range(int(marker.get("world_size", 0))) if not reference_path(ckpt_dir, r).is_file()]
+    if missing:
+        return f"the reference policy in {where} lacks the files of {', '.join(missing)}"
+    return None
+
+
+def save_reference(policy: ReferencePolicy, ckpt_dir: str | Path, run_id: str) -> bool:
+    """Make ``<ckpt_dir>/reference/`` this run's complete reference (collective; True if it wrote).
+
+    Rank 0 decides whether this run's marker is already there; if not, it clears the directory,
+    every rank writes its file, and rank 0 writes the marker last.
+    """
+    from moe_rl.learner.dist import decided_by_rank0
+
+    if decided_by_rank0(lambda: reference_problem(ckpt_dir, run_id)) is None:
+        return False
+    where = Path(ckpt_dir) / REFERENCE_DIR
+    if _rank() == 0:
+        shutil.rmtree(where, ignore_errors=True)
+    _barrier()
+    policy.save(ckpt_dir)
+    _barrier()
+    if _rank() == 0:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        tmp = where / f".{MARKER_FILE}.tmp"
+        tmp.write_text(json.dumps({"format": MARKER_FORMAT, "run_id": run_id, "world_size": world}))
+        os.replace(tmp, where / MARKER_FILE)
+    _barrier()
+    return True
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
 
 
 def _tensor_state(model) -> dict[str, torch.Tensor]:

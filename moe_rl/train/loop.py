@@ -32,7 +32,7 @@ from moe_rl.train.collectives import barrier, dp_group, dp_rank_and_size, is_mai
 from moe_rl.train.logprob import make_logprob_fn
 from moe_rl.train.metrics_log import MetricsLogger
 from moe_rl.train.plan import plan_step
-from moe_rl.train.run_identity import resolve_run_id, write_run_id
+from moe_rl.train.run_identity import resolve_run_id, write_checkpoint_identity, write_run_id
 from moe_rl.train.update import StepInputs, old_logprob_rows, reference_rows, update_minibatch
 
 __all__ = ["RLTrainer", "train", "check_supported", "ROLLOUTS_DIR"]
@@ -79,6 +79,7 @@ class RLTrainer:
         if self.is_main:  # only now is the run known to start (a model-shape change failed above)
             save_config(cfg, self.run_dir / "config.yaml")
             write_run_id(self.run_dir, self.run_id)
+            write_checkpoint_identity(self.ckpt_dir, self.run_id, self.run_dir)  # whose checkpoints these are
         self.server_keys, self.server_pool = None, None  # set by run(): auth and restarts
         self.weight_sync = None  # created at the first sync (its mode depends on the servers' hosts)
         if meta is None:  # a fresh run starts from the cached supervised warm start (train.warm_start)
@@ -90,6 +91,7 @@ class RLTrainer:
         self.logprob_fn = make_logprob_fn(ksm_active(cfg), with_entropy=cfg.loss.entropy_coef > 0)
         self.device = next(self.learner.model.parameters()).device
         self.reference = self._reference_policy(meta is not None) if cfg.loss.kl_coef else None
+        self._reference_saved = False  # save_reference checks the marker itself (rank 0) the first time
         self.plan(self.start_step)  # an impossible split fails here, before any server starts
 
     def plan(self, step: int):
@@ -102,13 +104,23 @@ class RLTrainer:
                          step=step)  # fmt: skip
 
     def _reference_policy(self, resumed: bool):
-        """π_ref for ``loss.kl_coef > 0``: the weights at the start of RL, reloaded on resume."""
-        from moe_rl.learner.reference import ReferencePolicy, reference_path
+        """π_ref for ``loss.kl_coef > 0``: the weights at the start of RL; on resume this run's saved
+        reference or nothing (never rebuilt from the resumed weights). Rank 0 decides, all ranks follow."""
+        from moe_rl.learner.dist import decided_by_rank0
+        from moe_rl.learner.reference import ReferencePolicy, reference_problem
+        from moe_rl.train.run_dir import RunDirError
 
         offload = torch.cuda.is_available()
-        if resumed and reference_path(self.ckpt_dir).is_file():
-            return ReferencePolicy.load(self.cfg, self.ckpt_dir, offload=offload)
-        return ReferencePolicy.from_learner(self.cfg, self.learner.module, offload=offload)
+        if not resumed:
+            return ReferencePolicy.from_learner(self.cfg, self.learner.module, offload=offload)
+        problem = decided_by_rank0(lambda: reference_problem(self.ckpt_dir, self.run_id))
+        if problem is not None:
+            raise RunDirError(
+                f"cannot resume checkpoint.dir={self.ckpt_dir} with loss.kl_coef={self.cfg.loss.kl_coef}: {problem}. "
+                "The KL anchor is the policy at the start of RL and is not rebuilt from trained weights; start "
+                "over with checkpoint.resume=never checkpoint.overwrite=true (or set loss.kl_coef=0)"
+            )
+        return ReferencePolicy.load(self.cfg, self.ckpt_dir, offload=offload)
 
     @property
     def from_records(self) -> bool:
@@ -219,11 +231,12 @@ class RLTrainer:
         return metrics
 
     def _save_reference(self) -> None:
-        """The reference weights go with the first checkpoint (they never change afterwards)."""
-        from moe_rl.learner.reference import reference_path
+        """The reference weights, with this run's completion marker, before the first checkpoint (once)."""
+        from moe_rl.learner.reference import save_reference
 
-        if self.reference is not None and not reference_path(self.ckpt_dir).is_file():
-            self.reference.save(self.ckpt_dir)
+        if self.reference is not None and not self._reference_saved:
+            save_reference(self.reference, self.ckpt_dir, self.run_id)
+            self._reference_saved = True
 
     def advantages(self, batch: RolloutBatch, rewards: torch.Tensor, old: torch.Tensor | None, width: int):
         """Per-sample advantages ``[N]``; VCPO's baseline reads π_old (or μ in bypass mode)."""
@@ -284,9 +297,9 @@ class RLTrainer:
                     logger.log(step + 1, metrics)
                     if cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0 \
                             or step + 1 == cfg.train.steps:  # fmt: skip
+                        self._save_reference()  # first: no checkpoint exists without its reference
                         save_checkpoint(self.learner, self.ckpt_dir, cfg.checkpoint.keep_last,
                                         extra={"rl_step": step + 1}, step=step + 1)  # dirs named by RL step
-                        self._save_reference()
                 if self.weight_sync is not None and self.weight_sync.mode == "tensor":
                     self.export_weights()  # <run>/hf/current holds the final weights whatever the sync path
         finally:

@@ -1,16 +1,22 @@
 """Guards of one run directory: one trainer at a time, resume rules, writable paths, completed runs.
 
-Owns the exclusive lock ``<train.output_dir>/.moe_rl.lock`` (an ``flock`` held for the whole run; the
-file names the holder's PID and host, and a lock left by a dead process is simply taken over, with a
-log line naming it), the check that ``train.output_dir`` and ``checkpoint.dir`` are writable, and the
-rules for a directory that already holds a run:
+Owns the exclusive locks ``<train.output_dir>/.moe_rl.lock`` and ``<checkpoint.dir>/.moe_rl.lock`` (an
+``flock`` each, held for the whole run; the file names the holder's PID and host, and a lock left by a
+dead process is simply taken over, with a log line naming it), the check that ``train.output_dir`` and
+``checkpoint.dir`` are writable, and the rules for a directory that already holds a run:
 
 - ``checkpoint.resume=never`` refuses unless ``checkpoint.overwrite=true`` (which discards the old
-  checkpoints and metrics);
-- ``checkpoint.resume=auto`` compares the saved ``config.yaml`` with the new config key by key; keys on
+  checkpoints, their reference policy and identity, metrics and config);
+- ``checkpoint.resume=auto`` first checks that the checkpoints in ``checkpoint.dir`` belong to this
+  output directory's run (``<checkpoint.dir>/run.json`` names the run id and output directory that
+  wrote them; checkpoints with no such record are resumed only next to the ``config.yaml`` of their run),
+  then compares the saved ``config.yaml`` with the new config key by key; keys on
   ``RESUME_SAFE_KEYS`` (operational: addresses, ports, timeouts, logging, the key variables,
   ``train.steps``) and keys named in ``checkpoint.allow_changes`` may differ, any other difference
   (including a key the old run did not have) refuses the start and prints every difference.
+  ``train.steps`` is safe only while the lr schedule does not depend on it
+  (``optim.lr_decay_style=constant``): a decaying schedule spans ``train.steps``, so a resumed run with
+  another value would get another lr than an uninterrupted one.
 
 In a multi-rank job rank 0 does all of this and broadcasts the outcome, so every rank fails the same
 way. Writing ``config.yaml`` is the trainer's job, after these checks and the checkpoint load passed.
@@ -34,7 +40,7 @@ from pathlib import Path
 
 import yaml
 
-from moe_rl.train.run_identity import RUN_ID_FILE
+from moe_rl.train.run_identity import CKPT_IDENTITY_FILE, RUN_ID_FILE, read_checkpoint_identity, read_run_id
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +68,7 @@ class RunLock:
 
     path: Path
     fd: int | None = None
+    key: str = "train.output_dir"  # the config key of the locked directory (named in the error)
 
     @staticmethod
     def holder_text(path: Path) -> str:
@@ -79,8 +86,8 @@ class RunLock:
         except BlockingIOError:
             os.close(fd)
             raise RunDirError(
-                f"train.output_dir={self.path.parent} is in use by another trainer: {self.holder_text(self.path)} "
-                f"holds {self.path}. Wait for it to end (or stop it), or set another train.output_dir"
+                f"{self.key}={self.path.parent} is in use by another trainer: {self.holder_text(self.path)} "
+                f"holds {self.path}. Wait for it to end (or stop it), or set another {self.key}"
             ) from None
         previous = os.read(fd, 4096).decode(errors="replace").strip()
         if previous:  # the holder died without releasing: the kernel dropped its flock
@@ -166,6 +173,45 @@ def previous_run(run_dir: Path, ckpt_dir: Path) -> list[str]:
     return found
 
 
+def schedule_bound_steps(key: str, cfg) -> bool:
+    """True when ``key`` is ``train.steps`` and the lr schedule spans it (a decaying ``optim.lr_decay_style``)."""
+    return key == "train.steps" and cfg.optim.lr_decay_style != "constant"
+
+
+STEPS_REASON = (
+    "train.steps sets the length of the lr schedule (optim.lr_decay_style={style} decays to optim.min_lr at "
+    "train.steps x train.minibatches_per_step x train.epochs_per_step optimizer steps): resumed with another value, "
+    "the remaining steps get another lr than an uninterrupted run would"
+)
+
+
+def check_checkpoint_owner(run_dir: Path, ckpt_dir: Path) -> None:
+    """Refuse checkpoints in ``ckpt_dir`` that another run (or no known run) wrote (module docstring)."""
+    from moe_rl.learner.checkpoint import checkpoint_steps
+
+    if not checkpoint_steps(ckpt_dir):
+        return
+    owner, ours = read_checkpoint_identity(ckpt_dir), read_run_id(run_dir)
+    if owner is None:
+        if (run_dir / CONFIG_FILE).is_file():
+            return  # written before run identities existed, next to its own run's config: compared below
+        raise RunDirError(
+            f"checkpoint.dir={ckpt_dir} holds checkpoints that no run in train.output_dir={run_dir} wrote (no "
+            f"{CKPT_IDENTITY_FILE} in checkpoint.dir, no {CONFIG_FILE} in train.output_dir): resuming them would "
+            "continue an unknown run's weights, optimizer and step. Point train.output_dir at the run that wrote "
+            "them, pass checkpoint.resume=never checkpoint.overwrite=true to discard them, or set another "
+            "checkpoint.dir"
+        )
+    if owner["run_id"] != ours:
+        this = f"run {ours!r}" if ours else "a new run"
+        raise RunDirError(
+            f"checkpoint.dir={ckpt_dir} holds the checkpoints of run {owner['run_id']!r} (train.output_dir="
+            f"{owner.get('output_dir')}), but train.output_dir={run_dir} is {this}: two runs cannot share a "
+            "checkpoint.dir. Resume that run with its own train.output_dir, pass checkpoint.resume=never "
+            "checkpoint.overwrite=true to discard its checkpoints, or set another checkpoint.dir"
+        )
+
+
 def check_resume(cfg, run_dir: Path, ckpt_dir: Path) -> None:
     """Apply the resume rules (module docstring); discards the old run when ``checkpoint.overwrite``."""
     found = previous_run(run_dir, ckpt_dir)
@@ -181,6 +227,7 @@ def check_resume(cfg, run_dir: Path, ckpt_dir: Path) -> None:
             )
         discard_previous_run(run_dir, ckpt_dir)
         return
+    check_checkpoint_owner(run_dir, ckpt_dir)
     saved_path = run_dir / CONFIG_FILE
     if not saved_path.is_file():
         return
@@ -190,13 +237,16 @@ def check_resume(cfg, run_dir: Path, ckpt_dir: Path) -> None:
         raise RunDirError(f"cannot read the previous run's {saved_path} to compare settings: {exc}") from None
     diffs = config_differences(saved, cfg)
     allowed = (*RESUME_SAFE_KEYS, *ck.allow_changes)
-    unsafe = [d for d in diffs if not is_allowed_change(d[0], allowed)]
+    unsafe = [d for d in diffs if not is_allowed_change(d[0], allowed)
+              or (schedule_bound_steps(d[0], cfg) and not is_allowed_change(d[0], ck.allow_changes))]  # fmt: skip
     lines = [f"  {'!' if d in unsafe else ' '} {k}: {old!r} -> {new!r}" for d in diffs for k, old, new in [d]]
     if unsafe:
         keys = ",".join(k for k, _, _ in unsafe)
+        reasons = [STEPS_REASON.format(style=cfg.optim.lr_decay_style) for k, _, _ in unsafe
+                   if schedule_bound_steps(k, cfg)]  # fmt: skip
         raise RunDirError(
             f"resuming {run_dir} with changed settings ({len(unsafe)} not safe to change, marked !):\n"
-            + "\n".join(lines)
+            + "\n".join(lines + [f"  ({r})" for r in reasons])
             + f"\nTo continue anyway pass checkpoint.allow_changes=[{keys}]; to start over pass "
             "checkpoint.resume=never checkpoint.overwrite=true; or use another train.output_dir"
         )
@@ -205,12 +255,16 @@ def check_resume(cfg, run_dir: Path, ckpt_dir: Path) -> None:
 
 
 def discard_previous_run(run_dir: Path, ckpt_dir: Path) -> None:
-    """checkpoint.overwrite: remove the old checkpoints, metrics and config (logged)."""
+    """checkpoint.overwrite: remove the old checkpoints, their reference policy and identity, metrics and
+    config (logged)."""
     from moe_rl.learner.checkpoint import checkpoint_steps
+    from moe_rl.learner.reference import REFERENCE_DIR
 
     for step in checkpoint_steps(ckpt_dir):
         shutil.rmtree(ckpt_dir / f"step_{step:08d}")
-    for path in (ckpt_dir / "latest", run_dir / METRICS_FILE, run_dir / CONFIG_FILE, run_dir / RUN_ID_FILE):
+    shutil.rmtree(ckpt_dir / REFERENCE_DIR, ignore_errors=True)
+    for path in (ckpt_dir / "latest", ckpt_dir / CKPT_IDENTITY_FILE, run_dir / METRICS_FILE, run_dir / CONFIG_FILE,
+                 run_dir / RUN_ID_FILE):  # fmt: skip
         path.unlink(missing_ok=True)
     logger.warning("checkpoint.overwrite=true: discarded the previous run in %s", run_dir)
 
@@ -226,24 +280,38 @@ def _broadcast_outcome(error: str | None) -> str | None:
     return box[0]
 
 
-def guard_run_dir(cfg, run_dir: str | Path, ckpt_dir: str | Path, rank: int = 0) -> RunLock | None:
+@dataclass
+class RunLocks:
+    """The locks of one run (output dir, checkpoint dir), released together."""
+
+    locks: list[RunLock]
+
+    def release(self) -> None:
+        for lock in reversed(self.locks):
+            lock.release()
+
+
+def guard_run_dir(cfg, run_dir: str | Path, ckpt_dir: str | Path, rank: int = 0) -> RunLocks | None:
     """Lock, writability and resume rules for a run about to start (collective in multi-rank jobs).
 
-    Rank 0 takes the lock (returned; the caller releases it at the end of the run) and checks; the
-    outcome is broadcast so every rank raises the same RunDirError. Call before anything is written.
+    Rank 0 takes the locks of ``train.output_dir`` and ``checkpoint.dir`` (returned; the caller releases
+    them at the end of the run) and checks; the outcome is broadcast so every rank raises the same
+    RunDirError. Call before anything is written.
     """
     run_dir, ckpt_dir = Path(run_dir), Path(ckpt_dir)
     lock, error = None, None
     if rank == 0:
+        lock = RunLocks([])
         try:
             check_writable({"train.output_dir": run_dir, "checkpoint.dir": ckpt_dir})
-            lock = RunLock(run_dir / LOCK_FILE).acquire()
+            lock.locks.append(RunLock(run_dir / LOCK_FILE).acquire())
+            if ckpt_dir.resolve() != run_dir.resolve():
+                lock.locks.append(RunLock(ckpt_dir / LOCK_FILE, key="checkpoint.dir").acquire())
             check_resume(cfg, run_dir, ckpt_dir)
         except RunDirError as exc:
             error = str(exc)
-            if lock is not None:
-                lock.release()
-                lock = None
+            lock.release()
+            lock = None
     error = _broadcast_outcome(error)
     if error is not None:
         raise RunDirError(error)

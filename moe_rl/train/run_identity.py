@@ -2,20 +2,24 @@
 
 A fresh run (no checkpoint to resume) gets a new random id; a resumed run keeps the id stored in
 ``<train.output_dir>/run_id`` (a run from before ids existed gets a new one on its first resume).
-Everything that must tell runs apart uses it: the checkpoint directory's identity and the reference
+``checkpoint.dir`` records its owner in ``run.json`` (the id and the output directory), so a resume
+can tell its own checkpoints from another run's. Everything that must tell runs apart uses it: the checkpoint directory's identity and the reference
 policy's completion marker, the weight-version label's nonce, the records' producing run, wandb's id.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import tempfile
 from pathlib import Path
 
-__all__ = ["RUN_ID_FILE", "new_run_id", "read_run_id", "write_run_id", "resolve_run_id"]
+__all__ = ["RUN_ID_FILE", "CKPT_IDENTITY_FILE", "new_run_id", "read_run_id", "write_run_id", "resolve_run_id",
+           "read_checkpoint_identity", "write_checkpoint_identity"]
 
 RUN_ID_FILE = "run_id"
+CKPT_IDENTITY_FILE = "run.json"  # in checkpoint.dir: which run (id, output dir) writes its checkpoints
 
 
 def new_run_id() -> str:
@@ -41,6 +45,26 @@ def write_run_id(directory: str | Path, run_id: str) -> Path:
         fh.write(run_id + "\n")
     os.replace(tmp, directory / RUN_ID_FILE)
     return directory / RUN_ID_FILE
+
+
+def read_checkpoint_identity(ckpt_dir: str | Path) -> dict | None:
+    """``{"run_id", "output_dir"}`` of the run that owns ``ckpt_dir`` (None: not recorded)."""
+    try:
+        ident = json.loads((Path(ckpt_dir) / CKPT_IDENTITY_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return ident if isinstance(ident, dict) and ident.get("run_id") else None
+
+
+def write_checkpoint_identity(ckpt_dir: str | Path, run_id: str, output_dir: str | Path) -> Path:
+    """Atomically write ``<ckpt_dir>/run.json`` naming the owning run and its ``train.output_dir``."""
+    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=ckpt_dir, prefix=f".{CKPT_IDENTITY_FILE}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as fh:
+        json.dump({"run_id": run_id, "output_dir": str(Path(output_dir).resolve())}, fh)
+    os.replace(tmp, ckpt_dir / CKPT_IDENTITY_FILE)
+    return ckpt_dir / CKPT_IDENTITY_FILE
 
 
 def resolve_run_id(run_dir: str | Path, resumed: bool) -> str:

@@ -96,3 +96,32 @@ def test_reference_replays_the_given_routes(megatron_world, device):
     assert (replayed - natural).abs().max() > 1e-4  # the given experts were used
     torch.testing.assert_close(ref.logprobs(mb, routes=routes.to(device)), replayed, rtol=0, atol=0)
     ref.close()
+
+
+def test_reference_lifecycle_marker_run_id_and_interrupted_saves(megatron_world, tmp_path, device):
+    """Issue 21 item 3: a reference is this run's only with its completion marker; a stale one (another run,
+    an interrupted save) is replaced by the next save and reported, never silently used."""
+    import json
+
+    from moe_rl.learner.reference import ReferencePolicy, reference_path, reference_problem, save_reference
+    from moe_rl.learner.train_step import Learner
+
+    cfg = make_cfg()
+    learner = Learner(cfg, total_steps=1)
+    ref = ReferencePolicy.from_learner(cfg, learner.module)
+    ckpt = tmp_path / "ckpt"
+    assert "is missing" in reference_problem(ckpt, "run-a")
+    # another run's complete reference sits in the directory (e.g. checkpoint.dir reused)
+    assert save_reference(ref, ckpt, "run-old")
+    assert "belongs to run 'run-old', not this run ('run-a')" in reference_problem(ckpt, "run-a")
+    (ckpt / "reference" / "stale.bin").write_text("x")
+    assert save_reference(ref, ckpt, "run-a")  # replaced whole, marker last
+    assert reference_problem(ckpt, "run-a") is None and not (ckpt / "reference" / "stale.bin").exists()
+    assert json.loads((ckpt / "reference" / "complete.json").read_text())["run_id"] == "run-a"
+    assert not save_reference(ref, ckpt, "run-a")  # this run's: kept as it is
+    # a save interrupted before the marker (files, no marker) and a lost rank file are both reported
+    (ckpt / "reference" / "complete.json").unlink()
+    assert "is incomplete (no completion marker" in reference_problem(ckpt, "run-a")
+    assert save_reference(ref, ckpt, "run-a")
+    reference_path(ckpt, 0).unlink()
+    assert "lacks the files of rank_00000" in reference_problem(ckpt, "run-a")

@@ -103,3 +103,69 @@ def test_unwritable_checkpoint_dir_is_caught_before_anything_starts(tmp_path):
     with pytest.raises(RunDirError, match=r"checkpoint.dir=.*a_file/ckpt is not writable: .*\(ENOTDIR\)"):
         guard_run_dir(cfg, tmp_path / "run", Path(cfg.checkpoint.dir))
     assert not (tmp_path / "run" / ".moe_rl.lock").exists()
+
+
+# ---------------------------------------------------------------- issue 21, item 4: checkpoint.dir and train.steps
+def _foreign_checkpoints(ckpt: Path, run_id: str | None, output_dir: Path) -> None:
+    from moe_rl.train.run_identity import write_checkpoint_identity
+
+    step = ckpt / "step_00000003"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text('{"step": 3, "extra": {"rl_step": 3}}')
+    if run_id is not None:
+        write_checkpoint_identity(ckpt, run_id, output_dir)
+
+
+def test_checkpoints_no_run_in_the_output_dir_wrote_are_refused(tmp_path):
+    ckpt = tmp_path / "shared_ckpt"
+    _foreign_checkpoints(ckpt, None, tmp_path / "elsewhere")  # written by an unknown run: no identity
+    cfg = _cfg(tmp_path / "run", f"checkpoint.dir={ckpt}")
+    with pytest.raises(RunDirError, match=r"checkpoint.dir=.*shared_ckpt holds checkpoints that no run in "
+                                          r"train.output_dir=.*run wrote"):  # fmt: skip
+        guard_run_dir(cfg, tmp_path / "run", ckpt)
+
+
+def test_checkpoints_of_another_run_are_refused_naming_it(tmp_path):
+    from moe_rl.train.run_identity import write_run_id
+
+    ckpt = tmp_path / "shared_ckpt"
+    _foreign_checkpoints(ckpt, "aaaaaaaaaaaa", tmp_path / "run_a")
+    run_b = tmp_path / "run_b"
+    _previous_run(run_b, f"checkpoint.dir={ckpt}")  # run_b has its own config and run id
+    write_run_id(run_b, "bbbbbbbbbbbb")
+    with pytest.raises(RunDirError, match=r"holds the checkpoints of run 'aaaaaaaaaaaa' \(train.output_dir=.*run_a\), "
+                                          r"but train.output_dir=.*run_b is run 'bbbbbbbbbbbb'"):  # fmt: skip
+        guard_run_dir(_cfg(run_b, f"checkpoint.dir={ckpt}"), run_b, ckpt)
+    # a fresh output dir (no run id) is refused too, and overwrite discards the old run's identity
+    with pytest.raises(RunDirError, match=r"is a new run"):
+        guard_run_dir(_cfg(tmp_path / "fresh", f"checkpoint.dir={ckpt}"), tmp_path / "fresh", ckpt)
+    (ckpt / "reference").mkdir()
+    (ckpt / "reference" / "rank_00000.safetensors").write_text("old reference")
+    guard_run_dir(_cfg(tmp_path / "fresh", f"checkpoint.dir={ckpt}", "checkpoint.resume=never",
+                       "checkpoint.overwrite=true"), tmp_path / "fresh", ckpt).release()  # fmt: skip
+    assert not (ckpt / "run.json").exists() and not (ckpt / "reference").exists()
+    assert not list(ckpt.glob("step_*"))
+
+
+def test_two_runs_cannot_share_a_checkpoint_dir_at_the_same_time(tmp_path):
+    ckpt = tmp_path / "shared_ckpt"
+    holder = _holder(ckpt / ".moe_rl.lock")
+    try:
+        with pytest.raises(RunDirError, match=rf"checkpoint.dir=.*shared_ckpt is in use by another trainer: "
+                                              rf"pid {holder.pid}"):  # fmt: skip
+            guard_run_dir(_cfg(tmp_path / "run_b", f"checkpoint.dir={ckpt}"), tmp_path / "run_b", ckpt)
+        assert not (tmp_path / "run_b" / ".moe_rl.lock").read_text()  # the output dir's lock was let go
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+
+
+def test_train_steps_is_resume_safe_only_with_a_constant_lr_schedule(tmp_path):
+    _previous_run(tmp_path, "optim.lr_decay_style=cosine")
+    with pytest.raises(RunDirError) as info:
+        guard_run_dir(_cfg(tmp_path, "optim.lr_decay_style=cosine", "train.steps=20"), tmp_path, tmp_path / "checkpoints")
+    msg = str(info.value)
+    assert "! train.steps: 10 -> 20" in msg and "optim.lr_decay_style=cosine decays to optim.min_lr" in msg
+    assert "checkpoint.allow_changes=[train.steps]" in msg
+    guard_run_dir(_cfg(tmp_path, "optim.lr_decay_style=cosine", "train.steps=20", "checkpoint.allow_changes=[train.steps]"),
+                  tmp_path, tmp_path / "checkpoints").release()  # fmt: skip
