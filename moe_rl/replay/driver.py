@@ -11,6 +11,12 @@ counters; it must not run forwards itself. Policy (seed 001, Zheng et al. 2025; 
 - ``none``: natural routing everywhere; no replay is bound to the model (so router options
   that replay cannot honour stay allowed), routes are only observed.
 
+Under sequence parallel (tp > 1) each router sees only its rank's block of positions: the routes and
+masks are cut to that block with the shard the binding replays with
+(``layout.sequence_parallel_positions``; context parallel likewise), and the counts are summed over
+the tensor- / context-parallel ranks as well as the data-parallel ones, so the comparison still covers
+every token and can still fail.
+
 Metrics per step, counted in the update passes over positions that score a response token
 (``response``) and, separately, the prompt positions before them (``prompt``); names
 ``replay/<comparison>/<response|prompt>/{flip_rate, flip_rate/layer<i>, tokens_with_flip}``:
@@ -33,6 +39,7 @@ import torch
 
 from moe_rl.records.routes import pad_routes
 from moe_rl.replay.binding import RoutingReplay
+from moe_rl.replay.layout import context_parallel_shard, sequence_parallel_positions
 from moe_rl.replay.dispatch_probe import DispatchCapture, DispatchProbe
 from moe_rl.replay.metrics import FlipCounter, expert_set_flips, routes_vs_map_flips
 
@@ -79,6 +86,7 @@ class ReplayDriver:
             )
         self.mode = mode
         self.num_experts = tcfg.num_moe_experts
+        self.shard = DispatchShard.of(tcfg) if sharded else DispatchShard()
         self._r2_records: dict[int, torch.Tensor] = {}  # sample id -> local routes [rows, L_local, K]
         self._counters: dict[str, FlipCounter] = {}
 
@@ -181,18 +189,17 @@ class ReplayDriver:
     def _count_update(self, microbatches, dispatched: DispatchCapture, cap, given) -> None:
         local = self.layer_ids
         for i, mb in enumerate(microbatches):
-            maps = dispatched.maps(i)
-            rollout = None if mb.rollout is None else mb.rollout[:, :, local]
-            if rollout is not None and rollout.shape[1] != maps.shape[1]:
-                continue  # sequence-sharded (SP / CP) comparisons need the shard layout; skipped
+            maps = dispatched.maps(i)  # [B, S_local, L_local, E]: this rank's block of positions
+            valid, response = self.shard.positions(mb.valid), self.shard.positions(mb.response)
+            rollout = None if mb.rollout is None else self.shard.positions(mb.rollout[:, :, local])
             natural = cap.natural(i) if cap is not None else None
             if rollout is not None:
-                self._add("rollout_vs_dispatched", mb, routes_vs_map_flips(rollout, maps))
-                self._add("rollout_vs_natural", mb, self._natural_flips(rollout, natural, maps))
-            if self.mode == "r2":
+                self._add("rollout_vs_dispatched", valid, response, routes_vs_map_flips(rollout, maps))
+                self._add("rollout_vs_natural", valid, response, self._natural_flips(rollout, natural, maps))
+            if self.mode == "r2":  # R2 refuses sharded sequences: given[i] is this rank's whole sequence
                 r2 = given[i]
-                self._add("r2_vs_dispatched", mb, routes_vs_map_flips(r2, maps))
-                self._add("r2_vs_natural", mb, self._natural_flips(r2, natural, maps))
+                self._add("r2_vs_dispatched", valid, response, routes_vs_map_flips(r2, maps))
+                self._add("r2_vs_natural", valid, response, self._natural_flips(r2, natural, maps))
 
     def _natural_flips(self, reference, natural, maps) -> torch.Tensor:
         """``reference[B, S, L, K]`` vs the learner's natural top-k on every probed layer ``[B, S, L]``.
@@ -209,19 +216,18 @@ class ReplayDriver:
                 flips[..., col] = expert_set_flips(reference[..., col, :].cpu(), natural[..., bound[lid], :].cpu())
         return flips
 
-    def _add(self, name: str, mb: MicrobatchRoutes, flips: torch.Tensor) -> None:
-        valid = mb.valid.cpu().bool()
-        response = valid if mb.response is None else mb.response.cpu().bool() & valid
-        for part, where in (("response", response), ("prompt", valid & ~response)):
-            key = f"replay/{name}/{part}"
-            self._counters.setdefault(key, FlipCounter(key, self.layer_ids)).add_flips(flips, where)
+    def _add(self, name: str, valid: torch.Tensor, response: torch.Tensor | None, flips: torch.Tensor) -> None:
+        add_flip_counts(self._counters, name, self.layer_ids, valid, response, flips)
 
     def step_metrics(self, reset: bool = True, group=None) -> dict[str, float]:
-        """Flip metrics since the last reset, summed over ``group`` (the data-parallel ranks)."""
+        """Flip metrics since the last reset, summed over ``group`` (the data-parallel ranks) and, under
+        sequence / context parallel, over the ranks holding the other blocks of each sequence."""
         out: dict[str, float] = {}
         for key in sorted(self._counters):
             counter = self._counters[key]
             counter.all_reduce(group)
+            for shard_group in self.shard.groups():
+                counter.all_reduce(shard_group)
             out.update(counter.summary())
         if reset:
             self._counters.clear()
@@ -232,6 +238,56 @@ class ReplayDriver:
         if self.replay is not None:
             self.replay.close()
         self.probe.close()
+
+
+def add_flip_counts(counters: dict, name: str, layer_ids, valid, response, flips: torch.Tensor) -> None:
+    """Add ``flips[B, S, L]`` to ``counters['replay/<name>/{response,prompt}']`` over ``valid[B, S]`` positions
+    split by ``response[B, S]`` (None: all valid positions are response positions)."""
+    valid = valid.cpu().bool()
+    response = valid if response is None else response.cpu().bool() & valid
+    for part, where in (("response", response), ("prompt", valid & ~response)):
+        key = f"replay/{name}/{part}"
+        counters.setdefault(key, FlipCounter(key, layer_ids)).add_flips(flips, where)
+
+
+@dataclass(frozen=True)
+class DispatchShard:
+    """Which positions of a sequence this rank's routers see: context-parallel chunks, then the
+    sequence-parallel block (the shards ``RoutingReplay`` replays with). Default: all of them."""
+
+    tp_size: int = 1
+    tp_rank: int = 0
+    cp_size: int = 1
+    cp_rank: int = 0
+
+    @classmethod
+    def of(cls, tcfg) -> DispatchShard:
+        from megatron.core import parallel_state as ps
+
+        sp = bool(tcfg.sequence_parallel) and tcfg.tensor_model_parallel_size > 1
+        cp = tcfg.context_parallel_size > 1
+        return cls(tp_size=tcfg.tensor_model_parallel_size if sp else 1,
+                   tp_rank=ps.get_tensor_model_parallel_rank() if sp else 0,
+                   cp_size=tcfg.context_parallel_size, cp_rank=ps.get_context_parallel_rank() if cp else 0)  # fmt: skip
+
+    def positions(self, x: torch.Tensor | None) -> torch.Tensor | None:
+        """``x[B, S, ...]`` -> the positions this rank routes, ``[B, S_local, ...]``."""
+        if x is None:
+            return None
+        if self.cp_size > 1:
+            x = context_parallel_shard(x, self.cp_size, self.cp_rank)
+        return sequence_parallel_positions(x, self.tp_size, self.tp_rank)
+
+    def groups(self) -> list:
+        """The process groups over which the blocks of one sequence are spread (summed after the dp sum)."""
+        from megatron.core import parallel_state as ps
+
+        out = []
+        if self.tp_size > 1:
+            out.append(ps.get_tensor_model_parallel_group())
+        if self.cp_size > 1:
+            out.append(ps.get_context_parallel_group())
+        return out
 
 
 def _unwrap(model):

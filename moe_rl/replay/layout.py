@@ -22,6 +22,7 @@ __all__ = [
     "from_megatron_layout",
     "context_parallel_shard",
     "sequence_parallel_shard",
+    "sequence_parallel_positions",
     "check_routes",
 ]
 
@@ -127,3 +128,20 @@ def sequence_parallel_shard(per_layer: torch.Tensor, batch_size: int, tp_size: i
         raise ValueError(f"{SB // batch_size} positions are not divisible by tp={tp_size} under sequence parallel")
     block = SB // tp_size
     return per_layer[:, tp_rank * block : (tp_rank + 1) * block]
+
+
+def sequence_parallel_positions(x: torch.Tensor, tp_size: int, tp_rank: int) -> torch.Tensor:
+    """The positions of ``x[B, S, ...]`` whose routes ``sequence_parallel_shard`` gives rank ``tp_rank``.
+
+    Sequence-major rows ``s*B + b`` cut into ``tp`` contiguous blocks are the positions
+    ``[r*S/tp, (r+1)*S/tp)`` of every sample, so ``to_megatron_layout(sequence_parallel_positions(r))``
+    equals ``sequence_parallel_shard(to_megatron_layout(r))``. Used to compare what a sequence-parallel
+    router dispatched with the routes (and masks) of the positions it saw.
+    """
+    if tp_size == 1:
+        return x
+    S = x.shape[1]
+    if S % tp_size:
+        raise ValueError(f"{S} positions are not divisible by tp={tp_size} under sequence parallel")
+    block = S // tp_size
+    return x[:, tp_rank * block : (tp_rank + 1) * block]
