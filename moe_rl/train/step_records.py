@@ -29,7 +29,8 @@ logger = logging.getLogger(__name__)
 def task_tokenizer(task):
     """What tokenised the task's prompts, for the fingerprint: its ``tokenizer`` (an HF tokenizer) if it
     has one, else its ``vocab`` dict (the synthetic tasks' word-level vocabulary), else None."""
-    return getattr(task, "tokenizer", None) or getattr(task, "vocab", None)
+    tokenizer = getattr(task, "tokenizer", None)
+    return tokenizer if tokenizer is not None else getattr(task, "vocab", None)
 
 
 def _world() -> tuple[int, int]:
