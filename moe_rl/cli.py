@@ -79,6 +79,9 @@ def _records_inspect(args) -> int:
             failed += 1
             continue
         print(json.dumps({"file": path, **batch.summary()}, indent=2))
+        if batch.fingerprint is None:
+            print(f"note: {path}: no architecture fingerprint or producing run (records from before format 2)",
+                  file=sys.stderr)  # fmt: skip
     return 2 if failed else 0
 
 
@@ -157,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_config_show)
 
     rec = sub.add_parser("records", help="inspect rollout records files").add_subparsers(dest="action", required=True)
-    p = rec.add_parser("inspect", help="summary of records files (samples, tokens, bytes per route entry, masks)")
+    p = rec.add_parser("inspect", help="summary of records files (samples, tokens, route bytes, masks, "
+                                       "producing run, architecture fingerprint)")
     p.add_argument("files", nargs="+")
     p.set_defaults(func=_records_inspect)
 

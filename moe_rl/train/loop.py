@@ -9,7 +9,8 @@ run repeats an uninterrupted one):
 
 1. rank 0 samples prompts and generates on SGLang (routes, masks, log-probs), scores rewards and
    saves ``<run>/rollouts/step_<s>.safetensors`` before anything trains on it; every rank loads
-   it. With ``train.rollouts_from: DIR`` the records are read from ``DIR`` instead (no server);
+   it (``StepRecords``: the bytes rank 0 wrote, checked against the model). With
+   ``train.rollouts_from: DIR`` the records are read from ``DIR`` instead (no server);
 2. GRPO/RLOO advantages; the step plan; in decoupled mode the old-log-prob pass;
 3. ``minibatches_per_step`` optimizer steps (times ``epochs_per_step``) under the replay driver;
 4. export HF weights, ``/update_weights_from_disk`` to every server, checkpoint every K steps.
@@ -33,6 +34,7 @@ from moe_rl.train.logprob import make_logprob_fn
 from moe_rl.train.metrics_log import MetricsLogger
 from moe_rl.train.plan import plan_step
 from moe_rl.train.run_identity import resolve_run_id, write_checkpoint_identity, write_run_id
+from moe_rl.train.step_records import StepRecords
 from moe_rl.train.update import StepInputs, old_logprob_rows, reference_rows, update_minibatch
 
 __all__ = ["RLTrainer", "train", "check_supported", "ROLLOUTS_DIR"]
@@ -88,6 +90,7 @@ class RLTrainer:
             apply_warm_start(self.learner, cfg)
         self.driver = ReplayDriver.from_config(self.learner.module, cfg)
         self.task, self.reward_fn = build_task(cfg.train, cfg.model.vocab_size)
+        self.records = StepRecords.for_trainer(cfg, self.task, self.run_id)  # loads check records against the model
         self.logprob_fn = make_logprob_fn(ksm_active(cfg), with_entropy=cfg.loss.entropy_coef > 0)
         self.device = next(self.learner.model.parameters()).device
         self.reference = self._reference_policy(meta is not None) if cfg.loss.kl_coef else None
@@ -170,7 +173,7 @@ class RLTrainer:
             if not path.is_file():
                 raise FileNotFoundError(f"train.rollouts_from={self.cfg.train.rollouts_from}: no records for step {step} "
                                         f"(expected {path})")  # fmt: skip
-            return RolloutBatch.load(path)
+            return self.records.load(path)
         if self.is_main:
             rng = np.random.default_rng([self.cfg.train.seed, step])
             prompts = self.task.sample_prompts(self.cfg.train.prompts_per_step, rng)
@@ -184,11 +187,11 @@ class RLTrainer:
             )  # fmt: skip
             for k, sample in enumerate(samples):
                 sample.reward = float(self.reward_fn(prompts[k // n], sample.response_ids.tolist()))
-            batch = RolloutBatch.from_samples(samples, num_experts=self.cfg.model.num_moe_experts)
+            batch = self.records.stamp(RolloutBatch.from_samples(samples, num_experts=self.cfg.model.num_moe_experts))
             batch.validate(self.cfg.model)
             batch.save(path)  # persisted before it is trained on
         barrier()
-        return RolloutBatch.load(path)
+        return self.records.load(path)  # every rank: the bytes rank 0 wrote, checked against the model
 
     def step(self, client, step: int) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
@@ -225,6 +228,7 @@ class RLTrainer:
             "response/len_max": float(batch.response_lens.max()),
             "response/truncated_frac": float(np.mean([f == "length" for f in batch.finish_reasons])),
             "ksm/outside_mask_frac": kept_set_outside_fraction(batch) if ksm_active(cfg) else 0.0,
+            **self.records.step_metrics(batch),
             "time/rollout_s": t_rollout, "time/old_logp_s": t_old, "time/train_s": t_train,
             "rollout/tokens_per_s": float(batch.response_lens.sum()) / max(t_rollout, 1e-9),
         }  # fmt: skip
