@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moe_rl.learner.model import unwrap
-from moe_rl.learner.tp_shards import gather_tp_shards, tp_slice
+from moe_rl.learner.tp_shards import tp_slice
 
 __all__ = [
     "hf_to_megatron",
@@ -261,8 +261,7 @@ def full_megatron_state_dict(model, grads: bool = False) -> dict[str, torch.Tens
     it. Returns full CPU tensors named with global expert ids. ``grads=True`` gathers each
     parameter's ``main_grad`` (Megatron DDP) or ``grad`` instead.
     """
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
+    from moe_rl.learner.global_state import gather_global
 
     m = unwrap(model)
     if grads:
@@ -270,26 +269,7 @@ def full_megatron_state_dict(model, grads: bool = False) -> dict[str, torch.Tens
     else:
         local = {n: p.detach() for n, p in m.named_parameters()}
         local.update({n: b.detach() for n, b in m.named_buffers() if n.endswith("router.expert_bias")})
-    local = {canonical_name(n): t for n, t in local.items()}
-    if ps.get_tensor_model_parallel_world_size() > 1 or ps.get_expert_tensor_parallel_world_size() > 1:
-        local = gather_tp_shards(local, ps.get_tensor_model_parallel_group(), ps.get_expert_tensor_parallel_group())
-    start, num_local = _local_expert_range(model)
-    ep = ps.get_expert_model_parallel_world_size()
-    out: dict[str, torch.Tensor] = {}
-    for name in sorted(local):
-        t = local[name]
-        slot = _expert_slot(name)
-        if slot is None:
-            out[name] = t.cpu().clone()
-            continue
-        if ep == 1:
-            out[f"{slot[0]}{start + slot[1]}.{slot[2]}"] = t.cpu().clone()
-            continue
-        gathered = [torch.empty_like(t) for _ in range(ep)]
-        dist.all_gather(gathered, t.contiguous(), group=ps.get_expert_model_parallel_group())
-        for r, g in enumerate(gathered):
-            out[f"{slot[0]}{r * num_local + slot[1]}.{slot[2]}"] = g.cpu()
-    return out
+    return gather_global(model, local)
 
 
 def _write_side_files(out: Path, model_cfg, template_dir: Path | None) -> None:

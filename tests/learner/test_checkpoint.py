@@ -78,19 +78,30 @@ def test_latest_only_moves_to_complete_checkpoints_and_old_ones_are_pruned(megat
     assert load_checkpoint(Learner(_cfg(), total_steps=6), tmp_path)["step"] == 3
 
 
-def test_resume_on_another_world_size_is_refused(megatron_world, tmp_path):
+def test_a_format_2_checkpoint_loads_only_on_the_world_size_that_wrote_it(megatron_world, tmp_path):
     import json
 
-    from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint
+    from moe_rl.learner.checkpoint import load_checkpoint
+    from moe_rl.learner.state_codec import save_state
     from moe_rl.learner.train_step import Learner
 
     learner = Learner(_cfg(), total_steps=2)
-    d = save_checkpoint(learner, tmp_path)
-    meta = json.loads((d / "meta.json").read_text())
-    meta["world_size"] = 2
+    d = tmp_path / "step_00000001"
+    d.mkdir()
+    save_state({"step": 1, "optimizer_step": 1, "model": learner.module.state_dict(),
+                "optimizer": learner.optimizer.state_dict(), "rng": rng_now()}, d / "rank_00000.safetensors")
+    meta = {"format_version": 2, "step": 1, "optimizer_step": 1, "world_size": 1, "parallel": {}, "extra": {}}
     (d / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match="saved by 2 ranks"):
+    assert load_checkpoint(Learner(_cfg(), total_steps=2), tmp_path)["step"] == 1  # older runs still resume
+    (d / "meta.json").write_text(json.dumps(meta | {"world_size": 2}))
+    with pytest.raises(ValueError, match="format-2 checkpoint saved by 2 ranks"):
         load_checkpoint(learner, tmp_path)
+
+
+def rng_now():
+    from moe_rl.learner.checkpoint import rng_state
+
+    return rng_state()
 
 
 # --------------------------------------------------------------------------- issue 16: safe checkpoints
@@ -118,7 +129,7 @@ def test_checkpoint_holds_no_pickle_and_a_pickle_shard_is_refused(megatron_world
     learner.train_step([fixed_batch(256)], random_subset_nll)
     d = save_checkpoint(learner, tmp_path, extra={"rl_step": 1})
     files = sorted(p.name for p in d.iterdir())
-    assert files == ["meta.json", "rank_00000.safetensors"], files
+    assert files == ["meta.json", "model.safetensors", "optimizer.safetensors", "rank_00000.safetensors"], files
     with safe_open(str(d / "rank_00000.safetensors"), framework="pt") as fh:  # tensors + JSON, nothing else
         skeleton = json.loads(fh.metadata()["moe_rl_state"])
     assert set(skeleton["rng"]) >= {"python", "numpy", "torch_cpu", "megatron_tracker"}
@@ -179,7 +190,7 @@ def test_disk_full_error_names_the_path_and_what_was_written(megatron_world, tmp
 
     small = _full_filesystem(tmp_path / "small")
     try:
-        with pytest.raises(CheckpointError, match=r"cannot write rank 0's model/optimizer shard to .*small/ckpt/\.step_\d+\.tmp/rank_00000\.safetensors: the disk is full \(ENOSPC\)"):  # noqa: E501
+        with pytest.raises(CheckpointError, match=r"cannot write the global model weights to .*small/ckpt/\.step_\d+\.tmp/model\.safetensors: the disk is full \(ENOSPC\)"):  # noqa: E501
             save_checkpoint(Learner(_cfg(), total_steps=2), small / "ckpt")
         assert not list((small / "ckpt").glob(".step_*")), "the torn temp dir was left behind"
     finally:
