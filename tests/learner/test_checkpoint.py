@@ -195,3 +195,75 @@ def test_disk_full_error_names_the_path_and_what_was_written(megatron_world, tmp
         assert not list((small / "ckpt").glob(".step_*")), "the torn temp dir was left behind"
     finally:
         subprocess.run(["umount", str(small)])
+
+
+# --------------------------------------------------------------------------- issue 27: layout-free checkpoints
+@pytest.fixture
+def no_pickle(monkeypatch):
+    """Any unpickling while the fixture is active fails the test (checkpoint loading must never need it)."""
+    import pickle
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("checkpoint loading called pickle / torch.load")
+
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+
+
+def test_a_crafted_checkpoint_is_refused_without_running_code(megatron_world, tmp_path, no_pickle):
+    import json
+    import pickle
+    import shutil
+
+    from moe_rl.learner.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+    from moe_rl.learner.state_codec import load_state, save_state
+    from moe_rl.learner.train_step import Learner
+
+    learner = Learner(_cfg(), total_steps=4)
+    learner.train_step([fixed_batch(256)], random_subset_nll)
+    good = save_checkpoint(learner, tmp_path, extra={"rl_step": 1}, step=1)
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps(_RunsCode(marker))
+    # a dist_checkpointing (torch_dist) style step dir: the pickled ``.metadata`` carries the payload
+    evil = tmp_path / "step_00000002"
+    shutil.copytree(good, evil)
+    (evil / ".metadata").write_bytes(payload)
+    (evil / "common.pt").write_bytes(payload)
+    (tmp_path / "latest").write_text("2\n")
+    with pytest.raises(CheckpointError, match=r"\.metadata is a pickle checkpoint file.*refuses to unpickle"):
+        load_checkpoint(Learner(_cfg(), total_steps=4), tmp_path)
+    assert not marker.exists(), "loading a checkpoint ran the attacker's command"
+    # pickle bytes smuggled into the metadata of the safetensors files and meta.json stay inert data
+    shutil.rmtree(evil)
+    state = load_state(good / "rank_00000.safetensors")
+    save_state({**state, "rng": {**state["rng"], "evil": payload}}, good / "rank_00000.safetensors")
+    meta = json.loads((good / "meta.json").read_text())
+    (good / "meta.json").write_text(json.dumps({**meta, "extra": {**meta["extra"], "evil": payload.hex()}}))
+    assert load_checkpoint(Learner(_cfg(), total_steps=4), tmp_path)["step"] == 1
+    assert not marker.exists()
+
+
+def test_a_checkpoint_from_another_layout_loads_its_global_state(megatron_world, tmp_path, caplog):
+    """World 1 cannot run another layout; the meta says the checkpoint came from ep=2 on 2 ranks (the
+    2-rank reshard is tests/train/test_reshard_resume.py): the global files load, the change is logged."""
+    import json
+
+    from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint
+    from moe_rl.learner.model import build_model
+    from moe_rl.learner.train_step import Learner
+
+    a = Learner(_cfg(), total_steps=6)
+    a.train_step([fixed_batch(256)], random_subset_nll)
+    d = save_checkpoint(a, tmp_path, extra={"rl_step": 1})
+    meta = json.loads((d / "meta.json").read_text())
+    meta |= {"world_size": 2, "parallel": {**meta["parallel"], "ep": 2, "dp": 2}}
+    (d / "meta.json").write_text(json.dumps(meta))
+    b = Learner(_cfg(), total_steps=6, model=build_model(_cfg(), seed=5))
+    with caplog.at_level("WARNING"):
+        got = load_checkpoint(b, tmp_path)
+    assert got["resharded_from"]["ep"] == 2 and b.step == 1
+    assert "resharded checkpoint" in caplog.text and "'ep': 2" in caplog.text
+    for (n, p), q in zip(a.module.named_parameters(), b.module.parameters(), strict=True):
+        assert torch.equal(p, q), n
+        assert all(torch.equal(a.optimizer.state[p][k], b.optimizer.state[q][k]) for k in ("exp_avg", "exp_avg_sq", "step"))
