@@ -32,7 +32,7 @@ from moe_rl.learner.tp_shards import gather_tp_shards, tp_slice
 
 __all__ = [
     "GlobalStateError", "model_tensors", "gather_global", "save_global_model", "load_global_model",
-    "save_global_optimizer", "load_global_optimizer", "check_global_file",
+    "save_global_optimizer", "load_global_optimizer", "check_global_file", "param_state",
 ]  # fmt: skip
 
 MODEL_FORMAT, OPTIMIZER_FORMAT = "moe_rl.global_model/1", "moe_rl.global_optimizer/1"
@@ -157,6 +157,8 @@ def _param_slots(optimizer) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.
     torch optimizers (the CPU learner) update the model params; Megatron's mixed-precision
     optimizer (GPU) updates fp32 master copies; ``ChainedOptimizer`` / ``FP32Optimizer`` wrap those.
     """
+    if optimizer is None:  # Megatron's stub optimizer of a rank without parameters in that chain
+        return
     if isinstance(optimizer, torch.optim.Optimizer):
         for group in optimizer.param_groups:
             for p in group["params"]:
@@ -176,6 +178,14 @@ def _param_slots(optimizer) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.
     else:
         raise GlobalStateError(f"cannot read the state of a {type(optimizer).__name__} optimizer; expected a "
                                "torch optimizer or Megatron's (Chained/Float16/FP32) optimizer")  # fmt: skip
+
+
+def param_state(optimizer, param) -> dict:
+    """The Adam state (``exp_avg``, ``exp_avg_sq``, ``step``) the optimizer keeps for model parameter ``param``."""
+    for p, main, opt in _param_slots(optimizer):
+        if p is param:
+            return opt.state.get(main, {})
+    raise KeyError("the optimizer does not update this parameter")
 
 
 def _named_slots(optimizer, model):
@@ -202,7 +212,8 @@ def save_global_optimizer(optimizer, model, path: str | Path) -> None:
                                    f"{list(_ADAM_KEYS)} can be checkpointed")  # fmt: skip
         for key in ("exp_avg", "exp_avg_sq"):
             moments[key][name] = state[key] if key in state else torch.zeros_like(main)
-        steps[name] = torch.as_tensor(state.get("step", 0.0), dtype=torch.float32).reshape(1)
+        # on the param's device: nccl gathers device tensors only
+        steps[name] = torch.as_tensor(state.get("step", 0.0), dtype=torch.float32).reshape(1).to(main.device)
         if main is not p:
             moments["main"][name] = main
     out: dict[str, torch.Tensor] = {}

@@ -113,6 +113,8 @@ def _checkpoint_holds_my_shard(learner, step_dir: Path, rank: int) -> bool:
     (expert e of rank r is global expert r * num_local + e; the map is written out here, not imported)."""
     from safetensors.torch import load_file
 
+    from moe_rl.learner.global_state import param_state
+
     model, optim = load_file(step_dir / "model.safetensors"), load_file(step_dir / "optimizer.safetensors")
     num_local = MODEL["num_moe_experts"] // 2
     ok = True
@@ -121,7 +123,7 @@ def _checkpoint_holds_my_shard(learner, step_dir: Path, rank: int) -> bool:
         if sep:
             e, rest = tail.split(".", 1)
             name = f"{head}.local_experts.{rank * num_local + int(e)}.{rest}"
-        state = learner.optimizer.state[p]
+        state = param_state(learner.optimizer, p)
         ok &= torch.equal(model[name], p.detach().cpu())
         ok &= all(torch.equal(optim[f"{k}/{name}"], state[k].cpu()) for k in ("exp_avg", "exp_avg_sq"))
         ok &= float(optim[f"step/{name}"]) == float(state["step"]) == 1.0

@@ -69,6 +69,7 @@ def test_resumed_state_equals_the_saved_global_state_and_the_reference_its_start
     from moe_rl.config import load_config
     from moe_rl.learner.checkpoint import load_checkpoint
     from moe_rl.learner.dist import init_distributed
+    from moe_rl.learner.global_state import param_state
     from moe_rl.learner.hf_convert import load_hf_weights
     from moe_rl.learner.model import build_model
     from moe_rl.learner.reference import ReferencePolicy
@@ -86,7 +87,7 @@ def test_resumed_state_equals_the_saved_global_state_and_the_reference_its_start
     assert sorted(params) == sorted(model), "ep=1 names are the global names"
     for name, p in params.items():
         assert torch.equal(p.detach().cpu(), model[name]), name
-        state = learner.optimizer.state[p]
+        state = param_state(learner.optimizer, p)
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(state[key].cpu(), optim[f"{key}/{name}"]), f"{key} of {name}"
         assert float(state["step"]) == float(optim[f"step/{name}"]) == 2.0
