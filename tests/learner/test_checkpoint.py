@@ -154,7 +154,8 @@ def test_state_with_a_non_tensor_object_is_refused_at_save(tmp_path):
     assert not (tmp_path / "s.safetensors").exists()
 
 
-def test_corrupt_latest_checkpoint_falls_back_to_the_newest_valid_one(megatron_world, tmp_path, caplog):
+@pytest.mark.parametrize("torn", ["rank_00000.safetensors", "model.safetensors", "optimizer.safetensors"])
+def test_corrupt_latest_checkpoint_falls_back_to_the_newest_valid_one(megatron_world, tmp_path, caplog, torn):
     from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint
     from moe_rl.learner.train_step import Learner
 
@@ -163,8 +164,8 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_newest_valid_one(megatron_w
         learner.train_step([fixed_batch(256, seed=rl_step)], random_subset_nll)
         save_checkpoint(learner, tmp_path, keep_last=2, extra={"rl_step": rl_step}, step=rl_step)
     assert sorted(d.name for d in tmp_path.glob("step_*")) == ["step_00000001", "step_00000002"]  # named by RL step
-    shard = tmp_path / "step_00000002" / "rank_00000.safetensors"
-    shard.write_bytes(shard.read_bytes()[:1000])  # torn by a full disk / crash
+    shard = tmp_path / "step_00000002" / torn
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # torn by a full disk / crash
     with caplog.at_level("WARNING"):
         meta = load_checkpoint(Learner(_cfg(), total_steps=6), tmp_path)
     assert meta["extra"]["rl_step"] == 1
