@@ -243,7 +243,11 @@ def _read_step_dir(d: Path, rank: int, world: int) -> tuple[dict, dict]:
         meta = json.loads((d / "meta.json").read_text())
     except (OSError, ValueError) as exc:
         raise StateCodecError(f"{d / 'meta.json'} is missing or not JSON ({exc})") from None
-    version = meta.get("format_version")
+    missing = [k for k in ("format_version", "step", "world_size", "parallel") if k not in meta] \
+        if isinstance(meta, dict) else ["(not a JSON object)"]  # fmt: skip
+    if missing:
+        raise StateCodecError(f"{d / 'meta.json'} lacks {missing}; not a moe_rl checkpoint")
+    version = meta["format_version"]
     if version == 2:  # per-rank model/optimizer shards: the writing layout only
         if meta["world_size"] != world:
             raise ValueError(f"{d} is a format-2 checkpoint saved by {meta['world_size']} ranks "
@@ -253,8 +257,11 @@ def _read_step_dir(d: Path, rank: int, world: int) -> tuple[dict, dict]:
         raise StateCodecError(f"{d} has format_version {version}; expected {FORMAT_VERSION} (or 2)")
     check_global_file(d / MODEL_FILE, MODEL_FORMAT)
     check_global_file(d / OPTIMIZER_FILE, OPTIMIZER_FORMAT)
-    same = meta["world_size"] == world and meta["parallel"] == layout()
-    return meta, load_state(d / f"rank_{rank if same else 0:05d}.safetensors")
+    return meta, load_state(d / f"rank_{rank if _same_layout(meta) else 0:05d}.safetensors")
+
+
+def _same_layout(meta: dict) -> bool:
+    return meta["world_size"] == _rank_world()[1] and meta["parallel"] == layout()
 
 
 def _portable_rng(saved: dict) -> dict:
@@ -304,9 +311,12 @@ def _apply(learner, d: Path, meta: dict, shard: dict, problems: list[str]) -> di
         set_rng_state(shard["rng"])
         meta["resharded_from"] = None
     else:
-        load_global_model(learner.module, d / MODEL_FILE)
-        load_global_optimizer(learner.optimizer, learner.module, d / OPTIMIZER_FILE)
-        same = meta["world_size"] == _rank_world()[1] and meta["parallel"] == layout()
+        try:
+            load_global_model(learner.module, d / MODEL_FILE)
+            load_global_optimizer(learner.optimizer, learner.module, d / OPTIMIZER_FILE)
+        except GlobalStateError as exc:  # readable, but written for another model: no fallback
+            raise CheckpointError(f"{exc} (model.* must match the run that wrote {d})") from None
+        same = _same_layout(meta)
         set_rng_state(shard["rng"] if same else _portable_rng(shard["rng"]))
         meta["resharded_from"] = None if same else meta["parallel"]
         if not same and _rank_world()[0] == 0:

@@ -128,8 +128,9 @@ class _Reader:
         full = self.fh.get_tensor(key)
         part = tp_slice(global_name, full, *_tp_rank_and_size(global_name)) if split else full
         if part.shape != like.shape:
-            raise GlobalStateError(f"{self.path}: {key} has shape {tuple(full.shape)} ({tuple(part.shape)} on this "
-                                   f"rank); the model expects {tuple(like.shape)}: the model config differs")  # fmt: skip
+            on_rank = f" ({tuple(part.shape)} on this rank)" if part.shape != full.shape else ""
+            raise GlobalStateError(f"{self.path}: size mismatch for {key}: saved {tuple(full.shape)}{on_rank}, the "
+                                   f"model expects {tuple(like.shape)}; the model config differs")  # fmt: skip
         return part
 
 

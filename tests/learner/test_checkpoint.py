@@ -270,3 +270,14 @@ def test_a_checkpoint_from_another_layout_loads_its_global_state(megatron_world,
         assert torch.equal(p, q), n
         sa, sb = param_state(a.optimizer, p), param_state(b.optimizer, q)
         assert all(torch.equal(sa[k].cpu(), sb[k].cpu()) for k in ("exp_avg", "exp_avg_sq", "step")), n
+
+
+def test_a_checkpoint_of_another_model_shape_fails_naming_the_tensor(megatron_world, tmp_path):
+    from moe_rl.learner.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+    from moe_rl.learner.train_step import Learner
+
+    save_checkpoint(Learner(_cfg(), total_steps=2), tmp_path)
+    other = make_cfg(moe_ffn_hidden_size=16)
+    with pytest.raises(CheckpointError, match=r"size mismatch for .*experts.local_experts.0.linear_fc1.weight: "
+                                              r"saved \(64, 64\), the model expects \(32, 64\).*model\.\*"):
+        load_checkpoint(Learner(other, total_steps=2), tmp_path)
