@@ -5,6 +5,7 @@ From the committed records (``train.rollouts_from``, no server) with the referen
 set aside and ``latest`` rolled back, as if the job had died right after step 1; the same command
 with ``parallel.ep=1`` on 1 rank resumes it (the run-dir rules allow the layout change). Then:
 
+* it is the same run: same run id, the reference and its completion marker untouched;
 * the resumed step 2 logs the same metrics as the uninterrupted ep=2 step 2 (the dp/ep equality
   tests' tolerance: only float summation orders differ), and its weights and Adam moments after the
   step match the uninterrupted run's;
@@ -42,7 +43,9 @@ def resharded(tmp_path_factory):
     ckpt = out / "checkpoints"
     shutil.move(ckpt / "step_00000002", work / "ep2_step2")  # the job "died" after step 1's checkpoint
     (ckpt / "latest").write_text("1\n")
+    identity = {f: (out / f).read_bytes() for f in ("run_id", "checkpoints/reference/complete.json")}
     run(out, hf, *RUN, "parallel.ep=1", nproc=1)  # the same command, one rank, ep=1: resumes at step 1
+    assert identity == {f: (out / f).read_bytes() for f in identity}, "the resume is another run, or rewrote π_ref"
     return out, uninterrupted, work / "ep2_step2", hf
 
 
