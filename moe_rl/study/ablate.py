@@ -3,7 +3,7 @@
 Owns the grid syntax (an optional top-level ``grid:`` mapping of dotted config keys to value lists,
 read and removed before schema validation), cell naming, skipping invalid combinations with a note,
 and running cells one after another with the same seeds. Training is ``moe_rl.train.loop.train``;
-the report is ``moe_rl.report.write_report``.
+the report is ``moe_rl.study.report.write_report``.
 
 Default grid (seed 001, Zheng et al.: routing replay vs off-policiness N = minibatches per step)::
 
@@ -41,7 +41,7 @@ from moe_rl.config import (
     save_config,
     validate_tree,
 )
-from moe_rl.report import write_report
+from moe_rl.study.report import write_report
 
 DEFAULT_GRID: dict[str, list[Any]] = {
     "replay.routing": ["none", "r2", "r3"],

@@ -143,7 +143,7 @@ def run_diagnose(cfg: ExperimentConfig, num_prompts: int, out_dir: str | Path) -
 
 def _diagnose_in(trainer, cfg: ExperimentConfig, num_prompts: int, out_dir: Path) -> dict:
     """The diagnosis proper on a built trainer; releases it (routers, run lock) whatever happens."""
-    from moe_rl.diagnose_report import write_report
+    from moe_rl.study.diagnose_report import write_report
 
     try:
         batch = generate(trainer, num_prompts)
