@@ -53,7 +53,8 @@ def server_of(run_dir: Path, trainer: subprocess.Popen, timeout_s: float = 300) 
             except httpx.HTTPError:
                 pass
         time.sleep(0.5)
-    raise AssertionError(f"no healthy server of {run_dir} (trainer exit code {trainer.poll()})")
+    tail = trainer.stderr.read()[-3000:] if trainer.poll() is not None and trainer.stderr else ""
+    raise AssertionError(f"no healthy server of {run_dir} (trainer exit code {trainer.poll()}):\n{tail}")
 
 
 def shm_snapshot() -> set[str]:
