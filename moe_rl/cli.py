@@ -95,7 +95,7 @@ def _train(args) -> int:
 
 
 def _ablate(args) -> int:
-    from moe_rl.ablate import AblationError, run_ablation
+    from moe_rl.study.ablate import AblationError, run_ablation
 
     _checked_config(args, env=True)
     try:
@@ -115,7 +115,7 @@ def _launch(args) -> int:
 
 
 def _diagnose(args) -> int:
-    from moe_rl.diagnose import run_diagnose
+    from moe_rl.study.diagnose import run_diagnose
 
     cfg = _checked_config(args, env=True)
     out = args.out or f"{cfg.train.output_dir}/diagnose"

@@ -314,8 +314,11 @@ class WeightSync:
         self.last_state: Mapping[str, torch.Tensor] | None = None  # what the servers should hold (rank 0)
 
     @classmethod
-    def from_config(cls, cfg, addresses: Sequence[str], export_dir: str | Path | None = None) -> WeightSync:
-        """The sync for an ExperimentConfig and the servers in use (``auto`` looks at their hosts)."""
+    def from_config(cls, cfg, addresses: Sequence[str], export_dir: str | Path | None = None,
+                    keys: ServerKeys | None = None) -> WeightSync:  # fmt: skip
+        """The sync for an ExperimentConfig and the servers in use (``auto`` looks at their hosts).
+
+        ``keys``: the servers' keys (a run's generated admin key); default: the configured variables."""
         r = cfg.rollout
         mode = r.weight_sync
         local = all(is_local_address(a) for a in addresses)
@@ -331,7 +334,7 @@ class WeightSync:
         return cls(
             mode, cfg.model, export_dir=export_dir, template_dir=init, weight_quantization=r.weight_quantization,
             bucket_bytes=r.weight_sync_bucket_mb << 20, reference=reference_from_hf_dir(init) if init else None,
-            keys=ServerKeys.from_rollout_config(r),
+            keys=ServerKeys.from_rollout_config(r) if keys is None else keys,
         )  # fmt: skip
 
     def check_servable(self, addresses: Sequence[str]) -> None:

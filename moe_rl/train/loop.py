@@ -33,7 +33,7 @@ from moe_rl.train.collectives import barrier, dp_group, dp_rank_and_size, is_mai
 from moe_rl.train.logprob import make_logprob_fn
 from moe_rl.train.metrics_log import MetricsLogger
 from moe_rl.train.plan import plan_step
-from moe_rl.train.run_identity import resolve_run_id, write_checkpoint_identity, write_run_id
+from moe_rl.train.run_identity import resolve_run_id, version_nonce, write_checkpoint_identity, write_run_id
 from moe_rl.train.step_records import StepRecords
 from moe_rl.train.update import StepInputs, old_logprob_rows, reference_rows, update_minibatch
 
@@ -78,11 +78,12 @@ class RLTrainer:
         meta = load_checkpoint(self.learner, self.ckpt_dir) if cfg.checkpoint.resume == "auto" else None
         self.start_step = int(meta["extra"]["rl_step"]) if meta else 0
         self.run_id = resolve_run_id(self.run_dir, resumed=meta is not None)  # same id on every rank
+        self.version_nonce = version_nonce(self.run_id)  # weight-version labels step-<s>-<nonce>
         if self.is_main:  # only now is the run known to start (a model-shape change failed above)
             save_config(cfg, self.run_dir / "config.yaml")
             write_run_id(self.run_dir, self.run_id)
             write_checkpoint_identity(self.ckpt_dir, self.run_id, self.run_dir)  # whose checkpoints these are
-        self.server_keys, self.server_pool = None, None  # set by run(): auth and restarts
+        self.server_keys, self.server_pool = None, None  # set by run(): auth (a generated key by default), restarts
         self.weight_sync = None  # created at the first sync (its mode depends on the servers' hosts)
         if meta is None:  # a fresh run starts from the cached supervised warm start (train.warm_start)
             from moe_rl.train.warm_start import apply_warm_start
@@ -142,26 +143,33 @@ class RLTrainer:
         barrier()
         return out
 
+    def version(self, step: int) -> str:
+        """The weight-version label of ``step``: ``step-<step>-<nonce>`` (the nonce derived from the run id)."""
+        from moe_rl.rollout.integrity import version_label
+
+        return version_label(step, self.version_nonce)
+
     def sync_weights(self, addresses: list[str], step: int) -> float:
-        """Export (collective) and load the learner into every server as ``step-<step>``: tensors through
+        """Export (collective) and load the learner into every server as ``version(step)``: tensors through
         shared memory for servers on this host, an HF checkpoint on disk otherwise (``rollout.weight_sync``)."""
         from moe_rl.rollout.weights import WeightSync
 
         if self.from_records:
             return 0.0
         if self.weight_sync is None:
-            self.weight_sync = WeightSync.from_config(self.cfg, addresses, export_dir=self.run_dir / "hf" / "current")
-        return self.weight_sync.sync(self.learner.module, addresses if self.is_main else [], f"step-{step}")
+            self.weight_sync = WeightSync.from_config(self.cfg, addresses, export_dir=self.run_dir / "hf" / "current",
+                                                      keys=self.server_keys)  # fmt: skip
+        return self.weight_sync.sync(self.learner.module, addresses if self.is_main else [], self.version(step))
 
     def resync(self, addresses: list[str], step: int) -> None:
-        """Push the served weights again as ``step-<step>`` (rank 0, after a restart or a version mismatch)."""
+        """Push the served weights again as ``version(step)`` (rank 0, after a restart or a version mismatch)."""
         from moe_rl.rollout.weights import update_weights_from_disk
 
         ws = self.weight_sync
         if ws is not None and ws.last_state is not None:
-            ws.push(ws.last_state, addresses, f"step-{step}")  # a full sync: clears any half-updated state
+            ws.push(ws.last_state, addresses, self.version(step))  # a full sync: clears any half-updated state
             return
-        update_weights_from_disk(addresses, self.run_dir / "hf" / "current", f"step-{step}", keys=self.server_keys)
+        update_weights_from_disk(addresses, self.run_dir / "hf" / "current", self.version(step), keys=self.server_keys)
 
     # ------------------------------------------------------------------ one step
     def rollout(self, client, step: int) -> RolloutBatch:
@@ -181,7 +189,7 @@ class RLTrainer:
             if self.weight_sync is not None:
                 self.weight_sync.check_servable(client.addresses)  # never sample a half-updated server
             samples = generate_checked(  # the synced weight version only; a dead server we launched restarts
-                lambda: client.generate([p.ids for p in prompts], n, step=step), f"step-{step}",
+                lambda: client.generate([p.ids for p in prompts], n, step=step), self.version(step),
                 resync=lambda: self.resync(client.addresses, step),
                 restart=self.server_pool.restart if self.server_pool else None,
             )  # fmt: skip
@@ -265,7 +273,7 @@ class RLTrainer:
 
         if self.from_records or not self.is_main:
             return contextlib.nullcontext(ServerPool())
-        return rollout_server_pool(self.cfg.rollout, self.export_weights(), self.run_dir / "logs")
+        return rollout_server_pool(self.cfg.rollout, self.export_weights(), self.run_dir / "logs", keys=self.server_keys)
 
     def run(self) -> Path:
         from moe_rl.learner.checkpoint import save_checkpoint
@@ -279,8 +287,11 @@ class RLTrainer:
                 print(done, flush=True)
             self.close()
             return self.run_dir
-        logger = MetricsLogger(self.run_dir, cfg.logging, cfg.train.steps, self.start_step, self.is_main, cfg.name)
-        self.server_keys = ServerKeys.from_rollout_config(cfg.rollout)  # an unset key variable fails before any server
+        logger = MetricsLogger(self.run_dir, cfg.logging, cfg.train.steps, self.start_step, self.is_main, cfg.name,
+                               run_id=self.run_id)  # fmt: skip
+        # the configured key variables (an unset one fails before any server), else a fresh admin key for the
+        # servers this run launches (docs/operations.md); held in memory, handed to the servers' environment
+        self.server_keys = ServerKeys.for_run(cfg.rollout)
         if not self.from_records and not self.is_main:
             self.export_weights()  # the export is collective; rank 0 runs it inside _servers()
         try:
@@ -290,7 +301,7 @@ class RLTrainer:
                     self.resync(addresses, self.start_step)
                 client = None
                 if self.is_main and not self.from_records:
-                    client = RolloutClient.from_config(cfg, addresses)  # sends the API key when set
+                    client = RolloutClient.from_config(cfg, addresses, headers=self.server_keys.headers())  # API key
                 for step in range(self.start_step, cfg.train.steps):
                     t0 = time.perf_counter()
                     metrics = self.step(client, step)

@@ -3,7 +3,7 @@
 Owns where metrics go, not what they are: every key arrives flat and slash-namespaced
 (``reward/mean``, ``offpolicy/kl_k3``, ``replay/rollout_vs_natural/response/flip_rate``) and is
 written unchanged. On resume, lines for steps after the checkpoint are dropped so the
-file reads as one uninterrupted run.
+file reads as one uninterrupted run, and wandb continues the same wandb run (its id is the run id).
 """
 
 from __future__ import annotations
@@ -43,6 +43,14 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     os.replace(tmp, path)
 
 
+def wandb_init_kwargs(logging_cfg, run_dir: str | Path, run_name: str, run_id: str | None) -> dict:
+    """``wandb.init`` arguments: the run id as wandb's id with ``resume="allow"``, so a resumed run logs into
+    the wandb run it started (a new id would start a new wandb run on every resume)."""
+    kwargs = {"project": logging_cfg.wandb_project, "name": run_name, "dir": str(run_dir),
+              "mode": logging_cfg.wandb_mode, "resume": "allow"}  # fmt: skip
+    return kwargs | ({"id": run_id} if run_id else {})
+
+
 def read_metrics(path: str | Path) -> list[dict]:
     """All step records of a metrics.jsonl file."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
@@ -52,7 +60,7 @@ class MetricsLogger:
     """Writes one record per step to every enabled sink; a no-op on non-zero ranks."""
 
     def __init__(self, run_dir: str | Path, logging_cfg, total_steps: int, start_step: int = 0,
-                 enabled: bool = True, run_name: str = "moe_rl"):  # fmt: skip
+                 enabled: bool = True, run_name: str = "moe_rl", run_id: str | None = None):  # fmt: skip
         self.enabled = enabled
         self.path = Path(run_dir) / METRICS_FILE
         self._tb = self._wandb = self._bar = None
@@ -68,8 +76,7 @@ class MetricsLogger:
         if logging_cfg.wandb and logging_cfg.wandb_mode != "disabled":
             import wandb  # optional extra: pip install moe_rl[wandb]
 
-            self._wandb = wandb.init(project=logging_cfg.wandb_project, name=run_name, dir=str(run_dir),
-                                     mode=logging_cfg.wandb_mode, resume="allow")  # fmt: skip
+            self._wandb = wandb.init(**wandb_init_kwargs(logging_cfg, run_dir, run_name, run_id))
         if logging_cfg.progress:
             from tqdm import tqdm
 

@@ -2,7 +2,7 @@
 
 Owns reading a finished run directory (``metrics.jsonl``, ``checkpoints/``, ``rollouts/``,
 ``hf/current``, ``tensorboard/``), drawing its curves into ``<run>/report/plots/`` (through
-``moe_rl.report.write_report``, so one run reads like a one-cell ablation) and formatting a
+``moe_rl.study.report.write_report``, so one run reads like a one-cell ablation) and formatting a
 short text: reward first -> last, rollout-vs-learner KL and router flip rate, paths, and the
 TensorBoard command. It only reads what the trainer wrote; it computes no training quantity.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from moe_rl.report import METRICS_FILE, read_metrics, write_report
+from moe_rl.study.report import METRICS_FILE, read_metrics, write_report
 
 __all__ = ["SUMMARY_METRICS", "closing_summary", "print_closing_summary"]
 
