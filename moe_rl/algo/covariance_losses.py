@@ -139,7 +139,7 @@ def kl_cov_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     cov_fraction: float = 2e-4,
-    kl_coef: float = 1.0,
+    kl_coef: float = 0.1,
     center: tuple[float, float] | None = None,
     num_select: int | None = None,
     is_weights: torch.Tensor | None = None,
