@@ -8,7 +8,9 @@ warm-start seconds, the mean reward of the first three and of the last three RL 
 gain, the max, every step's mean reward, and the load averages before and after (the machine is
 often shared: compare timings only at equal load). A last line sums up the seeds: the band of
 the last-three means, the smallest gain, the slowest wall time, and the targets (issue 26):
-last three >= 0.8 and >= first three + 0.3 in every run, <= 360 s on 2 idle cores.
+last three >= 0.8 and >= first three + 0.3 in every run, <= 360 s on 2 idle cores. The first
+line names the machine (CPU model, core and thread counts, torch / sglang / megatron-core
+versions): the rewards are bit-for-bit repeatable only on the same such machine.
 
   .venv/bin/python bench/bench_demo.py [--config configs/demo.yaml] [--seeds 3] [a.b=value ...]
 """
@@ -55,6 +57,25 @@ def run_once(config: str, overrides: list[str], seed: int | None) -> dict:
     }  # fmt: skip
 
 
+def machine() -> dict:
+    """What a run's numbers depend on besides the code and the seeds (docs/demo/README.md, "Deterministic")."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())  # fmt: skip
+    versions = {}
+    for pkg in ("torch", "sglang", "megatron-core"):
+        try:
+            versions[pkg] = version(pkg)
+        except PackageNotFoundError:
+            versions[pkg] = None
+    return {"cpu": cpu, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), **versions}  # fmt: skip
+
+
 def summary(runs: list[dict]) -> dict:
     last3 = [r["last3"] for r in runs]
     return {
@@ -79,6 +100,7 @@ def main() -> None:
         seeds = [11 * (i + 1) for i in range(args.seeds)]
     else:
         seeds = [None]
+    print(json.dumps({"machine": machine()}), flush=True)
     runs = []
     for seed in seeds:
         runs.append(run_once(args.config, args.overrides, seed))
