@@ -271,7 +271,7 @@ def policy_loss(
     and ranks gives the minibatch loss. Called once more on the gathered, detached π_θ of the
     whole minibatch, its metrics (clip fractions, ratios, OPSM, off-policy diagnostics, KL,
     entropy) are step-global and its loss equals that sum. ``generator`` seeds Clip-Cov's
-    random token selection (seed it from train.seed, step, minibatch and rank) when no
+    random token selection (seed it from train.seed, step, epoch and minibatch, not the rank) when no
     ``cov_selected[B, T]`` (rows of ``PreparedCorrections.cov_selected``) is given. The loss is
     multiplied by ``loss.scale_factor``; the KL to the reference is logged as ``loss/kl_ref``.
     """

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from moe_rl.config.loader import ConfigError
+from moe_rl.config.loss_keys import ignored_loss_keys
 from moe_rl.config.schema import ExperimentConfig
 
 __all__ = [
@@ -160,7 +161,7 @@ def weight_sync_architecture(cfg: ExperimentConfig) -> Iterable[str]:
 
 CONFIG_RULES: tuple[ConfigRule, ...] = (
     finite_numbers, sampling_settings, task_and_lengths, reward_fn_imports, learner_features,
-    weight_sync_architecture,
+    weight_sync_architecture, ignored_loss_keys,
 )  # fmt: skip
 
 

@@ -20,7 +20,8 @@ Wiring (trainer): build it once with ``ReferencePolicy.from_learner(cfg, learner
 right after the learner is initialised (or ``ReferencePolicy.load(cfg, ckpt_dir)`` on resume);
 ``save_reference`` before the first checkpoint; in the old-log-prob pass call
 ``logprobs(mb, temperature, logprob_fn, routes=...)`` per microbatch with the routes π_old
-used; pass the result as ``ref_logp`` to the loss.
+used, all inside one ``with reference.on_device():`` so an offloaded model moves to the device
+and back once per pass, not once per microbatch; pass the result as ``ref_logp`` to the loss.
 """
 
 from __future__ import annotations
@@ -111,8 +112,9 @@ def _tensor_state(model) -> dict[str, torch.Tensor]:
 class ReferencePolicy:
     """π_ref: a frozen ``GPTModel`` (same layout as the learner) and its log-prob pass.
 
-    ``offload=True`` keeps the weights on the CPU between uses and moves them to the
-    learner's device only inside :meth:`logprobs` (a no-op on a CPU-only machine).
+    ``offload=True`` keeps the weights on the CPU between passes: :meth:`on_device` moves them
+    to the learner's device for a whole pass (one move there, one back), and :meth:`logprobs`
+    called outside it moves them for that call alone. A no-op on a CPU-only machine.
     """
 
     def __init__(self, model, *, offload: bool = False, device: torch.device | None = None):
@@ -123,6 +125,7 @@ class ReferencePolicy:
         self.offload = bool(offload)
         self.device = device if device is not None else next(model.parameters()).device
         self._replay = None
+        self._resident = False  # inside on_device(): the weights are on self.device
         if self.offload:
             self.model.to("cpu")
 
@@ -181,14 +184,21 @@ class ReferencePolicy:
 
     # ------------------------------------------------------------------ use
     @contextlib.contextmanager
-    def _on_device(self):
-        if not self.offload or self.device is None or self.device.type == "cpu":
+    def on_device(self):
+        """Keep an offloaded reference on the learner's device for a whole pass over microbatches.
+
+        One ``model.to(device)`` on entry and one ``model.to("cpu")`` on exit; nested uses (each
+        :meth:`logprobs` inside the pass) move nothing. A no-op without offload or on a CPU device.
+        """
+        if self._resident or not self.offload or self.device is None or self.device.type == "cpu":
             yield
             return
         self.model.to(self.device)
+        self._resident = True
         try:
             yield
         finally:
+            self._resident = False
             self.model.to("cpu")
 
     def _routing(self, routes: torch.Tensor | None, local: bool):
@@ -220,7 +230,7 @@ class ReferencePolicy:
         """
         from moe_rl.learner.logprobs import response_logprobs
 
-        with self._on_device(), self._routing(routes, local_routes):
+        with self.on_device(), self._routing(routes, local_routes):
             if logprob_fn is not None:
                 logp, _ = logprob_fn(self.model, mb, temperature)
             else:

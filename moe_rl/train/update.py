@@ -106,14 +106,16 @@ def reference_rows(cfg, reference, driver, logprob_fn, plan: StepPlan, inputs: S
     """
     mbs = _microbatches(cfg, inputs, plan.owned_microbatches)
     rows = []
-    for m in mbs:
-        routes, local = None, False
-        if driver.mode == "r3":
-            routes = m.routes.rollout
-        elif driver.mode == "r2":
-            routes, local = driver.r2_routes(m.routes), True
-        logp = reference.logprobs(m.tensors, cfg.rollout.temperature, logprob_fn, routes=routes, local_routes=local)
-        rows.append(m.to_rows(logp.float(), inputs.width))
+    with reference.on_device():  # an offloaded π_ref moves to the device once per pass, not per microbatch
+        for m in mbs:
+            routes, local = None, False
+            if driver.mode == "r3":
+                routes = m.routes.rollout
+            elif driver.mode == "r2":
+                routes, local = driver.r2_routes(m.routes), True
+            logp = reference.logprobs(m.tensors, cfg.rollout.temperature, logprob_fn, routes=routes,
+                                      local_routes=local)  # fmt: skip
+            rows.append(m.to_rows(logp.float(), inputs.width))
     gathered = all_gather_rows(torch.cat(rows), dp_group())
     per_rank = [[i for mb in plan.minibatches for i in mb.shares[r]] for r in range(plan.dp_size)]
     return _rows_by_sample(per_rank, gathered, len(inputs.batch))
