@@ -100,7 +100,7 @@ class RLTrainer:
         from moe_rl.data.chat import load_tokenizer
         from moe_rl.reward import build_rewarder
 
-        self.tokenizer = load_tokenizer(self.cfg) if self.cfg.model.hf_path else None
+        self.tokenizer = load_tokenizer(self.cfg) if self.cfg.data is not None else None  # the built-in tasks: task ids
         self.prompts = build_prompt_stream(self.cfg, self.tokenizer)
         self.prompts.load_state((meta or {}).get("extra", {}).get("data"))
         self.rewarder = build_rewarder(self.cfg, self.tokenizer)
@@ -128,7 +128,7 @@ class RLTrainer:
         return bool(self.cfg.train.rollouts_from)
 
     def _stop_tokens(self) -> dict:
-        """``model.hf_path``: responses end at its tokenizer's EOS ids (the built-in tasks: the server's default)."""
+        """Dataset prompts: responses end at the tokenizer's EOS ids (the built-in tasks: the server's default)."""
         from moe_rl.data.chat import stop_token_ids
 
         return {"stop_token_ids": stop_token_ids(self.tokenizer, self.cfg.model.hf_path)} if self.tokenizer else {}

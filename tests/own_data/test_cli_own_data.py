@@ -77,12 +77,18 @@ def server(workspace):
         yield s.url
 
 
-def train(workspace, server, out: Path, steps: int, log: Path) -> subprocess.CompletedProcess:
+def train(workspace, server, out: Path, steps: int, log: Path) -> str:
+    """``moe-rl train`` on the shared server; its output. (Written to a file, not a pipe: the trainer's
+    torch_shm_manager outlives it while the server still maps the synced tensors, and would hold a pipe open.)"""
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", str(workspace / "own_data.yaml"), f"train.steps={steps}",
            f"train.output_dir={out}", f"rollout.addresses=[{server}]"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=os.environ | {"OWN_DATA_REWARD_LOG": str(log)})
-    assert proc.returncode == 0, f"moe-rl train failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    return proc
+    console = workspace / f"console_{out.name}_{steps}.txt"
+    with open(console, "w") as fh:
+        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=600,
+                              env=os.environ | {"OWN_DATA_REWARD_LOG": str(log)})  # fmt: skip
+    text = console.read_text()
+    assert proc.returncode == 0, f"moe-rl train failed:\n{text[-6000:]}"
+    return text
 
 
 def records(out: Path, steps: int) -> list[RolloutBatch]:
@@ -92,16 +98,15 @@ def records(out: Path, steps: int) -> list[RolloutBatch]:
 @pytest.fixture(scope="module")
 def two_steps(workspace, server):
     out = workspace / "run_a"
-    proc = train(workspace, server, out, 2, workspace / "calls_a.jsonl")
-    return out, proc
+    return out, train(workspace, server, out, 2, workspace / "calls_a.jsonl")
 
 
 def test_prompts_are_the_chat_template_of_dataset_rows(workspace, two_steps):
     from transformers import AutoTokenizer
 
-    out, proc = two_steps
+    out, console = two_steps
     tok = AutoTokenizer.from_pretrained(workspace / "model", local_files_only=True)
-    assert "dropped 1 prompt(s) longer than 120 tokens" in proc.stdout + proc.stderr
+    assert "dropped 1 prompt(s) longer than 120 tokens" in console
     seen_rows = set()
     for batch in records(out, 2):
         assert batch.data_files is not None and set(batch.data_files) == {str(workspace / "train.jsonl")}

@@ -51,3 +51,18 @@ def test_a_position_for_another_dataset_size_is_refused():
     stream = DatasetStream(items(4), seed=0)
     with pytest.raises(ValueError, match="for 5 prompts; data.train_files now yield 4"):
         stream.load_state({"epoch": 0, "index": 1, "size": 5})
+
+
+def test_records_carry_each_samples_dataset_file_and_row(tmp_path):
+    from moe_rl.records import RolloutBatch, RolloutSample
+
+    def sample(file, row):
+        return RolloutSample(prompt_ids=np.array([1, 2], np.int32), response_ids=np.array([3], np.int32),
+                             rollout_logp=np.array([-0.5], np.float32), data_file=file, data_row=row)  # fmt: skip
+
+    batch = RolloutBatch.from_samples([sample("a.jsonl", 4), sample("b.parquet", 0), sample("a.jsonl", 9)])
+    back = RolloutBatch.load(batch.save(tmp_path / "r.safetensors"))
+    assert back.data_files == ["a.jsonl", "b.parquet", "a.jsonl"] and back.data_rows.tolist() == [4, 0, 9]
+    assert back.select([2, 0]).data_rows.tolist() == [9, 4]
+    plain = RolloutBatch.from_samples([sample("", -1)])  # built-in tasks: no arrays at all
+    assert plain.data_files is None and RolloutBatch.load(plain.save(tmp_path / "p.safetensors")).data_rows is None
