@@ -7,9 +7,11 @@ which rank, minibatch and microbatch is the step's ``StepPlan`` (``moe_rl.train.
 ``moe_rl.train.update`` executes. Per step ``s`` (all seeded by ``(train.seed, s)``, so a resumed
 run repeats an uninterrupted one):
 
-1. rank 0 samples prompts and generates on SGLang (routes, masks, log-probs), scores rewards and
-   saves ``<run>/rollouts/step_<s>.safetensors`` before anything trains on it; every rank loads
-   it. With ``train.rollouts_from: DIR`` the records are read from ``DIR`` instead (no server);
+1. rank 0 takes the step's prompts from the prompt stream (``moe_rl.data``: the built-in task, or
+   dataset rows at the position the last checkpoint saved), generates on SGLang (routes, masks,
+   log-probs), scores rewards (``moe_rl.reward``) and saves ``<run>/rollouts/step_<s>.safetensors``
+   before anything trains on it; every rank loads it. With ``train.rollouts_from: DIR`` the records
+   are read from ``DIR`` instead (no server);
 2. GRPO/RLOO advantages; the step plan; in decoupled mode the old-log-prob pass;
 3. ``minibatches_per_step`` optimizer steps (times ``epochs_per_step``) under the replay driver;
 4. export HF weights, ``/update_weights_from_disk`` to every server, checkpoint every K steps.
@@ -188,9 +190,10 @@ class RLTrainer:
                 resync=lambda: self.resync(client.addresses, step),
                 restart=self.server_pool.restart if self.server_pool else None,
             )  # fmt: skip
-            scores = self.rewarder.score([prompts[k // n] for k in range(len(samples))], [s.response_ids for s in samples])
-            for k, sample in enumerate(samples):
-                sample.reward, sample.data_file, sample.data_row = scores.rewards[k], prompts[k // n].file, prompts[k // n].row
+            per_sample = [prompts[k // n] for k in range(len(samples))]
+            scores = self.rewarder.score(per_sample, [s.response_ids for s in samples])
+            for sample, prompt, reward in zip(samples, per_sample, scores.rewards, strict=True):
+                sample.reward, sample.data_file, sample.data_row = reward, prompt.file, prompt.row
             batch = RolloutBatch.from_samples(samples, num_experts=self.cfg.model.num_moe_experts)
             if scores.metrics:
                 batch.extra["reward_metrics"] = scores.metrics  # travels with the records to every rank
@@ -295,7 +298,8 @@ class RLTrainer:
                     self.resync(addresses, self.start_step)
                 client = None
                 if self.is_main and not self.from_records:
-                    client = RolloutClient.from_config(cfg, addresses, **self._stop_tokens())  # sends the API key when set
+                    # sends the API key when set; dataset prompts stop at the tokenizer's EOS
+                    client = RolloutClient.from_config(cfg, addresses, **self._stop_tokens())
                 for step in range(self.start_step, cfg.train.steps):
                     t0 = time.perf_counter()
                     metrics = self.step(client, step)
