@@ -81,6 +81,7 @@ class _Worker:
         self.proc.start()
         child.close()
         self.job: tuple[int, float] | None = None  # (call index, start time)
+        self.ready = False
 
     def wait_ready(self, spec: str) -> None:
         if not self.conn.poll(STARTUP_TIMEOUT_S):
@@ -114,7 +115,7 @@ class RewardPool:
         while len(self._workers) < self.num_workers:
             self._workers.append(_Worker(self._ctx, self.spec))
         for w in self._workers:
-            if w.job is None and not getattr(w, "ready", False):
+            if not w.ready:
                 w.wait_ready(self.spec)
                 w.ready = True
         return self
@@ -133,10 +134,15 @@ class RewardPool:
         out: list[Outcome | None] = [None] * len(calls)
         pending = deque(range(len(calls)))
         while pending or any(w.job for w in self._workers):
-            for w in self._workers:
+            for w in list(self._workers):
                 if w.job is None and pending:
                     i = pending.popleft()
-                    w.conn.send((i, calls[i]))
+                    try:
+                        w.conn.send((i, calls[i]))
+                    except (BrokenPipeError, ConnectionError):  # it died while idle: a fresh one takes the call
+                        pending.appendleft(i)
+                        self._replace(w)
+                        continue
                     w.job = (i, time.monotonic())
             busy = [w for w in self._workers if w.job]
             deadline = min(w.job[1] for w in busy) + self.timeout_s

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from moe_rl.config import ModelConfig, load_config
+from moe_rl.config import ModelConfig, load_config, save_config
 from moe_rl.config.hf_model import model_keys_from_hf
 from moe_rl.config.preflight import config_problems
 from tests.own_data.tiny_hf import write_tiny_hf_dir
@@ -51,10 +51,13 @@ def own(hf_dir, train_file, *more):
             "data.label_key=answer", "reward.type=math", *more]  # fmt: skip
 
 
-def test_a_config_with_only_hf_path_reads_the_architecture(hf_dir, train_file):
+def test_a_config_with_only_hf_path_reads_the_architecture(hf_dir, train_file, tmp_path):
     cfg = load_config(None, own(hf_dir, train_file))
     assert (cfg.model.vocab_size, cfg.model.seq_length, cfg.model.num_moe_experts) == (384, 128, 8)
     assert config_problems(cfg).problems == []
+    saved = tmp_path / "config.yaml"  # a run's saved config (every key now explicit) loads back equal
+    save_config(cfg, saved)
+    assert load_config(saved) == cfg
 
 
 def test_a_model_key_contradicting_config_json_names_both_values(hf_dir, train_file):
