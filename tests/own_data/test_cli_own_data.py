@@ -72,7 +72,7 @@ def server(workspace):
     from moe_rl.rollout.launcher import ServerSpec, SGLangServer
 
     spec = ServerSpec(model_path=str(workspace / "model"), dtype="bfloat16", deterministic=True, max_total_tokens=4096,
-                      mem_fraction_static=0.3, startup_timeout_s=240)  # fmt: skip
+                      mem_fraction_static=0.3, startup_timeout_s=600)  # fmt: skip
     with SGLangServer(spec, workspace / "sglang.log") as s:
         yield s.url
 
