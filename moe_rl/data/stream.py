@@ -99,7 +99,9 @@ class DatasetStream:
         if not state:
             return
         if int(state.get("size", len(self.items))) != len(self.items):
-            raise ValueError(f"the checkpoint's dataset position is for {state['size']} prompts; data.train_files now "
+            from moe_rl.data.loaders import DataError
+
+            raise DataError(f"the checkpoint's dataset position is for {state['size']} prompts; data.train_files now "
                              f"yield {len(self.items)} (files or data.max_prompt_tokens changed)")  # fmt: skip
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
 
