@@ -203,6 +203,7 @@ QUIET_WARNINGS = (r".*Transformer Engine and Apex are not installed.*", r"Apex i
 USER_ERRORS = (
     ("moe_rl.learner.checkpoint", "CheckpointError"), ("moe_rl.train.run_dir", "RunDirError"),
     ("moe_rl.rollout.auth", "ServerKeyError"), ("moe_rl.rollout.integrity", "WeightVersionError"),
+    ("moe_rl.data.loaders", "DataError"), ("moe_rl.reward.scorer", "RewardError"),
 )  # fmt: skip
 
 

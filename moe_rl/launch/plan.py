@@ -135,7 +135,7 @@ def rollout_gpus_per_server(cfg: ExperimentConfig) -> int:
         if arg.partition("=")[0] in _OWNED_SERVER_FLAGS:
             raise LaunchError(
                 f"rollout.extra_server_args sets {arg.partition('=')[0]}, which the launcher sets itself "
-                "(model from checkpoint.init_from_hf, port from launch.rollout_port, one server per node)"
+                "(model from model.hf_path / checkpoint.init_from_hf, port from launch.rollout_port, one server per node)"
             )
     tp = _server_flag_int(args, "--tp-size", "--tensor-parallel-size")
     pp = _server_flag_int(args, "--pp-size", "--pipeline-parallel-size")
@@ -178,9 +178,11 @@ def _rollout_steps(
 ) -> tuple[list[SrunStep], list[str], list[str]]:
     """One SGLang server per rollout node, listening on all interfaces at ``launch.rollout_port``."""
     ln, notes = cfg.launch, []
-    if cfg.checkpoint.init_from_hf is None:
+    from moe_rl.config.hf_model import initial_weights_dir
+
+    if initial_weights_dir(cfg) is None:
         raise LaunchError(
-            "rollout servers need a HF checkpoint to serve: set checkpoint.init_from_hf "
+            "rollout servers need a HF checkpoint to serve: set model.hf_path or checkpoint.init_from_hf "
             "(the learner initialises from the same directory)"
         )
     per_server = rollout_gpus_per_server(cfg)
@@ -198,7 +200,7 @@ def _rollout_steps(
     # 0.0.0.0: the learner nodes connect from outside; same flags as the local launcher otherwise.
     # No key configured: the script draws a fresh admin key at run time (generated_key_env), never in a file.
     keys = {} if _configured_keys(cfg) else {"admin_api_key_env": RUN_ADMIN_KEY_ENV}
-    spec = ServerSpec.from_rollout_config(cfg.rollout, cfg.checkpoint.init_from_hf, host="0.0.0.0",
+    spec = ServerSpec.from_rollout_config(cfg.rollout, initial_weights_dir(cfg), host="0.0.0.0",
                                           port=ln.rollout_port, **keys)  # fmt: skip
     if keys:
         notes.append(f"no rollout.api_key_env: a fresh random admin key for this job is exported as "

@@ -43,8 +43,15 @@ __all__ = [
     "write_hf_checkpoint",
 ]
 
-_HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                  "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
+# weights are written by the exporter; every other file of the template dir (config, generation config,
+# tokenizer files of any kind, chat template, custom code) is copied, so the export is a loadable HF model
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
+_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def _side_files(template_dir: Path) -> list[Path]:
+    return sorted(p for p in template_dir.iterdir() if p.is_file() and not p.name.startswith(".")
+                  and not p.name.endswith(_WEIGHT_SUFFIXES) and p.name not in _WEIGHT_INDEXES)  # fmt: skip
 
 
 def _qkv_split_sizes(m) -> tuple[int, int, int]:
@@ -274,9 +281,8 @@ def full_megatron_state_dict(model, grads: bool = False) -> dict[str, torch.Tens
 
 def _write_side_files(out: Path, model_cfg, template_dir: Path | None) -> None:
     if template_dir is not None:
-        for f in _HF_SIDE_FILES:
-            if (template_dir / f).exists():
-                shutil.copy2(template_dir / f, out / f)
+        for f in _side_files(template_dir):
+            shutil.copy2(f, out / f.name)
         return
     from moe_rl.learner.hf_init import write_hf_side_files
 

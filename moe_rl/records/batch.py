@@ -45,6 +45,8 @@ class RolloutSample:
     group_id: int = 0
     weight_version: str = ""
     finish_reason: str = ""
+    data_file: str = ""  # the dataset file of the prompt ("" for the built-in tasks)
+    data_row: int = -1  # its row in that file
 
 
 def _offsets(lengths: np.ndarray) -> np.ndarray:
@@ -76,6 +78,8 @@ class RolloutBatch:
     fingerprint: dict | None = None
     run_id: str | None = None
     sha256: str | None = field(default=None, compare=False)  # of the file bytes this batch was loaded from
+    data_files: list[str] | None = None  # per sample: the prompt's dataset file (stored as ids into a name table)
+    data_rows: np.ndarray | None = None  # int64 [N]: its row in that file
 
     def __len__(self) -> int:
         return len(self.prompt_lens)
@@ -120,6 +124,8 @@ class RolloutBatch:
             mask_offsets=mask_offsets,
             sampling_logp=None if samples[0].sampling_logp is None
             else np.concatenate([np.asarray(s.sampling_logp, np.float32) for s in samples]),
+            data_files=[s.data_file for s in samples] if any(s.data_file for s in samples) else None,
+            data_rows=np.array([s.data_row for s in samples], np.int64) if any(s.data_file for s in samples) else None,
         )
 
     def sample(self, i: int) -> RolloutSample:
@@ -140,6 +146,8 @@ class RolloutBatch:
             group_id=int(self.group_ids[i]),
             weight_version=self.weight_versions[i],
             finish_reason=self.finish_reasons[i],
+            data_file=self.data_files[i] if self.data_files is not None else "",
+            data_row=int(self.data_rows[i]) if self.data_rows is not None else -1,
         )
 
     def samples(self) -> list[RolloutSample]:
@@ -194,6 +202,10 @@ class RolloutBatch:
                 t = int(np.argmax(bad))
                 value = float(values[t])
                 raise RecordError(f"{name}[{t}] = {value:.6g} ({int(bad.sum())} positive); expected log-probs <= 0")
+        if (self.data_files is None) != (self.data_rows is None):
+            raise RecordError("data_files and data_rows must be stored together")
+        if self.data_rows is not None and (len(self.data_rows) != n or len(self.data_files) != n):
+            raise RecordError(f"data_files/data_rows must have one entry per sample ({n})")
         if not np.isfinite(self.rewards).all():
             raise RecordError("rewards must be finite")
         if self.routes is not None:
@@ -276,6 +288,11 @@ class RolloutBatch:
             meta["fingerprint"] = self.fingerprint
         if self.run_id is not None:
             meta["run_id"] = self.run_id
+        if self.data_rows is not None:  # optional: prompts from a dataset (data.train_files)
+            names = sorted(set(self.data_files))
+            tensors["data_rows"] = np.asarray(self.data_rows, np.int64)
+            tensors["data_file_ids"] = np.array([names.index(f) for f in self.data_files], np.int32)
+            meta["data_files"] = names
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         os.close(fd)
         try:
@@ -334,6 +351,13 @@ class RolloutBatch:
             raise RecordError(f"metadata fingerprint must be a mapping of field names, got {type(fingerprint).__name__}")
         if run_id is not None and not isinstance(run_id, str):
             raise RecordError(f"metadata run_id must be a string, got {run_id!r}")
+        data_files = None
+        if "data_file_ids" in arrays:
+            names = meta.get("data_files")
+            ids = arrays["data_file_ids"]
+            if not isinstance(names, list) or (ids.size and (ids.min() < 0 or ids.max() >= len(names))):
+                raise RecordError("data_file_ids do not index the metadata's data_files list")
+            data_files = [str(names[int(i)]) for i in ids]
         batch = cls(
             **{k: arrays[k] for k in REQUIRED_ARRAYS},
             weight_versions=[str(v) for v in versions],
@@ -346,6 +370,8 @@ class RolloutBatch:
             extra=meta.get("extra", {}),
             fingerprint=fingerprint,
             run_id=run_id,
+            data_files=data_files,
+            data_rows=arrays.get("data_rows"),
         )
         if batch.routes is not None and batch.routes.dtype != route_dtype(batch.num_experts or 1):
             raise RecordError(f"routes dtype {batch.routes.dtype} does not match num_experts={batch.num_experts}")

@@ -330,9 +330,12 @@ class WeightSync:
                 f"rollout.weight_sync='tensor' shares tensors through this host's memory, but {remote} are not "
                 f"on this host; use rollout.weight_sync='disk' (or 'auto')"
             )
-        init = cfg.checkpoint.init_from_hf
+        from moe_rl.config.hf_model import initial_weights_dir, side_files_dir
+
+        init = initial_weights_dir(cfg)
         return cls(
-            mode, cfg.model, export_dir=export_dir, template_dir=init, weight_quantization=r.weight_quantization,
+            mode, cfg.model, export_dir=export_dir, template_dir=side_files_dir(cfg),
+            weight_quantization=r.weight_quantization,
             bucket_bytes=r.weight_sync_bucket_mb << 20, reference=reference_from_hf_dir(init) if init else None,
             keys=ServerKeys.from_rollout_config(r) if keys is None else keys,
         )  # fmt: skip

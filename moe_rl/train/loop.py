@@ -7,10 +7,12 @@ which rank, minibatch and microbatch is the step's ``StepPlan`` (``moe_rl.train.
 ``moe_rl.train.update`` executes. Per step ``s`` (all seeded by ``(train.seed, s)``, so a resumed
 run repeats an uninterrupted one):
 
-1. rank 0 samples prompts and generates on SGLang (routes, masks, log-probs), scores rewards and
-   saves ``<run>/rollouts/step_<s>.safetensors`` before anything trains on it; every rank loads
-   it (``StepRecords``: the bytes rank 0 wrote, checked against the model). With
-   ``train.rollouts_from: DIR`` the records are read from ``DIR`` instead (no server);
+1. rank 0 takes the step's prompts from the prompt stream (``moe_rl.data``: the built-in task, or
+   dataset rows at the position the last checkpoint saved), generates on SGLang (routes, masks,
+   log-probs), scores rewards (``moe_rl.reward``) and saves ``<run>/rollouts/step_<s>.safetensors``
+   before anything trains on it; every rank loads it (``StepRecords``: the bytes rank 0 wrote,
+   checked against the model). With ``train.rollouts_from: DIR`` the records are read from ``DIR``
+   instead (no server);
 2. GRPO/RLOO advantages; the step plan; in decoupled mode the old-log-prob pass;
 3. ``minibatches_per_step`` optimizer steps (times ``epochs_per_step``) under the replay driver;
 4. export HF weights, ``/update_weights_from_disk`` to every server, checkpoint every K steps.
@@ -26,6 +28,7 @@ import numpy as np
 import torch
 
 from moe_rl.config import ConfigError, ExperimentConfig, save_config
+from moe_rl.config.hf_model import side_files_dir
 from moe_rl.config.preflight import ksm_active
 from moe_rl.records import RecordError, RolloutBatch
 from moe_rl.train.batching import check_ksm_records, kept_set_outside_fraction
@@ -62,7 +65,6 @@ class RLTrainer:
         from moe_rl.learner.dist import init_distributed
         from moe_rl.learner.train_step import Learner
         from moe_rl.replay.driver import ReplayDriver
-        from moe_rl.rollout.tasks import build_task
         from moe_rl.train.run_dir import guard_run_dir
 
         check_supported(cfg)
@@ -90,13 +92,26 @@ class RLTrainer:
 
             apply_warm_start(self.learner, cfg)
         self.driver = ReplayDriver.from_config(self.learner.module, cfg)
-        self.task, self.reward_fn = build_task(cfg.train, cfg.model.vocab_size)
-        self.records = StepRecords.for_trainer(cfg, self.task, self.run_id)  # loads check records against the model
+        self.records = StepRecords.for_trainer(cfg, self.run_id)  # loads check records against the model
+        self.tokenizer = self.prompts = self.rewarder = None  # rank 0 samples and scores (set below)
+        if self.is_main and not self.from_records:
+            self._prompt_data(meta)
         self.logprob_fn = make_logprob_fn(ksm_active(cfg), with_entropy=cfg.loss.entropy_coef > 0)
         self.device = next(self.learner.model.parameters()).device
         self.reference = self._reference_policy(meta is not None) if cfg.loss.kl_coef else None
         self._reference_saved = False  # save_reference checks the marker itself (rank 0) the first time
         self.plan(self.start_step)  # an impossible split fails here, before any server starts
+
+    def _prompt_data(self, meta: dict | None) -> None:
+        """The tokenizer, the prompt stream (at the checkpoint's dataset position) and the reward scorer."""
+        from moe_rl.data import build_prompt_stream
+        from moe_rl.data.chat import load_tokenizer
+        from moe_rl.reward import build_rewarder
+
+        self.tokenizer = load_tokenizer(self.cfg) if self.cfg.data is not None else None  # the built-in tasks: task ids
+        self.prompts = build_prompt_stream(self.cfg, self.tokenizer)
+        self.prompts.load_state((meta or {}).get("extra", {}).get("data"))
+        self.rewarder = build_rewarder(self.cfg, self.tokenizer)
 
     def plan(self, step: int):
         """This rank's ``StepPlan`` for ``step``."""
@@ -130,6 +145,12 @@ class RLTrainer:
     def from_records(self) -> bool:
         return bool(self.cfg.train.rollouts_from)
 
+    def _stop_tokens(self) -> dict:
+        """Dataset prompts: responses end at the tokenizer's EOS ids (the built-in tasks: the server's default)."""
+        from moe_rl.data.chat import stop_token_ids
+
+        return {"stop_token_ids": stop_token_ids(self.tokenizer, self.cfg.model.hf_path)} if self.tokenizer else {}
+
     # ------------------------------------------------------------------ weights
     def export_weights(self) -> Path:
         """Export the learner as an HF dir for SGLang (collective); path of the live copy."""
@@ -137,7 +158,7 @@ class RLTrainer:
         from moe_rl.rollout.quantize import quantize_hf_dir
 
         out = self.run_dir / "hf" / "current"
-        export_hf_checkpoint(self.learner.module, self.cfg.model, out, template_dir=self.cfg.checkpoint.init_from_hf)
+        export_hf_checkpoint(self.learner.module, self.cfg.model, out, template_dir=side_files_dir(self.cfg))
         if self.is_main and self.cfg.rollout.weight_quantization != "none":
             quantize_hf_dir(out, self.cfg.rollout.weight_quantization)
         barrier()
@@ -183,8 +204,7 @@ class RLTrainer:
                                         f"(expected {path})")  # fmt: skip
             return self.records.load(path)
         if self.is_main:
-            rng = np.random.default_rng([self.cfg.train.seed, step])
-            prompts = self.task.sample_prompts(self.cfg.train.prompts_per_step, rng)
+            prompts = self.prompts.next_prompts(step, self.cfg.train.prompts_per_step)
             n = self.cfg.rollout.samples_per_prompt
             if self.weight_sync is not None:
                 self.weight_sync.check_servable(client.addresses)  # never sample a half-updated server
@@ -193,9 +213,13 @@ class RLTrainer:
                 resync=lambda: self.resync(client.addresses, step),
                 restart=self.server_pool.restart if self.server_pool else None,
             )  # fmt: skip
-            for k, sample in enumerate(samples):
-                sample.reward = float(self.reward_fn(prompts[k // n], sample.response_ids.tolist()))
+            per_sample = [prompts[k // n] for k in range(len(samples))]
+            scores = self.rewarder.score(per_sample, [s.response_ids for s in samples])
+            for sample, prompt, reward in zip(samples, per_sample, scores.rewards, strict=True):
+                sample.reward, sample.data_file, sample.data_row = reward, prompt.file, prompt.row
             batch = self.records.stamp(RolloutBatch.from_samples(samples, num_experts=self.cfg.model.num_moe_experts))
+            if scores.metrics:
+                batch.extra["reward_metrics"] = scores.metrics  # travels with the records to every rank
             batch.validate(self.cfg.model)
             batch.save(path)  # persisted before it is trained on
         barrier()
@@ -230,6 +254,7 @@ class RLTrainer:
         metrics = _mean([r.metrics | {"train/loss": r.loss, "train/grad_norm": r.grad_norm, "train/lr": r.lr}
                          for r in results])  # fmt: skip
         metrics |= self.driver.step_metrics(group=dp_group())
+        metrics |= batch.extra.get("reward_metrics", {})  # reward/errors, reward/<key> of a reward function
         metrics |= {
             "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()), "reward/max": float(rewards.max()),
             "response/len_mean": float(batch.response_lens.mean()),
@@ -301,7 +326,9 @@ class RLTrainer:
                     self.resync(addresses, self.start_step)
                 client = None
                 if self.is_main and not self.from_records:
-                    client = RolloutClient.from_config(cfg, addresses, headers=self.server_keys.headers())  # API key
+                    # the API key (a generated one by default); dataset prompts stop at the tokenizer's EOS
+                    client = RolloutClient.from_config(cfg, addresses, headers=self.server_keys.headers(),
+                                                       **self._stop_tokens())  # fmt: skip
                 for step in range(self.start_step, cfg.train.steps):
                     t0 = time.perf_counter()
                     metrics = self.step(client, step)
@@ -314,7 +341,7 @@ class RLTrainer:
                             or step + 1 == cfg.train.steps:  # fmt: skip
                         self._save_reference()  # first: no checkpoint exists without its reference
                         save_checkpoint(self.learner, self.ckpt_dir, cfg.checkpoint.keep_last,
-                                        extra={"rl_step": step + 1}, step=step + 1)  # dirs named by RL step
+                                        extra=self._checkpoint_extra(step + 1), step=step + 1)  # dirs named by RL step
                 if self.weight_sync is not None and self.weight_sync.mode == "tensor":
                     self.export_weights()  # <run>/hf/current holds the final weights whatever the sync path
         finally:
@@ -322,12 +349,19 @@ class RLTrainer:
             self.close()
         return self.run_dir
 
+    def _checkpoint_extra(self, rl_step: int) -> dict:
+        """What a checkpoint carries besides weights: the RL step and the dataset position (rank 0's)."""
+        state = self.prompts.state() if self.prompts is not None else None
+        return {"rl_step": rl_step} | ({"data": state} if state is not None else {})
+
     def close(self) -> None:
-        """Release the routers (nothing stays bound after a run) and the run directory's lock.
+        """Release the routers (nothing stays bound after a run), the reward workers and the run directory's lock.
 
         ``run`` does it itself; callers driving the trainer by hand (``moe-rl diagnose``) call it.
         """
         self.driver.close()
+        if self.rewarder is not None:
+            self.rewarder.close()
         if self.run_lock is not None:
             self.run_lock.release()
 

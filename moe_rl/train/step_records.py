@@ -21,7 +21,7 @@ import torch.distributed as dist
 from moe_rl.records import RecordError, RolloutBatch
 from moe_rl.records.fingerprint import architecture_fingerprint, fingerprint_diff
 
-__all__ = ["StepRecords", "task_tokenizer"]
+__all__ = ["StepRecords", "task_tokenizer", "prompt_tokenizer"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +31,18 @@ def task_tokenizer(task):
     has one, else its ``vocab`` dict (the synthetic tasks' word-level vocabulary), else None."""
     tokenizer = getattr(task, "tokenizer", None)
     return tokenizer if tokenizer is not None else getattr(task, "vocab", None)
+
+
+def prompt_tokenizer(cfg):
+    """What tokenises this config's prompts, for the fingerprint (the same whether records are generated
+    or read back): ``model.hf_path``'s tokenizer for dataset prompts, else the built-in task's vocabulary."""
+    if cfg.data is not None:
+        from moe_rl.data.chat import load_tokenizer
+
+        return load_tokenizer(cfg)
+    from moe_rl.rollout.tasks import DigitTask
+
+    return task_tokenizer(DigitTask(cfg.train.task, cfg.model.vocab_size))
 
 
 def _world() -> tuple[int, int]:
@@ -54,9 +66,9 @@ class StepRecords:
         return f"{self.source}: " if self.source else ""
 
     @classmethod
-    def for_trainer(cls, cfg, task, run_id: str) -> StepRecords:
+    def for_trainer(cls, cfg, run_id: str) -> StepRecords:
         source = f"train.rollouts_from={cfg.train.rollouts_from}" if cfg.train.rollouts_from else None
-        return cls(cfg.model, run_id, task_tokenizer(task), source)
+        return cls(cfg.model, run_id, prompt_tokenizer(cfg), source)
 
     def stamp(self, batch: RolloutBatch) -> RolloutBatch:
         """Give a batch this learner generated its provenance (before it is saved)."""
