@@ -35,6 +35,7 @@ def test_filters_and_eval_through_the_trainer(tmp_path, device):
     assert proc.returncode == 0, proc.stderr[-4000:]
     metrics = read_metrics(out / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [0, 1, 2]
+    assert "eval task/pass@1" in proc.stdout and "eval task/pass@3" in proc.stdout  # the closing summary
     for m in metrics:  # before step 1, after each step
         assert {"eval/task/reward_mean", "eval/task/pass@1", "eval/task/pass@3"} <= m.keys(), m.keys()
         assert 0 <= m["eval/task/pass@1"] <= m["eval/task/pass@3"] <= 1
