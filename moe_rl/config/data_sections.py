@@ -39,6 +39,14 @@ class DataConfig(Section):
         return files
 
 
+class OverlongBufferConfig(Section):
+    """DAPO's soft overlong punishment (verl ``reward_model.overlong_buffer``): a response longer than
+    ``rollout.max_new_tokens - length`` loses ``penalty`` x (excess / length), up to ``penalty``."""
+
+    length: int = Field(ge=1, description="the buffer: tokens before rollout.max_new_tokens where the penalty ramps")
+    penalty: float = Field(1.0, ge=0.0, description="the penalty at rollout.max_new_tokens (verl penalty_factor)")
+
+
 class RewardConfig(Section):
     """How finished samples are scored (``moe_rl.reward``)."""
 
@@ -51,6 +59,9 @@ class RewardConfig(Section):
     )
     timeout_s: float = Field(30.0, gt=0, description="per sample, enforced by the worker pool")
     num_workers: int = Field(2, ge=1, description="reward worker processes")
+    overlong_buffer: OverlongBufferConfig | None = Field(
+        None, description="DAPO overlong shaping: {length, penalty}, added to every sample's reward"
+    )
     on_error: Literal["raise", "zero"] = Field(
         "raise", description="a reward that raises, times out or returns NaN: stop with an error, or score 0 and count it"
     )

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from moe_rl.config.loader import ConfigError
+from moe_rl.config.eval_section import eval_and_filters
 from moe_rl.config.loss_keys import ignored_loss_keys
 from moe_rl.config.preflight_data import data_files, hf_model_directory, reward_settings
 from moe_rl.config.schema import ExperimentConfig
@@ -163,10 +164,8 @@ def weight_sync_architecture(cfg: ExperimentConfig) -> Iterable[str]:
 
 
 CONFIG_RULES: tuple[ConfigRule, ...] = (
-    finite_numbers, sampling_settings, task_and_lengths, reward_fn_imports, learner_features,
-    weight_sync_architecture, ignored_loss_keys,
     finite_numbers, hf_model_directory, sampling_settings, task_and_lengths, reward_fn_imports, learner_features,
-    weight_sync_architecture, data_files, reward_settings,
+    weight_sync_architecture, ignored_loss_keys, data_files, reward_settings, eval_and_filters,
 )  # fmt: skip
 
 

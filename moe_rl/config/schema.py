@@ -23,6 +23,7 @@ from moe_rl.config.algo_sections import (  # noqa: F401  (re-exported: the schem
     RejectionMode,
 )
 from moe_rl.config.data_sections import DataConfig, RewardConfig  # noqa: F401  (re-exported)
+from moe_rl.config.eval_section import EvalConfig  # noqa: F401  (re-exported)
 from moe_rl.config.section import Section
 
 
@@ -250,6 +251,16 @@ class TrainConfig(Section):
         None, description="train on saved records DIR/step_<s>.safetensors instead of generating (no server)"
     )
     warm_start: WarmStartConfig | None = Field(None, description="supervised phase before RL; None = start from init")
+    filter_groups: bool = Field(
+        False, description="DAPO dynamic sampling: drop groups whose rewards are all equal and generate more prompts "
+        "until prompts_per_step informative groups are collected"
+    )
+    max_generation_rounds: int = Field(10, ge=1, description="filter_groups: generation rounds per step before giving up")
+    filter_groups_fallback: bool = Field(
+        False, description="filter_groups: when max_generation_rounds is reached, fill the batch with dropped groups "
+        "(counted) instead of failing"
+    )
+    mask_truncated: bool = Field(False, description="drop responses that hit rollout.max_new_tokens from the loss")
 
 
 class LoggingConfig(Section):
@@ -304,6 +315,7 @@ class ExperimentConfig(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     data: DataConfig | None = Field(None, description="prompt datasets; None = the built-in task train.task")
     reward: RewardConfig = Field(default_factory=RewardConfig)
+    eval: EvalConfig | None = Field(None, description="held-out evaluation during training; None = none")
     launch: SlurmConfig = Field(default_factory=SlurmConfig)
     grid: dict[str, Any] | None = Field(None, description="ablation grid: config key -> values, checked by moe-rl ablate")
 

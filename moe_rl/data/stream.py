@@ -1,6 +1,6 @@
 """The resumable prompt stream: what the training loop asks for the next prompts of a step.
 
-Owns the one interface the loop sees (``next_prompts(step, n)``, ``state()``, ``load_state()``) and
+Owns the one interface the loop sees (``next_prompts(step, n, round)``, ``state()``, ``load_state()``) and
 its two implementations:
 
 * ``TaskStream`` -- the built-in digit tasks (``train.task``): prompts drawn from
@@ -38,7 +38,7 @@ class PromptItem:
 
 
 class PromptStream(Protocol):
-    def next_prompts(self, step: int, n: int) -> list[PromptItem]: ...
+    def next_prompts(self, step: int, n: int, round: int = 0) -> list[PromptItem]: ...
 
     def state(self) -> dict | None: ...
 
@@ -51,8 +51,10 @@ class TaskStream:
     def __init__(self, task, seed: int):
         self.task, self.seed = task, seed
 
-    def next_prompts(self, step: int, n: int) -> list[PromptItem]:
-        rng = np.random.default_rng([self.seed, step])
+    def next_prompts(self, step: int, n: int, round: int = 0) -> list[PromptItem]:
+        """Round 0 draws from ``default_rng([seed, step])``; later rounds of a step (dynamic sampling)
+        from ``default_rng([seed, step, round])``."""
+        rng = np.random.default_rng([self.seed, step] if round == 0 else [self.seed, step, round])
         return [PromptItem(ids=p.ids, label=p.answer_text, data_source=self.task.name, task_prompt=p)
                 for p in self.task.sample_prompts(n, rng)]  # fmt: skip
 
@@ -82,7 +84,8 @@ class DatasetStream:
             self._order_epoch = epoch
         return self._order
 
-    def next_prompts(self, step: int, n: int) -> list[PromptItem]:
+    def next_prompts(self, step: int, n: int, round: int = 0) -> list[PromptItem]:
+        """The next ``n`` rows (every call moves the position, so a later round gets new rows)."""
         out = []
         while len(out) < n:
             take = min(n - len(out), len(self.items) - self.index)

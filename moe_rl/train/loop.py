@@ -38,6 +38,7 @@ from moe_rl.train.metrics_log import MetricsLogger
 from moe_rl.train.plan import plan_step
 from moe_rl.train.run_identity import resolve_run_id, version_nonce, write_checkpoint_identity, write_run_id
 from moe_rl.train.step_records import StepRecords
+from moe_rl.train.step_samples import StepSamples
 from moe_rl.train.update import StepInputs, old_logprob_rows, reference_rows, update_minibatch
 
 __all__ = ["RLTrainer", "train", "check_supported", "ROLLOUTS_DIR"]
@@ -93,7 +94,7 @@ class RLTrainer:
             apply_warm_start(self.learner, cfg)
         self.driver = ReplayDriver.from_config(self.learner.module, cfg)
         self.records = StepRecords.for_trainer(cfg, self.run_id)  # loads check records against the model
-        self.tokenizer = self.prompts = self.rewarder = None  # rank 0 samples and scores (set below)
+        self.tokenizer = self.prompts = self.rewarder = self.samples = self.evaluator = None  # rank 0's (below)
         if self.is_main and not self.from_records:
             self._prompt_data(meta)
         self.logprob_fn = make_logprob_fn(ksm_active(cfg), with_entropy=cfg.loss.entropy_coef > 0)
@@ -112,6 +113,11 @@ class RLTrainer:
         self.prompts = build_prompt_stream(self.cfg, self.tokenizer)
         self.prompts.load_state((meta or {}).get("extra", {}).get("data"))
         self.rewarder = build_rewarder(self.cfg, self.tokenizer)
+        self.samples = StepSamples(self.cfg, self.prompts, self.rewarder)
+        if self.cfg.eval is not None:
+            from moe_rl.train.evaluate import Evaluator
+
+            self.evaluator = Evaluator(self.cfg, self.tokenizer, self.rewarder, self.prompts)
 
     def plan(self, step: int):
         """This rank's ``StepPlan`` for ``step``."""
@@ -204,22 +210,24 @@ class RLTrainer:
                                         f"(expected {path})")  # fmt: skip
             return self.records.load(path)
         if self.is_main:
-            prompts = self.prompts.next_prompts(step, self.cfg.train.prompts_per_step)
+            from moe_rl.train.step_samples import round_group_ids
+
             n = self.cfg.rollout.samples_per_prompt
             if self.weight_sync is not None:
                 self.weight_sync.check_servable(client.addresses)  # never sample a half-updated server
-            samples = generate_checked(  # the synced weight version only; a dead server we launched restarts
-                lambda: client.generate([p.ids for p in prompts], n, step=step), self.version(step),
-                resync=lambda: self.resync(client.addresses, step),
-                restart=self.server_pool.restart if self.server_pool else None,
-            )  # fmt: skip
-            per_sample = [prompts[k // n] for k in range(len(samples))]
-            scores = self.rewarder.score(per_sample, [s.response_ids for s in samples])
-            for sample, prompt, reward in zip(samples, per_sample, scores.rewards, strict=True):
-                sample.reward, sample.data_file, sample.data_row = reward, prompt.file, prompt.row
+
+            def generate(prompts, round_):
+                ids, groups = [p.ids for p in prompts], round_group_ids(round_, len(prompts))
+                return generate_checked(  # the synced weight version only; a dead server we launched restarts
+                    lambda: client.generate(ids, n, step=step, group_ids=groups), self.version(step),
+                    resync=lambda: self.resync(client.addresses, step),
+                    restart=self.server_pool.restart if self.server_pool else None,
+                )  # fmt: skip
+
+            samples, sample_metrics = self.samples.make(step, generate)
             batch = self.records.stamp(RolloutBatch.from_samples(samples, num_experts=self.cfg.model.num_moe_experts))
-            if scores.metrics:
-                batch.extra["reward_metrics"] = scores.metrics  # travels with the records to every rank
+            if sample_metrics:
+                batch.extra["reward_metrics"] = sample_metrics  # travels with the records to every rank
             batch.validate(self.cfg.model)
             batch.save(path)  # persisted before it is trained on
         barrier()
@@ -236,8 +244,9 @@ class RLTrainer:
         if plan.num_samples != len(batch):
             raise RecordError(f"{self.records_dir}: step {step} has {len(batch)} samples; the config asks for "
                               f"{plan.num_samples} (train.prompts_per_step x rollout.samples_per_prompt)")  # fmt: skip
+        truncated = torch.tensor([f == "length" for f in batch.finish_reasons], dtype=torch.bool)
         inputs = StepInputs(batch, torch.zeros(len(batch), device="cpu"), int(batch.response_lens.max()), self.device, step,
-                            cfg.train.seed)  # fmt: skip
+                            cfg.train.seed, trainable=~truncated if cfg.train.mask_truncated else None)  # fmt: skip
         self.driver.begin_step()
         t1 = time.perf_counter()
         old = ref = None
@@ -259,7 +268,8 @@ class RLTrainer:
             "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()), "reward/max": float(rewards.max()),
             "response/len_mean": float(batch.response_lens.mean()),
             "response/len_max": float(batch.response_lens.max()),
-            "response/truncated_frac": float(np.mean([f == "length" for f in batch.finish_reasons])),
+            "response/truncated_frac": float(truncated.double().mean()),
+            "response/masked_truncated": float(truncated.sum()) if cfg.train.mask_truncated else 0.0,
             "ksm/outside_mask_frac": kept_set_outside_fraction(batch) if ksm_active(cfg) else 0.0,
             **self.records.step_metrics(batch),
             "time/rollout_s": t_rollout, "time/old_logp_s": t_old, "time/train_s": t_train,
@@ -329,11 +339,17 @@ class RLTrainer:
                     # the API key (a generated one by default); dataset prompts stop at the tokenizer's EOS
                     client = RolloutClient.from_config(cfg, addresses, headers=self.server_keys.headers(),
                                                        **self._stop_tokens())  # fmt: skip
+                if self.start_step == 0 and self._eval_due(0):  # before the first step: a line of its own
+                    logger.log(0, self.evaluator.run(client, 0, self.version(0)), progress=False)
                 for step in range(self.start_step, cfg.train.steps):
                     t0 = time.perf_counter()
                     metrics = self.step(client, step)
                     metrics["time/sync_s"] = self.sync_weights(addresses, step + 1)
                     metrics["time/step_s"] = time.perf_counter() - t0
+                    if self._eval_due(step + 1):  # at the weights just synced; never writes training records
+                        t1 = time.perf_counter()
+                        metrics |= self.evaluator.run(client, step + 1, self.version(step + 1))
+                        metrics["time/eval_s"] = time.perf_counter() - t1
                     # log before checkpointing: a kill in between resumes from the older checkpoint,
                     # which cuts this line again, so no step's metrics can go missing
                     logger.log(step + 1, metrics)
@@ -348,6 +364,10 @@ class RLTrainer:
             logger.close()
             self.close()
         return self.run_dir
+
+    def _eval_due(self, step: int) -> bool:
+        """Rank 0 evaluates after ``step`` RL steps (``eval`` section; generation needs the servers)."""
+        return self.evaluator is not None and self.evaluator.due(step)
 
     def _checkpoint_extra(self, rl_step: int) -> dict:
         """What a checkpoint carries besides weights: the RL step and the dataset position (rank 0's)."""

@@ -82,7 +82,8 @@ class MetricsLogger:
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="moe-rl", unit="step", dynamic_ncols=True)
 
-    def log(self, step: int, metrics: dict) -> None:
+    def log(self, step: int, metrics: dict, progress: bool = True) -> None:
+        """One record for ``step``; ``progress=False`` for a line that is not a step (the eval before step 1)."""
         if not self.enabled:
             return
         record = {"step": step, **{k: _finite(v) for k, v in sorted(metrics.items())}}
@@ -96,7 +97,7 @@ class MetricsLogger:
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
-        if self._bar is not None:
+        if self._bar is not None and progress:
             shown = {name: f"{metrics[key]:.3g}" for name, key in PROGRESS_KEYS.items() if key in metrics}
             self._bar.set_postfix(shown, refresh=False)
             self._bar.update(1)

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["warm_start_key", "sft_microbatch", "train_warm_start", "temper", "apply_warm_start", "cache_path"]
+__all__ = ["warm_start_key", "sft_microbatch", "teacher_forcing_batch", "train_warm_start", "temper", "apply_warm_start", "cache_path"]
 
 # Modules whose source decides the warm-start weights (besides this one): the task and the model build.
 _CODE_FILES = ("train/warm_start.py", "rollout/tasks.py", "rollout/tokenizer.py", "learner/model.py")
@@ -121,9 +121,14 @@ def sft_microbatch(prompts, device: torch.device) -> dict[str, torch.Tensor]:
     """
     from moe_rl.rollout.tokenizer import EOS_ID, PAD_ID
 
-    seqs = [(list(p.ids), list(p.answer) + [EOS_ID]) for p in prompts]
+    return teacher_forcing_batch([(list(p.ids), list(p.answer) + [EOS_ID]) for p in prompts], PAD_ID, device)
+
+
+def teacher_forcing_batch(seqs, pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """``sft_microbatch`` for any tokenizer: ``seqs`` are ``(prompt_ids, answer_ids)`` pairs (the answer
+    ending with its EOS), right-padded with ``pad_id``; the loss mask covers the answer tokens."""
     T = max(len(a) + len(b) for a, b in seqs) - 1
-    input_ids = torch.full((len(seqs), T), PAD_ID, dtype=torch.long, device="cpu")  # host build: train_step moves it
+    input_ids = torch.full((len(seqs), T), pad_id, dtype=torch.long, device="cpu")  # host build: train_step moves it
     targets = torch.full((len(seqs), T), -1, dtype=torch.long, device="cpu")
     mask = torch.zeros((len(seqs), T), dtype=torch.float32, device="cpu")
     for row, (prompt, response) in enumerate(seqs):
