@@ -177,7 +177,7 @@ class ReferencePolicy:
         path = reference_path(ckpt_dir)
         if _rank() == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
-        with self._on_device():
+        with self.on_device():
             save_global_model(self.model, path)
         _barrier()
         return path

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moe_rl.config import ConfigError, ExperimentConfig, save_config
+from moe_rl.config import ExperimentConfig, save_config
 from moe_rl.config.hf_model import side_files_dir
 from moe_rl.config.preflight import ksm_active
 from moe_rl.records import RecordError, RolloutBatch
