@@ -6,7 +6,7 @@ tokenizer and chat template, and a short supervised warm start on the dataset's 
 
 The dataset: one-step addition / subtraction word problems with numbers 0-9 ("Ann has 7 apples. She
 gets 5 more. How many apples does Ann have now?"), the answer in ``label`` and a worked solution
-``"7 + 5 = 12. \\boxed{12}"`` in ``solution``; ``train.jsonl`` and a disjoint ``eval.jsonl``.
+``"7 + 5 = 12. \\boxed{12}"`` in ``solution``; ``train.jsonl`` and a disjoint ``test.jsonl``.
 The model: the tokenizer is a byte-level BPE trained here (``tokenizers``) on the dataset's text with
 Qwen's special tokens and a Qwen-style chat template; the model is a random-init 2-layer, 8-expert
 top-2 Qwen3-MoE whose vocabulary is padded past the tokenizer's; it is then trained for a few
@@ -56,7 +56,7 @@ def write_data(out: Path, n_eval: int = 200, seed: int = 0) -> None:
     rows = problems()
     random.Random(seed).shuffle(rows)
     out.mkdir(parents=True, exist_ok=True)
-    for name, part in (("eval.jsonl", rows[:n_eval]), ("train.jsonl", rows[n_eval:])):
+    for name, part in (("test.jsonl", rows[:n_eval]), ("train.jsonl", rows[n_eval:])):
         with open(out / name, "w") as fh:
             for row in part:
                 fh.write(json.dumps(row) + "\n")
