@@ -104,10 +104,8 @@ def test_another_runs_records_load_with_one_warning_and_a_metric(tmp_path, caplo
 
 
 def _committed_records_learner(*overrides: str) -> StepRecords:
-    from moe_rl.rollout.tasks import build_task
-
     cfg = load_config(CONFIG, [*SHAPE, f"train.rollouts_from={RECORDS}", *overrides])
-    return StepRecords.for_trainer(cfg, build_task(cfg.train, cfg.model.vocab_size)[0], run_id="learner00001")
+    return StepRecords.for_trainer(cfg, run_id="learner00001")
 
 
 def test_old_records_without_a_fingerprint_load_with_a_warning(caplog):
