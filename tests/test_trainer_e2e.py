@@ -21,6 +21,8 @@ import pytest
 
 from moe_rl.train.metrics_log import read_metrics
 from moe_rl.records import RolloutBatch
+from moe_rl.rollout.integrity import version_label
+from moe_rl.train.run_identity import version_nonce
 
 pytestmark = pytest.mark.sglang
 
@@ -84,9 +86,11 @@ def test_rollouts_are_persisted_with_routes_masks_and_versions(r3_run):
     batch = RolloutBatch.load(files[1])
     assert len(batch) == 16 and batch.routes is not None and batch.mask_offsets is not None
     assert batch.routes.dtype == np.uint8 and batch.routes.shape[1:] == (2, 2)
-    assert set(batch.weight_versions) == {"step-1"}  # generated after the first weight sync
+    run_id = (out / "run_id").read_text().strip()
+    # generated after the first weight sync, labelled with this run's nonce (step-<s>-<nonce>)
+    assert set(batch.weight_versions) == {version_label(1, version_nonce(run_id))}
     # issue 28: stamped with the producing run and the model's architecture fingerprint
-    assert batch.run_id == (out / "run_id").read_text().strip()
+    assert batch.run_id == run_id
     assert batch.fingerprint["model.num_moe_experts"] == 8 and "tokenizer.vocab" in batch.fingerprint
 
 

@@ -214,7 +214,7 @@ def save_global_optimizer(optimizer, model, path: str | Path) -> None:
         for key in ("exp_avg", "exp_avg_sq"):
             moments[key][name] = state[key] if key in state else torch.zeros_like(main)
         # on the param's device: nccl gathers device tensors only
-        steps[name] = torch.as_tensor(state.get("step", 0.0), dtype=torch.float32).reshape(1).to(main.device)
+        steps[name] = torch.as_tensor(state.get("step", 0.0), dtype=torch.float32, device=main.device).reshape(1)
         if main is not p:
             moments["main"][name] = main
     out: dict[str, torch.Tensor] = {}
@@ -237,7 +237,7 @@ def load_global_optimizer(optimizer, model, path: str | Path) -> None:
                 key = f"main/{g}"
                 main.copy_(reader.shard(key, g, main) if key in reader.keys else p.to(main.dtype))
             like = main.detach()
-            step = reader.shard(f"step/{g}", g, torch.empty(1), split=False).reshape(())
+            step = reader.shard(f"step/{g}", g, torch.empty(1, device="cpu"), split=False).reshape(())  # a host scalar
             opt.state[main] = {
                 "step": step.clone().to(torch.float32),
                 "exp_avg": reader.shard(f"exp_avg/{g}", g, like).to(like.dtype, copy=True).to(like.device),
