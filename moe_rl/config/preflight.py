@@ -159,6 +159,10 @@ def pipeline_stages(cfg: ExperimentConfig) -> Iterable[str]:
         yield (f"parallel.pp={pp} must divide model.num_layers={m.num_layers} (each pipeline stage builds "
                f"num_layers / pp decoder layers); expected a divisor of {m.num_layers}")  # fmt: skip
         return
+    if m.moe_token_dispatcher_type == "allgather":
+        yield (f"model.moe_token_dispatcher_type='allgather' with parallel.pp={pp}: Megatron-Core refuses the "
+               "allgather dispatcher with variable_seq_lengths, which pipeline stages need for ragged microbatches; "
+               "expected 'alltoall'")  # fmt: skip
     per_stage = m.num_layers // pp
     pattern = m.moe_layer_pattern()
     dense = [s for s in range(pp) if not any(pattern[s * per_stage : (s + 1) * per_stage])]

@@ -138,12 +138,12 @@ class Learner:
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self._set_aux_loss_scale(n)
         device = model_device(self.model)
-        if pipeline_size() > 1:
+        if pipeline_size() > 1:  # the schedule sets the aux-loss scale itself (a [1] tensor: keep its shape)
             losses, metrics = pipeline_train(self.model, [to_device(mb, device) for mb in microbatches],
                                              logprob_fn or default_logprob_fn, loss_fn, temperature, scale)  # fmt: skip
         else:
+            self._set_aux_loss_scale(n)
             losses, metrics = self._accumulate(microbatches, loss_fn, temperature, logprob_fn, scale, device)
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
