@@ -150,14 +150,12 @@ def learner_features(cfg: ExperimentConfig) -> Iterable[str]:
 
 
 def pipeline_stages(cfg: ExperimentConfig) -> Iterable[str]:
-    """pp > 1: equal stages (Megatron builds num_layers / pp decoder layers on each, non-interleaved), and
-    every stage holds at least one MoE layer (routing replay and the dispatch probe bind per stage)."""
+    """pp > 1 (equal stages: the schema checks ``num_layers % pp``): every stage holds at least one MoE layer
+    (routing replay and the dispatch probe bind per stage), and the dispatcher accepts ragged microbatches."""
     m, pp = cfg.model, cfg.parallel.pp
     if pp == 1:
         return
-    if m.num_layers % pp:
-        yield (f"parallel.pp={pp} must divide model.num_layers={m.num_layers} (each pipeline stage builds "
-               f"num_layers / pp decoder layers); expected a divisor of {m.num_layers}")  # fmt: skip
+    if m.num_layers % pp:  # the schema refuses it ("parallel.pp=... must divide model.num_layers=...")
         return
     if m.moe_token_dispatcher_type == "allgather":
         yield (f"model.moe_token_dispatcher_type='allgather' with parallel.pp={pp}: Megatron-Core refuses the "
@@ -169,7 +167,7 @@ def pipeline_stages(cfg: ExperimentConfig) -> Iterable[str]:
     if dense:
         yield (f"parallel.pp={pp}: pipeline stage(s) {dense} would hold only dense layers "
                f"(model.first_k_dense_layers={m.first_k_dense_layers}, model.moe_layer_freq={m.moe_layer_freq}, "
-               f"{per_stage} layers per stage); expected every stage to hold a MoE layer: lower parallel.pp")  # fmt: skip
+               f"{per_stage} decoder layer(s) per stage); expected every stage to hold a MoE layer: lower parallel.pp")  # fmt: skip
 
 
 def weight_sync_architecture(cfg: ExperimentConfig) -> Iterable[str]:
