@@ -1,5 +1,6 @@
 """The CPU twins train through the entry point a user runs: `torchrun --nproc-per-node 2 -m moe_rl.cli
-train configs/cpu/<name>.yaml`, 2 ranks over gloo (ep=2; pp=2 for qwen3_235b_a22b), a real SGLang CPU server, 2 steps."""
+train configs/cpu/<name>.yaml`, 2 ranks over gloo (ep=2; pp=2 for qwen3_235b_a22b), a real SGLang CPU server,
+2 steps."""
 
 from __future__ import annotations
 

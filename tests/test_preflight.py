@@ -56,7 +56,8 @@ def test_every_shipped_config_passes_the_config_rules(path):
          "parallel.pp"),
         (["parallel.pp=2", "model.moe_token_dispatcher_type=allgather"],
          "model.moe_token_dispatcher_type='allgather' with parallel.pp=2: Megatron-Core refuses the allgather "
-         "dispatcher with variable_seq_lengths, which pipeline stages need for ragged microbatches; expected 'alltoall'"),
+         "dispatcher with variable_seq_lengths, which pipeline stages need for ragged microbatches; "
+         "expected 'alltoall'"),
         (["parallel.cp=2"],
          "parallel.cp=2: the training loop does not split sequences over context parallelism; expected 1"),
         (["model.moe_router_score_function=sigmoid"],

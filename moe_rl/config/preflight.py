@@ -167,7 +167,8 @@ def pipeline_stages(cfg: ExperimentConfig) -> Iterable[str]:
     if dense:
         yield (f"parallel.pp={pp}: pipeline stage(s) {dense} would hold only dense layers "
                f"(model.first_k_dense_layers={m.first_k_dense_layers}, model.moe_layer_freq={m.moe_layer_freq}, "
-               f"{per_stage} decoder layer(s) per stage); expected every stage to hold a MoE layer: lower parallel.pp")  # fmt: skip
+               f"{per_stage} decoder layer(s) per stage); expected every stage to hold a MoE layer: "
+               "lower parallel.pp")  # fmt: skip
 
 
 def weight_sync_architecture(cfg: ExperimentConfig) -> Iterable[str]:

@@ -257,7 +257,8 @@ def _local_expert_range(model) -> tuple[int, int]:
 
 
 def load_hf_weights(model, hf_dir: str | Path, model_cfg) -> None:
-    """Copy an HF checkpoint into ``model`` in place (this rank's experts under ep > 1, its stage's layers under pp > 1)."""
+    """Copy an HF checkpoint into ``model`` in place (this rank's experts under ep > 1, its stage's layers
+    under pp > 1)."""
     full = hf_to_megatron(read_hf_state_dict(hf_dir), model_cfg)
     start, num_local = _local_expert_range(model)
     offset = stage_layer_offset(model)

@@ -159,7 +159,8 @@ def build_model(cfg, seed: int | None = None):
 
     Under pipeline parallelism the model is this rank's stage: the embedding on the first stage,
     the output layer on the last, its share of the decoder layers on each. Weights are initialised
-    from ``seed`` (default ``cfg.train.seed``) through Megatron's model-parallel RNG tracker. Experts draw from a per-ep-rank stream,
+    from ``seed`` (default ``cfg.train.seed``) through Megatron's
+    model-parallel RNG tracker. Experts draw from a per-ep-rank stream,
     so ep=1 and ep=2 builds differ in expert values: load the same weights (HF
     import or checkpoint) when runs must match.
     """

@@ -79,7 +79,8 @@ def object_from_last_stage(obj):
 
 def _stage_forward(model, mb: dict) -> torch.Tensor:
     """A first / middle stage: the decoder layers it holds -> hidden states ``[S, B, H]`` for the next."""
-    return forward_logits(model, mb["input_ids"], segment_ids=mb.get("segment_ids"), padding_mask=mb.get("padding_mask"))
+    return forward_logits(model, mb["input_ids"], segment_ids=mb.get("segment_ids"),
+                          padding_mask=mb.get("padding_mask"))
 
 
 def _run(model, microbatches: list[dict], on_last, forward_only: bool) -> None:
@@ -93,9 +94,12 @@ def _run(model, microbatches: list[dict], on_last, forward_only: bool) -> None:
         return _stage_forward(m, mb), None
 
     schedule = pipeline_schedule()
+    # variable_seq_lengths: the stages exchange each microbatch's real shape; these are only upper bounds
+    seq_length = max(mb["input_ids"].shape[1] for mb in microbatches)
+    micro_batch_size = max(mb["input_ids"].shape[0] for mb in microbatches)
     schedule(forward_step_func=forward_step, data_iterator=iter(microbatches), model=[model],
-             num_microbatches=len(microbatches), seq_length=max(mb["input_ids"].shape[1] for mb in microbatches),
-             micro_batch_size=max(mb["input_ids"].shape[0] for mb in microbatches), forward_only=forward_only)  # fmt: skip
+             num_microbatches=len(microbatches), seq_length=seq_length, micro_batch_size=micro_batch_size,
+             forward_only=forward_only)  # fmt: skip
 
 
 def pipeline_logprobs(model, microbatches: list[dict], logprob_fn, temperature: float) -> list[torch.Tensor]:
