@@ -7,6 +7,7 @@ Megatron's 1F1B schedule (``Learner.train_step`` / ``forward_logprobs``). Checks
   flips show on layer 3 only, and both stages log the same per-layer metrics for all 4 layers;
 - ``r2``: R2 records each stage's own layers in the old-log-prob pass and replays them in the update:
   no flip on any layer, exactly-once consumption checked by the binding;
+- ``expert_bias``: each stage's routers move their expert bias by the valid tokens they dispatched;
 - ``export``: the HF checkpoint exported from pp=2 (both stages' layers, global numbers) equals the one
   the same weights give with pp=1 (rank 0 compares; also equal to the imported checkpoint).
 """
@@ -95,6 +96,42 @@ def check_r2(learner, rank: int) -> None:
     print(f"rank {rank} r2: OK", flush=True)
 
 
+def check_expert_bias(rank: int) -> None:
+    """DeepSeek-V3's expert bias under pp: ``finalize_model_grads`` after the schedule updates each stage's
+    routers from the valid tokens its own layers dispatched (bias += rate * sign(mean count - count))."""
+    from moe_rl.replay.dispatch_probe import DispatchProbe
+    from moe_rl.train.logprob import make_logprob_fn
+
+    cfg = config(2, "")
+    cfg = cfg.model_copy(update={
+        "model": cfg.model.model_copy(update={"moe_router_score_function": "sigmoid",
+                                              "moe_router_enable_expert_bias": True}),
+        "checkpoint": cfg.checkpoint.model_copy(update={"init_from_hf": None})})  # fmt: skip
+    learner = Learner(cfg)
+    routers = [m for m in learner.module.modules() if getattr(m, "expert_bias", None) is not None]
+    assert len(routers) == 2, f"stage {rank}: {len(routers)} routers with an expert bias; expected its 2"
+    before = [r.expert_bias.detach().clone() for r in routers]
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, V, (3, 12), generator=g).to(rank_device())
+    valid = torch.ones(3, 12, dtype=torch.bool, device=rank_device())
+    valid[0, 3:] = False
+    targets = torch.where(valid, torch.roll(ids, -1, 1), torch.full_like(ids, -1))
+    probe = DispatchProbe(learner.module)
+    with probe.capture() as cap:
+        learner.train_step([{"input_ids": ids, "targets": targets, "padding_mask": ~valid}],
+                           lambda logp, ent, t: (-(logp * valid).sum() / valid.sum(), {}), 1.0,
+                           make_logprob_fn(False, with_entropy=False))  # fmt: skip
+    maps = cap.maps(0)
+    probe.close()
+    for layer, (router, old) in enumerate(zip(routers, before)):
+        counts = maps[..., layer, :][valid.cpu()].sum(0).float()
+        expected = 1e-3 * torch.sign(counts.mean() - counts)
+        moved = router.expert_bias.detach().cpu() - old.cpu()
+        torch.testing.assert_close(moved, expected, msg=f"stage {rank} layer {layer}: not the valid-token rule")
+        assert moved.abs().sum() > 0, f"stage {rank} layer {layer}: the expert bias did not move"
+    print(f"rank {rank} expert_bias: OK", flush=True)
+
+
 def _default(model, mb, temperature):
     from moe_rl.learner.train_step import default_logprob_fn
 
@@ -118,6 +155,7 @@ def main() -> None:
     learner, pp2 = export(2, hf_dir)
     check_r2(learner, rank)
     check_unbound(learner, rank)  # last: the router it leaves out stays adopted by the closed binding
+    check_expert_bias(rank)
     _, pp1 = export(1, hf_dir)  # the same weights on 2 data-parallel ranks, one stage each
     if rank == 0:
         source = read_hf_state_dict(hf_dir)

@@ -2,7 +2,7 @@
 
 The worker (``pp_worker.py``, ~30 s on an idle machine) checks routing replay per stage (R2 records and
 replays each stage's own MoE layers; a router left out of stage 1's binding shows as flips on that layer
-only, logged identically by both stages) and the HF export from a pp=2 layout (equal to pp=1's). The
+only, logged identically by both stages), the expert-bias update of every stage's routers, and the HF export from a pp=2 layout (equal to pp=1's). The
 end-to-end pp=2 == 1 rank equality is in ``test_step_equality.py``.
 """
 
@@ -35,6 +35,11 @@ def worker_output(tmp_path_factory):
 def test_replay_binds_each_stage_to_its_own_moe_layers(worker_output, check):
     rc, out, err = worker_output
     assert f"rank 0 {check}: OK" in out and f"rank 1 {check}: OK" in out, f"rc={rc}\n{out[-3000:]}\n{err}"
+
+
+def test_each_stage_updates_its_routers_expert_bias_from_its_own_token_counts(worker_output):
+    rc, out, err = worker_output
+    assert "rank 0 expert_bias: OK" in out and "rank 1 expert_bias: OK" in out, f"rc={rc}\n{out[-3000:]}\n{err}"
 
 
 def test_hf_export_from_two_stages_equals_one_stage(worker_output):
