@@ -1,7 +1,7 @@
 """Pipeline-parallel passes of the learner (``parallel.pp > 1``) through Megatron-Core's schedule.
 
 Owns running one list of microbatches through ``get_forward_backward_func`` (non-interleaved 1F1B;
-interleaved stages are refused by the preflight) and handing what the last stage computed to every
+the config has no virtual-pipeline key, and a model built with one is refused here) and handing what the last stage computed to every
 stage, so the callers (``moe_rl.train.update``, the reference policy) see exactly what a pp=1 run
 sees. With pp = 1 nothing here runs: the learner keeps its own loop (bit-identical to before).
 
@@ -85,6 +85,10 @@ def _stage_forward(model, mb: dict) -> torch.Tensor:
 
 def _run(model, microbatches: list[dict], on_last, forward_only: bool) -> None:
     """Run ``microbatches`` through the schedule; ``on_last(model, mb) -> (output, loss_func)`` on the last stage."""
+    vpp = getattr(model.config, "virtual_pipeline_model_parallel_size", None)
+    if vpp:
+        raise NotImplementedError(f"virtual_pipeline_model_parallel_size={vpp}: moe_rl runs the non-interleaved "
+                                  "pipeline schedule only; build the model without virtual stages")  # fmt: skip
     last = is_last_stage()
 
     def forward_step(data_iterator, m):
