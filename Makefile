@@ -3,13 +3,20 @@ VENV ?= $(or $(MOE_RL_VENV),$(CURDIR)/.venv)
 PY := $(VENV)/bin/python
 export MOE_RL_VENV := $(VENV)
 
-.PHONY: install demo test bench gpu-check
+.PHONY: install demo test bench gpu-check math-example
 install:
 	bash scripts/install.sh
 
 # A fresh run directory each time (a second `make demo` trains again; the warm start is cached).
 demo: install
 	$(VENV)/bin/moe-rl train configs/demo.yaml train.output_dir=runs/demo/$$(date +%Y%m%d-%H%M%S)
+
+# The real-data example (configs/math_cpu.yaml): a word-problem dataset (committed), a tiny Qwen3-MoE
+# with its own BPE tokenizer and chat template given a short SFT (built once into examples/math/model),
+# then RL with the math reward and held-out pass@k.
+math-example: install
+	[ -f examples/math/model/model.safetensors ] || $(PY) scripts/make_math_example.py model
+	$(VENV)/bin/moe-rl train configs/math_cpu.yaml train.output_dir=runs/math_cpu/$$(date +%Y%m%d-%H%M%S)
 
 test: install
 	$(PY) -m pytest -q tests

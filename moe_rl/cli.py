@@ -79,6 +79,9 @@ def _records_inspect(args) -> int:
             failed += 1
             continue
         print(json.dumps({"file": path, **batch.summary()}, indent=2))
+        if batch.fingerprint is None:
+            print(f"note: {path}: no architecture fingerprint or producing run (records from before format 2)",
+                  file=sys.stderr)  # fmt: skip
     return 2 if failed else 0
 
 
@@ -92,7 +95,7 @@ def _train(args) -> int:
 
 
 def _ablate(args) -> int:
-    from moe_rl.ablate import AblationError, run_ablation
+    from moe_rl.study.ablate import AblationError, run_ablation
 
     _checked_config(args, env=True)
     try:
@@ -112,7 +115,7 @@ def _launch(args) -> int:
 
 
 def _diagnose(args) -> int:
-    from moe_rl.diagnose import run_diagnose
+    from moe_rl.study.diagnose import run_diagnose
 
     cfg = _checked_config(args, env=True)
     out = args.out or f"{cfg.train.output_dir}/diagnose"
@@ -157,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_config_show)
 
     rec = sub.add_parser("records", help="inspect rollout records files").add_subparsers(dest="action", required=True)
-    p = rec.add_parser("inspect", help="summary of records files (samples, tokens, bytes per route entry, masks)")
+    p = rec.add_parser("inspect", help="summary of records files (samples, tokens, route bytes, masks, "
+                                       "producing run, architecture fingerprint)")
     p.add_argument("files", nargs="+")
     p.set_defaults(func=_records_inspect)
 
@@ -199,6 +203,7 @@ QUIET_WARNINGS = (r".*Transformer Engine and Apex are not installed.*", r"Apex i
 USER_ERRORS = (
     ("moe_rl.learner.checkpoint", "CheckpointError"), ("moe_rl.train.run_dir", "RunDirError"),
     ("moe_rl.rollout.auth", "ServerKeyError"), ("moe_rl.rollout.integrity", "WeightVersionError"),
+    ("moe_rl.data.loaders", "DataError"), ("moe_rl.reward.scorer", "RewardError"),
 )  # fmt: skip
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from moe_rl.diagnose_report import verdict
+from moe_rl.study.diagnose_report import verdict
 from moe_rl.rollout.quantize import fake_quantize
 
 ROOT = Path(__file__).parents[1]

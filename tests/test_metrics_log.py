@@ -39,3 +39,24 @@ def test_non_main_ranks_write_nothing(tmp_path):
     logger.log(1, {"reward/mean": 0.5})
     logger.close()
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_wandb_resumes_the_same_run_id(tmp_path, monkeypatch):
+    """wandb (optional, not installed here): a stand-in module records what MetricsLogger asks of ``wandb.init``;
+    a fresh run and its resume pass the same id, so wandb continues one run instead of starting another."""
+    import sys
+    import types
+
+    from moe_rl.train.metrics_log import wandb_init_kwargs
+
+    calls = []
+    stand_in = types.ModuleType("wandb")
+    stand_in.init = lambda **kw: calls.append(kw) or types.SimpleNamespace(log=lambda *a, **k: None,
+                                                                         finish=lambda: None)  # fmt: skip
+    monkeypatch.setitem(sys.modules, "wandb", stand_in)
+    cfg = LoggingConfig(tensorboard=False, progress=False, wandb=True, wandb_mode="offline")
+    for start in (0, 2):  # the fresh run, then its resume
+        MetricsLogger(tmp_path, cfg, total_steps=5, start_step=start, run_id="0123456789ab").close()
+    assert [c["id"] for c in calls] == ["0123456789ab", "0123456789ab"]
+    assert all(c["resume"] == "allow" and c["mode"] == "offline" for c in calls)
+    assert "id" not in wandb_init_kwargs(cfg, tmp_path, "x", None)

@@ -85,6 +85,9 @@ def test_rollouts_are_persisted_with_routes_masks_and_versions(r3_run):
     assert len(batch) == 16 and batch.routes is not None and batch.mask_offsets is not None
     assert batch.routes.dtype == np.uint8 and batch.routes.shape[1:] == (2, 2)
     assert set(batch.weight_versions) == {"step-1"}  # generated after the first weight sync
+    # issue 28: stamped with the producing run and the model's architecture fingerprint
+    assert batch.run_id == (out / "run_id").read_text().strip()
+    assert batch.fingerprint["model.num_moe_experts"] == 8 and "tokenizer.vocab" in batch.fingerprint
 
 
 def test_routing_none_on_the_same_data_reports_natural_flips(tmp_path, r3_run):

@@ -88,13 +88,21 @@ def rloo_advantages(
     return torch.where(count > 1, (rewards - mean) * count / (count - 1).clamp_min(1), torch.zeros_like(rewards))
 
 
-def _whiten(x: torch.Tensor, weights: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """(x − mean) / (std + eps) over the batch, weighted (e.g. by response length) if ``weights`` is given."""
+WHITEN_VAR_EPS = 1e-8  # verl's masked_whiten: (x − mean) · rsqrt(var + 1e-8)
+
+
+def _whiten(x: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """(x − mean) · rsqrt(var + 1e-8) over the batch, weighted (e.g. by response length) if ``weights`` is given.
+
+    verl's ``masked_whiten`` form (unbiased variance, 1e-8 added to the *variance*), so a batch of
+    nearly equal rewards is not blown up to ±1: rewards [0, 1e-5, 0, 1e-5] give ±0.050, where
+    (x − mean)/(std + 1e-6) gave ±0.738.
+    """
     w = torch.ones_like(x) if weights is None else weights.to(x.dtype)
     n = w.sum()
     mean = (w * x).sum() / n
     var = (w * (x - mean) ** 2).sum() / (n - 1).clamp_min(1)  # unbiased, like verl's masked_whiten
-    return (x - mean) / (var.sqrt() + eps)
+    return (x - mean) * torch.rsqrt(var + WHITEN_VAR_EPS)
 
 
 def reinforce_pp_advantages(
@@ -103,7 +111,6 @@ def reinforce_pp_advantages(
     group_ids: torch.Tensor | None = None,
     lengths: torch.Tensor | None = None,
     baseline: bool = False,
-    eps: float = 1e-6,
 ) -> torch.Tensor:
     """REINFORCE++ ``adv[B]``: batch-whitened rewards, optionally after a group-mean baseline.
 
@@ -112,7 +119,8 @@ def reinforce_pp_advantages(
     before whitening. Group arguments are only needed with ``baseline=True``.
     ``lengths[B]`` (response lengths) weights each sample by its token count in the whitening
     statistics — verl whitens the token-level tensor, which is exactly that; without it every
-    sequence counts once.
+    sequence counts once. whiten(x) = (x − mean)·rsqrt(var + 1e-8), verl's form
+    (``advantage.eps`` is GRPO's and is not used here).
     """
     _check_rewards(rewards)
     x = rewards
@@ -122,7 +130,7 @@ def reinforce_pp_advantages(
         x = rewards - mean
     if lengths is not None and lengths.shape != rewards.shape:
         raise ValueError(f"lengths: expected shape {tuple(rewards.shape)}, got {tuple(lengths.shape)}")
-    return _whiten(x, lengths, eps)
+    return _whiten(x, lengths)
 
 
 def opo_advantages(
@@ -215,7 +223,7 @@ def compute_advantages(
     if estimator in ("reinforce_pp", "reinforce_pp_baseline"):
         base = estimator == "reinforce_pp_baseline"
         return reinforce_pp_advantages(rewards, group_size if base else None, group_ids if base else None,
-                                       lengths, baseline=base, eps=adv_cfg.eps)  # fmt: skip
+                                       lengths, baseline=base)  # fmt: skip
     if estimator == "opo":
         if lengths is None:
             raise ValueError("advantage.estimator='opo' needs the response lengths [B]; got lengths=None")

@@ -61,8 +61,10 @@ def cov_selection(loss_cfg, logp, old_logp, advantages, mask, generator=None) ->
 
     ``logp[N, T]`` is π_θ (no-grad pre-pass), ``old_logp`` the loss's anchor, ``advantages``
     ``[N]`` or ``[N, T]``, ``mask[N, T]`` the tokens entering the loss; ``generator`` seeds
-    Clip-Cov's draw (from train.seed, step, minibatch, rank). The centring means and the count
-    k are the minibatch's, so the selection does not depend on the microbatch split.
+    Clip-Cov's draw: seed it from (train.seed, step, epoch, minibatch) and *not* the rank — every
+    rank sees the same gathered rows and must draw the same tokens (``train/update.py``). The
+    centring means and the count k are the minibatch's, so the selection does not depend on the
+    microbatch split (verl selects per microbatch: docs/algo.md "Porting a verl config").
     """
     t = loss_cfg.type
     if t not in ("clip_cov", "kl_cov"):
@@ -105,7 +107,8 @@ def clip_cov_loss(
 
     Candidates: valid tokens not already clipped by PPO with cov_lb < cov_t < cov_ub; of them
     ``num_select`` (default max(1, ⌊cov_fraction·N⌋)) are drawn uniformly without replacement
-    using ``generator`` (seed it from (train.seed, step, minibatch, rank) so resume is exact)
+    using ``generator`` (seed it from (train.seed, step, epoch, minibatch) — the same on every rank —
+    so resume is exact)
     and get ℓ_t = 0. ``selected[B, T]`` (from :func:`cov_selection`) replaces the draw.
     Metrics: cov_clip_frac (tokens zeroed), clip_frac (PPO), approx_kl.
     """
@@ -139,7 +142,7 @@ def kl_cov_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     cov_fraction: float = 2e-4,
-    kl_coef: float = 1.0,
+    kl_coef: float = 0.1,
     center: tuple[float, float] | None = None,
     num_select: int | None = None,
     is_weights: torch.Tensor | None = None,

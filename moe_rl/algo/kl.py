@@ -15,7 +15,7 @@ from moe_rl.algo._tensors import LOG_RATIO_BOUND
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "k1_plus", "k2_plus", "k3_plus", "abs_plus")
 
 
-def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k2") -> torch.Tensor:
     """Per-token KL estimate ``kl[B, T]`` from ``logp[B, T]`` (with grad) and ``ref_logp[B, T]``.
 
     ``<k>_plus`` is straight-through: the forward value of estimator k, the backward gradient

@@ -63,7 +63,8 @@ def sequence_log_ratio(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log s[B], inside[B]): log s_i = masked mean of ``x[B, T]`` (a token log-ratio), clamped at ±20.
 
-    Beyond ±20 the gradient is zero (``inside`` = 0 there; verl's behaviour). With detached
+    Beyond ±20 the gradient is zero (``inside`` = 0 there, as a clamp's is). The ±20 is our bound;
+    verl clamps its token-form log-ratio at +10 only (docs/algo.md). With detached
     ``is_weights[B, T]`` the value is unchanged but the gradient reaching token t is weighted
     by w_t / w̄_i (w̄_i the sequence's mean weight), so that after the weights multiply the
     sequence's tokens each token's gradient carries its own weight — as in GSPO-token.

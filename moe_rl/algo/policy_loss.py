@@ -208,6 +208,7 @@ def prepare_corrections(
     policy_logp: torch.Tensor | None = None,
     advantages: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    loss_mask: torch.Tensor | None = None,
 ) -> PreparedCorrections:
     """Phase 1 of a minibatch: rejection, IS weights and the loss denominator over ALL its samples.
 
@@ -225,7 +226,8 @@ def prepare_corrections(
     ``policy_logp`` and ``advantages`` ([N] or [N, T]) give the step-global token selection
     (``cov_selected``; Clip-Cov draws with ``generator``, seeded from train.seed, step and
     minibatch — identical on every rank, which all see the gathered rows); without them each
-    ``policy_loss`` call selects on its own microbatch.
+    ``policy_loss`` call selects on its own microbatch. ``loss_mask[N, T]`` removes tokens from the
+    loss (and its denominator) like a rejection, while the off-policy metrics still see them.
     """
     if loss_cfg.aggregation not in AGGREGATIONS:
         raise ValueError(f"loss.aggregation: expected one of {AGGREGATIONS}, got {loss_cfg.aggregation!r}")
@@ -233,6 +235,8 @@ def prepare_corrections(
     rollout = check_logp("rollout_logp", rollout_logp.detach(), mask)
     source = check_logp("source_logp", source_logp.detach(), mask)
     keep, metrics = _sequence_free_rejection(correction_cfg, source, rollout, mask, {})
+    if loss_mask is not None:  # tokens kept out of the loss before any correction (train.mask_truncated)
+        keep = keep & loss_mask.to(keep.device).bool()
     if getattr(correction_cfg, "m2po_tau", None) is not None:  # the behaviour ratio, after rejection
         k, m = m2po_mask(source, rollout, keep, correction_cfg.m2po_tau)
         keep, metrics = keep & k, metrics | m
@@ -271,7 +275,7 @@ def policy_loss(
     and ranks gives the minibatch loss. Called once more on the gathered, detached π_θ of the
     whole minibatch, its metrics (clip fractions, ratios, OPSM, off-policy diagnostics, KL,
     entropy) are step-global and its loss equals that sum. ``generator`` seeds Clip-Cov's
-    random token selection (seed it from train.seed, step, minibatch and rank) when no
+    random token selection (seed it from train.seed, step, epoch and minibatch, not the rank) when no
     ``cov_selected[B, T]`` (rows of ``PreparedCorrections.cov_selected``) is given. The loss is
     multiplied by ``loss.scale_factor``; the KL to the reference is logged as ``loss/kl_ref``.
     """

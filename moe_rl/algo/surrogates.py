@@ -64,6 +64,6 @@ def surrogate_loss(
                              opt("clip_cov_lb", 1.0), opt("clip_cov_ub", 5.0), generator=generator, selected=cov_selected,
                              **common)  # fmt: skip
     if t == "kl_cov":
-        return kl_cov_loss(logp, anchor, adv, keep, opt("kl_cov_ratio", 2e-4), opt("kl_cov_coef", 1.0),
+        return kl_cov_loss(logp, anchor, adv, keep, opt("kl_cov_ratio", 2e-4), opt("kl_cov_coef", 0.1),
                            selected=cov_selected, **common)  # fmt: skip
     raise ValueError(f"loss.type: expected one of {LOSS_TYPES}, got {t!r}")

@@ -102,7 +102,7 @@ class LossConfig(Section):
     clip_cov_lb: float = Field(1.0, description="Clip-Cov candidate covariance lower bound")
     clip_cov_ub: float = Field(5.0, description="Clip-Cov candidate covariance upper bound")
     kl_cov_ratio: float = Field(2e-4, gt=0, le=1, description="fraction of tokens KL-Cov penalises")
-    kl_cov_coef: float = Field(1.0, ge=0, description="KL-Cov beta on |log r|")
+    kl_cov_coef: float = Field(0.1, ge=0, description="KL-Cov beta on |log r| (verl ppo_kl_coef 0.1)")
     aggregation: Literal[
         "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "token_sum", "seq_mean_token_sum",
     ] = "token_mean"  # fmt: skip
@@ -111,7 +111,9 @@ class LossConfig(Section):
     )
     scale_factor: float = Field(1.0, gt=0, description="constant multiplier of the total loss")
     kl_coef: float = Field(0.0, ge=0)
-    kl_estimator: Literal["k1", "k2", "k3", "abs", "k1_plus", "k2_plus", "k3_plus", "abs_plus"] = "k3"
+    kl_estimator: Literal["k1", "k2", "k3", "abs", "k1_plus", "k2_plus", "k3_plus", "abs_plus"] = Field(
+        "k2", description="KL to the reference in the loss; k2's gradient is the KL's (seed 000; verl: low_var_kl = k3)"
+    )
     entropy_coef: float = Field(0.0, ge=0)
 
     @model_validator(mode="after")
@@ -143,7 +145,7 @@ class AdvantageConfig(Section):
     estimator: Literal[
         "grpo", "grpo_no_std", "rloo", "reinforce_pp", "reinforce_pp_baseline", "opo", "vcpo_opob",
     ] = "grpo"  # fmt: skip
-    eps: float = Field(1e-6, gt=0)
+    eps: float = Field(1e-6, gt=0, description="GRPO: A = (r - mean) / (std + eps); REINFORCE++ whitening uses var + 1e-8")
 
 
 class OptimConfig(Section):

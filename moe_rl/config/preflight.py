@@ -22,6 +22,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from moe_rl.config.loader import ConfigError
+from moe_rl.config.eval_section import eval_and_filters
+from moe_rl.config.loss_keys import ignored_loss_keys
+from moe_rl.config.preflight_data import data_files, hf_model_directory, reward_settings
 from moe_rl.config.schema import ExperimentConfig
 
 __all__ = [
@@ -94,6 +97,8 @@ def task_and_lengths(cfg: ExperimentConfig) -> Iterable[str]:
     from moe_rl.rollout.tasks import KNOWN_TASKS, DigitTask
 
     t, m, r = cfg.train, cfg.model, cfg.rollout
+    if cfg.data is not None:  # prompts come from data.train_files (moe_rl.config.preflight_data)
+        return
     if t.task not in KNOWN_TASKS:
         yield f"train.task={t.task!r} is not a known task; expected one of {sorted(KNOWN_TASKS)}"
         return
@@ -180,8 +185,8 @@ def weight_sync_architecture(cfg: ExperimentConfig) -> Iterable[str]:
 
 
 CONFIG_RULES: tuple[ConfigRule, ...] = (
-    finite_numbers, sampling_settings, task_and_lengths, reward_fn_imports, learner_features,
-    weight_sync_architecture,
+    finite_numbers, hf_model_directory, sampling_settings, task_and_lengths, reward_fn_imports, learner_features,
+    weight_sync_architecture, ignored_loss_keys, data_files, reward_settings, eval_and_filters,
 )  # fmt: skip
 
 

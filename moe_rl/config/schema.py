@@ -22,6 +22,8 @@ from moe_rl.config.algo_sections import (  # noqa: F401  (re-exported: the schem
     RejectionCriterion,
     RejectionMode,
 )
+from moe_rl.config.data_sections import DataConfig, RewardConfig  # noqa: F401  (re-exported)
+from moe_rl.config.eval_section import EvalConfig  # noqa: F401  (re-exported)
 from moe_rl.config.section import Section
 
 
@@ -36,8 +38,15 @@ class FP8Config(Section):
 
 
 class ModelConfig(Section):
-    """Decoder-only MoE transformer (Qwen3-MoE / DeepSeek-V3 family), Megatron names."""
+    """Decoder-only MoE transformer (Qwen3-MoE / DeepSeek-V3 family), Megatron names.
 
+    With ``hf_path`` every architecture key not given explicitly is read from ``hf_path/config.json``
+    (``moe_rl.config.hf_model``); an explicit key that disagrees is refused by the preflight.
+    """
+
+    hf_path: str | None = Field(
+        None, description="Hugging Face model directory: architecture (config.json), initial weights and tokenizer"
+    )
     num_layers: int = Field(2, ge=1)
     hidden_size: int = Field(64, ge=1)
     ffn_hidden_size: int = Field(128, ge=1, description="dense MLP width (dense layers only)")
@@ -89,6 +98,20 @@ class ModelConfig(Section):
     @property
     def num_moe_layers(self) -> int:
         return sum(self.moe_layer_pattern())
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_from_hf(cls, data):
+        """Keys not given explicitly come from ``hf_path/config.json`` (unreadable: the preflight says why)."""
+        if not isinstance(data, dict) or not data.get("hf_path"):
+            return data
+        from moe_rl.config.hf_model import HFModelError, model_keys_from_hf, read_hf_config
+
+        try:
+            derived = model_keys_from_hf(read_hf_config(data["hf_path"]), str(data["hf_path"]))
+        except HFModelError:
+            return data
+        return {**derived, **data}
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
@@ -228,6 +251,16 @@ class TrainConfig(Section):
         None, description="train on saved records DIR/step_<s>.safetensors instead of generating (no server)"
     )
     warm_start: WarmStartConfig | None = Field(None, description="supervised phase before RL; None = start from init")
+    filter_groups: bool = Field(
+        False, description="DAPO dynamic sampling: drop groups whose rewards are all equal and generate more prompts "
+        "until prompts_per_step informative groups are collected"
+    )
+    max_generation_rounds: int = Field(10, ge=1, description="filter_groups: generation rounds per step before giving up")
+    filter_groups_fallback: bool = Field(
+        False, description="filter_groups: when max_generation_rounds is reached, fill the batch with dropped groups "
+        "(counted) instead of failing"
+    )
+    mask_truncated: bool = Field(False, description="drop responses that hit rollout.max_new_tokens from the loss")
 
 
 class LoggingConfig(Section):
@@ -244,7 +277,10 @@ class CheckpointConfig(Section):
     save_interval: int = Field(0, ge=0, description="0 = only at the end")
     keep_last: int = Field(2, ge=1)
     resume: Literal["auto", "never"] = "auto"
-    init_from_hf: str | None = Field(None, description="HF checkpoint dir to initialise the learner from")
+    init_from_hf: str | None = Field(
+        None, description="HF checkpoint dir the initial weights come from (default: model.hf_path); architecture "
+        "and tokenizer still come from the model section"
+    )
     overwrite: bool = Field(False, description="with resume=never: discard a previous run in train.output_dir")
     allow_changes: list[str] = Field(
         default_factory=list, description="config keys (or 'section.*') allowed to differ from the run being resumed"
@@ -277,6 +313,9 @@ class ExperimentConfig(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    data: DataConfig | None = Field(None, description="prompt datasets; None = the built-in task train.task")
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    eval: EvalConfig | None = Field(None, description="held-out evaluation during training; None = none")
     launch: SlurmConfig = Field(default_factory=SlurmConfig)
     grid: dict[str, Any] | None = Field(None, description="ablation grid: config key -> values, checked by moe-rl ablate")
 

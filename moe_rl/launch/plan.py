@@ -18,6 +18,7 @@ from pathlib import PurePosixPath
 
 from moe_rl.config import ConfigError, ExperimentConfig, dump_config
 from moe_rl.launch.hostlist import HostlistError, expand_hostlist
+from moe_rl.rollout.auth import RUN_ADMIN_KEY_ENV
 from moe_rl.rollout.launcher import ServerSpec, server_command, server_env
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class LaunchPlan:
     startup_timeout_s: float
     sbatch_args: tuple[str, ...]
     notes: tuple[str, ...] = ()
+    generated_key_env: str | None = None  # the script exports a fresh random admin key under this name
 
 
 def sbatch_args(cfg: ExperimentConfig) -> list[str]:
@@ -133,7 +135,7 @@ def rollout_gpus_per_server(cfg: ExperimentConfig) -> int:
         if arg.partition("=")[0] in _OWNED_SERVER_FLAGS:
             raise LaunchError(
                 f"rollout.extra_server_args sets {arg.partition('=')[0]}, which the launcher sets itself "
-                "(model from checkpoint.init_from_hf, port from launch.rollout_port, one server per node)"
+                "(model from model.hf_path / checkpoint.init_from_hf, port from launch.rollout_port, one server per node)"
             )
     tp = _server_flag_int(args, "--tp-size", "--tensor-parallel-size")
     pp = _server_flag_int(args, "--pp-size", "--pipeline-parallel-size")
@@ -176,9 +178,11 @@ def _rollout_steps(
 ) -> tuple[list[SrunStep], list[str], list[str]]:
     """One SGLang server per rollout node, listening on all interfaces at ``launch.rollout_port``."""
     ln, notes = cfg.launch, []
-    if cfg.checkpoint.init_from_hf is None:
+    from moe_rl.config.hf_model import initial_weights_dir
+
+    if initial_weights_dir(cfg) is None:
         raise LaunchError(
-            "rollout servers need a HF checkpoint to serve: set checkpoint.init_from_hf "
+            "rollout servers need a HF checkpoint to serve: set model.hf_path or checkpoint.init_from_hf "
             "(the learner initialises from the same directory)"
         )
     per_server = rollout_gpus_per_server(cfg)
@@ -194,15 +198,13 @@ def _rollout_steps(
                 f"'--dp-size {ln.gpus_per_node // per_server}' to rollout.extra_server_args to use them all"
             )
     # 0.0.0.0: the learner nodes connect from outside; same flags as the local launcher otherwise.
-    spec = ServerSpec.from_rollout_config(cfg.rollout, cfg.checkpoint.init_from_hf, host="0.0.0.0",
-                                          port=ln.rollout_port)  # fmt: skip
-    if not (cfg.rollout.api_key_env or cfg.rollout.admin_api_key_env):
-        warning = (
-            "WARNING: the SGLang servers listen on 0.0.0.0 without an API key: anyone who reaches "
-            f"port {ln.rollout_port} can replace the served weights; set rollout.api_key_env (docs/operations.md)"
-        )
-        notes.append(warning)
-        logger.warning(warning)
+    # No key configured: the script draws a fresh admin key at run time (generated_key_env), never in a file.
+    keys = {} if _configured_keys(cfg) else {"admin_api_key_env": RUN_ADMIN_KEY_ENV}
+    spec = ServerSpec.from_rollout_config(cfg.rollout, initial_weights_dir(cfg), host="0.0.0.0",
+                                          port=ln.rollout_port, **keys)  # fmt: skip
+    if keys:
+        notes.append(f"no rollout.api_key_env: a fresh random admin key for this job is exported as "
+                     f"{RUN_ADMIN_KEY_ENV} to the servers and the learner (never written to a file)")  # fmt: skip
     steps, urls = [], []
     for node in nodes:
         srun = ["--nodes=1", "--ntasks=1", f"--nodelist={node}"]
@@ -214,6 +216,10 @@ def _rollout_steps(
         steps.append(SrunStep("rollout", (node,), tuple(srun), command, env))
         urls.append(f"http://{node}:{ln.rollout_port}")
     return steps, urls, notes
+
+
+def _configured_keys(cfg: ExperimentConfig) -> bool:
+    return bool(cfg.rollout.api_key_env or cfg.rollout.admin_api_key_env)
 
 
 def _check_key_variables(cfg: ExperimentConfig, env: Mapping[str, str]) -> tuple[str, ...]:
@@ -230,7 +236,7 @@ def _check_key_variables(cfg: ExperimentConfig, env: Mapping[str, str]) -> tuple
 
 
 def _learner_step(cfg: ExperimentConfig, nodes: list[str], addresses: list[str], config_path: str,
-                  job_id: str, log_dir: str) -> SrunStep:  # fmt: skip
+                  job_id: str, log_dir: str, key_env: str | None = None) -> SrunStep:  # fmt: skip
     """``torchrun`` on every learner node (c10d rendezvous at the first one) running ``moe-rl train``."""
     ln, p = cfg.launch, cfg.parallel
     srun = (
@@ -244,6 +250,7 @@ def _learner_step(cfg: ExperimentConfig, nodes: list[str], addresses: list[str],
     overrides = (
         f"parallel.tp={p.tp}", f"parallel.pp={p.pp}", f"parallel.cp={p.cp}", f"parallel.ep={p.ep}",
         f"parallel.etp={'null' if p.etp is None else p.etp}", f"rollout.addresses={addr_yaml}",
+        *((f"rollout.admin_api_key_env={key_env}",) if key_env else ()),  # the job's generated key, by name
     )  # fmt: skip
     command = (
         "torchrun", f"--nnodes={len(nodes)}", f"--nproc-per-node={ln.gpus_per_node}",
@@ -283,6 +290,8 @@ def build_launch_plan(cfg: ExperimentConfig, env: Mapping[str, str]) -> LaunchPl
         _rollout_steps(cfg, rollout_nodes, log_dir) if ln.rollout_nodes else ([], [], [])
     )
     addresses = urls or list(cfg.rollout.addresses)
+    generated = RUN_ADMIN_KEY_ENV if rollout_steps and not _configured_keys(cfg) else None
+    key_vars = (*key_vars, generated) if generated else key_vars
     if key_vars:  # explicit: the rollout and learner steps inherit the variables holding the keys
         rollout_steps = [dataclasses.replace(st, srun_args=(*st.srun_args, "--export=ALL")) for st in rollout_steps]
     if CONFIG_HEREDOC_END in (yaml_text := dump_config(cfg)):
@@ -296,10 +305,12 @@ def build_launch_plan(cfg: ExperimentConfig, env: Mapping[str, str]) -> LaunchPl
         rollout_steps=tuple(rollout_steps),
         rollout_urls=tuple(urls),
         rollout_addresses=tuple(addresses),
-        learner_step=_with_export(_learner_step(cfg, learner_nodes, addresses, config_path, job_id, log_dir), key_vars),
+        learner_step=_with_export(
+            _learner_step(cfg, learner_nodes, addresses, config_path, job_id, log_dir, generated), key_vars),
         startup_timeout_s=cfg.rollout.startup_timeout_s,
         sbatch_args=tuple(sbatch_args(cfg)),
         notes=tuple(notes + rollout_notes),
+        generated_key_env=generated,
     )
 
 

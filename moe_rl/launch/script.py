@@ -63,6 +63,10 @@ def render_script(plan: LaunchPlan) -> str:
         "",
         _HELPERS,
     ]
+    if plan.generated_key_env:  # drawn when the job runs: in no file, on no command line
+        lines += ["# a fresh random admin key for this job's rollout servers (srun --export=ALL hands it on)",
+                  f"export {plan.generated_key_env}=\"$(head -c 32 /dev/urandom | od -An -tx1 -v | tr -d ' \\n')\"",
+                  ""]  # fmt: skip
     for i, step in enumerate(plan.rollout_steps, 1):
         lines += [f"# rollout server {i}/{len(plan.rollout_steps)} on {step.nodes[0]}",
                   quote_argv(step.argv) + " &", "rollout_pids+=($!)", ""]  # fmt: skip

@@ -1,14 +1,21 @@
-"""Learner checkpoints: save / resume model + optimizer + RNG + step, atomically, without pickle.
+"""Learner checkpoints: save / resume model + optimizer + RNG + step, atomically, without pickle,
+on any parallel layout.
 
-Owns the on-disk layout ``<dir>/step_<N>/rank_<r>.safetensors`` (+ ``meta.json``) and the
-``<dir>/latest`` pointer. ``N`` is the caller's step (the trainer passes the RL step, which is what
-``checkpoint.save_interval`` counts); the optimizer step is stored inside. Each rank saves its own
-shard (its experts under ep > 1), so a checkpoint resumes on the same parallel layout. A checkpoint
-becomes visible only when complete: shards go to a temp dir that rank 0 renames, then ``latest`` is
-replaced. Shards are safetensors + a JSON skeleton (``state_codec``): loading never unpickles, and a
-legacy pickle shard (``rank_<r>.pt``) is refused. A corrupt or missing newest checkpoint falls back to
-the newest readable one, with a warning. Write failures (disk full, permissions) name the path.
-On CPU resume reproduces the next step bit for bit.
+Owns the on-disk layout ``<dir>/step_<N>/`` (``model.safetensors``, ``optimizer.safetensors``,
+``rank_<r>.safetensors``, ``meta.json``) and the ``<dir>/latest`` pointer. ``N`` is the caller's step
+(the trainer passes the RL step, which is what ``checkpoint.save_interval`` counts); the optimizer
+step is stored inside. Weights and Adam state are stored layout-free: gathered to global tensors
+keyed by global parameter names (``global_state``), so a checkpoint written under one (tp, etp, ep,
+dp) layout resumes under another; each rank's ``rank_<r>`` file holds only its RNG streams and the
+step. Same layout: every stream is restored and on CPU the next step is reproduced bit for bit.
+Changed layout: the process-wide streams (python, numpy, torch) continue from rank 0's and the
+Megatron tracker keeps this layout's seeding (its streams are per tp/ep rank), with a warning.
+A checkpoint becomes visible only when complete: files go to a temp dir that rank 0 renames, then
+``latest`` is replaced. Loading never unpickles (safetensors + JSON only); a step dir holding a
+pickle-based file (``*.pt``, a ``torch_dist`` ``.metadata``, ...) is refused without reading it.
+Format 2 checkpoints (per-rank shards) still load on the layout that wrote them.
+A corrupt or missing newest checkpoint falls back to the newest readable one, with a warning.
+Write failures (disk full, permissions) name the path.
 """
 
 from __future__ import annotations
@@ -26,15 +33,22 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from moe_rl.learner.global_state import (
+    MODEL_FORMAT, OPTIMIZER_FORMAT, GlobalStateError, check_global_file, load_global_model, load_global_optimizer,
+    save_global_model, save_global_optimizer,
+)  # fmt: skip
 from moe_rl.learner.state_codec import StateCodecError, load_state, save_state
 
 __all__ = [
     "CheckpointError", "save_checkpoint", "load_checkpoint", "latest_step", "checkpoint_steps", "completed_rl_step",
-    "rng_state", "set_rng_state",
+    "rng_state", "set_rng_state", "layout", "refuse_pickles",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
-FORMAT_VERSION = 2  # 1 = torch.save pickles (refused)
+FORMAT_VERSION = 3  # 1 = torch.save pickles (refused); 2 = per-rank shards (same layout only); 3 = global
+MODEL_FILE, OPTIMIZER_FILE = "model.safetensors", "optimizer.safetensors"
+# What torch.save / torch_dist / pickle write: never opened, the step dir is refused.
+PICKLE_PATTERNS = ("*.pt", "*.pth", "*.pkl", "*.pickle", "*.bin", "*.distcp", ".metadata")
 
 
 class CheckpointError(RuntimeError):
@@ -136,6 +150,15 @@ def completed_rl_step(ckpt_dir: str | Path) -> int | None:
     return None
 
 
+def layout() -> dict[str, int]:
+    """This job's parallel sizes (as Megatron resolved them: etp None -> tp, dp from the world size)."""
+    from megatron.core import parallel_state as ps
+
+    return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+            "ep": ps.get_expert_model_parallel_world_size(), "cp": ps.get_context_parallel_world_size(),
+            "etp": ps.get_expert_tensor_parallel_world_size(), "dp": ps.get_data_parallel_world_size()}  # fmt: skip
+
+
 def save_checkpoint(
     learner, ckpt_dir: str | Path, keep_last: int = 2, extra: dict | None = None, step: int | None = None
 ) -> Path:
@@ -160,25 +183,23 @@ def save_checkpoint(
     except OSError as exc:
         raise _write_error(exc, "the checkpoint directory", tmp) from None
     _barrier()
-    shard = {
-        "format_version": FORMAT_VERSION,
-        "step": step,
-        "optimizer_step": learner.step,
-        "model": learner.module.state_dict(),
-        "optimizer": learner.optimizer.state_dict(),
-        "rng": rng_state(),
-    }
+    shard = {"format_version": FORMAT_VERSION, "step": step, "optimizer_step": learner.step, "rng": rng_state()}
     shard_path = tmp / f"rank_{rank:05d}.safetensors"
-    try:
-        save_state(shard, shard_path)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise _write_error(exc, f"rank {rank}'s model/optimizer shard", shard_path) from None
+    for what, path, write in (
+        ("the global model weights", tmp / MODEL_FILE, lambda p: save_global_model(learner.module, p)),
+        ("the global optimizer state", tmp / OPTIMIZER_FILE,
+         lambda p: save_global_optimizer(learner.optimizer, learner.module, p)),
+        (f"rank {rank}'s RNG / step file", shard_path, lambda p: save_state(shard, p)),
+    ):  # fmt: skip
+        try:
+            write(path)
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise _write_error(exc, what, path) from None
     _barrier()
     if rank == 0:
-        p = learner.cfg.parallel
         meta = {"format_version": FORMAT_VERSION, "step": step, "optimizer_step": learner.step, "world_size": world,
-                "parallel": {"tp": p.tp, "pp": p.pp, "ep": p.ep, "cp": p.cp, "etp": p.etp}, "extra": extra or {}}  # fmt: skip
+                "parallel": layout(), "extra": extra or {}}  # fmt: skip
         try:
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
             if final.exists():
@@ -204,33 +225,61 @@ def _candidates(ckpt_dir: Path) -> list[int]:
     return steps
 
 
-def _read_shard(d: Path, rank: int, world: int) -> tuple[dict, dict]:
-    """(meta, shard) of step dir ``d`` for ``rank``; StateCodecError / CheckpointError when unusable."""
-    pickled = d / f"rank_{rank:05d}.pt"
-    if pickled.exists():
+def refuse_pickles(d: Path) -> None:
+    """CheckpointError if ``d`` holds a file only pickle can read (checked by name: nothing is opened)."""
+    found = sorted({f.name for pattern in PICKLE_PATTERNS for f in d.glob(pattern)})
+    if found:
         raise CheckpointError(
-            f"{pickled} is a pickle checkpoint; moe_rl refuses to unpickle (it can run arbitrary code). "
-            "Only safetensors shards (rank_<r>.safetensors) are loaded; start from checkpoint.init_from_hf or "
-            "convert the checkpoint in a trusted environment"
+            f"{d / found[0]} is a pickle checkpoint file; moe_rl refuses to unpickle (it can run arbitrary code). "
+            "Only safetensors + JSON checkpoints are loaded; start from checkpoint.init_from_hf or convert the "
+            "checkpoint in a trusted environment"
         )
+
+
+def _read_step_dir(d: Path, rank: int, world: int) -> tuple[dict, dict]:
+    """(meta, this rank's RNG/step state) of step dir ``d``; StateCodecError / GlobalStateError when unreadable."""
+    refuse_pickles(d)
     try:
         meta = json.loads((d / "meta.json").read_text())
     except (OSError, ValueError) as exc:
         raise StateCodecError(f"{d / 'meta.json'} is missing or not JSON ({exc})") from None
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise StateCodecError(f"{d} has format_version {meta.get('format_version')}; expected {FORMAT_VERSION}")
-    if meta["world_size"] != world:
-        raise ValueError(f"{d} was saved by {meta['world_size']} ranks (parallel={meta['parallel']}); "
-                         f"this job has {world}; expected the same layout")  # fmt: skip
-    return meta, load_state(d / f"rank_{rank:05d}.safetensors")
+    missing = [k for k in ("format_version", "step", "world_size", "parallel") if k not in meta] \
+        if isinstance(meta, dict) else ["(not a JSON object)"]  # fmt: skip
+    if missing:
+        raise StateCodecError(f"{d / 'meta.json'} lacks {missing}; not a moe_rl checkpoint")
+    version = meta["format_version"]
+    if version == 2:  # per-rank model/optimizer shards: the writing layout only
+        if meta["world_size"] != world:
+            raise ValueError(f"{d} is a format-2 checkpoint saved by {meta['world_size']} ranks "
+                             f"(parallel={meta['parallel']}); it loads only on that layout; this job has {world}")  # fmt: skip
+        return meta, load_state(d / f"rank_{rank:05d}.safetensors")
+    if version != FORMAT_VERSION:
+        raise StateCodecError(f"{d} has format_version {version}; expected {FORMAT_VERSION} (or 2)")
+    check_global_file(d / MODEL_FILE, MODEL_FORMAT)
+    check_global_file(d / OPTIMIZER_FILE, OPTIMIZER_FORMAT)
+    return meta, load_state(d / f"rank_{rank if _same_layout(meta) else 0:05d}.safetensors")
+
+
+def _same_layout(meta: dict) -> bool:
+    return meta["world_size"] == _rank_world()[1] and meta["parallel"] == layout()
+
+
+def _portable_rng(saved: dict) -> dict:
+    """Rank 0's process-wide streams, this job's per-rank ones (Megatron tracker, CUDA): for a new layout."""
+    current = rng_state()
+    return {**saved, "megatron_tracker": current["megatron_tracker"]} | (
+        {"torch_cuda": current["torch_cuda"]} if "torch_cuda" in current else {}
+    )
 
 
 def load_checkpoint(learner, ckpt_dir: str | Path, step: int | None = None) -> dict | None:
     """Restore ``learner`` from ``step`` (default: newest readable); returns ``meta`` or None if none exists.
 
-    With ``step=None`` an unreadable newest checkpoint (truncated shard, missing meta) is skipped with a
+    The checkpoint may come from another parallel layout (tp, etp, ep, dp): weights and Adam state
+    are resharded, ``meta["resharded_from"]`` names the saved layout (None when it is this one).
+    With ``step=None`` an unreadable newest checkpoint (truncated file, missing meta) is skipped with a
     warning naming it and the one used instead; CheckpointError when every candidate is unreadable.
-    A layout mismatch or a model that does not fit the weights raises at once (no fallback).
+    A pickle file in the step dir, or a model that does not fit the weights, raises at once.
     """
     ckpt_dir = Path(ckpt_dir)
     candidates = _candidates(ckpt_dir) if step is None else [step]
@@ -241,9 +290,9 @@ def load_checkpoint(learner, ckpt_dir: str | Path, step: int | None = None) -> d
     for s in candidates:
         d = _step_dir(ckpt_dir, s)
         try:
-            meta, shard = _read_shard(d, rank, world)
+            meta, shard = _read_step_dir(d, rank, world)
             ok, reason = True, ""
-        except StateCodecError as exc:
+        except (StateCodecError, GlobalStateError) as exc:
             meta, shard, ok, reason = None, None, False, str(exc)
         if not _all_ranks_agree(ok):
             problems.append(f"{d.name}: {reason or 'unreadable on another rank'}")
@@ -251,10 +300,28 @@ def load_checkpoint(learner, ckpt_dir: str | Path, step: int | None = None) -> d
             continue
         if problems:
             logger.warning("resuming from %s instead of the newer unreadable checkpoint(s): %s", d, "; ".join(problems))
+        return _apply(learner, d, meta, shard, problems)
+    raise CheckpointError(f"no readable checkpoint under {ckpt_dir}: " + "; ".join(problems))
+
+
+def _apply(learner, d: Path, meta: dict, shard: dict, problems: list[str]) -> dict:
+    if meta["format_version"] == 2:
         learner.module.load_state_dict(shard["model"], strict=True)
         learner.optimizer.load_state_dict(shard["optimizer"])
         set_rng_state(shard["rng"])
-        learner.step = int(shard["optimizer_step"])
-        meta["fallback_from"] = problems
-        return meta
-    raise CheckpointError(f"no readable checkpoint under {ckpt_dir}: " + "; ".join(problems))
+        meta["resharded_from"] = None
+    else:
+        try:
+            load_global_model(learner.module, d / MODEL_FILE)
+            load_global_optimizer(learner.optimizer, learner.module, d / OPTIMIZER_FILE)
+        except GlobalStateError as exc:  # readable, but written for another model: no fallback
+            raise CheckpointError(f"{exc} (model.* must match the run that wrote {d})") from None
+        same = _same_layout(meta)
+        set_rng_state(shard["rng"] if same else _portable_rng(shard["rng"]))
+        meta["resharded_from"] = None if same else meta["parallel"]
+        if not same and _rank_world()[0] == 0:
+            logger.warning("resharded checkpoint %s from %s (%d ranks) to %s (%d ranks); the RNG streams continue "
+                           "from rank 0's", d, meta["parallel"], meta["world_size"], layout(), _rank_world()[1])  # fmt: skip
+    learner.step = int(shard["optimizer_step"])
+    meta["fallback_from"] = problems
+    return meta

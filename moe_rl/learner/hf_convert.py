@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moe_rl.learner.model import unwrap
-from moe_rl.learner.tp_shards import gather_tp_shards, tp_slice
+from moe_rl.learner.tp_shards import tp_slice
 
 __all__ = [
     "hf_to_megatron",
@@ -45,8 +45,15 @@ __all__ = [
     "write_hf_checkpoint",
 ]
 
-_HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                  "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
+# weights are written by the exporter; every other file of the template dir (config, generation config,
+# tokenizer files of any kind, chat template, custom code) is copied, so the export is a loadable HF model
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
+_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def _side_files(template_dir: Path) -> list[Path]:
+    return sorted(p for p in template_dir.iterdir() if p.is_file() and not p.name.startswith(".")
+                  and not p.name.endswith(_WEIGHT_SUFFIXES) and p.name not in _WEIGHT_INDEXES)  # fmt: skip
 
 
 def _qkv_split_sizes(m) -> tuple[int, int, int]:
@@ -188,7 +195,7 @@ def globalise_layer(name: str, offset: int) -> str:
     return _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name, count=1)
 
 
-def _gather_stages(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+def gather_stages(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
     """Every pipeline stage's (globally named) tensors merged on the first rank of each pipeline group,
     None on the other stages; ``state`` itself without pipeline parallelism. Collective over pp."""
     import torch.distributed as dist
@@ -288,11 +295,10 @@ def full_megatron_state_dict(model, grads: bool = False) -> dict[str, torch.Tens
 
     Collective over the tensor-, expert-tensor- and expert-parallel groups: every rank must call
     it. Returns full CPU tensors named with global expert ids and global layer numbers (this
-    pipeline stage's layers only). ``grads=True`` gathers each
+    pipeline stage's layers; ``global_state.gather_global``). ``grads=True`` gathers each
     parameter's ``main_grad`` (Megatron DDP) or ``grad`` instead.
     """
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
+    from moe_rl.learner.global_state import gather_global
 
     m = unwrap(model)
     if grads:
@@ -300,34 +306,13 @@ def full_megatron_state_dict(model, grads: bool = False) -> dict[str, torch.Tens
     else:
         local = {n: p.detach() for n, p in m.named_parameters()}
         local.update({n: b.detach() for n, b in m.named_buffers() if n.endswith("router.expert_bias")})
-    local = {canonical_name(n): t for n, t in local.items()}
-    if ps.get_tensor_model_parallel_world_size() > 1 or ps.get_expert_tensor_parallel_world_size() > 1:
-        local = gather_tp_shards(local, ps.get_tensor_model_parallel_group(), ps.get_expert_tensor_parallel_group())
-    start, num_local = _local_expert_range(model)
-    ep = ps.get_expert_model_parallel_world_size()
-    out: dict[str, torch.Tensor] = {}
-    for name in sorted(local):
-        t = local[name]
-        slot = _expert_slot(name)
-        if slot is None:
-            out[name] = t.cpu().clone()
-            continue
-        if ep == 1:
-            out[f"{slot[0]}{start + slot[1]}.{slot[2]}"] = t.cpu().clone()
-            continue
-        gathered = [torch.empty_like(t) for _ in range(ep)]
-        dist.all_gather(gathered, t.contiguous(), group=ps.get_expert_model_parallel_group())
-        for r, g in enumerate(gathered):
-            out[f"{slot[0]}{r * num_local + slot[1]}.{slot[2]}"] = g.cpu()
-    offset = stage_layer_offset(model)
-    return {globalise_layer(k, offset): v for k, v in out.items()}
+    return gather_global(model, local)
 
 
 def _write_side_files(out: Path, model_cfg, template_dir: Path | None) -> None:
     if template_dir is not None:
-        for f in _HF_SIDE_FILES:
-            if (template_dir / f).exists():
-                shutil.copy2(template_dir / f, out / f)
+        for f in _side_files(template_dir):
+            shutil.copy2(f, out / f.name)
         return
     from moe_rl.learner.hf_init import write_hf_side_files
 
@@ -341,7 +326,7 @@ def export_hf_state_dict(model, model_cfg, dtype: torch.dtype | None = None) -> 
     """
     import torch.distributed as dist
 
-    state = _gather_stages(full_megatron_state_dict(model))
+    state = gather_stages(full_megatron_state_dict(model))
     if state is None or (dist.is_initialized() and dist.get_rank() != 0):
         return None
     hf = megatron_to_hf(state, model_cfg)

@@ -3,12 +3,13 @@
 Owns the reference model: a second ``GPTModel`` with the learner's Megatron layout holding
 the weights at the start of RL (after HF import or warm start), with no gradients, its
 log-probs for a microbatch (natural routing, or the routes the old-log-prob pass used),
-optional CPU offload between uses, and its safetensors file per rank. It never touches the
-learner's model, optimizer or RNG streams.
+optional CPU offload between uses, and its layout-free safetensors file (``global_state``: global
+tensors keyed by global names, so a run resumed on another parallel layout reloads it). It never
+touches the learner's model, optimizer or RNG streams.
 
 Lifecycle (the KL anchor must never silently be another run's, another step's or half of one):
-``<ckpt>/reference/`` holds one file per rank and a completion marker ``complete.json`` naming the
-run id, written by rank 0 only after every rank's file is in place. ``save_reference`` runs before
+``<ckpt>/reference/`` holds the layout-free ``model.safetensors`` and a completion marker
+``complete.json`` naming the run id, written by rank 0 only after the weights file is in place. ``save_reference`` runs before
 a run's first checkpoint (so no checkpoint exists without its reference) and replaces anything else
 in the directory; on resume ``reference_problem`` must find this run's marker, or the resume is
 refused — a missing reference is never rebuilt from the resumed (trained) weights.
@@ -19,7 +20,8 @@ Wiring (trainer): build it once with ``ReferencePolicy.from_learner(cfg, learner
 right after the learner is initialised (or ``ReferencePolicy.load(cfg, ckpt_dir)`` on resume);
 ``save_reference`` before the first checkpoint; in the old-log-prob pass call
 ``logprobs(mb, temperature, logprob_fn, routes=...)`` per microbatch with the routes π_old
-used; pass the result as ``ref_logp`` to the loss.
+used, all inside one ``with reference.on_device():`` so an offloaded model moves to the device
+and back once per pass, not once per microbatch; pass the result as ``ref_logp`` to the loss.
 """
 
 from __future__ import annotations
@@ -38,15 +40,16 @@ __all__ = ["ReferencePolicy", "reference_path", "reference_problem", "save_refer
 REFERENCE_DIR = "reference"
 MARKER_FILE = "complete.json"
 MARKER_FORMAT = "moe_rl.reference-complete/1"
+REFERENCE_FILE = "model.safetensors"
 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def reference_path(ckpt_dir: str | Path, rank: int | None = None) -> Path:
-    """``<ckpt_dir>/reference/rank_<r>.safetensors``: written once, kept across checkpoint pruning."""
-    return Path(ckpt_dir) / REFERENCE_DIR / f"rank_{_rank() if rank is None else rank:05d}.safetensors"
+def reference_path(ckpt_dir: str | Path) -> Path:
+    """``<ckpt_dir>/reference/model.safetensors``: π_ref as global tensors (loads on any parallel layout)."""
+    return Path(ckpt_dir) / REFERENCE_DIR / REFERENCE_FILE
 
 
 def _read_marker(ckpt_dir: str | Path) -> dict | None:
@@ -66,9 +69,8 @@ def reference_problem(ckpt_dir: str | Path, run_id: str) -> str | None:
         return f"the reference policy in {where} {state}"
     if marker.get("run_id") != run_id:
         return f"the reference policy in {where} belongs to run {marker.get('run_id')!r}, not this run ({run_id!r})"
-    missing = [f"rank_{r:05d}" for r in range(int(marker.get("world_size", 0))) if not reference_path(ckpt_dir, r).is_file()]
-    if missing:
-        return f"the reference policy in {where} lacks the files of {', '.join(missing)}"
+    if not reference_path(ckpt_dir).is_file():
+        return f"the reference policy in {where} lacks its weights file {REFERENCE_FILE}"
     return None
 
 
@@ -76,7 +78,7 @@ def save_reference(policy: ReferencePolicy, ckpt_dir: str | Path, run_id: str) -
     """Make ``<ckpt_dir>/reference/`` this run's complete reference (collective; True if it wrote).
 
     Rank 0 decides whether this run's marker is already there; if not, it clears the directory,
-    every rank writes its file, and rank 0 writes the marker last.
+    the weights are gathered and written, and rank 0 writes the marker last.
     """
     from moe_rl.learner.dist import decided_by_rank0
 
@@ -110,8 +112,9 @@ def _tensor_state(model) -> dict[str, torch.Tensor]:
 class ReferencePolicy:
     """π_ref: a frozen ``GPTModel`` (same layout as the learner) and its log-prob pass.
 
-    ``offload=True`` keeps the weights on the CPU between uses and moves them to the
-    learner's device only inside :meth:`logprobs` (a no-op on a CPU-only machine).
+    ``offload=True`` keeps the weights on the CPU between passes: :meth:`on_device` moves them
+    to the learner's device for a whole pass (one move there, one back), and :meth:`logprobs`
+    called outside it moves them for that call alone. A no-op on a CPU-only machine.
     """
 
     def __init__(self, model, *, offload: bool = False, device: torch.device | None = None):
@@ -122,6 +125,7 @@ class ReferencePolicy:
         self.offload = bool(offload)
         self.device = device if device is not None else next(model.parameters()).device
         self._replay = None
+        self._resident = False  # inside on_device(): the weights are on self.device
         if self.offload:
             self.model.to("cpu")
 
@@ -148,43 +152,53 @@ class ReferencePolicy:
 
     @classmethod
     def load(cls, cfg, ckpt_dir: str | Path, *, offload: bool = False) -> ReferencePolicy:
-        """Rebuild π_ref from ``save``'s file for this rank; a clear error if it is missing or mismatched."""
-        from safetensors.torch import load_file
+        """Rebuild π_ref from ``save``'s file, sliced for this job's layout; a clear error if missing or mismatched."""
+        from moe_rl.learner.global_state import GlobalStateError, load_global_model
 
         path = reference_path(ckpt_dir)
         if not path.is_file():
             raise FileNotFoundError(
-                f"{path}: no reference weights for this rank; loss.kl_coef > 0 needs the reference policy saved "
+                f"{path}: no reference weights; loss.kl_coef > 0 needs the reference policy saved "
                 "with the first checkpoint (start a new run, or set loss.kl_coef=0)"
             )
         model = cls._build(cfg)
-        missing, unexpected = model.load_state_dict(load_file(str(path), device="cpu"), strict=False)
-        _check_keys(missing, unexpected, str(path))
+        try:
+            load_global_model(model, path)
+        except GlobalStateError as exc:
+            raise ValueError(f"reference policy: {exc}") from None
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         return cls(model, offload=offload, device=device)
 
     def save(self, ckpt_dir: str | Path) -> Path:
-        """Write this rank's weights to ``reference_path(ckpt_dir)`` (safetensors, atomic; every rank calls it)."""
-        from safetensors.torch import save_file
+        """Write the weights, gathered to global tensors, to ``reference_path(ckpt_dir)`` (collective:
+        every rank calls it; rank 0 writes via a temp name; other files in the directory are kept)."""
+        from moe_rl.learner.global_state import save_global_model
 
         path = reference_path(ckpt_dir)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in _tensor_state(self.model).items()}
-        tmp = path.with_suffix(".tmp")
-        save_file(tensors, str(tmp), metadata={"format": "moe_rl.reference/1", "keys": json.dumps(len(tensors))})
-        os.replace(tmp, path)
+        if _rank() == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        with self.on_device():
+            save_global_model(self.model, path)
+        _barrier()
         return path
 
     # ------------------------------------------------------------------ use
     @contextlib.contextmanager
-    def _on_device(self):
-        if not self.offload or self.device is None or self.device.type == "cpu":
+    def on_device(self):
+        """Keep an offloaded reference on the learner's device for a whole pass over microbatches.
+
+        One ``model.to(device)`` on entry and one ``model.to("cpu")`` on exit; nested uses (each
+        :meth:`logprobs` inside the pass) move nothing. A no-op without offload or on a CPU device.
+        """
+        if self._resident or not self.offload or self.device is None or self.device.type == "cpu":
             yield
             return
         self.model.to(self.device)
+        self._resident = True
         try:
             yield
         finally:
+            self._resident = False
             self.model.to("cpu")
 
     def _routing(self, routes: torch.Tensor | None, local: bool):
@@ -218,7 +232,7 @@ class ReferencePolicy:
 
         from moe_rl.learner.pipeline import pipeline_logprobs, pipeline_size
 
-        with self._on_device(), self._routing(routes, local_routes):
+        with self.on_device(), self._routing(routes, local_routes):
             if pipeline_size() > 1:  # this rank's stage of π_ref; the last stage's log-probs on every stage
                 from moe_rl.learner.train_step import default_logprob_fn
 

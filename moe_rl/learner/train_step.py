@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moe_rl.config.hf_model import initial_weights_dir, side_files_dir
 from moe_rl.learner.device import model_device, to_device
 from moe_rl.learner.hf_convert import export_hf_checkpoint, load_hf_weights
 from moe_rl.learner.logprobs import response_logprobs
@@ -71,7 +72,7 @@ class Learner:
     """The Megatron-Core policy being trained: model, optimizer, LR schedule, step.
 
     ``init_distributed(cfg.parallel)`` must have run. Without ``model`` it builds
-    one from ``cfg`` and, if ``cfg.checkpoint.init_from_hf`` is set, imports it. ``total_steps`` is the
+    one from ``cfg`` and imports ``checkpoint.init_from_hf`` (else ``model.hf_path``) when set. ``total_steps`` is the
     number of optimizer steps the LR schedule spans.
     """
 
@@ -79,8 +80,8 @@ class Learner:
         self.cfg = cfg
         if model is None:
             model = build_model(cfg)
-            if cfg.checkpoint.init_from_hf:
-                load_hf_weights(model, cfg.checkpoint.init_from_hf, cfg.model)
+            if initial_weights_dir(cfg):  # checkpoint.init_from_hf, else model.hf_path
+                load_hf_weights(model, initial_weights_dir(cfg), cfg.model)
         self.model = wrap_ddp(model)
         self.config = unwrap(self.model).config
         self.optimizer = build_optimizer(self.model, cfg.optim, self.config.params_dtype)
@@ -95,9 +96,9 @@ class Learner:
     def export_hf(self, out_dir, template_dir=None):
         """Write the current weights as an HF checkpoint dir (collective; rank 0 writes).
 
-        ``template_dir`` (default ``cfg.checkpoint.init_from_hf``) supplies config/tokenizer files.
+        ``template_dir`` (default ``model.hf_path``, else ``checkpoint.init_from_hf``) supplies config/tokenizer files.
         """
-        template = template_dir if template_dir is not None else self.cfg.checkpoint.init_from_hf
+        template = template_dir if template_dir is not None else side_files_dir(self.cfg)
         return export_hf_checkpoint(self.model, self.cfg.model, out_dir, template_dir=template)
 
     def _set_aux_loss_scale(self, num_microbatches: int) -> None:

@@ -10,6 +10,7 @@ token is never forwarded, by the engine or by the learner, so it has no route.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -18,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 from safetensors import SafetensorError
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load as load_bytes
+from safetensors.numpy import save_file
 
 from moe_rl.records.routes import RecordError, check_distinct_experts, compact_routes, route_dtype
 
@@ -43,6 +45,8 @@ class RolloutSample:
     group_id: int = 0
     weight_version: str = ""
     finish_reason: str = ""
+    data_file: str = ""  # the dataset file of the prompt ("" for the built-in tasks)
+    data_row: int = -1  # its row in that file
 
 
 def _offsets(lengths: np.ndarray) -> np.ndarray:
@@ -70,6 +74,12 @@ class RolloutBatch:
     mask_offsets: np.ndarray | None = None  # int64 [sum R + 1]
     sampling_logp: np.ndarray | None = None  # float32 [sum R]
     extra: dict = field(default_factory=dict)
+    # provenance (records/fingerprint.py): the producer's architecture fingerprint and run id, None in older files
+    fingerprint: dict | None = None
+    run_id: str | None = None
+    sha256: str | None = field(default=None, compare=False)  # of the file bytes this batch was loaded from
+    data_files: list[str] | None = None  # per sample: the prompt's dataset file (stored as ids into a name table)
+    data_rows: np.ndarray | None = None  # int64 [N]: its row in that file
 
     def __len__(self) -> int:
         return len(self.prompt_lens)
@@ -114,6 +124,8 @@ class RolloutBatch:
             mask_offsets=mask_offsets,
             sampling_logp=None if samples[0].sampling_logp is None
             else np.concatenate([np.asarray(s.sampling_logp, np.float32) for s in samples]),
+            data_files=[s.data_file for s in samples] if any(s.data_file for s in samples) else None,
+            data_rows=np.array([s.data_row for s in samples], np.int64) if any(s.data_file for s in samples) else None,
         )
 
     def sample(self, i: int) -> RolloutSample:
@@ -134,6 +146,8 @@ class RolloutBatch:
             group_id=int(self.group_ids[i]),
             weight_version=self.weight_versions[i],
             finish_reason=self.finish_reasons[i],
+            data_file=self.data_files[i] if self.data_files is not None else "",
+            data_row=int(self.data_rows[i]) if self.data_rows is not None else -1,
         )
 
     def samples(self) -> list[RolloutSample]:
@@ -141,7 +155,9 @@ class RolloutBatch:
 
     def select(self, indices) -> RolloutBatch:
         """A new batch holding the given samples, in the given order (for minibatching)."""
-        return RolloutBatch.from_samples([self.sample(int(i)) for i in indices], self.num_experts)
+        out = RolloutBatch.from_samples([self.sample(int(i)) for i in indices], self.num_experts)
+        out.fingerprint, out.run_id = self.fingerprint, self.run_id
+        return out
 
     # ------------------------------------------------------------------ validation
     def validate(self, model_cfg=None) -> None:
@@ -186,6 +202,10 @@ class RolloutBatch:
                 t = int(np.argmax(bad))
                 value = float(values[t])
                 raise RecordError(f"{name}[{t}] = {value:.6g} ({int(bad.sum())} positive); expected log-probs <= 0")
+        if (self.data_files is None) != (self.data_rows is None):
+            raise RecordError("data_files and data_rows must be stored together")
+        if self.data_rows is not None and (len(self.data_rows) != n or len(self.data_files) != n):
+            raise RecordError(f"data_files/data_rows must have one entry per sample ({n})")
         if not np.isfinite(self.rewards).all():
             raise RecordError("rewards must be finite")
         if self.routes is not None:
@@ -229,12 +249,16 @@ class RolloutBatch:
             raise RecordError(f"a sample has {lengths.max()} tokens > model.seq_length={model_cfg.seq_length}")
         if self.routes is None:
             return
-        want = (int(self.route_lens.sum()), model_cfg.num_moe_layers, model_cfg.moe_router_topk)
-        if self.routes.shape != want:
+        shape, m = tuple(self.routes.shape), model_cfg
+        if shape[1] != m.num_moe_layers:
             raise RecordError(
-                f"routes has shape {tuple(self.routes.shape)}; the model expects [sum(P+R-1)={want[0]}, "
-                f"moe_layers={want[1]}, top_k={want[2]}]"
+                f"routes has shape {shape}: records were made for {shape[1]} MoE layers; the model has "
+                f"{m.num_moe_layers} (model.num_layers={m.num_layers}, model.moe_layer_freq={m.moe_layer_freq}, "
+                f"model.first_k_dense_layers={m.first_k_dense_layers})"
             )
+        if shape[2] != m.moe_router_topk:
+            raise RecordError(f"routes has shape {shape}: records were made with top-{shape[2]} routing; "
+                              f"model.moe_router_topk={m.moe_router_topk}")  # fmt: skip
         if self.num_experts != model_cfg.num_moe_experts:
             raise RecordError(f"records were made for {self.num_experts} experts; model.num_moe_experts={model_cfg.num_moe_experts}")
         compact_routes(self.routes, model_cfg.num_moe_experts)
@@ -260,6 +284,15 @@ class RolloutBatch:
             "finish_reasons": self.finish_reasons,
             "extra": self.extra,
         }
+        if self.fingerprint is not None:
+            meta["fingerprint"] = self.fingerprint
+        if self.run_id is not None:
+            meta["run_id"] = self.run_id
+        if self.data_rows is not None:  # optional: prompts from a dataset (data.train_files)
+            names = sorted(set(self.data_files))
+            tensors["data_rows"] = np.asarray(self.data_rows, np.int64)
+            tensors["data_file_ids"] = np.array([names.index(f) for f in self.data_files], np.int32)
+            meta["data_files"] = names
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         os.close(fd)
         try:
@@ -271,11 +304,20 @@ class RolloutBatch:
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> RolloutBatch:
-        """Read and validate a records file; any problem is one ``RecordError`` naming ``path``."""
+    def load(cls, path: str | Path, sha256: str | None = None) -> RolloutBatch:
+        """Read and validate a records file; any problem is one ``RecordError`` naming ``path``.
+
+        The file is read once; ``batch.sha256`` is the digest of the bytes parsed. With ``sha256`` those
+        bytes must have that digest (the file another rank read), else the load is refused.
+        """
         path = Path(path)
         try:
-            batch = cls._read(path)
+            data = path.read_bytes()
+            digest = hashlib.sha256(data).hexdigest()
+            if sha256 is not None and digest != sha256:
+                raise RecordError(f"content has sha256 {digest[:16]}..., expected {sha256[:16]}...")
+            batch = cls._read(data)
+            batch.sha256 = digest
             batch.validate()
         except RecordError as exc:
             raise RecordError(f"{path}: {exc}") from None
@@ -285,18 +327,16 @@ class RolloutBatch:
         return batch
 
     @classmethod
-    def _read(cls, path: Path) -> RolloutBatch:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="numpy") as fh:
-            raw_meta = (fh.metadata() or {}).get("moe_rl")
+    def _read(cls, data: bytes) -> RolloutBatch:
+        arrays = load_bytes(data)  # checks the whole safetensors structure; the header is then well formed
+        header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+        raw_meta = (header.get("__metadata__") or {}).get("moe_rl")
         if raw_meta is None:
             raise RecordError("not a moe_rl records file (no 'moe_rl' metadata)")
         meta = json.loads(raw_meta)
         if not isinstance(meta, dict) or meta.get("format_version") not in READABLE_VERSIONS:
             version = meta.get("format_version") if isinstance(meta, dict) else None
             raise RecordError(f"format_version {version} is not one of the supported {list(READABLE_VERSIONS)}")
-        arrays = load_file(str(path))
         missing = [k for k in REQUIRED_ARRAYS if k not in arrays]
         if missing:
             raise RecordError(f"missing arrays {missing}")
@@ -306,6 +346,18 @@ class RolloutBatch:
             raise RecordError("metadata weight_versions / finish_reasons must be lists")
         if num_experts is not None and (not isinstance(num_experts, int) or isinstance(num_experts, bool)):
             raise RecordError(f"metadata num_experts must be an integer, got {num_experts!r}")
+        fingerprint, run_id = meta.get("fingerprint"), meta.get("run_id")
+        if fingerprint is not None and not (isinstance(fingerprint, dict) and all(isinstance(k, str) for k in fingerprint)):
+            raise RecordError(f"metadata fingerprint must be a mapping of field names, got {type(fingerprint).__name__}")
+        if run_id is not None and not isinstance(run_id, str):
+            raise RecordError(f"metadata run_id must be a string, got {run_id!r}")
+        data_files = None
+        if "data_file_ids" in arrays:
+            names = meta.get("data_files")
+            ids = arrays["data_file_ids"]
+            if not isinstance(names, list) or (ids.size and (ids.min() < 0 or ids.max() >= len(names))):
+                raise RecordError("data_file_ids do not index the metadata's data_files list")
+            data_files = [str(names[int(i)]) for i in ids]
         batch = cls(
             **{k: arrays[k] for k in REQUIRED_ARRAYS},
             weight_versions=[str(v) for v in versions],
@@ -316,6 +368,10 @@ class RolloutBatch:
             mask_offsets=arrays.get("mask_offsets"),
             sampling_logp=arrays.get("sampling_logp"),
             extra=meta.get("extra", {}),
+            fingerprint=fingerprint,
+            run_id=run_id,
+            data_files=data_files,
+            data_rows=arrays.get("data_rows"),
         )
         if batch.routes is not None and batch.routes.dtype != route_dtype(batch.num_experts or 1):
             raise RecordError(f"routes dtype {batch.routes.dtype} does not match num_experts={batch.num_experts}")
@@ -329,7 +385,13 @@ class RolloutBatch:
             "response_tokens": int(self.response_lens.sum()),
             "mean_reward": float(self.rewards.mean()) if len(self) else 0.0,
             "weight_versions": sorted(set(self.weight_versions)),
+            "run_id": self.run_id,  # the producing run; None in records from before fingerprints
+            "fingerprint": self.fingerprint,
         }
+        if self.fingerprint is not None:
+            from moe_rl.records.fingerprint import fingerprint_id
+
+            out["fingerprint_id"] = fingerprint_id(self.fingerprint)
         if self.routes is not None:
             out.update(
                 route_rows=int(self.routes.shape[0]), moe_layers=int(self.routes.shape[1]), top_k=int(self.routes.shape[2]),

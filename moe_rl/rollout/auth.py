@@ -4,13 +4,23 @@ Owns where keys come from (``rollout.api_key_env`` / ``rollout.admin_api_key_env
 config never holds a key), the ``Authorization`` header of each kind of call (SGLang wants the admin key
 on weight updates when it has one, the API key everywhere else), and never printing a key (``repr``
 redacts). The server side is ``sglang_entry`` (keys from the environment, redacted from its log).
+
+Secure by default: servers this run launches itself (no ``rollout.addresses``) with no key variable
+configured get a fresh random admin key (``ServerKeys.for_run``). It lives in the trainer's memory and
+reaches the server only through the server's environment (``RUN_ADMIN_KEY_ENV``); it is never written to
+a config, a log or the run directory. Servers given by ``rollout.addresses`` keep the configured keys.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+# The variable that hands a run's generated admin key to the servers it launches (and, under SLURM, to
+# the learner): it holds the key only in those processes' environments, never in a file.
+RUN_ADMIN_KEY_ENV = "MOE_RL_RUN_ADMIN_KEY"
 
 
 class ServerKeyError(RuntimeError):
@@ -23,6 +33,7 @@ class ServerKeys:
 
     api_key: str | None = None
     admin_api_key: str | None = None
+    generated: bool = False  # a fresh admin key for this run's own servers (``for_run``)
 
     def __repr__(self) -> str:
         hidden = {k: "<redacted>" if v else None for k, v in (("api_key", self.api_key), ("admin_api_key", self.admin_api_key))}
@@ -46,6 +57,23 @@ class ServerKeys:
     @classmethod
     def from_rollout_config(cls, rollout, environ: Mapping[str, str] | None = None) -> ServerKeys:
         return cls.from_env_names(rollout.api_key_env, rollout.admin_api_key_env, environ)
+
+    @classmethod
+    def fresh(cls) -> ServerKeys:
+        """A new random admin key (256 bits) for servers this run launches."""
+        return cls(admin_api_key=secrets.token_urlsafe(32), generated=True)
+
+    @classmethod
+    def for_run(cls, rollout, environ: Mapping[str, str] | None = None) -> ServerKeys:
+        """The keys of a run's servers: the configured variables (an unset one raises ServerKeyError), else a
+        fresh admin key when the run launches its servers itself, else none (``rollout.addresses``)."""
+        if rollout.api_key_env or rollout.admin_api_key_env or rollout.addresses:
+            return cls.from_rollout_config(rollout, environ)
+        return cls.fresh()
+
+    def server_env(self) -> dict[str, str]:
+        """What a launched server's environment must add: the generated key under ``RUN_ADMIN_KEY_ENV``."""
+        return {RUN_ADMIN_KEY_ENV: self.admin_api_key} if self.generated and self.admin_api_key else {}
 
     @property
     def enabled(self) -> bool:

@@ -83,6 +83,7 @@ class RolloutClient:
         backoff_s: float = 0.5,
         headers: dict[str, str] | None = None,
         health_timeout_s: float | None = None,
+        stop_token_ids: Sequence[int] | None = None,
     ):
         if not addresses:
             raise ValueError("addresses is empty; expected at least one http://host:port")
@@ -98,6 +99,7 @@ class RolloutClient:
         self.backoff_s = backoff_s
         self.headers = dict(headers or {})  # Authorization when the servers have an API key (auth.py)
         self.health_timeout_s = health_timeout_s  # a server silent this long aborts the batch (health.py)
+        self.stop_token_ids = None if stop_token_ids is None else [int(t) for t in stop_token_ids]  # the tokenizer's EOS
         self._next_server = itertools.count()
         self._top_k = self._wire_top_k(sampling.top_k, sampling_mask_max_tokens)
 
@@ -147,6 +149,8 @@ class RolloutClient:
             "top_k": self._top_k,
             "max_new_tokens": self.sampling.max_new_tokens,
         }
+        if self.stop_token_ids:
+            params["stop_token_ids"] = self.stop_token_ids
         if seed is not None:
             params["sampling_seed"] = seed  # honoured only with --enable-deterministic-inference
         return {

@@ -28,6 +28,9 @@ from pathlib import Path
 
 import httpx
 
+from moe_rl.rollout.auth import RUN_ADMIN_KEY_ENV, ServerKeys
+from moe_rl.rollout.shm import group_shm_files, remove_shm_files
+
 logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -91,12 +94,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def server_command(spec: ServerSpec, port: int, python: str = sys.executable) -> list[str]:
-    """The `sglang.launch_server` argv for `spec` on `port` (`sglang_entry` when keys are configured)."""
+    """The server argv for `spec` on `port`: SGLang's launch_server through `sglang_entry` (keys by variable)."""
     keys = [*(("--api-key-env", spec.api_key_env) if spec.api_key_env else ()),
             *(("--admin-api-key-env", spec.admin_api_key_env) if spec.admin_api_key_env else ())]  # fmt: skip
-    entry = ["moe_rl.rollout.sglang_entry", *keys] if keys else ["sglang.launch_server"]
     cmd = [
-        python, "-m", *entry,
+        python, "-m", "moe_rl.rollout.sglang_entry", *keys,
         "--model-path", spec.model_path,
         "--device", spec.device,
         "--host", spec.host,
@@ -151,26 +153,6 @@ def _log_tail(path: Path, lines: int = 40) -> str:
     return "<no log>"
 
 
-def _group_shm_files(pgid: int) -> set[Path]:
-    """``/dev/shm`` files mapped or open in any process of group ``pgid`` (SGLang's load snapshots, semaphores)."""
-    found: set[Path] = set()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            if os.getpgid(int(proc.name)) != pgid:
-                continue
-            paths = [fields[5] for line in (proc / "maps").read_text().splitlines()
-                     if len(fields := line.split(maxsplit=5)) == 6]  # fmt: skip
-        except (OSError, ProcessLookupError):
-            continue
-        for fd in (proc / "fd").glob("*"):
-            with contextlib.suppress(OSError):
-                paths.append(os.readlink(fd))
-        found.update(Path(p) for p in paths if p.startswith("/dev/shm/") and not p.endswith(" (deleted)"))
-    return found
-
-
 @dataclass
 class SGLangServer:
     """One local SGLang server process (context manager). `url` is valid after `start()`."""
@@ -179,16 +161,16 @@ class SGLangServer:
     log_path: Path
     url: str = ""
     process: subprocess.Popen | None = field(default=None, repr=False)
-    shm_files: set[Path] = field(default_factory=set, repr=False)  # removed after the group is gone
+    shm_files: dict[Path, int] = field(default_factory=dict, repr=False)  # path -> inode; removed when the group is gone
+    secret_env: dict[str, str] = field(default_factory=dict, repr=False)  # a generated key (auth.RUN_ADMIN_KEY_ENV)
 
     def start(self) -> SGLangServer:
         """Spawn the server in its own process group and wait for `/health` (ServerStartError).
 
         A restarted server keeps its port, so the addresses the client holds stay valid.
         """
-        from moe_rl.rollout.auth import ServerKeys
-
-        ServerKeys.from_env_names(self.spec.api_key_env, self.spec.admin_api_key_env)  # unset variable: fail now
+        environ = {**os.environ, **self.secret_env}
+        ServerKeys.from_env_names(self.spec.api_key_env, self.spec.admin_api_key_env, environ)  # unset: fail now
         if self.spec.device == "cpu" and self.spec.deterministic and self.spec.dtype == "float32":
             logger.warning(
                 "deterministic rollouts on CPU are bit-exact across batch compositions only in bfloat16: "
@@ -200,7 +182,7 @@ class SGLangServer:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 server_command(self.spec, port),
-                env=server_env(self.spec),
+                env={**server_env(self.spec), **self.secret_env},
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -212,12 +194,15 @@ class SGLangServer:
         except BaseException:
             self.stop()
             raise
-        self.shm_files |= _group_shm_files(self.process.pid)
+        self.shm_files.update(group_shm_files(self.process.pid))
         return self
 
     def wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
+        deadline, looked = time.monotonic() + timeout_s, 0.0
         while time.monotonic() < deadline:
+            if self.process is not None and time.monotonic() - looked > 2.0:  # a crash before /health answers
+                self.shm_files.update(group_shm_files(self.process.pid))  # must not leave its files behind
+                looked = time.monotonic()
             if self.process is not None and self.process.poll() is not None:
                 raise ServerStartError(
                     f"SGLang server exited with code {self.process.returncode} before it was healthy; "
@@ -241,7 +226,7 @@ class SGLangServer:
         if proc is None:
             return
         pgid = proc.pid  # start_new_session=True: the group id is the leader's pid
-        self.shm_files |= _group_shm_files(pgid)
+        self.shm_files.update(group_shm_files(pgid))
         for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, sig)
@@ -252,9 +237,7 @@ class SGLangServer:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=1.0)
         if not _group_alive(pgid):  # nobody maps them any more: SGLang leaves these behind
-            for path in self.shm_files:
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
+            remove_shm_files(self.shm_files)
             self.shm_files.clear()
 
     def restart(self) -> None:
@@ -311,6 +294,7 @@ class ServerPool:
     external: list[str] = field(default_factory=list)
     max_restarts: int = 0
     restarts: int = 0
+    keys: ServerKeys = field(default_factory=lambda: ServerKeys(), repr=False)  # what every call must carry
 
     @property
     def addresses(self) -> list[str]:
@@ -338,26 +322,32 @@ class ServerPool:
 
 @contextlib.contextmanager
 def rollout_server_pool(
-    rollout, model_path: str | Path, log_dir: str | Path, num_servers: int = 1, **spec_overrides
+    rollout, model_path: str | Path, log_dir: str | Path, num_servers: int = 1, keys: ServerKeys | None = None,
+    **spec_overrides,
 ) -> Iterator[ServerPool]:
     """Yield a ServerPool: `rollout.addresses` as given, else `num_servers` local servers.
 
     Local servers are started one after another (a 2-core machine cannot overlap their imports),
-    and all of them are stopped when the block exits for any reason, including SIGTERM.
+    and all of them are stopped when the block exits for any reason, including SIGTERM. ``keys``
+    (default ``ServerKeys.for_run(rollout)``): with a generated key the servers get it through their
+    environment only; ``pool.keys`` is what every call to them must carry.
     """
+    keys = ServerKeys.for_run(rollout) if keys is None else keys
     if rollout.addresses:
-        yield ServerPool(external=[a.rstrip("/") for a in rollout.addresses])
+        yield ServerPool(external=[a.rstrip("/") for a in rollout.addresses], keys=keys)
         return
     if num_servers < 1:
         raise ValueError(f"num_servers={num_servers}; expected >= 1")
-    pool = ServerPool(max_restarts=getattr(rollout, "max_server_restarts", 0))
+    pool = ServerPool(max_restarts=getattr(rollout, "max_server_restarts", 0), keys=keys)
+    if keys.generated:
+        spec_overrides = {**spec_overrides, "admin_api_key_env": RUN_ADMIN_KEY_ENV}
     with _terminate_on_signals():
         try:
             for i in range(num_servers):
                 spec = ServerSpec.from_rollout_config(rollout, model_path, **spec_overrides)
                 if spec.port is not None and num_servers > 1:
                     spec = dataclasses.replace(spec, port=spec.port + i)
-                pool.servers.append(SGLangServer(spec, Path(log_dir) / f"sglang_{i}.log"))
+                pool.servers.append(SGLangServer(spec, Path(log_dir) / f"sglang_{i}.log", secret_env=keys.server_env()))
                 pool.servers[-1].start()
             yield pool
         finally:

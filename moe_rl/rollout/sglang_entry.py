@@ -3,13 +3,33 @@
 Owns keeping keys out of sight: ``--api-key-env NAME`` / ``--admin-api-key-env NAME`` name variables whose
 values become ``ServerArgs.api_key`` / ``admin_api_key`` inside this process, so no key is on any command
 line (``ps``, the rendered SLURM plan) and SGLang's ``server_args=...`` log line shows ``<redacted>``.
-Every other argument goes to SGLang unchanged; ``--api-key`` itself is refused.
+Every other argument goes to SGLang unchanged; ``--api-key`` itself is refused. Every server moe_rl
+launches starts here (with or without keys).
+
+It also keeps one multiprocessing semaphore from being made at all: SGLang spawns its scheduler, which
+imports this module as ``__mp_main__``, and tqdm's default write lock there is a ``multiprocessing.RLock``:
+under the spawn start method a named POSIX semaphore ``/dev/shm/sem.mp-*`` that only a finalizer removes,
+and a stopped server's processes are killed (SGLang even SIGKILLs its own resource tracker), so one
+``sem.mp-*`` outlived every run. A thread lock is all tqdm needs in a server log.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+
+
+def _tqdm_without_a_semaphore() -> None:
+    """tqdm's write lock without its multiprocessing part (runs in every process that imports this module)."""
+    try:
+        from tqdm.std import TqdmDefaultWriteLock
+    except ImportError:
+        return
+    if not hasattr(TqdmDefaultWriteLock, "mp_lock"):
+        TqdmDefaultWriteLock.mp_lock = None  # create_mp_lock() then skips multiprocessing.RLock()
+
+
+_tqdm_without_a_semaphore()
 
 KEY_FLAGS = {"--api-key-env": "api_key", "--admin-api-key-env": "admin_api_key"}
 REDACTED = "<redacted>"

@@ -314,8 +314,11 @@ class WeightSync:
         self.last_state: Mapping[str, torch.Tensor] | None = None  # what the servers should hold (rank 0)
 
     @classmethod
-    def from_config(cls, cfg, addresses: Sequence[str], export_dir: str | Path | None = None) -> WeightSync:
-        """The sync for an ExperimentConfig and the servers in use (``auto`` looks at their hosts)."""
+    def from_config(cls, cfg, addresses: Sequence[str], export_dir: str | Path | None = None,
+                    keys: ServerKeys | None = None) -> WeightSync:  # fmt: skip
+        """The sync for an ExperimentConfig and the servers in use (``auto`` looks at their hosts).
+
+        ``keys``: the servers' keys (a run's generated admin key); default: the configured variables."""
         r = cfg.rollout
         mode = r.weight_sync
         local = all(is_local_address(a) for a in addresses)
@@ -327,11 +330,14 @@ class WeightSync:
                 f"rollout.weight_sync='tensor' shares tensors through this host's memory, but {remote} are not "
                 f"on this host; use rollout.weight_sync='disk' (or 'auto')"
             )
-        init = cfg.checkpoint.init_from_hf
+        from moe_rl.config.hf_model import initial_weights_dir, side_files_dir
+
+        init = initial_weights_dir(cfg)
         return cls(
-            mode, cfg.model, export_dir=export_dir, template_dir=init, weight_quantization=r.weight_quantization,
+            mode, cfg.model, export_dir=export_dir, template_dir=side_files_dir(cfg),
+            weight_quantization=r.weight_quantization,
             bucket_bytes=r.weight_sync_bucket_mb << 20, reference=reference_from_hf_dir(init) if init else None,
-            keys=ServerKeys.from_rollout_config(r),
+            keys=ServerKeys.from_rollout_config(r) if keys is None else keys,
         )  # fmt: skip
 
     def check_servable(self, addresses: Sequence[str]) -> None:

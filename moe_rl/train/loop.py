@@ -7,9 +7,12 @@ which rank, minibatch and microbatch is the step's ``StepPlan`` (``moe_rl.train.
 ``moe_rl.train.update`` executes. Per step ``s`` (all seeded by ``(train.seed, s)``, so a resumed
 run repeats an uninterrupted one):
 
-1. rank 0 samples prompts and generates on SGLang (routes, masks, log-probs), scores rewards and
-   saves ``<run>/rollouts/step_<s>.safetensors`` before anything trains on it; every rank loads
-   it. With ``train.rollouts_from: DIR`` the records are read from ``DIR`` instead (no server);
+1. rank 0 takes the step's prompts from the prompt stream (``moe_rl.data``: the built-in task, or
+   dataset rows at the position the last checkpoint saved), generates on SGLang (routes, masks,
+   log-probs), scores rewards (``moe_rl.reward``) and saves ``<run>/rollouts/step_<s>.safetensors``
+   before anything trains on it; every rank loads it (``StepRecords``: the bytes rank 0 wrote,
+   checked against the model). With ``train.rollouts_from: DIR`` the records are read from ``DIR``
+   instead (no server);
 2. GRPO/RLOO advantages; the step plan; in decoupled mode the old-log-prob pass;
 3. ``minibatches_per_step`` optimizer steps (times ``epochs_per_step``) under the replay driver;
 4. export HF weights, ``/update_weights_from_disk`` to every server, checkpoint every K steps.
@@ -24,7 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moe_rl.config import ConfigError, ExperimentConfig, save_config
+from moe_rl.config import ExperimentConfig, save_config
+from moe_rl.config.hf_model import side_files_dir
 from moe_rl.config.preflight import ksm_active
 from moe_rl.records import RecordError, RolloutBatch
 from moe_rl.train.batching import check_ksm_records, kept_set_outside_fraction
@@ -32,7 +36,9 @@ from moe_rl.train.collectives import barrier, dp_group, dp_rank_and_size, is_mai
 from moe_rl.train.logprob import make_logprob_fn
 from moe_rl.train.metrics_log import MetricsLogger
 from moe_rl.train.plan import plan_step
-from moe_rl.train.run_identity import resolve_run_id, write_checkpoint_identity, write_run_id
+from moe_rl.train.run_identity import resolve_run_id, version_nonce, write_checkpoint_identity, write_run_id
+from moe_rl.train.step_records import StepRecords
+from moe_rl.train.step_samples import StepSamples
 from moe_rl.train.update import StepInputs, old_logprob_rows, reference_rows, update_minibatch
 
 __all__ = ["RLTrainer", "train", "check_supported", "ROLLOUTS_DIR"]
@@ -60,7 +66,6 @@ class RLTrainer:
         from moe_rl.learner.dist import init_distributed
         from moe_rl.learner.train_step import Learner
         from moe_rl.replay.driver import ReplayDriver
-        from moe_rl.rollout.tasks import build_task
         from moe_rl.train.run_dir import guard_run_dir
 
         check_supported(cfg)
@@ -76,23 +81,43 @@ class RLTrainer:
         meta = load_checkpoint(self.learner, self.ckpt_dir) if cfg.checkpoint.resume == "auto" else None
         self.start_step = int(meta["extra"]["rl_step"]) if meta else 0
         self.run_id = resolve_run_id(self.run_dir, resumed=meta is not None)  # same id on every rank
+        self.version_nonce = version_nonce(self.run_id)  # weight-version labels step-<s>-<nonce>
         if self.is_main:  # only now is the run known to start (a model-shape change failed above)
             save_config(cfg, self.run_dir / "config.yaml")
             write_run_id(self.run_dir, self.run_id)
             write_checkpoint_identity(self.ckpt_dir, self.run_id, self.run_dir)  # whose checkpoints these are
-        self.server_keys, self.server_pool = None, None  # set by run(): auth and restarts
+        self.server_keys, self.server_pool = None, None  # set by run(): auth (a generated key by default), restarts
         self.weight_sync = None  # created at the first sync (its mode depends on the servers' hosts)
         if meta is None:  # a fresh run starts from the cached supervised warm start (train.warm_start)
             from moe_rl.train.warm_start import apply_warm_start
 
             apply_warm_start(self.learner, cfg)
         self.driver = ReplayDriver.from_config(self.learner.module, cfg)
-        self.task, self.reward_fn = build_task(cfg.train, cfg.model.vocab_size)
+        self.records = StepRecords.for_trainer(cfg, self.run_id)  # loads check records against the model
+        self.tokenizer = self.prompts = self.rewarder = self.samples = self.evaluator = None  # rank 0's (below)
+        if self.is_main and not self.from_records:
+            self._prompt_data(meta)
         self.logprob_fn = make_logprob_fn(ksm_active(cfg), with_entropy=cfg.loss.entropy_coef > 0)
         self.device = next(self.learner.model.parameters()).device
         self.reference = self._reference_policy(meta is not None) if cfg.loss.kl_coef else None
         self._reference_saved = False  # save_reference checks the marker itself (rank 0) the first time
         self.plan(self.start_step)  # an impossible split fails here, before any server starts
+
+    def _prompt_data(self, meta: dict | None) -> None:
+        """The tokenizer, the prompt stream (at the checkpoint's dataset position) and the reward scorer."""
+        from moe_rl.data import build_prompt_stream
+        from moe_rl.data.chat import load_tokenizer
+        from moe_rl.reward import build_rewarder
+
+        self.tokenizer = load_tokenizer(self.cfg) if self.cfg.data is not None else None  # the built-in tasks: task ids
+        self.prompts = build_prompt_stream(self.cfg, self.tokenizer)
+        self.prompts.load_state((meta or {}).get("extra", {}).get("data"))
+        self.rewarder = build_rewarder(self.cfg, self.tokenizer)
+        self.samples = StepSamples(self.cfg, self.prompts, self.rewarder)
+        if self.cfg.eval is not None:
+            from moe_rl.train.evaluate import Evaluator
+
+            self.evaluator = Evaluator(self.cfg, self.tokenizer, self.rewarder, self.prompts)
 
     def plan(self, step: int):
         """This rank's ``StepPlan`` for ``step``."""
@@ -126,6 +151,12 @@ class RLTrainer:
     def from_records(self) -> bool:
         return bool(self.cfg.train.rollouts_from)
 
+    def _stop_tokens(self) -> dict:
+        """Dataset prompts: responses end at the tokenizer's EOS ids (the built-in tasks: the server's default)."""
+        from moe_rl.data.chat import stop_token_ids
+
+        return {"stop_token_ids": stop_token_ids(self.tokenizer, self.cfg.model.hf_path)} if self.tokenizer else {}
+
     # ------------------------------------------------------------------ weights
     def export_weights(self) -> Path:
         """Export the learner as an HF dir for SGLang (collective); path of the live copy."""
@@ -133,32 +164,39 @@ class RLTrainer:
         from moe_rl.rollout.quantize import quantize_hf_dir
 
         out = self.run_dir / "hf" / "current"
-        export_hf_checkpoint(self.learner.module, self.cfg.model, out, template_dir=self.cfg.checkpoint.init_from_hf)
+        export_hf_checkpoint(self.learner.module, self.cfg.model, out, template_dir=side_files_dir(self.cfg))
         if self.is_main and self.cfg.rollout.weight_quantization != "none":
             quantize_hf_dir(out, self.cfg.rollout.weight_quantization)
         barrier()
         return out
 
+    def version(self, step: int) -> str:
+        """The weight-version label of ``step``: ``step-<step>-<nonce>`` (the nonce derived from the run id)."""
+        from moe_rl.rollout.integrity import version_label
+
+        return version_label(step, self.version_nonce)
+
     def sync_weights(self, addresses: list[str], step: int) -> float:
-        """Export (collective) and load the learner into every server as ``step-<step>``: tensors through
+        """Export (collective) and load the learner into every server as ``version(step)``: tensors through
         shared memory for servers on this host, an HF checkpoint on disk otherwise (``rollout.weight_sync``)."""
         from moe_rl.rollout.weights import WeightSync
 
         if self.from_records:
             return 0.0
         if self.weight_sync is None:
-            self.weight_sync = WeightSync.from_config(self.cfg, addresses, export_dir=self.run_dir / "hf" / "current")
-        return self.weight_sync.sync(self.learner.module, addresses if self.is_main else [], f"step-{step}")
+            self.weight_sync = WeightSync.from_config(self.cfg, addresses, export_dir=self.run_dir / "hf" / "current",
+                                                      keys=self.server_keys)  # fmt: skip
+        return self.weight_sync.sync(self.learner.module, addresses if self.is_main else [], self.version(step))
 
     def resync(self, addresses: list[str], step: int) -> None:
-        """Push the served weights again as ``step-<step>`` (rank 0, after a restart or a version mismatch)."""
+        """Push the served weights again as ``version(step)`` (rank 0, after a restart or a version mismatch)."""
         from moe_rl.rollout.weights import update_weights_from_disk
 
         ws = self.weight_sync
         if ws is not None and ws.last_state is not None:
-            ws.push(ws.last_state, addresses, f"step-{step}")  # a full sync: clears any half-updated state
+            ws.push(ws.last_state, addresses, self.version(step))  # a full sync: clears any half-updated state
             return
-        update_weights_from_disk(addresses, self.run_dir / "hf" / "current", f"step-{step}", keys=self.server_keys)
+        update_weights_from_disk(addresses, self.run_dir / "hf" / "current", self.version(step), keys=self.server_keys)
 
     # ------------------------------------------------------------------ one step
     def rollout(self, client, step: int) -> RolloutBatch:
@@ -170,25 +208,30 @@ class RLTrainer:
             if not path.is_file():
                 raise FileNotFoundError(f"train.rollouts_from={self.cfg.train.rollouts_from}: no records for step {step} "
                                         f"(expected {path})")  # fmt: skip
-            return RolloutBatch.load(path)
+            return self.records.load(path)
         if self.is_main:
-            rng = np.random.default_rng([self.cfg.train.seed, step])
-            prompts = self.task.sample_prompts(self.cfg.train.prompts_per_step, rng)
+            from moe_rl.train.step_samples import round_group_ids
+
             n = self.cfg.rollout.samples_per_prompt
             if self.weight_sync is not None:
                 self.weight_sync.check_servable(client.addresses)  # never sample a half-updated server
-            samples = generate_checked(  # the synced weight version only; a dead server we launched restarts
-                lambda: client.generate([p.ids for p in prompts], n, step=step), f"step-{step}",
-                resync=lambda: self.resync(client.addresses, step),
-                restart=self.server_pool.restart if self.server_pool else None,
-            )  # fmt: skip
-            for k, sample in enumerate(samples):
-                sample.reward = float(self.reward_fn(prompts[k // n], sample.response_ids.tolist()))
-            batch = RolloutBatch.from_samples(samples, num_experts=self.cfg.model.num_moe_experts)
+
+            def generate(prompts, round_):
+                ids, groups = [p.ids for p in prompts], round_group_ids(round_, len(prompts))
+                return generate_checked(  # the synced weight version only; a dead server we launched restarts
+                    lambda: client.generate(ids, n, step=step, group_ids=groups), self.version(step),
+                    resync=lambda: self.resync(client.addresses, step),
+                    restart=self.server_pool.restart if self.server_pool else None,
+                )  # fmt: skip
+
+            samples, sample_metrics = self.samples.make(step, generate)
+            batch = self.records.stamp(RolloutBatch.from_samples(samples, num_experts=self.cfg.model.num_moe_experts))
+            if sample_metrics:
+                batch.extra["reward_metrics"] = sample_metrics  # travels with the records to every rank
             batch.validate(self.cfg.model)
             batch.save(path)  # persisted before it is trained on
         barrier()
-        return RolloutBatch.load(path)
+        return self.records.load(path)  # every rank: the bytes rank 0 wrote, checked against the model
 
     def step(self, client, step: int) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
@@ -201,8 +244,9 @@ class RLTrainer:
         if plan.num_samples != len(batch):
             raise RecordError(f"{self.records_dir}: step {step} has {len(batch)} samples; the config asks for "
                               f"{plan.num_samples} (train.prompts_per_step x rollout.samples_per_prompt)")  # fmt: skip
+        truncated = torch.tensor([f == "length" for f in batch.finish_reasons], dtype=torch.bool)
         inputs = StepInputs(batch, torch.zeros(len(batch), device="cpu"), int(batch.response_lens.max()), self.device, step,
-                            cfg.train.seed)  # fmt: skip
+                            cfg.train.seed, trainable=~truncated if cfg.train.mask_truncated else None)  # fmt: skip
         self.driver.begin_step()
         t1 = time.perf_counter()
         old = ref = None
@@ -219,12 +263,15 @@ class RLTrainer:
         metrics = _mean([r.metrics | {"train/loss": r.loss, "train/grad_norm": r.grad_norm, "train/lr": r.lr}
                          for r in results])  # fmt: skip
         metrics |= self.driver.step_metrics(group=dp_group())
+        metrics |= batch.extra.get("reward_metrics", {})  # reward/errors, reward/<key> of a reward function
         metrics |= {
             "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()), "reward/max": float(rewards.max()),
             "response/len_mean": float(batch.response_lens.mean()),
             "response/len_max": float(batch.response_lens.max()),
-            "response/truncated_frac": float(np.mean([f == "length" for f in batch.finish_reasons])),
+            "response/truncated_frac": float(truncated.double().mean()),
+            "response/masked_truncated": float(truncated.sum()) if cfg.train.mask_truncated else 0.0,
             "ksm/outside_mask_frac": kept_set_outside_fraction(batch) if ksm_active(cfg) else 0.0,
+            **self.records.step_metrics(batch),
             "time/rollout_s": t_rollout, "time/old_logp_s": t_old, "time/train_s": t_train,
             "rollout/tokens_per_s": float(batch.response_lens.sum()) / max(t_rollout, 1e-9),
         }  # fmt: skip
@@ -261,7 +308,7 @@ class RLTrainer:
 
         if self.from_records or not self.is_main:
             return contextlib.nullcontext(ServerPool())
-        return rollout_server_pool(self.cfg.rollout, self.export_weights(), self.run_dir / "logs")
+        return rollout_server_pool(self.cfg.rollout, self.export_weights(), self.run_dir / "logs", keys=self.server_keys)
 
     def run(self) -> Path:
         from moe_rl.learner.checkpoint import save_checkpoint
@@ -275,8 +322,11 @@ class RLTrainer:
                 print(done, flush=True)
             self.close()
             return self.run_dir
-        logger = MetricsLogger(self.run_dir, cfg.logging, cfg.train.steps, self.start_step, self.is_main, cfg.name)
-        self.server_keys = ServerKeys.from_rollout_config(cfg.rollout)  # an unset key variable fails before any server
+        logger = MetricsLogger(self.run_dir, cfg.logging, cfg.train.steps, self.start_step, self.is_main, cfg.name,
+                               run_id=self.run_id)  # fmt: skip
+        # the configured key variables (an unset one fails before any server), else a fresh admin key for the
+        # servers this run launches (docs/operations.md); held in memory, handed to the servers' environment
+        self.server_keys = ServerKeys.for_run(cfg.rollout)
         if not self.from_records and not self.is_main:
             self.export_weights()  # the export is collective; rank 0 runs it inside _servers()
         try:
@@ -286,12 +336,20 @@ class RLTrainer:
                     self.resync(addresses, self.start_step)
                 client = None
                 if self.is_main and not self.from_records:
-                    client = RolloutClient.from_config(cfg, addresses)  # sends the API key when set
+                    # the API key (a generated one by default); dataset prompts stop at the tokenizer's EOS
+                    client = RolloutClient.from_config(cfg, addresses, headers=self.server_keys.headers(),
+                                                       **self._stop_tokens())  # fmt: skip
+                if self.start_step == 0 and self._eval_due(0):  # before the first step: a line of its own
+                    logger.log(0, self.evaluator.run(client, 0, self.version(0)), progress=False)
                 for step in range(self.start_step, cfg.train.steps):
                     t0 = time.perf_counter()
                     metrics = self.step(client, step)
                     metrics["time/sync_s"] = self.sync_weights(addresses, step + 1)
                     metrics["time/step_s"] = time.perf_counter() - t0
+                    if self._eval_due(step + 1):  # at the weights just synced; never writes training records
+                        t1 = time.perf_counter()
+                        metrics |= self.evaluator.run(client, step + 1, self.version(step + 1))
+                        metrics["time/eval_s"] = time.perf_counter() - t1
                     # log before checkpointing: a kill in between resumes from the older checkpoint,
                     # which cuts this line again, so no step's metrics can go missing
                     logger.log(step + 1, metrics)
@@ -299,7 +357,7 @@ class RLTrainer:
                             or step + 1 == cfg.train.steps:  # fmt: skip
                         self._save_reference()  # first: no checkpoint exists without its reference
                         save_checkpoint(self.learner, self.ckpt_dir, cfg.checkpoint.keep_last,
-                                        extra={"rl_step": step + 1}, step=step + 1)  # dirs named by RL step
+                                        extra=self._checkpoint_extra(step + 1), step=step + 1)  # dirs named by RL step
                 if self.weight_sync is not None and self.weight_sync.mode == "tensor":
                     self.export_weights()  # <run>/hf/current holds the final weights whatever the sync path
         finally:
@@ -307,12 +365,23 @@ class RLTrainer:
             self.close()
         return self.run_dir
 
+    def _eval_due(self, step: int) -> bool:
+        """Rank 0 evaluates after ``step`` RL steps (``eval`` section; generation needs the servers)."""
+        return self.evaluator is not None and self.evaluator.due(step)
+
+    def _checkpoint_extra(self, rl_step: int) -> dict:
+        """What a checkpoint carries besides weights: the RL step and the dataset position (rank 0's)."""
+        state = self.prompts.state() if self.prompts is not None else None
+        return {"rl_step": rl_step} | ({"data": state} if state is not None else {})
+
     def close(self) -> None:
-        """Release the routers (nothing stays bound after a run) and the run directory's lock.
+        """Release the routers (nothing stays bound after a run), the reward workers and the run directory's lock.
 
         ``run`` does it itself; callers driving the trainer by hand (``moe-rl diagnose``) call it.
         """
         self.driver.close()
+        if self.rewarder is not None:
+            self.rewarder.close()
         if self.run_lock is not None:
             self.run_lock.release()
 

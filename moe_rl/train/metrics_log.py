@@ -3,7 +3,7 @@
 Owns where metrics go, not what they are: every key arrives flat and slash-namespaced
 (``reward/mean``, ``offpolicy/kl_k3``, ``replay/rollout_vs_natural/response/flip_rate``) and is
 written unchanged. On resume, lines for steps after the checkpoint are dropped so the
-file reads as one uninterrupted run.
+file reads as one uninterrupted run, and wandb continues the same wandb run (its id is the run id).
 """
 
 from __future__ import annotations
@@ -43,6 +43,14 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     os.replace(tmp, path)
 
 
+def wandb_init_kwargs(logging_cfg, run_dir: str | Path, run_name: str, run_id: str | None) -> dict:
+    """``wandb.init`` arguments: the run id as wandb's id with ``resume="allow"``, so a resumed run logs into
+    the wandb run it started (a new id would start a new wandb run on every resume)."""
+    kwargs = {"project": logging_cfg.wandb_project, "name": run_name, "dir": str(run_dir),
+              "mode": logging_cfg.wandb_mode, "resume": "allow"}  # fmt: skip
+    return kwargs | ({"id": run_id} if run_id else {})
+
+
 def read_metrics(path: str | Path) -> list[dict]:
     """All step records of a metrics.jsonl file."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
@@ -52,7 +60,7 @@ class MetricsLogger:
     """Writes one record per step to every enabled sink; a no-op on non-zero ranks."""
 
     def __init__(self, run_dir: str | Path, logging_cfg, total_steps: int, start_step: int = 0,
-                 enabled: bool = True, run_name: str = "moe_rl"):  # fmt: skip
+                 enabled: bool = True, run_name: str = "moe_rl", run_id: str | None = None):  # fmt: skip
         self.enabled = enabled
         self.path = Path(run_dir) / METRICS_FILE
         self._tb = self._wandb = self._bar = None
@@ -68,14 +76,14 @@ class MetricsLogger:
         if logging_cfg.wandb and logging_cfg.wandb_mode != "disabled":
             import wandb  # optional extra: pip install moe_rl[wandb]
 
-            self._wandb = wandb.init(project=logging_cfg.wandb_project, name=run_name, dir=str(run_dir),
-                                     mode=logging_cfg.wandb_mode, resume="allow")  # fmt: skip
+            self._wandb = wandb.init(**wandb_init_kwargs(logging_cfg, run_dir, run_name, run_id))
         if logging_cfg.progress:
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="moe-rl", unit="step", dynamic_ncols=True)
 
-    def log(self, step: int, metrics: dict) -> None:
+    def log(self, step: int, metrics: dict, progress: bool = True) -> None:
+        """One record for ``step``; ``progress=False`` for a line that is not a step (the eval before step 1)."""
         if not self.enabled:
             return
         record = {"step": step, **{k: _finite(v) for k, v in sorted(metrics.items())}}
@@ -89,7 +97,7 @@ class MetricsLogger:
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
-        if self._bar is not None:
+        if self._bar is not None and progress:
             shown = {name: f"{metrics[key]:.3g}" for name, key in PROGRESS_KEYS.items() if key in metrics}
             self._bar.set_postfix(shown, refresh=False)
             self._bar.update(1)

@@ -12,7 +12,8 @@ dead process is simply taken over, with a log line naming it), the check that ``
   wrote them; checkpoints with no such record are resumed only next to the ``config.yaml`` of their run),
   then compares the saved ``config.yaml`` with the new config key by key; keys on
   ``RESUME_SAFE_KEYS`` (operational: addresses, ports, timeouts, logging, the key variables,
-  ``train.steps``) and keys named in ``checkpoint.allow_changes`` may differ, any other difference
+  ``train.steps``, and the ``parallel.*`` layout, which the checkpoint loader reshards) and keys named
+  in ``checkpoint.allow_changes`` may differ (each change is logged), any other difference
   (including a key the old run did not have) refuses the start and prints every difference.
   ``train.steps`` is safe only while the lr schedule does not depend on it
   (``optim.lr_decay_style=constant``): a decaying schedule spans ``train.steps``, so a resumed run with
@@ -48,12 +49,13 @@ LOCK_FILE = ".moe_rl.lock"
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 # Keys that may change when a run resumes: where the servers are and how long to wait for them, how
-# metrics are logged, which variables hold the keys, how many steps to run, and these rules themselves.
+# metrics are logged, which variables hold the keys, how many steps to run, these rules themselves, and
+# the parallel layout (checkpoints are layout-free: moe_rl.learner.checkpoint reshards them on load).
 RESUME_SAFE_KEYS = (
     "rollout.addresses", "rollout.host", "rollout.port", "launch.rollout_port", "launch.master_port",
     "rollout.request_timeout_s", "rollout.startup_timeout_s", "rollout.health_timeout_s",
     "rollout.max_server_restarts", "rollout.api_key_env", "rollout.admin_api_key_env", "logging.*", "train.steps",
-    "checkpoint.allow_changes", "checkpoint.overwrite",
+    "checkpoint.allow_changes", "checkpoint.overwrite", "parallel.*",
 )  # fmt: skip
 
 
@@ -251,7 +253,10 @@ def check_resume(cfg, run_dir: Path, ckpt_dir: Path) -> None:
             "checkpoint.resume=never checkpoint.overwrite=true; or use another train.output_dir"
         )
     if diffs:
-        logger.warning("resuming %s with changed operational settings:\n%s", run_dir, "\n".join(lines))
+        reshard = any(k.startswith("parallel.") for k, _, _ in diffs)
+        logger.warning("resuming %s with changed operational settings%s:\n%s", run_dir,
+                       " (parallel layout changed: the checkpoint is resharded to the new layout)" if reshard else "",
+                       "\n".join(lines))  # fmt: skip
 
 
 def discard_previous_run(run_dir: Path, ckpt_dir: Path) -> None:

@@ -9,6 +9,7 @@ policy's completion marker, the weight-version label's nonce, the records' produ
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -16,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 __all__ = ["RUN_ID_FILE", "CKPT_IDENTITY_FILE", "new_run_id", "read_run_id", "write_run_id", "resolve_run_id",
-           "read_checkpoint_identity", "write_checkpoint_identity"]
+           "read_checkpoint_identity", "write_checkpoint_identity", "version_nonce"]
 
 RUN_ID_FILE = "run_id"
 CKPT_IDENTITY_FILE = "run.json"  # in checkpoint.dir: which run (id, output dir) writes its checkpoints
@@ -79,3 +80,9 @@ def resolve_run_id(run_dir: str | Path, resumed: bool) -> str:
         dist.broadcast_object_list(box, src=0)
         run_id = box[0]
     return run_id
+
+
+def version_nonce(run_id: str) -> str:
+    """The weight-version label's nonce (``step-<s>-<nonce>``): 8 hex characters derived from the run id,
+    so a resumed run keeps labelling its weights alike and another run never does."""
+    return hashlib.sha256(f"weight-version:{run_id}".encode()).hexdigest()[:8]

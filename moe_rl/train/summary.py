@@ -2,7 +2,7 @@
 
 Owns reading a finished run directory (``metrics.jsonl``, ``checkpoints/``, ``rollouts/``,
 ``hf/current``, ``tensorboard/``), drawing its curves into ``<run>/report/plots/`` (through
-``moe_rl.report.write_report``, so one run reads like a one-cell ablation) and formatting a
+``moe_rl.study.report.write_report``, so one run reads like a one-cell ablation) and formatting a
 short text: reward first -> last, rollout-vs-learner KL and router flip rate, paths, and the
 TensorBoard command. It only reads what the trainer wrote; it computes no training quantity.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from moe_rl.report import METRICS_FILE, read_metrics, write_report
+from moe_rl.study.report import METRICS_FILE, read_metrics, write_report
 
 __all__ = ["SUMMARY_METRICS", "closing_summary", "print_closing_summary"]
 
@@ -37,17 +37,29 @@ def _first_last(series: list[tuple[int, float]], fmt: str) -> str:
     return text + (f", max {best:{fmt}}" if len(series) > 2 else "")
 
 
+def _eval_metrics(metrics_path: Path) -> list[tuple[str, str, str]]:
+    """The eval section's pass@k and reward keys present in ``metrics.jsonl`` (names depend on the eval sets)."""
+    import json
+
+    keys = set()
+    for line in metrics_path.read_text().splitlines():
+        if '"eval/' in line:
+            keys |= {k for k in json.loads(line) if k.startswith("eval/") and ("/pass@" in k or k.endswith("/reward_mean"))}
+    return [(k, f"eval {k[len('eval/'):]}", ".3f") for k in sorted(keys)]
+
+
 def closing_summary(run_dir: str | Path, plots: bool = True) -> str:
     """Text summary of the run in ``run_dir``; draws ``<run_dir>/report/plots/*.png`` first when ``plots``."""
     run_dir = Path(run_dir)
     metrics_path = run_dir / METRICS_FILE
     if not metrics_path.exists():
         return f"run {run_dir}: no {METRICS_FILE} (no step finished)"
-    data = read_metrics(metrics_path, [k for k, _, _ in SUMMARY_METRICS])
+    shown = list(SUMMARY_METRICS) + _eval_metrics(metrics_path)
+    data = read_metrics(metrics_path, [k for k, _, _ in shown])
     steps = max((s for series in data.values() for s, _ in series), default=0)
     lines = [f"== moe-rl train: {steps} step(s) in {run_dir}"]
-    width = max(len(label) for _, label, _ in SUMMARY_METRICS)
-    for key, label, fmt in SUMMARY_METRICS:
+    width = max(len(label) for _, label, _ in shown)
+    for key, label, fmt in shown:
         if data[key]:
             lines.append(f"  {label:<{width}}  {_first_last(data[key], fmt)}")
     lines.append(f"  metrics          {metrics_path}")

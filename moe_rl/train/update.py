@@ -45,6 +45,7 @@ class StepInputs:
     device: torch.device
     step: int = 0
     seed: int = 0
+    trainable: torch.Tensor | None = None  # [N] bool: samples that enter the loss (train.mask_truncated); None = all
 
 
 @dataclass
@@ -104,14 +105,16 @@ def reference_rows(cfg, reference, driver, logprob_fn, plan: StepPlan, inputs: S
     """
     mbs = _microbatches(cfg, inputs, plan.owned_microbatches)
     rows = []
-    for m in mbs:
-        routes, local = None, False
-        if driver.mode == "r3":
-            routes = m.routes.rollout
-        elif driver.mode == "r2":
-            routes, local = driver.r2_routes(m.routes), True
-        logp = reference.logprobs(m.tensors, cfg.rollout.temperature, logprob_fn, routes=routes, local_routes=local)
-        rows.append(m.to_rows(logp.float(), inputs.width))
+    with reference.on_device():  # an offloaded π_ref moves to the device once per pass, not per microbatch
+        for m in mbs:
+            routes, local = None, False
+            if driver.mode == "r3":
+                routes = m.routes.rollout
+            elif driver.mode == "r2":
+                routes, local = driver.r2_routes(m.routes), True
+            logp = reference.logprobs(m.tensors, cfg.rollout.temperature, logprob_fn, routes=routes,
+                                      local_routes=local)  # fmt: skip
+            rows.append(m.to_rows(logp.float(), inputs.width))
     gathered = all_gather_rows(torch.cat(rows), dp_group())
     per_rank = [[i for mb in plan.minibatches for i in mb.shares[r]] for r in range(plan.dp_size)]
     return _rows_by_sample(per_rank, gathered, len(inputs.batch))
@@ -143,6 +146,8 @@ def update_minibatch(cfg, learner, driver, logprob_fn, mb_plan: MinibatchPlan, i
     ids = list(mb_plan.sample_ids)
     ksm = ksm_active(cfg)
     mask = response_row_mask(inputs.batch, ids, width).to(dev)
+    # train.mask_truncated: those samples' tokens never enter the loss (nor its denominator)
+    loss_mask = None if inputs.trainable is None else mask & inputs.trainable[ids][:, None].to(dev)
     mu = response_rows(inputs.batch, ids, width, kept_logp=ksm).to(dev)
     adv = inputs.advantages[ids].to(dev)
     old = None if old_rows is None else old_rows[ids].to(dev)
@@ -161,7 +166,7 @@ def update_minibatch(cfg, learner, driver, logprob_fn, mb_plan: MinibatchPlan, i
     norm_len = getattr(cfg.loss, "norm_len", None) or cfg.rollout.max_new_tokens
     generator = _generator(inputs, mb_plan, epoch)
     prep = prepare_corrections(cfg.loss, cfg.correction, source, mu, mask, norm_len=norm_len, policy_logp=policy,
-                               advantages=adv, generator=generator)  # fmt: skip
+                               advantages=adv, generator=generator, loss_mask=loss_mask)  # fmt: skip
     lr_scale, vcpo = 1.0, {}
     if getattr(cfg.optim, "ess_lr_scaling", False):
         scale, vcpo = ess_lr_scale(masked_sum(source - mu, mask, dim=1), mask.any(dim=1), cfg.optim.ess_lr_min_scale)

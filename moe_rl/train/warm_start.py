@@ -10,6 +10,12 @@ task, warm-start settings) and the code version (package version + the source of
 that produce the weights), so a changed config or code trains again and an unchanged one reuses
 the file. ``train.seed`` is not part of it: every RL seed and ablation cell starts from the same
 warm start.
+
+Multi-node: ``cache_dir`` may be node-local (``~/.cache``). Whether the cache is used is decided once,
+by rank 0, from every rank's view (its own shard and ``meta.json`` in its own directory) and broadcast:
+the cache is used only when every rank has its files, otherwise every rank trains (a split decision
+would leave some ranks in the training collectives and the others waiting elsewhere: a hang). Rank 0's
+``meta.json`` is broadcast and written next to every rank's shard, so each node's cache is complete.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["warm_start_key", "sft_microbatch", "train_warm_start", "temper", "apply_warm_start", "cache_path"]
+__all__ = ["warm_start_key", "sft_microbatch", "teacher_forcing_batch", "train_warm_start", "temper", "apply_warm_start", "cache_path"]
 
 # Modules whose source decides the warm-start weights (besides this one): the task and the model build.
 _CODE_FILES = ("train/warm_start.py", "rollout/tasks.py", "rollout/tokenizer.py", "learner/model.py")
@@ -65,6 +71,42 @@ def _barrier() -> None:
         torch.distributed.barrier()
 
 
+def _has_files(directory: Path, rank: int) -> bool:
+    """This rank's view of the cache: its own shard and ``meta.json`` in its own directory."""
+    return (directory / "meta.json").is_file() and (directory / f"rank_{rank:05d}.safetensors").is_file()
+
+
+def decide_cache_hit(directory: Path, rank: int, world: int) -> tuple[bool, list[int]]:
+    """``(hit, ranks without the files)`` on every rank: rank 0 gathers each rank's view, decides, broadcasts."""
+    mine = _has_files(directory, rank)
+    if world == 1:
+        return mine, [] if mine else [0]
+    views = [None] * world if rank == 0 else None
+    torch.distributed.gather_object(mine, views, dst=0)
+    box = [None]
+    if rank == 0:
+        missing = [r for r, has in enumerate(views) if not has]
+        box = [(not missing, missing)]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _broadcast_meta(meta: dict | None) -> dict:
+    """Rank 0's ``meta.json`` content on every rank."""
+    if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+        return meta
+    box = [meta]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _write_meta(meta_path: Path, meta: dict) -> None:
+    meta_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = meta_path.with_name(f".meta.json.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(tmp, meta_path)
+
+
 def cache_path(cfg) -> Path:
     """``<cache_dir>/<key>``: one ``rank_<r>.safetensors`` per rank plus ``meta.json``."""
     return Path(cfg.train.warm_start.cache_dir).expanduser() / warm_start_key(cfg)
@@ -79,9 +121,14 @@ def sft_microbatch(prompts, device: torch.device) -> dict[str, torch.Tensor]:
     """
     from moe_rl.rollout.tokenizer import EOS_ID, PAD_ID
 
-    seqs = [(list(p.ids), list(p.answer) + [EOS_ID]) for p in prompts]
+    return teacher_forcing_batch([(list(p.ids), list(p.answer) + [EOS_ID]) for p in prompts], PAD_ID, device)
+
+
+def teacher_forcing_batch(seqs, pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """``sft_microbatch`` for any tokenizer: ``seqs`` are ``(prompt_ids, answer_ids)`` pairs (the answer
+    ending with its EOS), right-padded with ``pad_id``; the loss mask covers the answer tokens."""
     T = max(len(a) + len(b) for a, b in seqs) - 1
-    input_ids = torch.full((len(seqs), T), PAD_ID, dtype=torch.long, device="cpu")  # host build: train_step moves it
+    input_ids = torch.full((len(seqs), T), pad_id, dtype=torch.long, device="cpu")  # host build: train_step moves it
     targets = torch.full((len(seqs), T), -1, dtype=torch.long, device="cpu")
     mask = torch.zeros((len(seqs), T), dtype=torch.float32, device="cpu")
     for row, (prompt, response) in enumerate(seqs):
@@ -177,22 +224,27 @@ def apply_warm_start(learner, cfg) -> dict | None:
     directory = cache_path(cfg)
     path = directory / f"rank_{rank:05d}.safetensors"
     meta_path = directory / "meta.json"
-    cached = meta_path.exists() and all((directory / f"rank_{r:05d}.safetensors").exists() for r in range(world))
-    _barrier()  # every rank has looked before any rank writes
+    cached, missing = decide_cache_hit(directory, rank, world)  # every rank has looked before any rank writes
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if rank == 0 else None
     if not cached:
+        if log and world > 1 and len(missing) < world:
+            log(f"[warm start] ranks {missing} have no cached shard under {directory} (train.warm_start.cache_dir "
+                "is not shared between nodes?): every rank trains the warm start again")
         weights, history = train_warm_start(cfg, log)
         _save_atomic(weights, path, {"key": directory.name, "rank": str(rank)})
         _barrier()
+        meta = None
         if rank == 0:
             meta = {"key": directory.name, "world_size": world, "seconds": time.perf_counter() - t0,
                     "warm_start": ws.model_dump(mode="json"), "task": cfg.train.task, "history": history}  # fmt: skip
-            tmp = meta_path.with_name(f".meta.json.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(meta, indent=1))
-            os.replace(tmp, meta_path)
+            _write_meta(meta_path, meta)
+        meta = _broadcast_meta(meta)
+        if rank != 0 and not meta_path.is_file():  # a node-local cache_dir: each node keeps a complete copy
+            _write_meta(meta_path, meta)
         _barrier()
+    else:
+        meta = _broadcast_meta(json.loads(meta_path.read_text()) if rank == 0 else None)
     _load_into(learner.module, path)
-    meta = json.loads(meta_path.read_text())
     info = {"path": str(directory), "cached": cached, "seconds": time.perf_counter() - t0,
             "nll_first": meta["history"][0]["nll"], "nll_last": meta["history"][-1]["nll"]}  # fmt: skip
     if log:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moe_rl.ablate import expand_grid, parse_grid
+from moe_rl.study.ablate import expand_grid, parse_grid
 from moe_rl.config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[2]

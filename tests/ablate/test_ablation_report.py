@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from moe_rl.report import REPORT_METRICS, read_metrics, write_report
+from moe_rl.study.report import REPORT_METRICS, read_metrics, write_report
 
 KEYS = [k for k, _ in REPORT_METRICS]
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from moe_rl.ablate import expand_grid
+from moe_rl.study.ablate import expand_grid
 from moe_rl.config import ConfigError
-from moe_rl.report import write_report
+from moe_rl.study.report import write_report
 
 REPO = Path(__file__).resolve().parents[2]
 ABLATION = REPO / "configs" / "ablation_replay.yaml"

@@ -71,7 +71,7 @@ def test_reinforce_pp_with_and_without_baseline(device):
         n = sum(wts)
         mean = sum(a * b for a, b in zip(x, wts)) / n
         var = sum(b * (a - mean) ** 2 for a, b in zip(x, wts)) / (n - 1)
-        return [(a - mean) / (math.sqrt(var) + 1e-6) for a in x]
+        return [(a - mean) / math.sqrt(var + 1e-8) for a in x]  # verl's masked_whiten
 
     plain = reinforce_pp_advantages(r)
     assert plain.tolist() == pytest.approx(whiten(r.tolist(), [1] * len(IDS)))
@@ -85,6 +85,12 @@ def test_reinforce_pp_with_and_without_baseline(device):
         for k in members:
             centred[k] = r[k].item() - mean
     assert base.tolist() == pytest.approx(whiten(centred, [1] * len(IDS)))
+
+
+def test_reinforce_pp_whitening_adds_eps_to_the_variance_as_verl(device):
+    # Nearly equal rewards stay small: 5e-6 / sqrt(3.33e-11 + 1e-8) = 0.0499; 1/(std + 1e-6) gave 0.738.
+    adv = reinforce_pp_advantages(torch.tensor([0.0, 1e-5, 0.0, 1e-5], dtype=F64, device=device))
+    assert adv.tolist() == pytest.approx([-0.049917, 0.049917, -0.049917, 0.049917], abs=1e-6)
 
 
 def test_opo_length_weighted_baseline(device):
@@ -141,3 +147,12 @@ def test_kl_abs_and_straight_through_forms(device, est):
     (grad,) = torch.autograd.grad(kl.sum(), logp)
     expected_grad = [math.copysign(1.0, v) if v != 0 else 0.0 for v in xs] if est == "abs" else xs  # k2's gradient
     assert grad[0].tolist() == pytest.approx(expected_grad)
+
+
+def test_defaults_follow_verl_unless_a_seed_gives_a_reason():
+    from moe_rl.config import LossConfig
+
+    loss = LossConfig()
+    assert loss.kl_cov_coef == 0.1  # verl ppo_kl_coef; no paper value (docs/algo.md "Porting a verl config")
+    assert loss.kl_estimator == "k2"  # seed 000: KL in the loss without IS weights -> k2 (verl: low_var_kl = k3)
+    assert loss.dppo_ratio_cap == 20.0  # seed 000 / DPPO §5.4: a large cap (verl's effective clip_ratio_c is 3.0)

@@ -70,7 +70,7 @@ def test_reference_saves_as_safetensors_and_reloads(megatron_world, tmp_path, de
     learner = Learner(cfg, total_steps=2, model=build_model(cfg, seed=11))
     ref = ReferencePolicy.from_learner(cfg, learner.module)
     path = ref.save(tmp_path)
-    assert path == reference_path(tmp_path, 0)
+    assert path == reference_path(tmp_path)
     header = path.read_bytes()[:9]
     assert header[8:9] == b"{"  # safetensors: u64 header length, then JSON — no pickle
     mb = {k: v.to(device) for k, v in fixed_batch(cfg.model.vocab_size, seed=2).items()}
@@ -123,5 +123,5 @@ def test_reference_lifecycle_marker_run_id_and_interrupted_saves(megatron_world,
     (ckpt / "reference" / "complete.json").unlink()
     assert "is incomplete (no completion marker" in reference_problem(ckpt, "run-a")
     assert save_reference(ref, ckpt, "run-a")
-    reference_path(ckpt, 0).unlink()
-    assert "lacks the files of rank_00000" in reference_problem(ckpt, "run-a")
+    reference_path(ckpt).unlink()
+    assert "lacks its weights file model.safetensors" in reference_problem(ckpt, "run-a")

@@ -20,12 +20,18 @@ FAKE_SRUN = r"""#!/usr/bin/env bash
 line=$(printf '%s\x1f' "$@"); printf '%s\n' "$line" >> "$FAKE_LOG"  # one append write per call
 node=""
 for a in "$@"; do [[ $a == --nodelist=* ]] && node=${a#--nodelist=}; done
+keyvar="" prev=""
+for a in "$@"; do [[ $prev == --admin-api-key-env ]] && keyvar=$a; prev=$a; done
 for a in "$@"; do
-  if [[ $a == sglang.launch_server ]]; then
+  if [[ $a == sglang.launch_server || $a == moe_rl.rollout.sglang_entry ]]; then
     [[ -n "${FAKE_SERVER_DIES:-}" ]] && exit 3
+    [[ -z $keyvar || -n ${!keyvar:-} ]] || exit 4
     echo "$$ $node" >> "$FAKE_PIDS"; exec sleep 120
   fi
 done
+# the learner step (and any server) must find the generated key it is handed by name in its environment
+for a in "$@"; do [[ $a == rollout.admin_api_key_env=* ]] && keyvar=${a#rollout.admin_api_key_env=}; done
+[[ -z $keyvar || -n ${!keyvar:-} ]] || exit 4
 exit "${FAKE_LEARNER_RC:-0}"
 """
 # Fake curl: /health answers once the fake server step on that host is running.
@@ -84,7 +90,7 @@ def test_script_with_fake_srun_starts_servers_then_learner_and_stops_the_servers
     result = _run(tmp_path, _script(tmp_path))
     assert result.returncode == 0, result.stderr
     calls = _logged(tmp_path)
-    assert [("sglang.launch_server" in c, "torchrun" in c) for c in calls] == [(True, False)] * 2 + [(False, True)]
+    assert [("moe_rl.rollout.sglang_entry" in c, "torchrun" in c) for c in calls] == [(True, False)] * 2 + [(False, True)]
     assert (tmp_path / "run" / "launch" / "config-55.yaml").exists()
     assert "http://gpu002:30000 healthy" in result.stdout
     for pid in (int(line.split()[0]) for line in (tmp_path / "pids").read_text().splitlines()):

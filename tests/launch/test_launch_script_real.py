@@ -65,7 +65,7 @@ def test_rendered_script_trains_one_step_with_a_local_srun_stand_in(tmp_path):
     assert result.returncode == 0, f"{result.stderr}\n--- learner log tail ---\n{learner_log}"
 
     calls = (tmp_path / "calls").read_text().splitlines()
-    assert [c.split()[:3] for c in calls] == [["python", "-m", "sglang.launch_server"], ["torchrun", "--nnodes=1",
+    assert [c.split()[:3] for c in calls] == [["python", "-m", "moe_rl.rollout.sglang_entry"], ["torchrun", "--nnodes=1",
                                               "--nproc-per-node=1"]]  # fmt: skip
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1]

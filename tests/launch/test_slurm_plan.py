@@ -11,7 +11,7 @@ from moe_rl.launch import LaunchError, build_launch_plan, render_launch
 
 def _split(script):
     cmds = rendered_commands(script)
-    rollout = [c for c in cmds if "sglang.launch_server" in c]
+    rollout = [c for c in cmds if "moe_rl.rollout.sglang_entry" in c]
     learner = [c for c in cmds if "torchrun" in c]
     assert len(rollout) + len(learner) == len(cmds), cmds
     return rollout, learner
@@ -27,7 +27,7 @@ def test_qwen3_rollout_servers_run_on_the_first_nodes_with_config_port_and_flags
     assert [flag_value(c, "--nodelist") for c in rollout] == ["gpu001", "gpu002"]
     for argv in rollout:
         server = _program(argv, "python")
-        assert server[:3] == ["python", "-m", "sglang.launch_server"]
+        assert server[:3] == ["python", "-m", "moe_rl.rollout.sglang_entry"]  # keyed by default (issue 25)
         assert flag_value(server, "--port") == "30000"
         assert flag_value(server, "--host") == "0.0.0.0"  # reachable from the learner nodes
         assert flag_value(server, "--tp-size") == "4"

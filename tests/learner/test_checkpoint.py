@@ -78,19 +78,30 @@ def test_latest_only_moves_to_complete_checkpoints_and_old_ones_are_pruned(megat
     assert load_checkpoint(Learner(_cfg(), total_steps=6), tmp_path)["step"] == 3
 
 
-def test_resume_on_another_world_size_is_refused(megatron_world, tmp_path):
+def test_a_format_2_checkpoint_loads_only_on_the_world_size_that_wrote_it(megatron_world, tmp_path):
     import json
 
-    from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint
+    from moe_rl.learner.checkpoint import load_checkpoint
+    from moe_rl.learner.state_codec import save_state
     from moe_rl.learner.train_step import Learner
 
     learner = Learner(_cfg(), total_steps=2)
-    d = save_checkpoint(learner, tmp_path)
-    meta = json.loads((d / "meta.json").read_text())
-    meta["world_size"] = 2
+    d = tmp_path / "step_00000001"
+    d.mkdir()
+    save_state({"step": 1, "optimizer_step": 1, "model": learner.module.state_dict(),
+                "optimizer": learner.optimizer.state_dict(), "rng": rng_now()}, d / "rank_00000.safetensors")
+    meta = {"format_version": 2, "step": 1, "optimizer_step": 1, "world_size": 1, "parallel": {}, "extra": {}}
     (d / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match="saved by 2 ranks"):
+    assert load_checkpoint(Learner(_cfg(), total_steps=2), tmp_path)["step"] == 1  # older runs still resume
+    (d / "meta.json").write_text(json.dumps(meta | {"world_size": 2}))
+    with pytest.raises(ValueError, match="format-2 checkpoint saved by 2 ranks"):
         load_checkpoint(learner, tmp_path)
+
+
+def rng_now():
+    from moe_rl.learner.checkpoint import rng_state
+
+    return rng_state()
 
 
 # --------------------------------------------------------------------------- issue 16: safe checkpoints
@@ -118,7 +129,7 @@ def test_checkpoint_holds_no_pickle_and_a_pickle_shard_is_refused(megatron_world
     learner.train_step([fixed_batch(256)], random_subset_nll)
     d = save_checkpoint(learner, tmp_path, extra={"rl_step": 1})
     files = sorted(p.name for p in d.iterdir())
-    assert files == ["meta.json", "rank_00000.safetensors"], files
+    assert files == ["meta.json", "model.safetensors", "optimizer.safetensors", "rank_00000.safetensors"], files
     with safe_open(str(d / "rank_00000.safetensors"), framework="pt") as fh:  # tensors + JSON, nothing else
         skeleton = json.loads(fh.metadata()["moe_rl_state"])
     assert set(skeleton["rng"]) >= {"python", "numpy", "torch_cpu", "megatron_tracker"}
@@ -143,7 +154,8 @@ def test_state_with_a_non_tensor_object_is_refused_at_save(tmp_path):
     assert not (tmp_path / "s.safetensors").exists()
 
 
-def test_corrupt_latest_checkpoint_falls_back_to_the_newest_valid_one(megatron_world, tmp_path, caplog):
+@pytest.mark.parametrize("torn", ["rank_00000.safetensors", "model.safetensors", "optimizer.safetensors"])
+def test_corrupt_latest_checkpoint_falls_back_to_the_newest_valid_one(megatron_world, tmp_path, caplog, torn):
     from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint
     from moe_rl.learner.train_step import Learner
 
@@ -152,8 +164,8 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_newest_valid_one(megatron_w
         learner.train_step([fixed_batch(256, seed=rl_step)], random_subset_nll)
         save_checkpoint(learner, tmp_path, keep_last=2, extra={"rl_step": rl_step}, step=rl_step)
     assert sorted(d.name for d in tmp_path.glob("step_*")) == ["step_00000001", "step_00000002"]  # named by RL step
-    shard = tmp_path / "step_00000002" / "rank_00000.safetensors"
-    shard.write_bytes(shard.read_bytes()[:1000])  # torn by a full disk / crash
+    shard = tmp_path / "step_00000002" / torn
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # torn by a full disk / crash
     with caplog.at_level("WARNING"):
         meta = load_checkpoint(Learner(_cfg(), total_steps=6), tmp_path)
     assert meta["extra"]["rl_step"] == 1
@@ -179,8 +191,93 @@ def test_disk_full_error_names_the_path_and_what_was_written(megatron_world, tmp
 
     small = _full_filesystem(tmp_path / "small")
     try:
-        with pytest.raises(CheckpointError, match=r"cannot write rank 0's model/optimizer shard to .*small/ckpt/\.step_\d+\.tmp/rank_00000\.safetensors: the disk is full \(ENOSPC\)"):  # noqa: E501
+        with pytest.raises(CheckpointError, match=r"cannot write the global model weights to .*small/ckpt/\.step_\d+\.tmp/model\.safetensors: the disk is full \(ENOSPC\)"):  # noqa: E501
             save_checkpoint(Learner(_cfg(), total_steps=2), small / "ckpt")
         assert not list((small / "ckpt").glob(".step_*")), "the torn temp dir was left behind"
     finally:
         subprocess.run(["umount", str(small)])
+
+
+# --------------------------------------------------------------------------- issue 27: layout-free checkpoints
+@pytest.fixture
+def no_pickle(monkeypatch):
+    """Any unpickling while the fixture is active fails the test (checkpoint loading must never need it)."""
+    import pickle
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("checkpoint loading called pickle / torch.load")
+
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+
+
+def test_a_crafted_checkpoint_is_refused_without_running_code(megatron_world, tmp_path, no_pickle):
+    import json
+    import pickle
+    import shutil
+
+    from moe_rl.learner.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+    from moe_rl.learner.state_codec import load_state, save_state
+    from moe_rl.learner.train_step import Learner
+
+    learner = Learner(_cfg(), total_steps=4)
+    learner.train_step([fixed_batch(256)], random_subset_nll)
+    good = save_checkpoint(learner, tmp_path, extra={"rl_step": 1}, step=1)
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps(_RunsCode(marker))
+    # a dist_checkpointing (torch_dist) style step dir: the pickled ``.metadata`` carries the payload
+    evil = tmp_path / "step_00000002"
+    shutil.copytree(good, evil)
+    (evil / ".metadata").write_bytes(payload)
+    (evil / "common.pt").write_bytes(payload)
+    (tmp_path / "latest").write_text("2\n")
+    with pytest.raises(CheckpointError, match=r"\.metadata is a pickle checkpoint file.*refuses to unpickle"):
+        load_checkpoint(Learner(_cfg(), total_steps=4), tmp_path)
+    assert not marker.exists(), "loading a checkpoint ran the attacker's command"
+    # pickle bytes smuggled into the metadata of the safetensors files and meta.json stay inert data
+    shutil.rmtree(evil)
+    state = load_state(good / "rank_00000.safetensors")
+    save_state({**state, "rng": {**state["rng"], "evil": payload}}, good / "rank_00000.safetensors")
+    meta = json.loads((good / "meta.json").read_text())
+    (good / "meta.json").write_text(json.dumps({**meta, "extra": {**meta["extra"], "evil": payload.hex()}}))
+    assert load_checkpoint(Learner(_cfg(), total_steps=4), tmp_path)["step"] == 1
+    assert not marker.exists()
+
+
+def test_a_checkpoint_from_another_layout_loads_its_global_state(megatron_world, tmp_path, caplog):
+    """World 1 cannot run another layout; the meta says the checkpoint came from ep=2 on 2 ranks (the
+    2-rank reshard is tests/train/test_reshard_resume.py): the global files load, the change is logged."""
+    import json
+
+    from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint
+    from moe_rl.learner.global_state import param_state
+    from moe_rl.learner.model import build_model
+    from moe_rl.learner.train_step import Learner
+
+    a = Learner(_cfg(), total_steps=6)
+    a.train_step([fixed_batch(256)], random_subset_nll)
+    d = save_checkpoint(a, tmp_path, extra={"rl_step": 1})
+    meta = json.loads((d / "meta.json").read_text())
+    meta |= {"world_size": 2, "parallel": {**meta["parallel"], "ep": 2, "dp": 2}}
+    (d / "meta.json").write_text(json.dumps(meta))
+    b = Learner(_cfg(), total_steps=6, model=build_model(_cfg(), seed=5))
+    with caplog.at_level("WARNING"):
+        got = load_checkpoint(b, tmp_path)
+    assert got["resharded_from"]["ep"] == 2 and b.step == 1
+    assert "resharded checkpoint" in caplog.text and "'ep': 2" in caplog.text
+    for (n, p), q in zip(a.module.named_parameters(), b.module.parameters(), strict=True):
+        assert torch.equal(p, q), n
+        sa, sb = param_state(a.optimizer, p), param_state(b.optimizer, q)
+        assert all(torch.equal(sa[k].cpu(), sb[k].cpu()) for k in ("exp_avg", "exp_avg_sq", "step")), n
+
+
+def test_a_checkpoint_of_another_model_shape_fails_naming_the_tensor(megatron_world, tmp_path):
+    from moe_rl.learner.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+    from moe_rl.learner.train_step import Learner
+
+    save_checkpoint(Learner(_cfg(), total_steps=2), tmp_path)
+    other = make_cfg(moe_ffn_hidden_size=16)
+    with pytest.raises(CheckpointError, match=r"size mismatch for .*experts.local_experts.0.linear_fc1.weight: "
+                                              r"saved \(64, 64\), the model expects \(32, 64\).*model\.\*"):
+        load_checkpoint(Learner(other, total_steps=2), tmp_path)

@@ -92,6 +92,39 @@ def test_unauthenticated_weight_update_and_generate_are_refused_and_the_key_stay
         assert secret not in repr(keys) and secret not in repr(server.spec)
 
 
+# Every admin endpoint the trainer calls (weights.py: disk path, tensor path); the partial-rollout work adds
+# pause_generation / continue_generation here when the trainer starts calling them.
+TRAINER_ADMIN_ENDPOINTS = ("update_weights_from_disk", "begin_weight_update", "update_weights_from_tensor",
+                           "end_weight_update")  # fmt: skip
+
+
+def test_every_admin_endpoint_the_trainer_calls_refuses_a_call_without_the_admin_key(keyed, model_dir):
+    import moe_rl.rollout.weights as weights
+
+    pool, keys, _ = keyed
+    url = pool.addresses[0]
+    for endpoint in TRAINER_ADMIN_ENDPOINTS:
+        for headers in ({}, {"Authorization": f"Bearer {API_KEY}"}):
+            assert httpx.post(f"{url}/{endpoint}", json={}, headers=headers, timeout=60).status_code == 401, endpoint
+    # ... and moe_rl sends the admin key on each of them: record what the weight-sync functions post
+    sent = []
+    real_post = weights._post
+
+    def recording_post(address, endpoint, body, timeout_s, headers=None):
+        sent.append((endpoint, (headers or {}).get("Authorization")))
+        return real_post(address, endpoint, body, timeout_s, headers)
+
+    from safetensors.torch import load_file
+
+    served = {k: v for f in sorted(Path(model_dir).glob("*.safetensors")) for k, v in load_file(f).items()}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(weights, "_post", recording_post)
+        weights.WeightSync("tensor", None, keys=keys).push(served, [url], "step-0")  # the same weights again
+        weights.update_weights_from_disk([url], model_dir, "step-0", keys=keys)
+    assert {e for e, _ in sent} == set(TRAINER_ADMIN_ENDPOINTS)
+    assert {auth for _, auth in sent} == {f"Bearer {ADMIN_KEY}"}
+
+
 def test_missing_key_variable_is_one_clear_error(monkeypatch):
     monkeypatch.delenv("MOE_RL_NOT_SET", raising=False)
     with pytest.raises(ServerKeyError, match="rollout.api_key_env='MOE_RL_NOT_SET' names an environment variable"):

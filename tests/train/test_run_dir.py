@@ -86,6 +86,16 @@ def test_resume_with_changed_settings_shows_the_diff_and_refuses(tmp_path):
                   tmp_path / "checkpoints").release()  # fmt: skip
 
 
+def test_a_parallel_layout_change_may_resume_and_is_shown(tmp_path, caplog):
+    _previous_run(tmp_path, "parallel.ep=2")
+    with caplog.at_level("WARNING"):
+        guard_run_dir(_cfg(tmp_path, "parallel.ep=1", "parallel.tp=2"), tmp_path, tmp_path / "checkpoints").release()
+    assert "parallel.ep: 2 -> 1" in caplog.text and "parallel.tp: 1 -> 2" in caplog.text
+    assert "the checkpoint is resharded to the new layout" in caplog.text
+    with pytest.raises(RunDirError, match=r"! model.num_moe_experts"):  # everything else stays strict
+        guard_run_dir(_cfg(tmp_path, "parallel.ep=1", "model.num_moe_experts=4"), tmp_path, tmp_path / "checkpoints")
+
+
 def test_a_key_the_previous_run_did_not_have_counts_as_unsafe(tmp_path):
     import yaml
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.ops_probes import ShmWatch, shm_left_over, shm_snapshot, start_like_a_terminal
 from tests.rollout.test_launcher import _pids_mentioning
 
 ROOT = Path(__file__).parents[2]
@@ -63,9 +64,13 @@ def test_a_model_shape_change_fails_before_config_yaml_is_written(finished_run):
 
 @pytest.mark.sglang
 def test_ctrl_c_during_server_start_exits_with_one_line_and_a_clean_state(tmp_path):
+    before = shm_snapshot()
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", CONFIG, *BASE, f"train.output_dir={tmp_path}"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
-                            start_new_session=True)  # its own foreground group, as in a terminal  # fmt: skip
+    # its own foreground group with SIGINT at its default, as in a terminal: started from a parent that
+    # ignores SIGINT (`make test &`) it would inherit SIG_IGN and the "Ctrl-C" below would be lost
+    proc = start_like_a_terminal(cmd, ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    watch = ShmWatch(proc.pid)
+    watch.start()
     log = tmp_path / "logs" / "sglang_0.log"
     deadline = time.monotonic() + 240
     while not (log.exists() and log.stat().st_size > 0) and time.monotonic() < deadline:
@@ -79,3 +84,19 @@ def test_ctrl_c_during_server_start_exits_with_one_line_and_a_clean_state(tmp_pa
     assert err.strip().splitlines()[-1].startswith("interrupted (Ctrl-C)")
     assert _pids_mentioning(str(tmp_path)) == [], "the rollout server outlived the trainer"
     assert (tmp_path / ".moe_rl.lock").read_text() == ""  # released
+    assert shm_left_over(before, watch.stop()) == [], "a /dev/shm entry outlived the interrupted run"
+
+
+def test_the_e2e_trainer_starts_with_sigint_at_its_default_even_from_a_parent_that_ignores_it():
+    """The cause of the lost Ctrl-C (exit 0, empty stderr in a clean-clone `make test`): a parent ignoring
+    SIGINT passes SIG_IGN to the trainer, whose Python then never raises KeyboardInterrupt."""
+    probe = [sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"]
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a background job of a non-interactive shell
+    try:
+        inherited = subprocess.run(probe, capture_output=True, text=True, env=ENV).stdout.strip()
+        child = start_like_a_terminal(probe, ENV, stdout=subprocess.PIPE, text=True)
+        out, _ = child.communicate(timeout=60)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert inherited == "False"  # what the old Popen gave the trainer under `make test &`
+    assert out.strip() == "True"

@@ -34,18 +34,19 @@ NUM_POSITION_BUCKETS = 8
 
 def generate(trainer, num_prompts: int) -> RolloutBatch:
     """One rollout batch of ``num_prompts`` x samples_per_prompt with routes and kept sets, persisted."""
-    from moe_rl.rollout.auth import ServerKeys
     from moe_rl.rollout.client import RolloutClient
-    from moe_rl.rollout.launcher import rollout_servers
+    from moe_rl.rollout.launcher import rollout_server_pool
     from moe_rl.rollout.weights import update_weights_from_disk
 
     cfg = trainer.cfg
     hf_dir = trainer.export_weights()  # applies rollout.weight_quantization (mismatch injection)
-    with rollout_servers(cfg.rollout, hf_dir, trainer.run_dir / "logs") as addresses:
+    with rollout_server_pool(cfg.rollout, hf_dir, trainer.run_dir / "logs") as pool:
+        addresses, trainer.server_keys = pool.addresses, pool.keys  # a generated admin key unless configured
         # labelled as the trainer's step 0, which trainer.rollout checks every sample against (issue 16)
-        update_weights_from_disk(addresses, hf_dir, "step-0", keys=ServerKeys.from_rollout_config(cfg.rollout))
+        update_weights_from_disk(addresses, hf_dir, trainer.version(0), keys=pool.keys)
         client = RolloutClient.from_config(
-            cfg, addresses, route_spec=RouteSpec.from_model_config(cfg.model), return_sampling_mask=True
+            cfg, addresses, route_spec=RouteSpec.from_model_config(cfg.model), return_sampling_mask=True,
+            headers=pool.keys.headers(),
         )
         trainer.cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"prompts_per_step": num_prompts})})
         try:
@@ -143,7 +144,7 @@ def run_diagnose(cfg: ExperimentConfig, num_prompts: int, out_dir: str | Path) -
 
 def _diagnose_in(trainer, cfg: ExperimentConfig, num_prompts: int, out_dir: Path) -> dict:
     """The diagnosis proper on a built trainer; releases it (routers, run lock) whatever happens."""
-    from moe_rl.diagnose_report import write_report
+    from moe_rl.study.diagnose_report import write_report
 
     try:
         batch = generate(trainer, num_prompts)

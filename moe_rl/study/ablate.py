@@ -3,7 +3,7 @@
 Owns the grid syntax (an optional top-level ``grid:`` mapping of dotted config keys to value lists,
 read and removed before schema validation), cell naming, skipping invalid combinations with a note,
 and running cells one after another with the same seeds. Training is ``moe_rl.train.loop.train``;
-the report is ``moe_rl.report.write_report``.
+the report is ``moe_rl.study.report.write_report``.
 
 Default grid (seed 001, Zheng et al.: routing replay vs off-policiness N = minibatches per step)::
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import os
 import re
 import sys
 import typing
@@ -41,7 +42,7 @@ from moe_rl.config import (
     save_config,
     validate_tree,
 )
-from moe_rl.report import write_report
+from moe_rl.study.report import write_report
 
 DEFAULT_GRID: dict[str, list[Any]] = {
     "replay.routing": ["none", "r2", "r3"],
@@ -207,11 +208,29 @@ def _run_label(cell: Cell) -> str:
 
 
 @contextlib.contextmanager
-def _shared_rollout_servers(cells: list[Cell], out_dir: Path) -> Iterator[list[str] | None]:
+def _environ(extra: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``extra`` inside the block (restored after)."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _shared_rollout_servers(cells: list[Cell], out_dir: Path) -> Iterator[dict | None]:
     """One local SGLang server for the whole grid when every cell launches the same one, else None.
 
     Server start-up (~20-30 s on CPU) dominates short cells; cells differ only in what the server
     is sent, and each trainer syncs its own initial weights into the server before generating.
+    Yields the ``rollout`` overrides that point a cell at it: its address and, when the server got a
+    generated admin key, the variable that hands the key to the cells (set in this process only while
+    the grid runs; the key is in no file).
     """
     first = cells[0].config
     # rollout.seed only seeds the client's per-request sampling seeds, so seeds may share a server
@@ -220,11 +239,13 @@ def _shared_rollout_servers(cells: list[Cell], out_dir: Path) -> Iterator[list[s
         yield None
         return
     from moe_rl.learner.hf_init import write_random_hf_checkpoint
-    from moe_rl.rollout.launcher import rollout_servers
+    from moe_rl.rollout.auth import RUN_ADMIN_KEY_ENV
+    from moe_rl.rollout.launcher import rollout_server_pool
 
     init_dir = write_random_hf_checkpoint(first.model, out_dir / "server_init", seed=first.train.seed)
-    with rollout_servers(first.rollout, init_dir, out_dir / "logs") as addresses:
-        yield addresses
+    with rollout_server_pool(first.rollout, init_dir, out_dir / "logs") as pool, _environ(pool.keys.server_env()):
+        keyed = {"admin_api_key_env": RUN_ADMIN_KEY_ENV} if pool.keys.generated else {}
+        yield {"addresses": pool.addresses, **keyed}
 
 
 def run_ablation(config_path: str | Path, overrides: list[str] | None = None,
@@ -245,14 +266,14 @@ def run_ablation(config_path: str | Path, overrides: list[str] | None = None,
     if not runnable:
         raise ConfigError("every grid cell is invalid:\n  " + "\n  ".join(notes))
     report = out_dir / "report.md"
-    with _shared_rollout_servers(runnable, out_dir) as addresses:
+    with _shared_rollout_servers(runnable, out_dir) as shared:
         for i, cell in enumerate(runnable, 1):
             print(f"[ablate] run {i}/{len(runnable)}: {_run_label(cell)}", file=sys.stderr, flush=True)
             suffix = "" if cell.seed is None else f"__seed-{cell.seed}"
             save_config(cell.config, out_dir / "configs" / f"{cell.name}{suffix}.yaml")
             cfg = cell.config
-            if addresses:  # each cell loads its own initial weights into the shared server first
-                cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"addresses": addresses})})
+            if shared:  # each cell loads its own initial weights into the shared server first
+                cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update=shared)})
             try:
                 done.setdefault(cell.name, []).append(Path(train(cfg)))
             except Exception as exc:  # one broken cell must not cost the rest of the grid

@@ -1,0 +1,67 @@
+"""The ``data`` (prompt datasets) and ``reward`` sections of an experiment (docs/data.md).
+
+Owns the keys and their per-field checks; files, rows and tokenizers are checked by the
+preflight (``moe_rl.config.preflight``), the behaviour lives in ``moe_rl.data`` and ``moe_rl.reward``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from moe_rl.config.section import Section
+
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+class DataConfig(Section):
+    """Prompt datasets read from local files (never the hub); the tokenizer is ``model.hf_path``'s."""
+
+    train_files: list[str] = Field(min_length=1, description=".jsonl / .json / .parquet files, read in order")
+    eval_files: list[str] = Field(default_factory=list, description="held-out prompts (same keys)")
+    prompt_key: str = Field("prompt", description="a string prompt, or a list of chat messages [{role, content}]")
+    label_key: str = Field("label", description="the ground truth handed to the reward; dotted for nested fields")
+    apply_chat_template: bool = Field(True, description="tokenizer.apply_chat_template(messages, add_generation_prompt=True)")
+    system_prompt: str | None = Field(None, description="prepended as a system message")
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="longer prompts are dropped at load time (default: model.seq_length - max_new_tokens)"
+    )
+    overlong_prompts: Literal["drop", "error"] = "drop"
+    shuffle: bool = Field(True, description="seeded by train.seed, reshuffled every epoch")
+
+    @field_validator("train_files", "eval_files")
+    @classmethod
+    def _suffixes(cls, files: list[str]) -> list[str]:
+        for f in files:
+            if not f.endswith(DATA_SUFFIXES):
+                raise ValueError(f"data file {f!r} must end with one of {list(DATA_SUFFIXES)}")
+        return files
+
+
+class OverlongBufferConfig(Section):
+    """DAPO's soft overlong punishment (verl ``reward_model.overlong_buffer``): a response longer than
+    ``rollout.max_new_tokens - length`` loses ``penalty`` x (excess / length), up to ``penalty``."""
+
+    length: int = Field(ge=1, description="the buffer: tokens before rollout.max_new_tokens where the penalty ramps")
+    penalty: float = Field(1.0, ge=0.0, description="the penalty at rollout.max_new_tokens (verl penalty_factor)")
+
+
+class RewardConfig(Section):
+    """How finished samples are scored (``moe_rl.reward``)."""
+
+    type: Literal["task", "math", "exact_match", "custom"] = Field(
+        "task", description="task = the built-in digit task's scorer (train.task)"
+    )
+    function: str | None = Field(
+        None, description="custom: 'pkg.module:fn' or 'path/to/file.py:fn', called as "
+        "fn(data_source=, solution_str=, ground_truth=, extra_info=) -> float | {'score': float, ...}"
+    )
+    timeout_s: float = Field(30.0, gt=0, description="per sample, enforced by the worker pool")
+    num_workers: int = Field(2, ge=1, description="reward worker processes")
+    overlong_buffer: OverlongBufferConfig | None = Field(
+        None, description="DAPO overlong shaping: {length, penalty}, added to every sample's reward"
+    )
+    on_error: Literal["raise", "zero"] = Field(
+        "raise", description="a reward that raises, times out or returns NaN: stop with an error, or score 0 and count it"
+    )

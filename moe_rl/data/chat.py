@@ -1,0 +1,74 @@
+"""Tokenizers and chat templates: the model's own tokenizer and how a dataset prompt becomes ids.
+
+Owns loading the tokenizer (``AutoTokenizer.from_pretrained(model.hf_path, local_files_only=True)``,
+or the built-in task tokenizer without ``hf_path``), the stop tokens and turning a prompt field into
+token ids: a string is one user message, a list is chat messages ``[{role, content}]``, and
+``data.system_prompt`` is prepended as a system message. With ``data.apply_chat_template`` the ids are
+exactly ``tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+return_dict=False)`` -- never decoded and re-encoded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moe_rl.data.loaders import DataError
+
+__all__ = ["load_tokenizer", "stop_token_ids", "to_messages", "prompt_ids", "has_chat_template"]
+
+
+def load_tokenizer(cfg):
+    """The experiment's tokenizer: ``model.hf_path``'s (local files only), else the task tokenizer."""
+    if cfg.model.hf_path:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(cfg.model.hf_path, local_files_only=True)
+    from moe_rl.rollout.tokenizer import build_task_tokenizer
+
+    return build_task_tokenizer(cfg.model.vocab_size)
+
+
+def stop_token_ids(tokenizer, hf_path: str | None = None) -> list[int]:
+    """Ids that end a response: the tokenizer's EOS and ``generation_config.json``'s ``eos_token_id``."""
+    import json
+    from pathlib import Path
+
+    ids = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+    gen = Path(hf_path or "") / "generation_config.json"
+    if hf_path and gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        for i in eos if isinstance(eos, list) else [eos]:
+            if i is not None and int(i) not in ids:
+                ids.append(int(i))
+    return ids
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def to_messages(prompt: Any, system_prompt: str | None, where: str) -> list[dict]:
+    """A prompt field as chat messages (``where`` names file and row in errors)."""
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m and "content" in m
+                                                     for m in prompt):  # fmt: skip
+        messages = [dict(m) for m in prompt]
+    else:
+        raise DataError(f"{where}: the prompt must be a string or a non-empty list of {{role, content}} messages, "
+                        f"got {type(prompt).__name__}")  # fmt: skip
+    if system_prompt is not None:
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def prompt_ids(tokenizer, prompt: Any, data_cfg, where: str) -> list[int]:
+    """Token ids of one prompt field per ``data.apply_chat_template`` / ``data.system_prompt``."""
+    if data_cfg.apply_chat_template:
+        messages = to_messages(prompt, data_cfg.system_prompt, where)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        return [int(t) for t in ids]
+    if not isinstance(prompt, str):
+        raise DataError(f"{where}: a {type(prompt).__name__} prompt needs data.apply_chat_template=true "
+                        "(only a string prompt is encoded as plain text)")  # fmt: skip
+    return [int(t) for t in tokenizer.encode(prompt, add_special_tokens=True)]

@@ -1,0 +1,121 @@
+"""The resumable prompt stream: what the training loop asks for the next prompts of a step.
+
+Owns the one interface the loop sees (``next_prompts(step, n, round)``, ``state()``, ``load_state()``) and
+its two implementations:
+
+* ``TaskStream`` -- the built-in digit tasks (``train.task``): prompts drawn from
+  ``np.random.default_rng([train.seed, step])`` exactly as before, so the random streams (and the
+  committed records and demo metrics) do not move; it has no position to save.
+* ``DatasetStream`` -- ``data.train_files``: rows in a seeded order, reshuffled every epoch
+  (``default_rng([seed, epoch, DATA_SALT])``), a batch spilling into the next epoch when one ends; its
+  position ``(epoch, index)`` goes into every checkpoint, so a resumed run continues with exactly the
+  prompts an uninterrupted run would have used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+__all__ = ["PromptItem", "PromptStream", "TaskStream", "DatasetStream", "build_prompt_stream", "DATA_SALT"]
+
+DATA_SALT = 0xDA7A  # keeps the shuffle's random stream apart from the per-step sampling streams
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    """One prompt of a step: its token ids and what the reward needs, traced to its dataset file and row."""
+
+    ids: list[int]
+    label: Any = None
+    data_source: str = ""
+    extra_info: Any = None
+    file: str = ""  # "" for the built-in tasks
+    row: int = -1
+    task_prompt: Any = None  # the built-in task's Prompt (moe_rl.rollout.tasks)
+
+
+class PromptStream(Protocol):
+    def next_prompts(self, step: int, n: int, round: int = 0) -> list[PromptItem]: ...
+
+    def state(self) -> dict | None: ...
+
+    def load_state(self, state: dict | None) -> None: ...
+
+
+class TaskStream:
+    """The built-in digit task as a prompt stream (stateless: step ``s`` always draws the same prompts)."""
+
+    def __init__(self, task, seed: int):
+        self.task, self.seed = task, seed
+
+    def next_prompts(self, step: int, n: int, round: int = 0) -> list[PromptItem]:
+        """Round 0 draws from ``default_rng([seed, step])``; later rounds of a step (dynamic sampling)
+        from ``default_rng([seed, step, round])``."""
+        rng = np.random.default_rng([self.seed, step] if round == 0 else [self.seed, step, round])
+        return [PromptItem(ids=p.ids, label=p.answer_text, data_source=self.task.name, task_prompt=p)
+                for p in self.task.sample_prompts(n, rng)]  # fmt: skip
+
+    def state(self) -> None:
+        return None
+
+    def load_state(self, state: dict | None) -> None:
+        return None
+
+
+class DatasetStream:
+    """Rows of a prompt dataset in a seeded order per epoch; position ``(epoch, index)``."""
+
+    def __init__(self, items: list[PromptItem], seed: int, shuffle: bool = True):
+        if not items:
+            raise ValueError("a DatasetStream needs at least one prompt")
+        self.items, self.seed, self.shuffle = items, seed, shuffle
+        self.epoch, self.index = 0, 0
+        self._order_epoch, self._order = -1, np.arange(0)
+
+    def order(self, epoch: int) -> np.ndarray:
+        """Row order of ``epoch`` (a permutation of the items, or file order without shuffle)."""
+        if self._order_epoch != epoch:
+            n = len(self.items)
+            self._order = np.random.default_rng([self.seed, epoch, DATA_SALT]).permutation(n) if self.shuffle \
+                else np.arange(n)  # fmt: skip
+            self._order_epoch = epoch
+        return self._order
+
+    def next_prompts(self, step: int, n: int, round: int = 0) -> list[PromptItem]:
+        """The next ``n`` rows (every call moves the position, so a later round gets new rows)."""
+        out = []
+        while len(out) < n:
+            take = min(n - len(out), len(self.items) - self.index)
+            out += [self.items[int(i)] for i in self.order(self.epoch)[self.index : self.index + take]]
+            self.index += take
+            if self.index == len(self.items):  # an epoch ends: the position moves to the next one
+                self.epoch, self.index = self.epoch + 1, 0
+        return out
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index, "size": len(self.items)}
+
+    def load_state(self, state: dict | None) -> None:
+        if not state:
+            return
+        if int(state.get("size", len(self.items))) != len(self.items):
+            from moe_rl.data.loaders import DataError
+
+            raise DataError(f"the checkpoint's dataset position is for {state['size']} prompts; data.train_files now "
+                             f"yield {len(self.items)} (files or data.max_prompt_tokens changed)")  # fmt: skip
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+
+
+def build_prompt_stream(cfg, tokenizer=None, log=print) -> PromptStream:
+    """The stream for ``cfg``: ``data.train_files`` when a ``data`` section is set, else ``train.task``."""
+    if cfg.data is None:
+        from moe_rl.rollout.tasks import DigitTask
+
+        return TaskStream(DigitTask(cfg.train.task, cfg.model.vocab_size), cfg.train.seed)
+    from moe_rl.data.dataset import load_prompt_items
+
+    items, _ = load_prompt_items(cfg.data.train_files, tokenizer, cfg, log=log)
+    return DatasetStream(items, cfg.train.seed, cfg.data.shuffle)

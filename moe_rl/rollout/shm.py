@@ -1,0 +1,55 @@
+"""The ``/dev/shm`` entries of a server's process group: found while it runs, removed once it is gone.
+
+SGLang leaves shared-memory files behind when its processes are stopped or crash (its
+``sglang_loads_*.shm`` load snapshots; POSIX semaphores ``sem.mp-*`` of multiprocessing objects made
+under the spawn start method, whose finalizers never run in a killed process). The launcher records
+what the group maps or holds open (``group_shm_files``) at start-up, while it waits for ``/health``
+and when it stops the group, and removes those files once no process of the group is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+SHM_DIR = Path("/dev/shm")
+
+
+def group_shm_files(pgid: int, shm_dir: Path = SHM_DIR) -> dict[Path, int]:
+    """``{path: inode}`` of the ``/dev/shm`` entries mapped or open in any process of group ``pgid``.
+
+    Matched by inode, not by the name a process shows: glibc creates a POSIX semaphore (``sem.mp-*``, e.g.
+    tqdm's multiprocessing lock in SGLang's spawned scheduler) as a temp file, maps it and then links it
+    under its name, so ``/proc/<pid>/maps`` shows ``/dev/shm/sem.XXXXXX (deleted)`` for a live ``sem.mp-*``.
+    """
+    inodes: set[int] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(proc.name)) != pgid:
+                continue
+            inodes.update(int(fields[4]) for line in (proc / "maps").read_text().splitlines()
+                          if len(fields := line.split(maxsplit=5)) == 6 and fields[5].startswith(f"{shm_dir}/"))  # fmt: skip
+        except (OSError, ProcessLookupError, ValueError):
+            continue
+        for fd in (proc / "fd").glob("*"):
+            with contextlib.suppress(OSError):
+                if os.readlink(fd).startswith(f"{shm_dir}/"):
+                    inodes.add(os.stat(fd).st_ino)
+    found: dict[Path, int] = {}
+    with contextlib.suppress(OSError), os.scandir(shm_dir) as entries:
+        for entry in entries:
+            with contextlib.suppress(OSError):
+                if entry.inode() in inodes:
+                    found[Path(entry.path)] = entry.inode()
+    return found
+
+
+def remove_shm_files(files: dict[Path, int]) -> None:
+    """Unlink each path that still is the same file (same inode): a reused name is somebody else's."""
+    for path, inode in files.items():
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_ino == inode:
+                path.unlink()

@@ -1,0 +1,69 @@
+"""Rank 0's samples for one RL step: prompts, generation rounds, rewards, shaping and group filters.
+
+Owns what turns the prompt stream, the servers and the reward into a step's scored samples: one
+generation round per call of ``generate_round`` (the loop supplies it: weight-version checks and
+server restarts are the loop's), the reward of every sample with DAPO's overlong shaping
+(``reward.overlong_buffer``, ``moe_rl.reward.shaping``) added before groups are judged, and DAPO
+dynamic sampling (``train.filter_groups``, ``moe_rl.train.filters``). Without filters a step is one
+round and consumes the random streams exactly as before (round 0 keeps today's prompt and sampling
+seeds; later rounds use their own).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+
+import numpy as np
+
+from moe_rl.train.filters import Collected, GroupRound, collect_groups
+
+__all__ = ["StepSamples", "round_group_ids"]
+
+
+def round_group_ids(round_: int, n_prompts: int) -> list[int] | None:
+    """Group ids (they key the sampling seeds) of a round's prompts: None (0..n-1) for round 0."""
+    return None if round_ == 0 else [round_ * n_prompts + i for i in range(n_prompts)]
+
+
+class StepSamples:
+    """Produces one step's scored samples from ``generate(prompts, round) -> samples``."""
+
+    def __init__(self, cfg, prompts, rewarder):
+        self.cfg, self.prompts, self.rewarder = cfg, prompts, rewarder
+
+    def _round(self, step: int, round_: int, generate: Callable, metrics: dict) -> GroupRound:
+        cfg, n = self.cfg, self.cfg.rollout.samples_per_prompt
+        prompts = self.prompts.next_prompts(step, cfg.train.prompts_per_step, round=round_)
+        samples = generate(prompts, round_)
+        scores = self.rewarder.score([prompts[k // n] for k in range(len(samples))], [s.response_ids for s in samples])
+        rewards = np.asarray(scores.rewards, dtype=np.float64)
+        ob = cfg.reward.overlong_buffer
+        if ob is not None:
+            from moe_rl.reward.shaping import overlong_penalties
+
+            penalty = overlong_penalties([len(s.response_ids) for s in samples], cfg.rollout.max_new_tokens, ob.length,
+                                         ob.penalty)  # fmt: skip
+            rewards = rewards + penalty
+            metrics["reward/overlong_penalty_mean"].append(float(penalty.mean()))
+            metrics["reward/overlong_frac"].append(float((penalty < 0).mean()))
+        for key, value in scores.metrics.items():
+            metrics[key].append(value)
+        for k, sample in enumerate(samples):
+            sample.data_file, sample.data_row = prompts[k // n].file, prompts[k // n].row
+        return GroupRound(prompts, samples, rewards.tolist())
+
+    def make(self, step: int, generate: Callable) -> tuple[list, dict[str, float]]:
+        """``(samples with .reward set, metrics)``: ``prompts_per_step`` groups of ``samples_per_prompt``."""
+        cfg, per_round = self.cfg, defaultdict(list)
+        t = cfg.train
+        if t.filter_groups:
+            got = collect_groups(lambda r: self._round(step, r, generate, per_round), t.prompts_per_step,
+                                 cfg.rollout.samples_per_prompt, t.max_generation_rounds, t.filter_groups_fallback)  # fmt: skip
+        else:
+            one = self._round(step, 0, generate, per_round)
+            got = Collected(one.prompts, one.samples, one.rewards, rounds=1)
+        for sample, reward in zip(got.samples, got.rewards):
+            sample.reward = float(reward)
+        metrics = {k: float(np.mean(v)) for k, v in per_round.items()}
+        return got.samples, metrics | (got.metrics() if t.filter_groups else {})

@@ -1,0 +1,146 @@
+"""Build the CPU math example: a word-problem dataset, a tiny Qwen3-MoE HF directory with its own BPE
+tokenizer and chat template, and a short supervised warm start on the dataset's solutions.
+
+    python scripts/make_math_example.py data  [--out examples/math]      # the jsonl files (committed)
+    python scripts/make_math_example.py model [--out examples/math/model] # tokenizer + model + SFT (~1 min)
+
+The dataset: one-step addition / subtraction word problems with numbers 0-9 ("Ann has 7 apples. She
+gets 5 more. How many apples does Ann have now?"), the answer in ``label`` and a worked solution
+``"7 + 5 = 12. \\boxed{12}"`` in ``solution``; ``train.jsonl`` and a disjoint ``test.jsonl``.
+The model: the tokenizer is a byte-level BPE trained here (``tokenizers``) on the dataset's text with
+Qwen's special tokens and a Qwen-style chat template; the model is a random-init 2-layer, 8-expert
+top-2 Qwen3-MoE whose vocabulary is padded past the tokenizer's; it is then trained for a few
+hundred steps on ``chat_template(question) + solution + <|im_end|>`` with moe_rl's own Megatron-Core
+learner (loss on the solution tokens) and exported as an HF directory (``model.safetensors``,
+``config.json``, tokenizer files, chat template): the "pretrained model" ``configs/math_cpu.yaml``
+starts RL from. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+NAMES = ["Ann", "Ben", "Cal", "Dee"]
+THINGS = ["apples", "pens", "cards", "coins"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def problems() -> list[dict]:
+    """Every problem of the family, in a fixed order (each question appears once)."""
+    out = []
+    for name in NAMES:
+        pron = "She" if name in ("Ann", "Dee") else "He"
+        for thing in THINGS:
+            for a in range(10):
+                for b in range(10):
+                    q = f"{name} has {a} {thing}. {pron} gets {b} more. How many {thing} does {name} have now?"
+                    out.append({"prompt": q, "label": str(a + b), "solution": f"{a} + {b} = {a + b}. \\boxed{{{a + b}}}"})
+                    if b <= a:
+                        q = f"{name} has {a} {thing}. {pron} gives away {b}. How many {thing} does {name} have now?"
+                        out.append({"prompt": q, "label": str(a - b), "solution": f"{a} - {b} = {a - b}. \\boxed{{{a - b}}}"})
+    return out
+
+
+def write_data(out: Path, n_eval: int = 200, seed: int = 0) -> None:
+    rows = problems()
+    random.Random(seed).shuffle(rows)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, part in (("test.jsonl", rows[:n_eval]), ("train.jsonl", rows[n_eval:])):
+        with open(out / name, "w") as fh:
+            for row in part:
+                fh.write(json.dumps(row) + "\n")
+    print(f"wrote {len(rows) - n_eval} train and {n_eval} eval problems to {out}")
+
+
+def build_tokenizer(texts: list[str], vocab_size: int = 384):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    core.train_from_iterator(texts, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  clean_up_tokenization_spaces=False)  # fmt: skip
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def write_model(data_dir: Path, out: Path, sft_steps: int, seed: int = 0) -> None:
+    import numpy as np
+
+    from moe_rl.config import ModelConfig, load_config
+    from moe_rl.learner.dist import init_distributed
+    from moe_rl.learner.hf_convert import export_hf_checkpoint
+    from moe_rl.learner.hf_init import write_random_hf_checkpoint
+    from moe_rl.learner.train_step import Learner
+    from moe_rl.train.warm_start import _nll_loss, teacher_forcing_batch
+
+    train = [json.loads(line) for line in open(data_dir / "train.jsonl")]
+    tok = build_tokenizer([r["prompt"] for r in train] + [r["solution"] for r in train] + ["system user assistant"])
+    vocab = -(-len(tok) // 64) * 64 + 64  # padded past the tokenizer, as Qwen pads its embeddings
+    model_cfg = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
+                            kv_channels=16, num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=64,
+                            vocab_size=vocab, seq_length=128)  # fmt: skip
+    init = out.with_name(out.name + ".init")
+    write_random_hf_checkpoint(model_cfg, init, seed=seed)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (init / f).unlink(missing_ok=True)  # the digit-task tokenizer hf_init writes
+    tok.save_pretrained(init)
+    ids = {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id, "bos_token_id": None}
+    for name in ("config.json", "generation_config.json"):
+        cfg_json = json.loads((init / name).read_text())
+        (init / name).write_text(json.dumps(cfg_json | ids, indent=2))
+
+    if sft_steps == 0:  # the untrained directory (the tests validate configs/math_cpu.yaml against it)
+        init.replace(out)
+        return
+    cfg = load_config(None, [f"model.hf_path={init}", "optim.lr=0.003", "optim.clip_grad=1.0", "train.output_dir=/tmp/x"])
+    init_distributed(cfg.parallel, environ={})
+    learner = Learner(cfg, total_steps=sft_steps)
+    device = next(learner.module.parameters()).device
+    seqs = [(tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
+                                     tokenize=True, return_dict=False),
+             tok.encode(r["solution"], add_special_tokens=False) + [tok.eos_token_id]) for r in train]  # fmt: skip
+    rng = np.random.default_rng(seed)
+    for step in range(sft_steps):
+        batch = [seqs[i] for i in rng.choice(len(seqs), 64, replace=False)]
+        stats = learner.train_step([teacher_forcing_batch(batch, tok.pad_token_id, device)], _nll_loss)
+        if (step + 1) % 50 == 0 or step + 1 == sft_steps:
+            print(f"[sft] step {step + 1}/{sft_steps}: nll {stats.metrics['nll']:.3f}, "
+                  f"mean p(solution token) {stats.metrics['p_target']:.3f}", flush=True)  # fmt: skip
+    export_hf_checkpoint(learner.module, cfg.model, out, template_dir=init)
+    import shutil
+
+    shutil.rmtree(init)
+    print(f"wrote the SFT model to {out}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("what", choices=["data", "model"])
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--data", type=Path, default=ROOT / "examples/math", help="model: where train.jsonl is")
+    ap.add_argument("--sft-steps", type=int, default=60)
+    args = ap.parse_args()
+    if args.what == "data":
+        write_data(args.out or ROOT / "examples/math")
+    else:
+        write_model(args.data, args.out or ROOT / "examples/math/model", args.sft_steps)
+
+
+if __name__ == "__main__":
+    main()
