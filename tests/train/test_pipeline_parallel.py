@@ -2,8 +2,8 @@
 
 The worker (``pp_worker.py``, ~30 s on an idle machine) checks routing replay per stage (R2 records and
 replays each stage's own MoE layers; a router left out of stage 1's binding shows as flips on that layer
-only, logged identically by both stages), the expert-bias update of every stage's routers, and the HF export from a pp=2 layout (equal to pp=1's). The
-end-to-end pp=2 == 1 rank equality is in ``test_step_equality.py``; the last test resumes a pp=2
+only, logged identically by both stages), the expert-bias update of every stage's routers, and the HF
+export from a pp=2 layout (equal to pp=1's). The end-to-end pp=2 == 1 rank equality is in ``test_step_equality.py``; the last test resumes a pp=2
 checkpoint at pp=1 through the CLI.
 """
 
