@@ -1,5 +1,6 @@
 """The CPU twins train through the entry point a user runs: `torchrun --nproc-per-node 2 -m moe_rl.cli
-train configs/cpu/<name>.yaml`, 2 ranks over gloo (ep=2), a real SGLang CPU server, 2 steps."""
+train configs/cpu/<name>.yaml`, 2 ranks over gloo (ep=2; pp=2 for qwen3_235b_a22b), a real SGLang CPU server,
+2 steps."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def torchrun_train(config: Path, out_dir: Path, *overrides: str) -> subprocess.C
 @pytest.mark.sglang
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("twin", ["qwen3_30b_a3b", "deepseek_v3_style"])
+@pytest.mark.parametrize("twin", ["qwen3_30b_a3b", "deepseek_v3_style", "qwen3_235b_a22b"])  # the last: pp=2
 def test_cpu_twin_trains_two_steps_on_two_ranks(twin, tmp_path):
     proc = torchrun_train(ROOT / f"configs/cpu/{twin}.yaml", tmp_path / "run")
     assert proc.returncode == 0, proc.stderr[-4000:]

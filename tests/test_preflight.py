@@ -70,8 +70,14 @@ def test_every_shipped_config_passes_the_config_rules(path, request):
          "replay.keep_sampling_mask=true with parallel.tp=2 and loss.entropy_coef=0.01: the kept-set entropy is not "
          "computed on vocab-sharded logits yet (the kept-set log-prob is); expected loss.entropy_coef=0 or "
          "parallel.tp=1"),
-        (["parallel.pp=2"],
-         "parallel.pp=2: the training loop and the HF export do not run pipeline parallelism; expected 1"),
+        (["parallel.pp=2", "model.first_k_dense_layers=1"],
+         "parallel.pp=2: pipeline stage(s) [0] would hold only dense layers (model.first_k_dense_layers=1, "
+         "model.moe_layer_freq=1, 1 decoder layer(s) per stage); expected every stage to hold a MoE layer: lower "
+         "parallel.pp"),
+        (["parallel.pp=2", "model.moe_token_dispatcher_type=allgather"],
+         "model.moe_token_dispatcher_type='allgather' with parallel.pp=2: Megatron-Core refuses the allgather "
+         "dispatcher with variable_seq_lengths, which pipeline stages need for ragged microbatches; "
+         "expected 'alltoall'"),
         (["parallel.cp=2"],
          "parallel.cp=2: the training loop does not split sequences over context parallelism; expected 1"),
         (["model.moe_router_score_function=sigmoid"],
@@ -87,6 +93,12 @@ def test_config_rule_message(overrides, message):
     assert config_problems(cfg).problems == [message]
     with pytest.raises(PreflightError, match="cannot run"):
         preflight(cfg, env=False)
+
+
+def test_two_equal_stages_each_with_a_moe_layer_pass_and_unequal_stages_do_not_load():
+    assert config_problems(load_config(CONFIGS[0].parent / "tiny_cpu.yaml", ["parallel.pp=2"])).problems == []
+    with pytest.raises(ConfigError, match=r"parallel.pp=3 must divide model.num_layers=2"):
+        load_config(CONFIGS[0].parent / "tiny_cpu.yaml", ["parallel.pp=3"])
 
 
 def test_every_problem_is_reported_at_once():

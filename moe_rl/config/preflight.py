@@ -144,8 +144,7 @@ def learner_features(cfg: ExperimentConfig) -> Iterable[str]:
             "the kept-set entropy is not computed on vocab-sharded logits yet (the kept-set log-prob is); "
             "expected loss.entropy_coef=0 or parallel.tp=1"
         )
-    if p.pp > 1:
-        yield f"parallel.pp={p.pp}: the training loop and the HF export do not run pipeline parallelism; expected 1"
+    yield from pipeline_stages(cfg)
     if p.cp > 1:
         yield f"parallel.cp={p.cp}: the training loop does not split sequences over context parallelism; expected 1"
     etp = p.tp if p.etp is None else p.etp
@@ -153,6 +152,28 @@ def learner_features(cfg: ExperimentConfig) -> Iterable[str]:
                               ("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size, etp)):  # fmt: skip
         if value % split:
             yield f"{key}={value} must be divisible by the {split} tensor-parallel shards it is split into (parallel.tp/etp)"
+
+
+def pipeline_stages(cfg: ExperimentConfig) -> Iterable[str]:
+    """pp > 1 (equal stages: the schema checks ``num_layers % pp``): every stage holds at least one MoE layer
+    (routing replay and the dispatch probe bind per stage), and the dispatcher accepts ragged microbatches."""
+    m, pp = cfg.model, cfg.parallel.pp
+    if pp == 1:
+        return
+    if m.num_layers % pp:  # the schema refuses it ("parallel.pp=... must divide model.num_layers=...")
+        return
+    if m.moe_token_dispatcher_type == "allgather":
+        yield (f"model.moe_token_dispatcher_type='allgather' with parallel.pp={pp}: Megatron-Core refuses the "
+               "allgather dispatcher with variable_seq_lengths, which pipeline stages need for ragged microbatches; "
+               "expected 'alltoall'")  # fmt: skip
+    per_stage = m.num_layers // pp
+    pattern = m.moe_layer_pattern()
+    dense = [s for s in range(pp) if not any(pattern[s * per_stage : (s + 1) * per_stage])]
+    if dense:
+        yield (f"parallel.pp={pp}: pipeline stage(s) {dense} would hold only dense layers "
+               f"(model.first_k_dense_layers={m.first_k_dense_layers}, model.moe_layer_freq={m.moe_layer_freq}, "
+               f"{per_stage} decoder layer(s) per stage); expected every stage to hold a MoE layer: "
+               "lower parallel.pp")  # fmt: skip
 
 
 def weight_sync_architecture(cfg: ExperimentConfig) -> Iterable[str]:

@@ -21,6 +21,11 @@ Shims (name -> failure prevented):
   cuda_rng_state        ``Torch not compiled with CUDA`` from
                         ``_get/_set_cuda_rng_state`` in activation recompute and
                         the RNG tracker's ``fork``.
+  cuda_synchronize      ``AssertionError: Torch not compiled with CUDA enabled`` from
+                        ``torch.cuda.synchronize()``, which pipeline parallelism's
+                        ``P2PCommunicator._communicate_shapes`` calls unconditionally
+                        (p2p_communication.py, ``variable_seq_lengths=True``: ragged
+                        microbatches). Host ops are already ordered: a no-op.
 
 The RNG tracker itself needs no patch, only a different call: see
 ``seed_model_parallel_rng``.
@@ -184,12 +189,26 @@ def _apply_cuda_rng_state() -> None:
     tp_random._set_cuda_rng_state = lambda *a, **k: None
 
 
+# --- cuda_synchronize ----------------------------------------------------------
+
+
+def _need_cuda_synchronize() -> bool:
+    from megatron.core.pipeline_parallel import p2p_communication
+
+    return _source_mentions(p2p_communication, "torch.cuda.synchronize()") and _raises(torch.cuda.synchronize)
+
+
+def _apply_cuda_synchronize() -> None:
+    torch.cuda.synchronize = lambda device=None: None
+
+
 CPU_SHIMS: dict[str, tuple[Callable[[], bool], Callable[[], None]]] = {
     "cuda_current_device": (_need_current_device, _apply_current_device),
     "te_general_gemm": (_need_te_general_gemm, _apply_te_general_gemm),
     "dispatcher_stream": (_need_dispatcher_stream, _apply_dispatcher_stream),
     "split_sizes_numpy": (_need_split_sizes_numpy, _apply_split_sizes_numpy),
     "cuda_rng_state": (_need_cuda_rng_state, _apply_cuda_rng_state),
+    "cuda_synchronize": (_need_cuda_synchronize, _apply_cuda_synchronize),
 }
 
 _APPLIED: list[str] = []

@@ -12,8 +12,10 @@ Owns the two files a checkpoint (and the reference policy) stores instead of per
 Saving is collective over the tp/etp/ep groups and rank 0 writes (the full state passes through
 rank 0's memory: fine at CPU scale, not a fully parallel save); loading is local: each rank reads
 the global tensors it holds a part of and slices its shard for the current (tp, etp, ep) layout,
-so a checkpoint resumes on any layout. dp replicas need nothing; pp > 1 is refused by the
-config's preflight. Files are safetensors (JSON header, raw tensors): reading never unpickles.
+so a checkpoint resumes on any (tp, etp, ep) layout. dp replicas need nothing. Under pipeline
+parallelism names carry global layer numbers (``hf_convert.globalise_layer``), saving gathers every
+stage's tensors to rank 0 (``hf_convert.gather_stages``) and each stage loads its own layers; the pp
+size itself may change between save and load as long as the stages stay equal. Files are safetensors (JSON header, raw tensors): reading never unpickles.
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from moe_rl.learner.hf_convert import _expert_slot, _local_expert_range, _tp_rank_and_size, canonical_name
+from moe_rl.learner.hf_convert import (
+    _expert_slot, _local_expert_range, _tp_rank_and_size, canonical_name, gather_stages, globalise_layer,
+    stage_layer_offset,
+)  # fmt: skip
 from moe_rl.learner.model import unwrap
 from moe_rl.learner.tp_shards import gather_tp_shards, tp_slice
 
@@ -49,8 +54,8 @@ def model_tensors(model) -> dict[str, torch.Tensor]:
     return {k: v for k, v in m.state_dict(keep_vars=True).items() if torch.is_tensor(v) and not k.endswith("_extra_state")}
 
 
-def _global_name(local: str, expert_start: int) -> str:
-    name = canonical_name(local)
+def _global_name(local: str, expert_start: int, layer_offset: int = 0) -> str:
+    name = globalise_layer(canonical_name(local), layer_offset)
     slot = _expert_slot(name)
     return name if slot is None else f"{slot[0]}{expert_start + slot[1]}.{slot[2]}"
 
@@ -79,7 +84,8 @@ def gather_global(model, local: Mapping[str, torch.Tensor], split: bool = True) 
         dist.all_gather(gathered, t.contiguous(), group=ps.get_expert_model_parallel_group())
         for r, g in enumerate(gathered):
             out[f"{slot[0]}{r * num_local + slot[1]}.{slot[2]}"] = g.cpu()
-    return out
+    offset = stage_layer_offset(model)  # pp > 1: this stage's layers under their global numbers
+    return {globalise_layer(k, offset): v for k, v in out.items()}
 
 
 def _is_writer() -> bool:
@@ -136,8 +142,8 @@ class _Reader:
 
 def save_global_model(model, path: str | Path) -> None:
     """Gather ``model`` (collective over tp/etp/ep) and write it on rank 0 as ``path``."""
-    full = gather_global(model, model_tensors(model))
-    if _is_writer():
+    full = gather_stages(gather_global(model, model_tensors(model)))
+    if full is not None and _is_writer():
         _write(full, Path(path), MODEL_FORMAT)
 
 
@@ -145,9 +151,10 @@ def load_global_model(model, path: str | Path) -> None:
     """Copy this rank's shard of every tensor in ``path`` into ``model`` (local; every tensor required)."""
     reader = _Reader(Path(path), MODEL_FORMAT)
     start, _ = _local_expert_range(model)
+    offset = stage_layer_offset(model)
     with torch.no_grad():
         for name, tensor in model_tensors(model).items():
-            g = _global_name(name, start)
+            g = _global_name(name, start, offset)
             tensor.copy_(reader.shard(g, g, tensor))
 
 
@@ -222,7 +229,8 @@ def save_global_optimizer(optimizer, model, path: str | Path) -> None:
         if local:
             out.update({f"{key}/{n}": t for n, t in gather_global(model, local).items()})
     out.update({f"step/{n}": t for n, t in gather_global(model, steps, split=False).items()})
-    if _is_writer():
+    out = gather_stages(out)
+    if out is not None and _is_writer():
         _write(out, Path(path), OPTIMIZER_FORMAT)
 
 
@@ -230,9 +238,10 @@ def load_global_optimizer(optimizer, model, path: str | Path) -> None:
     """Set the Adam state (and fp32 master copies) of this rank's shard of every parameter from ``path``."""
     reader = _Reader(Path(path), OPTIMIZER_FORMAT)
     start, _ = _local_expert_range(model)
+    offset = stage_layer_offset(model)
     with torch.no_grad():
         for name, p, main, opt in _named_slots(optimizer, model):
-            g = _global_name(name, start)
+            g = _global_name(name, start, offset)
             if main is not p:
                 key = f"main/{g}"
                 main.copy_(reader.shard(key, g, main) if key in reader.keys else p.to(main.dtype))

@@ -11,8 +11,10 @@ Layout facts that a parity test catches when broken:
   * ``linear_qkv`` rows are grouped per query group: ``[q heads of group g; k_g; v_g]``.
   * ``linear_fc1`` is ``cat([gate_proj, up_proj])`` (gate first, SwiGLU).
 Both Megatron specs are handled: TE-spec names are mapped to local-spec names first
-(``canonical_name``). Scope: pp=1 for import/export; tp, etp and ep shards are gathered on
-export and sliced on import (``moe_rl.learner.tp_shards``); pp > 1 raises.
+(``canonical_name``). tp, etp and ep shards are gathered on export and sliced on import
+(``moe_rl.learner.tp_shards``); under pipeline parallelism each stage's local layer numbers are
+made global (``decoder.layers.<local>`` -> ``<offset + local>``), each stage imports its own layers,
+and the export gathers every stage's layers to rank 0 (one HF checkpoint).
 """
 
 from __future__ import annotations
@@ -177,12 +179,37 @@ def read_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _require_convertible() -> None:
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def stage_layer_offset(model) -> int:
+    """Global index of this pipeline stage's first decoder layer (0 without pipeline parallelism)."""
+    layers = unwrap(model).decoder.layers
+    return int(layers[0].layer_number) - 1 if len(layers) else 0
+
+
+def globalise_layer(name: str, offset: int) -> str:
+    """``decoder.layers.<local>.…`` of a pipeline stage -> ``decoder.layers.<offset + local>.…``."""
+    if not offset:
+        return name
+    return _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name, count=1)
+
+
+def gather_stages(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """Every pipeline stage's (globally named) tensors merged on the first rank of each pipeline group,
+    None on the other stages; ``state`` itself without pipeline parallelism. Collective over pp."""
+    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    pp = ps.get_pipeline_model_parallel_world_size()
-    if pp != 1:
-        raise NotImplementedError(f"HF conversion supports pp=1; this job has parallel.pp={pp}")
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return state
+    group = ps.get_pipeline_model_parallel_group()
+    first = dist.get_process_group_ranks(group)[0]
+    parts = [None] * dist.get_world_size(group) if dist.get_rank() == first else None
+    dist.gather_object(state, parts, dst=first, group=group)
+    if parts is None:
+        return None
+    return {k: v for part in parts for k, v in part.items()}
 
 
 def _tp_rank_and_size(name: str) -> tuple[int, int]:
@@ -237,16 +264,18 @@ def _local_expert_range(model) -> tuple[int, int]:
 
 
 def load_hf_weights(model, hf_dir: str | Path, model_cfg) -> None:
-    """Copy an HF checkpoint into ``model`` in place (this rank's experts only under ep > 1)."""
-    _require_convertible()
+    """Copy an HF checkpoint into ``model`` in place (this rank's experts under ep > 1, its stage's layers
+    under pp > 1)."""
     full = hf_to_megatron(read_hf_state_dict(hf_dir), model_cfg)
     start, num_local = _local_expert_range(model)
+    offset = stage_layer_offset(model)
     target = unwrap(model).state_dict()
     loaded = set()
     with torch.no_grad():
         for name, tensor in target.items():
-            slot = _expert_slot(canonical_name(name))
-            src = canonical_name(name) if slot is None else f"{slot[0]}{start + slot[1]}.{slot[2]}"
+            global_name = globalise_layer(canonical_name(name), offset)
+            slot = _expert_slot(global_name)
+            src = global_name if slot is None else f"{slot[0]}{start + slot[1]}.{slot[2]}"
             if src not in full:
                 continue
             shard = tp_slice(src, full[src], *_tp_rank_and_size(src))
@@ -265,7 +294,8 @@ def full_megatron_state_dict(model, grads: bool = False) -> dict[str, torch.Tens
     """This model's parameters (and expert-bias buffers), tp/etp shards and ep experts gathered.
 
     Collective over the tensor-, expert-tensor- and expert-parallel groups: every rank must call
-    it. Returns full CPU tensors named with global expert ids. ``grads=True`` gathers each
+    it. Returns full CPU tensors named with global expert ids and global layer numbers (this
+    pipeline stage's layers; ``global_state.gather_global``). ``grads=True`` gathers each
     parameter's ``main_grad`` (Megatron DDP) or ``grad`` instead.
     """
     from moe_rl.learner.global_state import gather_global
@@ -292,13 +322,12 @@ def _write_side_files(out: Path, model_cfg, template_dir: Path | None) -> None:
 def export_hf_state_dict(model, model_cfg, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
     """The model as HF Qwen3-MoE ``{name: tensor}`` in memory (CPU), for weight sync without disk.
 
-    Collective over the ep group; returns the dict on rank 0, None elsewhere.
+    Collective over the tp / ep / pp groups; returns the dict on rank 0, None elsewhere.
     """
     import torch.distributed as dist
 
-    _require_convertible()
-    state = full_megatron_state_dict(model)
-    if dist.is_initialized() and dist.get_rank() != 0:
+    state = gather_stages(full_megatron_state_dict(model))
+    if state is None or (dist.is_initialized() and dist.get_rank() != 0):
         return None
     hf = megatron_to_hf(state, model_cfg)
     return hf if dtype is None else {k: v.to(dtype) for k, v in hf.items()}
@@ -326,7 +355,7 @@ def export_hf_checkpoint(model, model_cfg, out_dir: str | Path, template_dir: st
                          dtype: torch.dtype | None = None) -> Path | None:
     """Write the model as an HF Qwen3-MoE checkpoint dir (for SGLang ``update_weights_from_disk``).
 
-    Collective over the tp/etp/ep groups; rank 0 writes. ``config.json`` / tokenizer files
+    Collective over the tp/etp/ep/pp groups; rank 0 writes. ``config.json`` / tokenizer files
     come from ``template_dir`` (e.g. the dir the learner was initialised from),
     else from ``hf_init``. The directory appears atomically (written under a temp
     name, then renamed); an existing ``out_dir`` is replaced. Returns the path on

@@ -13,6 +13,13 @@ Patches (name -> failure prevented):
                     ``routing_map[N, E] & ~padding_mask[N]``, a broadcast error as soon as a padding mask
                     reaches a router with an expert bias (tests/learner/test_expert_bias.py).
 
+Wrapper (not a patch): ``pipeline_schedule()`` returns Megatron's ``get_forward_backward_func()``
+for this job; on a machine without CUDA it runs the schedule under ``_HostDevice``, because every
+schedule of 0.16.1 allocates ``total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda")``
+(pipeline_parallel/schedules.py, forward_backward_no_pipelining / _with_interleaving /
+_without_interleaving), a ``RuntimeError``/``AssertionError: Torch not compiled with CUDA enabled``
+on CPU. The mode maps only an explicit ``device="cuda"`` to the host, only inside the call.
+
 API differences, read in the 0.16.1, 0.17.0, 0.18.0 and 0.19.2 sources (docs/gpu.md lists them):
 ``RouterReplay.get_replay_topk`` keeps its signature and call site throughout; 0.17 adds static
 CUDA-graph buffers and 0.19 a ``layer_number`` (both unused by moe_rl); 0.19's
@@ -23,13 +30,15 @@ exist unchanged in all four.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 
 __all__ = ["SUPPORTED", "megatron_core_version", "check_megatron_core_version", "apply_megatron_fixes",
-           "need_te_general_gemm", "bind_te_general_gemm"]
+           "need_te_general_gemm", "bind_te_general_gemm", "pipeline_schedule", "schedule_needs_host_device"]
 
 SUPPORTED = ((0, 16, 1), (0, 20, 0))
 """Supported megatron-core releases: ``SUPPORTED[0] <= version < SUPPORTED[1]``."""
@@ -130,3 +139,41 @@ def apply_megatron_fixes() -> list[str]:
             apply()
             applied.append(name)
     return applied
+
+
+class _HostDevice(TorchFunctionMode):
+    """Inside the context, tensors created with an explicit ``device="cuda"`` are created on the host."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs = dict(kwargs, device="cpu")
+        return func(*args, **kwargs)
+
+
+def schedule_needs_host_device(schedule) -> bool:
+    """True when ``schedule`` hard-codes a CUDA tensor and this machine has no CUDA."""
+    if torch.cuda.is_available():
+        return False
+    target = getattr(schedule, "func", schedule)  # functools.partial in some releases
+    try:
+        return 'device="cuda"' in inspect.getsource(target)
+    except (OSError, TypeError):
+        return False
+
+
+def pipeline_schedule():
+    """Megatron's forward-backward schedule for this job's pp / vpp sizes, runnable on this machine."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    schedule = get_forward_backward_func()
+    if not schedule_needs_host_device(schedule):
+        return schedule
+
+    @functools.wraps(schedule)
+    def on_host(*args, **kwargs):
+        with _HostDevice():
+            return schedule(*args, **kwargs)
+
+    return on_host

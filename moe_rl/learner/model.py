@@ -126,6 +126,7 @@ def transformer_config_kwargs(cfg) -> dict:
         expert_model_parallel_size=p.ep,
         expert_tensor_parallel_size=p.etp if p.etp is not None else p.tp,
         sequence_parallel=p.tp > 1,  # Megatron's MoE layer refuses to train with tp > 1 without it
+        **_pipeline_fields(p.pp, params_dtype, on_gpu),
         # precision
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
@@ -138,6 +139,15 @@ def transformer_config_kwargs(cfg) -> dict:
     )
 
 
+def _pipeline_fields(pp: int, params_dtype: torch.dtype, on_gpu: bool) -> dict:
+    """Megatron's p2p settings for pp > 1 (none for pp = 1): the hidden states sent between stages
+    have the params dtype; microbatches are ragged (each padded to its own length and size), so the
+    shapes are exchanged first; on the host, no ``torch.cuda.synchronize`` after batched p2p."""
+    if pp == 1:
+        return {}
+    return dict(pipeline_dtype=params_dtype, variable_seq_lengths=True, batch_p2p_sync=on_gpu)
+
+
 def _layer_spec(tcfg, use_te: bool):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
@@ -147,11 +157,14 @@ def _layer_spec(tcfg, use_te: bool):
 def build_model(cfg, seed: int | None = None):
     """Build the ``GPTModel`` for ``cfg``; ``init_distributed`` must have run.
 
-    Weights are initialised from ``seed`` (default ``cfg.train.seed``) through
-    Megatron's model-parallel RNG tracker. Experts draw from a per-ep-rank stream,
+    Under pipeline parallelism the model is this rank's stage: the embedding on the first stage,
+    the output layer on the last, its share of the decoder layers on each. Weights are initialised
+    from ``seed`` (default ``cfg.train.seed``) through Megatron's
+    model-parallel RNG tracker. Experts draw from a per-ep-rank stream,
     so ep=1 and ep=2 builds differ in expert values: load the same weights (HF
     import or checkpoint) when runs must match.
     """
+    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
     from moe_rl.learner.mcore_compat import apply_megatron_fixes
@@ -166,8 +179,8 @@ def build_model(cfg, seed: int | None = None):
         transformer_layer_spec=_layer_spec(tcfg, use_te),
         vocab_size=cfg.model.vocab_size,
         max_sequence_length=cfg.model.seq_length,
-        pre_process=True,
-        post_process=True,
+        pre_process=ps.is_pipeline_first_stage(),  # pp > 1: this stage's layers only (global layer numbers)
+        post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
         rotary_base=int(cfg.model.rotary_base),

@@ -230,8 +230,14 @@ class ReferencePolicy:
         """
         from moe_rl.learner.logprobs import response_logprobs
 
+        from moe_rl.learner.pipeline import pipeline_logprobs, pipeline_size
+
         with self.on_device(), self._routing(routes, local_routes):
-            if logprob_fn is not None:
+            if pipeline_size() > 1:  # this rank's stage of π_ref; the last stage's log-probs on every stage
+                from moe_rl.learner.train_step import default_logprob_fn
+
+                logp = pipeline_logprobs(self.model, [mb], logprob_fn or default_logprob_fn, temperature)[0]
+            elif logprob_fn is not None:
                 logp, _ = logprob_fn(self.model, mb, temperature)
             else:
                 logp, _ = response_logprobs(self.model, mb["input_ids"], mb["targets"],

@@ -5,6 +5,8 @@ its custom training loop. The loss is a callable, so the trainer plugs in
 ``moe_rl.algo.compute_policy_loss`` without this module knowing any algorithm.
 Megatron's own schedule (``forward_backward_no_pipelining``) sets the MoE
 aux-loss gradient scale; a custom loop must do it itself, which ``train_step`` does.
+With ``parallel.pp > 1`` the microbatches go through Megatron's pipeline schedule instead
+(``moe_rl.learner.pipeline``: same loss scaling, results from the last stage on every stage).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from moe_rl.learner.hf_convert import export_hf_checkpoint, load_hf_weights
 from moe_rl.learner.logprobs import response_logprobs
 from moe_rl.learner.model import build_model, unwrap
 from moe_rl.learner.optimizer import build_optimizer, grad_norm_and_clip, lr_at, set_lr, wrap_ddp
+from moe_rl.learner.pipeline import pipeline_logprobs, pipeline_size, pipeline_train
 
 __all__ = ["Microbatch", "LossFn", "LogprobFn", "StepStats", "Learner"]
 
@@ -109,6 +112,14 @@ class Learner:
         device = next(self.model.parameters()).device
         MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(cp / num_microbatches, device=device))
 
+    def forward_logprobs(self, microbatches: Sequence[Microbatch], logprob_fn: LogprobFn,
+                         temperature: float) -> list[torch.Tensor]:  # fmt: skip
+        """Each microbatch's ``logp[B, T]`` from one forward of the current weights (no backward; the
+        caller picks the mode and ``no_grad``). Under pp > 1: Megatron's schedule, on every stage."""
+        if pipeline_size() > 1:
+            return pipeline_logprobs(self.model, list(microbatches), logprob_fn, temperature)
+        return [logprob_fn(self.model, mb, temperature)[0] for mb in microbatches]
+
     def train_step(self, microbatches: Sequence[Microbatch], loss_fn: LossFn,
                    temperature: float = 1.0, logprob_fn: LogprobFn | None = None,
                    loss_scale: float | None = None, lr_scale: float = 1.0) -> StepStats:
@@ -128,9 +139,25 @@ class Learner:
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self._set_aux_loss_scale(n)
-        losses, metrics = [], []
         device = model_device(self.model)
+        if pipeline_size() > 1:  # the schedule sets the aux-loss scale itself (a [1] tensor: keep its shape)
+            losses, metrics = pipeline_train(self.model, [to_device(mb, device) for mb in microbatches],
+                                             logprob_fn or default_logprob_fn, loss_fn, temperature, scale)  # fmt: skip
+        else:
+            self._set_aux_loss_scale(n)
+            losses, metrics = self._accumulate(microbatches, loss_fn, temperature, logprob_fn, scale, device)
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+        finalize_model_grads([self.model])
+        lr = lr_at(self.step, self.cfg.optim, self.total_steps) * float(lr_scale)  # lr_scale: e.g. VCPO's ESS rule
+        set_lr(self.optimizer, lr)
+        grad_norm = self._clip_and_step()
+        self.step += 1
+        return StepStats(self.step, sum(losses) / n, grad_norm, lr, _mean_metrics(metrics))
+
+    def _accumulate(self, microbatches, loss_fn, temperature, logprob_fn, scale, device):
+        """pp = 1: forward, loss and backward of each microbatch in turn -> (losses, metrics)."""
+        losses, metrics = [], []
         for mb in microbatches:
             mb = to_device(mb, device)  # callers may hand host tensors; the model's device is the one
             if logprob_fn is not None:
@@ -146,14 +173,7 @@ class Learner:
             (loss * scale).backward()
             losses.append(float(loss.detach()))
             metrics.append({k: float(v.detach()) if torch.is_tensor(v) else float(v) for k, v in m.items()})
-        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-
-        finalize_model_grads([self.model])
-        lr = lr_at(self.step, self.cfg.optim, self.total_steps) * float(lr_scale)  # lr_scale: e.g. VCPO's ESS rule
-        set_lr(self.optimizer, lr)
-        grad_norm = self._clip_and_step()
-        self.step += 1
-        return StepStats(self.step, sum(losses) / n, grad_norm, lr, _mean_metrics(metrics))
+        return losses, metrics
 
     def _clip_and_step(self) -> float:
         if torch.cuda.is_available():  # Megatron's optimizer clips with cfg.optim.clip_grad itself

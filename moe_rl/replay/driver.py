@@ -11,6 +11,10 @@ counters; it must not run forwards itself. Policy (seed 001, Zheng et al. 2025; 
 - ``none``: natural routing everywhere; no replay is bound to the model (so router options
   that replay cannot honour stay allowed), routes are only observed.
 
+Under pipeline parallelism each stage binds and probes only its own MoE layers; the flips of a
+microbatch are gathered over the stages before counting, so every stage logs the whole model's
+per-layer rates and ``tokens_with_flip`` over all layers.
+
 Under sequence parallel (tp > 1) each router sees only its rank's block of positions: the routes and
 masks are cut to that block with the shard the binding replays with
 (``layout.sequence_parallel_positions``; context parallel likewise), and the counts are summed over
@@ -88,6 +92,7 @@ class ReplayDriver:
         self.num_experts = tcfg.num_moe_experts
         self.shard = DispatchShard.of(tcfg) if sharded else DispatchShard()
         self._r2_records: dict[int, torch.Tensor] = {}  # sample id -> local routes [rows, L_local, K]
+        self._pp_group = _pipeline_group()
         self._counters: dict[str, FlipCounter] = {}
 
     @classmethod
@@ -217,7 +222,10 @@ class ReplayDriver:
         return flips
 
     def _add(self, name: str, valid: torch.Tensor, response: torch.Tensor | None, flips: torch.Tensor) -> None:
-        add_flip_counts(self._counters, name, self.layer_ids, valid, response, flips)
+        layer_ids = self.layer_ids
+        if self._pp_group is not None:  # every stage counts the whole model's layers
+            layer_ids, flips = gather_stage_flips(layer_ids, flips, self._pp_group)
+        add_flip_counts(self._counters, name, layer_ids, valid, response, flips)
 
     def step_metrics(self, reset: bool = True, group=None) -> dict[str, float]:
         """Flip metrics since the last reset, summed over ``group`` (the data-parallel ranks) and, under
@@ -288,6 +296,31 @@ class DispatchShard:
         if self.cp_size > 1:
             out.append(ps.get_context_parallel_group())
         return out
+
+
+def _pipeline_group():
+    """Megatron's pipeline-parallel group when pp > 1 (each stage holds some of the MoE layers), else None."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized() or ps.get_pipeline_model_parallel_world_size() == 1:
+        return None
+    return ps.get_pipeline_model_parallel_group()
+
+
+def gather_stage_flips(layer_ids, flips: torch.Tensor, group) -> tuple[list[int], torch.Tensor]:
+    """This stage's ``flips[B, S, L_local]`` -> every stage's ``flips[B, S, L_all]`` in global layer order.
+
+    Collective over the pipeline group: all stages saw the same tokens of the microbatch, each through
+    its own MoE layers, so the per-token "any layer flipped" count needs the whole row of layers.
+    """
+    import torch.distributed as dist
+
+    parts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, (list(layer_ids), flips.cpu()), group=group)
+    ids = [lid for part_ids, _ in parts for lid in part_ids]
+    merged = torch.cat([part for _, part in parts], dim=-1)
+    order = sorted(range(len(ids)), key=ids.__getitem__)
+    return [ids[i] for i in order], merged[..., order]
 
 
 def _unwrap(model):

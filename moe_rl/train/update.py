@@ -26,6 +26,7 @@ from moe_rl.algo import needs_policy_prepass, policy_loss, prepare_corrections
 from moe_rl.algo._tensors import masked_sum
 from moe_rl.algo.variance_control import ess_lr_scale
 from moe_rl.config.preflight import ksm_active
+from moe_rl.learner.pipeline import from_last_stage, is_last_stage, object_from_last_stage
 from moe_rl.records import RolloutBatch
 from moe_rl.train.batching import Microbatch, build_microbatch, response_row_mask, response_rows
 from moe_rl.train.collectives import all_gather_rows, dp_group
@@ -75,11 +76,8 @@ def _rows_by_sample(plan_ids_per_rank, gathered: torch.Tensor, num_samples: int)
 @torch.no_grad()
 def _forward_rows(learner, logprob_fn, mbs: list[Microbatch], temperature: float, width: int) -> torch.Tensor:
     """No-grad forwards of ``mbs`` -> this rank's log-prob rows ``[n, width]`` in microbatch order."""
-    rows = []
-    for mb in mbs:
-        logp, _ = logprob_fn(learner.model, mb.tensors, temperature)
-        rows.append(mb.to_rows(logp.float(), width))
-    return torch.cat(rows)
+    logps = learner.forward_logprobs([mb.tensors for mb in mbs], logprob_fn, temperature)
+    return torch.cat([mb.to_rows(logp.float(), width) for mb, logp in zip(mbs, logps)])
 
 
 def old_logprob_rows(cfg, learner, driver, logprob_fn, plan: StepPlan, inputs: StepInputs) -> torch.Tensor:
@@ -128,6 +126,16 @@ def _generator(inputs: StepInputs, mb_plan: MinibatchPlan, epoch: int) -> torch.
 
     seed = int(np.random.SeedSequence([inputs.seed, inputs.step, epoch, mb_plan.index]).generate_state(1)[0])
     return torch.Generator().manual_seed(seed)
+
+
+def _rows_from_last_stage(logp: list, entropy: list, n: int, width: int, dev):
+    """The π_θ (and entropy) rows ``[n, width]`` the loss saw; only the last pipeline stage computed them."""
+    has_entropy = object_from_last_stage(bool(entropy))
+    last = is_last_stage()
+    logp_rows = from_last_stage(torch.cat(logp) if last else None, (n, width), torch.float32, dev)
+    if not has_entropy:
+        return logp_rows, None
+    return logp_rows, from_last_stage(torch.cat(entropy) if last else None, (n, width), torch.float32, dev)
 
 
 def update_minibatch(cfg, learner, driver, logprob_fn, mb_plan: MinibatchPlan, inputs: StepInputs,
@@ -191,9 +199,11 @@ def update_minibatch(cfg, learner, driver, logprob_fn, mb_plan: MinibatchPlan, i
         stats = learner.train_step([m.tensors for m in mbs], loss_fn, cfg.rollout.temperature, logprob_fn,
                                    loss_scale=dp_size, lr_scale=lr_scale)  # fmt: skip
 
-    # phase 3: exact minibatch metrics from the gathered detached π_θ
-    logp_rows = all_gather_rows(torch.cat(seen_logp), group)
-    ent_rows = all_gather_rows(torch.cat(seen_entropy), group) if seen_entropy else None
+    # phase 3: exact minibatch metrics from the gathered detached π_θ (pp > 1: the last stage's rows)
+    n_rows = sum(len(m.sample_ids) for m in mbs)
+    seen_logp, seen_entropy = _rows_from_last_stage(seen_logp, seen_entropy, n_rows, width, dev)
+    logp_rows = all_gather_rows(seen_logp, group)
+    ent_rows = all_gather_rows(seen_entropy, group) if seen_entropy is not None else None
     _, metrics = policy_loss(cfg.loss, cfg.correction, logp_rows, old, mu, adv, mask, prep.keep, prep.weights,
                              prep.denominator, entropy=ent_rows, ref_logp=ref, cov_selected=prep.cov_selected,
                              generator=_generator(inputs, mb_plan, epoch))  # fmt: skip

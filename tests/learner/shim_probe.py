@@ -32,6 +32,13 @@ def exercise() -> None:
     model = build_model(cfg)
     ids = torch.randint(0, cfg.model.vocab_size, (2, 8))
     forward_logits(model, ids).sum().backward()
+    # Pipeline parallelism's shape exchange for ragged microbatches (variable_seq_lengths): with no peer
+    # to talk to it still ends in torch.cuda.synchronize().
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    P2PCommunicator(pp_group=ps.get_pipeline_model_parallel_group(), config=model.config)._communicate_shapes(
+        None, None, False, False)
 
 
 def main() -> None:

@@ -47,8 +47,9 @@ def check(dispatcher: str, rank: int) -> None:
 
 
 def build_pp_stage(cfg):
-    """This rank's pipeline stage. The learner's config mapping does not set ``pipeline_dtype`` yet
-    (Megatron requires it for pp > 1), so the stage is composed here from its pieces."""
+    """This rank's pipeline stage's decoder layers with the embedding and output layer on both ranks
+    (``build_model`` gives only the first stage the embedding), so each stage runs its layers locally,
+    without the pipeline schedule's p2p; ``tests/train/pp_worker.py`` runs the real schedule."""
     import dataclasses
 
     from megatron.core.models.gpt import GPTModel

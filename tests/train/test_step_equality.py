@@ -1,4 +1,4 @@
-"""The same step whatever the grouping: 2 ranks (dp=2, ep=2) == 1 rank, micro_batch_size 1 / 2 / whole.
+"""The same step whatever the grouping: 2 ranks (dp=2, ep=2, pp=2) == 1 rank, micro_batch_size 1 / 2 / whole.
 
 Every run trains 2 steps on the same saved SGLang records (``train.rollouts_from``, no server) from
 the same initial weights (``checkpoint.init_from_hf``), through the CLI as a user runs it (torchrun
@@ -78,10 +78,11 @@ def test_records_have_ragged_responses_and_several_microbatches():
     [
         (("train.micro_batch_size=2",), 2),  # dp=2 (each rank: 4 of each minibatch's 8, 2 microbatches)
         (("train.micro_batch_size=2", "parallel.ep=2"), 2),  # ep=2 over the same 2 data-parallel ranks
+        (("train.micro_batch_size=2", "parallel.pp=2"), 2),  # pp=2: one layer per stage, Megatron's 1F1B schedule
         (("train.micro_batch_size=1",), 1),
         (("train.micro_batch_size=8",), 1),  # the whole minibatch in one microbatch
     ],
-    ids=["dp2", "ep2", "micro1", "micro_whole"],
+    ids=["dp2", "ep2", "pp2", "micro1", "micro_whole"],
 )
 @one_gpu_per_rank(2)
 def test_decoupled_r3_ksm_step_is_independent_of_ranks_and_microbatches(tmp_path, hf_dir, r3_ksm_one_rank, overrides,
