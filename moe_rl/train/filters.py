@@ -51,9 +51,19 @@ class Collected:
     groups_informative: int = 0
     groups_filled: int = 0  # dropped groups put back by the fallback
 
+    @property
+    def informative_frac(self) -> float:
+        return self.groups_informative / max(self.groups_seen, 1)
+
+    def add(self, prompt, samples: list, rewards: list[float]) -> None:
+        """Keep one group (its prompt, its samples and their rewards)."""
+        self.prompts.append(prompt)
+        self.samples.extend(samples)
+        self.rewards.extend(rewards)
+
     def metrics(self) -> dict[str, float]:
         return {"filter/rounds": float(self.rounds), "filter/groups_seen": float(self.groups_seen),
-                "filter/informative_frac": self.groups_informative / max(self.groups_seen, 1),
+                "filter/informative_frac": self.informative_frac,
                 "filter/fallback_groups": float(self.groups_filled)}  # fmt: skip
 
 
@@ -63,16 +73,15 @@ def collect_groups(generate: Callable[[int], GroupRound], want: int, group_size:
     out, dropped = Collected(), []
     while len(out.prompts) < want:
         if out.rounds == max_rounds:
-            frac = out.groups_informative / max(out.groups_seen, 1)
             if not fallback:
                 raise FilterError(
                     f"train.filter_groups: {out.groups_informative} informative groups of {out.groups_seen} "
-                    f"({frac:.0%}) after train.max_generation_rounds={max_rounds} rounds; {want} are needed "
+                    f"({out.informative_frac:.0%}) after train.max_generation_rounds={max_rounds} rounds; {want} are needed "
                     "(train.prompts_per_step). Raise train.max_generation_rounds, set "
                     "train.filter_groups_fallback=true to fill the batch with dropped groups, or check the rewards"
                 )
-            for prompt, samples, rewards in dropped[: want - len(out.prompts)]:
-                out.prompts.append(prompt), out.samples.extend(samples), out.rewards.extend(rewards)
+            for group in dropped[: want - len(out.prompts)]:
+                out.add(*group)
                 out.groups_filled += 1
             break
         got = generate(out.rounds)
@@ -86,5 +95,5 @@ def collect_groups(generate: Callable[[int], GroupRound], want: int, group_size:
             if not ok:
                 dropped.append(group)
             elif len(out.prompts) < want:
-                out.prompts.append(group[0]), out.samples.extend(group[1]), out.rewards.extend(group[2])
+                out.add(*group)
     return out

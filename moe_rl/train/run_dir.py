@@ -41,6 +41,7 @@ from pathlib import Path
 
 import yaml
 
+from moe_rl.learner.dist import decided_by_rank0
 from moe_rl.train.run_identity import CKPT_IDENTITY_FILE, RUN_ID_FILE, read_checkpoint_identity, read_run_id
 
 logger = logging.getLogger(__name__)
@@ -275,16 +276,6 @@ def discard_previous_run(run_dir: Path, ckpt_dir: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------ entry point
-def _broadcast_outcome(error: str | None) -> str | None:
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return error
-    box = [error]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 @dataclass
 class RunLocks:
     """The locks of one run (output dir, checkpoint dir), released together."""
@@ -317,7 +308,7 @@ def guard_run_dir(cfg, run_dir: str | Path, ckpt_dir: str | Path, rank: int = 0)
             error = str(exc)
             lock.release()
             lock = None
-    error = _broadcast_outcome(error)
+    error = decided_by_rank0(lambda: error)  # every rank raises rank 0's outcome
     if error is not None:
         raise RunDirError(error)
     return lock

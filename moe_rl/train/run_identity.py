@@ -70,16 +70,9 @@ def write_checkpoint_identity(ckpt_dir: str | Path, run_id: str, output_dir: str
 
 def resolve_run_id(run_dir: str | Path, resumed: bool) -> str:
     """This run's id on every rank: rank 0 reads it (resume) or draws a new one, then broadcasts it."""
-    import torch.distributed as dist
+    from moe_rl.learner.dist import decided_by_rank0
 
-    run_id = None
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        run_id = (read_run_id(run_dir) if resumed else None) or new_run_id()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [run_id]
-        dist.broadcast_object_list(box, src=0)
-        run_id = box[0]
-    return run_id
+    return decided_by_rank0(lambda: (read_run_id(run_dir) if resumed else None) or new_run_id())
 
 
 def version_nonce(run_id: str) -> str:
