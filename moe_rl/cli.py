@@ -11,6 +11,7 @@ import sys
 
 from moe_rl.config import ConfigError, dump_config, load_config
 from moe_rl.records import RecordError, RolloutBatch
+from moe_rl.records.summary import batch_summary
 
 
 def _overrides(args) -> list[str]:
@@ -78,7 +79,7 @@ def _records_inspect(args) -> int:
             print(f"error: {exc}", file=sys.stderr)
             failed += 1
             continue
-        print(json.dumps({"file": path, **batch.summary()}, indent=2))
+        print(json.dumps({"file": path, **batch_summary(batch)}, indent=2))
         if batch.fingerprint is None:
             print(f"note: {path}: no architecture fingerprint or producing run (records from before format 2)",
                   file=sys.stderr)  # fmt: skip

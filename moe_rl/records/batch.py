@@ -23,6 +23,7 @@ from safetensors.numpy import load as load_bytes
 from safetensors.numpy import save_file
 
 from moe_rl.records.routes import RecordError, check_distinct_experts, compact_routes, route_dtype
+from moe_rl.records.versions import check_token_versions, stack_token_versions
 
 FORMAT_VERSION = 2  # 2: optional provenance arrays (dataset rows, token versions, fingerprint)
 READABLE_VERSIONS = (1, 2)  # format 1 files load: every format-2 addition is optional
@@ -47,6 +48,7 @@ class RolloutSample:
     finish_reason: str = ""
     data_file: str = ""  # the dataset file of the prompt ("" for the built-in tasks)
     data_row: int = -1  # its row in that file
+    token_versions: np.ndarray | None = None  # int32 [R]: the weight version that generated each token
 
 
 def _offsets(lengths: np.ndarray) -> np.ndarray:
@@ -80,6 +82,7 @@ class RolloutBatch:
     sha256: str | None = field(default=None, compare=False)  # of the file bytes this batch was loaded from
     data_files: list[str] | None = None  # per sample: the prompt's dataset file (stored as ids into a name table)
     data_rows: np.ndarray | None = None  # int64 [N]: its row in that file
+    token_versions: np.ndarray | None = None  # int32 [sum R]: weight version per response token (version_arrays.py)
 
     def __len__(self) -> int:
         return len(self.prompt_lens)
@@ -126,6 +129,7 @@ class RolloutBatch:
             else np.concatenate([np.asarray(s.sampling_logp, np.float32) for s in samples]),
             data_files=[s.data_file for s in samples] if any(s.data_file for s in samples) else None,
             data_rows=np.array([s.data_row for s in samples], np.int64) if any(s.data_file for s in samples) else None,
+            token_versions=stack_token_versions(samples),
         )
 
     def sample(self, i: int) -> RolloutSample:
@@ -148,6 +152,7 @@ class RolloutBatch:
             finish_reason=self.finish_reasons[i],
             data_file=self.data_files[i] if self.data_files is not None else "",
             data_row=int(self.data_rows[i]) if self.data_rows is not None else -1,
+            token_versions=None if self.token_versions is None else self.token_versions[r[i] : r[i + 1]],
         )
 
     def samples(self) -> list[RolloutSample]:
@@ -208,6 +213,7 @@ class RolloutBatch:
             raise RecordError(f"data_files/data_rows must have one entry per sample ({n})")
         if not np.isfinite(self.rewards).all():
             raise RecordError("rewards must be finite")
+        check_token_versions(self)
         if self.routes is not None:
             self._validate_routes()
         if (self.mask_ids is None) != (self.mask_offsets is None):
@@ -274,7 +280,7 @@ class RolloutBatch:
             "response_ids": self.response_ids, "response_lens": self.response_lens,
             "rollout_logp": self.rollout_logp, "rewards": self.rewards, "group_ids": self.group_ids,
         }  # fmt: skip
-        for name in ("routes", "mask_ids", "mask_offsets", "sampling_logp"):
+        for name in ("routes", "mask_ids", "mask_offsets", "sampling_logp", "token_versions"):
             if getattr(self, name) is not None:
                 tensors[name] = getattr(self, name)
         meta = {
@@ -372,34 +378,8 @@ class RolloutBatch:
             run_id=run_id,
             data_files=data_files,
             data_rows=arrays.get("data_rows"),
+            token_versions=arrays.get("token_versions"),
         )
         if batch.routes is not None and batch.routes.dtype != route_dtype(batch.num_experts or 1):
             raise RecordError(f"routes dtype {batch.routes.dtype} does not match num_experts={batch.num_experts}")
         return batch
-
-    def summary(self) -> dict:
-        """Numbers for ``moe-rl records inspect``."""
-        out = {
-            "samples": len(self),
-            "prompt_tokens": int(self.prompt_lens.sum()),
-            "response_tokens": int(self.response_lens.sum()),
-            "mean_reward": float(self.rewards.mean()) if len(self) else 0.0,
-            "weight_versions": sorted(set(self.weight_versions)),
-            "run_id": self.run_id,  # the producing run; None in records from before fingerprints
-            "fingerprint": self.fingerprint,
-        }
-        if self.fingerprint is not None:
-            from moe_rl.records.fingerprint import fingerprint_id
-
-            out["fingerprint_id"] = fingerprint_id(self.fingerprint)
-        if self.routes is not None:
-            out.update(
-                route_rows=int(self.routes.shape[0]), moe_layers=int(self.routes.shape[1]), top_k=int(self.routes.shape[2]),
-                num_experts=self.num_experts, route_dtype=str(self.routes.dtype),
-                bytes_per_route_entry=self.routes.dtype.itemsize, route_bytes=int(self.routes.nbytes),
-                route_bytes_int32_wire=int(self.routes.size * 4),
-            )  # fmt: skip
-        if self.mask_offsets is not None:
-            sizes = np.diff(self.mask_offsets)
-            out.update(mask_size_mean=float(sizes.mean()), mask_size_min=int(sizes.min()), mask_size_max=int(sizes.max()))
-        return out
