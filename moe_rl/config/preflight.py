@@ -184,9 +184,16 @@ def weight_sync_architecture(cfg: ExperimentConfig) -> Iterable[str]:
         yield f"{reason}: the HF <-> Megatron bridge (weight sync to SGLang) cannot express it"
 
 
+def rollout_mode(cfg: ExperimentConfig) -> Iterable[str]:
+    """Asynchronous rollouts need a producer: servers to generate from (docs/training.md, 'sync -> async')."""
+    if cfg.train.rollout_mode == "async" and cfg.train.rollouts_from:
+        yield ("train.rollout_mode=async overlaps generation with training; train.rollouts_from trains on saved "
+               "records without servers (set train.rollout_mode=sync)")  # fmt: skip
+
+
 CONFIG_RULES: tuple[ConfigRule, ...] = (
     finite_numbers, hf_model_directory, sampling_settings, task_and_lengths, reward_fn_imports, learner_features,
-    weight_sync_architecture, ignored_loss_keys, data_files, reward_settings, eval_and_filters,
+    weight_sync_architecture, ignored_loss_keys, data_files, reward_settings, eval_and_filters, rollout_mode,
 )  # fmt: skip
 
 

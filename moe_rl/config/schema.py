@@ -198,6 +198,10 @@ class RolloutConfig(Section):
         True, description="SGLang's --sleep-on-idle: an idle scheduler waits on its sockets instead of spinning a "
         "core (it took 65-95% of a core from a co-located learner on 2 cores)"
     )
+    server_cpus: list[int] = Field(
+        default_factory=list, description="CPU cores the servers this run launches are pinned to "
+        "(sched_setaffinity; e.g. the rollout cores of a node shared with the learner); [] = not pinned"
+    )
     max_retries: int = Field(3, ge=0)
     mem_fraction_static: float = Field(0.05, gt=0, le=1)
     max_total_tokens: int = Field(4096, ge=16)
@@ -261,6 +265,14 @@ class TrainConfig(Section):
         "(counted) instead of failing"
     )
     mask_truncated: bool = Field(False, description="drop responses that hit rollout.max_new_tokens from the loss")
+    rollout_mode: Literal["sync", "async"] = Field(
+        "sync", description="sync: generate, then train, then sync; async: a producer on rank 0 generates the next "
+        "steps' batches while the learner trains (docs/training.md, 'sync -> async')"
+    )
+    max_staleness: int = Field(
+        1, ge=0, description="async: a batch for RL step s is generated only by weights of version >= s - k, and "
+        "no sample older than that is trained on (0 = sync, step for step)"
+    )
 
 
 class LoggingConfig(Section):

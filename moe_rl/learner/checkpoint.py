@@ -118,6 +118,9 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+CARRIED_FILES = "files"  # a step dir's copies of save_checkpoint(files=...)
+
+
 def _step_dir(ckpt_dir: Path, step: int) -> Path:
     return ckpt_dir / f"step_{step:08d}"
 
@@ -160,12 +163,15 @@ def layout() -> dict[str, int]:
 
 
 def save_checkpoint(
-    learner, ckpt_dir: str | Path, keep_last: int = 2, extra: dict | None = None, step: int | None = None
+    learner, ckpt_dir: str | Path, keep_last: int = 2, extra: dict | None = None, step: int | None = None,
+    files: dict[str, Path] | None = None,
 ) -> Path:
     """Save ``learner`` (collective: every rank calls it) as ``step_<step>``; returns the step directory.
 
     ``step`` names the directory (default: the learner's optimizer step); ``extra`` (JSON-serialisable,
-    e.g. the trainer's data cursor) goes in ``meta.json``. Older checkpoints beyond ``keep_last`` are
+    e.g. the trainer's data cursor) goes in ``meta.json``; ``files`` (rank 0's ``{name: source}``, e.g. the
+    async producer's finished-but-untrained records) are copied into ``<step dir>/files/`` inside the same
+    atomic rename, so they exist exactly when the checkpoint does. Older checkpoints beyond ``keep_last`` are
     deleted after the new one is visible. Raises CheckpointError naming the path on ENOSPC / EACCES.
     """
     if keep_last < 1:
@@ -201,6 +207,9 @@ def save_checkpoint(
         meta = {"format_version": FORMAT_VERSION, "step": step, "optimizer_step": learner.step, "world_size": world,
                 "parallel": layout(), "extra": extra or {}}  # fmt: skip
         try:
+            for name, source in (files or {}).items():
+                (tmp / CARRIED_FILES).mkdir(exist_ok=True)
+                shutil.copyfile(source, tmp / CARRIED_FILES / name)
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
             if final.exists():
                 shutil.rmtree(final)
@@ -324,4 +333,5 @@ def _apply(learner, d: Path, meta: dict, shard: dict, problems: list[str]) -> di
                            "from rank 0's", d, meta["parallel"], meta["world_size"], layout(), _rank_world()[1])  # fmt: skip
     learner.step = int(shard["optimizer_step"])
     meta["fallback_from"] = problems
+    meta["files_dir"] = str(d / CARRIED_FILES)  # what save_checkpoint(files=...) carried
     return meta

@@ -58,6 +58,7 @@ class ServerSpec:
     startup_timeout_s: float = 180.0
     sleep_on_idle: bool = True  # --sleep-on-idle: no busy-wait between rollouts (the learner shares the cores)
     cpu_threads: int | None = None  # CPU engine: torch intra-op threads (None = all cores)
+    cpu_affinity: tuple[int, ...] = ()  # rollout.server_cpus: cores the server's processes run on (() = any)
     extra_args: tuple[str, ...] = ()
     api_key_env: str | None = None  # names of the variables holding the keys (never the keys)
     admin_api_key_env: str | None = None
@@ -78,6 +79,7 @@ class ServerSpec:
             max_total_tokens=rollout.max_total_tokens,
             startup_timeout_s=rollout.startup_timeout_s,
             sleep_on_idle=rollout.sleep_on_idle,
+            cpu_affinity=tuple(rollout.server_cpus),
             extra_args=tuple(rollout.extra_server_args),
             api_key_env=rollout.api_key_env,
             admin_api_key_env=rollout.admin_api_key_env,
@@ -147,6 +149,14 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
 
 
+def _pin(pid: int, cpus: Sequence[int]) -> None:
+    try:
+        os.sched_setaffinity(pid, set(cpus))
+    except OSError as exc:
+        raise ServerStartError(f"rollout.server_cpus={list(cpus)}: cannot pin the server to these cores ({exc}); "
+                               f"this machine allows {sorted(os.sched_getaffinity(0))}") from None  # fmt: skip
+
+
 def _log_tail(path: Path, lines: int = 40) -> str:
     with contextlib.suppress(OSError):
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -190,6 +200,8 @@ class SGLangServer:
                 preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread() else None,
             )
         try:
+            if self.spec.cpu_affinity:  # before the interpreter starts its threads and the scheduler process
+                _pin(self.process.pid, self.spec.cpu_affinity)
             self.wait_healthy(self.spec.startup_timeout_s)
         except BaseException:
             self.stop()

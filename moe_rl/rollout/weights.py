@@ -349,14 +349,16 @@ class WeightSync:
                 f"({'; '.join(bad.values())}); run a full sync first"
             )
 
-    def sync(self, model_module, addresses: Sequence[str], version: str) -> float:
-        """Export the learner (collective) and push it to every server; seconds taken (rank 0)."""
+    def sync(self, model_module, addresses: Sequence[str], version: str, around_push=contextlib.nullcontext) -> float:
+        """Export the learner (collective) and push it to every server inside ``around_push()`` (the async
+        producer's exclusive section); seconds taken (rank 0)."""
         from moe_rl.learner.hf_convert import export_hf_state_dict
 
         t0 = time.perf_counter()
         hf_state = export_hf_state_dict(model_module, self.model_cfg)
         if hf_state is not None:
-            self.push(hf_state, addresses, version)
+            with around_push():
+                self.push(hf_state, addresses, version)
         return time.perf_counter() - t0
 
     def push(self, hf_state: Mapping[str, torch.Tensor], addresses: Sequence[str], version: str) -> None:

@@ -1,4 +1,4 @@
-"""The synchronous RL loop: rollout -> rewards -> advantages -> plan -> old log-probs -> updates -> sync.
+"""The RL loop: rollout -> rewards -> advantages -> plan -> old log-probs -> updates -> sync.
 
 Owns the order of one RL step and its persistence (records before training, checkpoints,
 metrics, exported weights). It holds no algorithm branches (``moe_rl.algo``), no routing
@@ -7,15 +7,17 @@ which rank, minibatch and microbatch is the step's ``StepPlan`` (``moe_rl.train.
 ``moe_rl.train.update`` executes. Per step ``s`` (all seeded by ``(train.seed, s)``, so a resumed
 run repeats an uninterrupted one):
 
-1. rank 0 takes the step's prompts from the prompt stream (``moe_rl.data``: the built-in task, or
-   dataset rows at the position the last checkpoint saved), generates on SGLang (routes, masks,
-   log-probs), scores rewards (``moe_rl.reward``) and saves ``<run>/rollouts/step_<s>.safetensors``
-   before anything trains on it; every rank loads it (``StepRecords``: the bytes rank 0 wrote,
+1. rank 0 gets the step's records from its batch source (``moe_rl.train.producer``: made inline in
+   sync mode, by a producer thread running up to ``train.max_staleness`` steps ahead in async mode;
+   ``moe_rl.train.batch_maker``: prompts from the prompt stream, generation on SGLang with routes,
+   masks and log-probs, rewards, ``<run>/rollouts/step_<s>.safetensors`` saved before anything trains
+   on it); every rank loads it (``StepRecords``: the bytes rank 0 wrote,
    checked against the model). With ``train.rollouts_from: DIR`` the records are read from ``DIR``
    instead (no server);
 2. GRPO/RLOO advantages; the step plan; in decoupled mode the old-log-prob pass;
 3. ``minibatches_per_step`` optimizer steps (times ``epochs_per_step``) under the replay driver;
-4. export HF weights, ``/update_weights_from_disk`` to every server, checkpoint every K steps.
+4. export HF weights, push them to every server (in async mode once the batch in flight is done),
+   checkpoint every K steps (with the producer's finished-but-untrained records).
 """
 
 from __future__ import annotations
@@ -36,10 +38,12 @@ from moe_rl.train.collectives import barrier, dp_group, dp_rank_and_size, is_mai
 from moe_rl.train.logprob import make_logprob_fn
 from moe_rl.train.metrics_log import MetricsLogger
 from moe_rl.train.plan import plan_step
+from moe_rl.train.batch_maker import records_path
 from moe_rl.train.run_identity import resolve_run_id, version_nonce, write_checkpoint_identity, write_run_id
+from moe_rl.train.staleness import StepStaleness
 from moe_rl.train.step_records import StepRecords
 from moe_rl.train.step_samples import StepSamples
-from moe_rl.train.update import StepInputs, old_logprob_rows, reference_rows, update_minibatch
+from moe_rl.train.update import StepInputs, old_logprob_rows, reference_rows, step_advantages, update_minibatch
 
 __all__ = ["RLTrainer", "train", "check_supported", "ROLLOUTS_DIR"]
 
@@ -52,10 +56,6 @@ def check_supported(cfg: ExperimentConfig) -> None:
     from moe_rl.config.preflight import config_problems
 
     config_problems(cfg).raise_if_any(f"config {cfg.name!r}")
-
-
-def records_path(directory: Path, step: int) -> Path:
-    return Path(directory) / f"step_{step:06d}.safetensors"
 
 
 class RLTrainer:
@@ -79,6 +79,8 @@ class RLTrainer:
         self.run_lock = guard_run_dir(cfg, self.run_dir, self.ckpt_dir, torch.distributed.get_rank())
         self.learner = Learner(cfg)  # imports checkpoint.init_from_hf when set
         meta = load_checkpoint(self.learner, self.ckpt_dir) if cfg.checkpoint.resume == "auto" else None
+        self.resume_meta = meta or {}  # the async producer's pending records come from it
+        self.source = None  # rank 0's batch source (moe_rl.train.producer), set by run()
         self.start_step = int(meta["extra"]["rl_step"]) if meta else 0
         self.run_id = resolve_run_id(self.run_dir, resumed=meta is not None)  # same id on every rank
         self.version_nonce = version_nonce(self.run_id)  # weight-version labels step-<s>-<nonce>
@@ -186,7 +188,12 @@ class RLTrainer:
         if self.weight_sync is None:
             self.weight_sync = WeightSync.from_config(self.cfg, addresses, export_dir=self.run_dir / "hf" / "current",
                                                       keys=self.server_keys)  # fmt: skip
-        return self.weight_sync.sync(self.learner.module, addresses if self.is_main else [], self.version(step))
+        around = self.source.exclusive if self.source is not None else contextlib.nullcontext
+        seconds = self.weight_sync.sync(self.learner.module, addresses if self.is_main else [], self.version(step),
+                                        around_push=around)  # fmt: skip
+        if self.source is not None:
+            self.source.weights_pushed(step)
+        return seconds
 
     def resync(self, addresses: list[str], step: int) -> None:
         """Push the served weights again as ``version(step)`` (rank 0, after a restart or a version mismatch)."""
@@ -200,9 +207,7 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ one step
     def rollout(self, client, step: int) -> RolloutBatch:
-        """This step's batch: generated, scored and persisted by rank 0 (or read from saved records)."""
-        from moe_rl.rollout.integrity import generate_checked
-
+        """This step's batch: made on rank 0 by the batch source (or read from saved records), loaded everywhere."""
         path = records_path(self.records_dir, step)
         if self.from_records:
             if not path.is_file():
@@ -210,28 +215,19 @@ class RLTrainer:
                                         f"(expected {path})")  # fmt: skip
             return self.records.load(path)
         if self.is_main:
-            from moe_rl.train.step_samples import round_group_ids
+            from moe_rl.train.producer import InlineBatches
 
-            n = self.cfg.rollout.samples_per_prompt
-            if self.weight_sync is not None:
-                self.weight_sync.check_servable(client.addresses)  # never sample a half-updated server
-
-            def generate(prompts, round_):
-                ids, groups = [p.ids for p in prompts], round_group_ids(round_, len(prompts))
-                return generate_checked(  # the synced weight version only; a dead server we launched restarts
-                    lambda: client.generate(ids, n, step=step, group_ids=groups), self.version(step),
-                    resync=lambda: self.resync(client.addresses, step),
-                    restart=self.server_pool.restart if self.server_pool else None,
-                )  # fmt: skip
-
-            samples, sample_metrics = self.samples.make(step, generate)
-            batch = self.records.stamp(RolloutBatch.from_samples(samples, num_experts=self.cfg.model.num_moe_experts))
-            if sample_metrics:
-                batch.extra["reward_metrics"] = sample_metrics  # travels with the records to every rank
-            batch.validate(self.cfg.model)
-            batch.save(path)  # persisted before it is trained on
+            source = self.source or InlineBatches(self._batch_maker(client), step, step + 1)
+            path = source.batch(step)
         barrier()
         return self.records.load(path)  # every rank: the bytes rank 0 wrote, checked against the model
+
+    def _batch_maker(self, client):
+        from moe_rl.train.batch_maker import BatchMaker
+
+        return BatchMaker(self.cfg, self.samples, self.records, self.records_dir, client, self.version,
+                          resync=lambda v: self.resync(client.addresses, v), weight_sync=lambda: self.weight_sync,
+                          restart=self.server_pool.restart if self.server_pool else None)  # fmt: skip
 
     def step(self, client, step: int) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
@@ -245,8 +241,12 @@ class RLTrainer:
             raise RecordError(f"{self.records_dir}: step {step} has {len(batch)} samples; the config asks for "
                               f"{plan.num_samples} (train.prompts_per_step x rollout.samples_per_prompt)")  # fmt: skip
         truncated = torch.tensor([f == "length" for f in batch.finish_reasons], dtype=torch.bool)
-        inputs = StepInputs(batch, torch.zeros(len(batch), device="cpu"), int(batch.response_lens.max()), self.device, step,
-                            cfg.train.seed, trainable=~truncated if cfg.train.mask_truncated else None)  # fmt: skip
+        width = int(batch.response_lens.max())
+        stale = StepStaleness(batch, step, width, cfg.train.max_staleness if cfg.train.rollout_mode == "async" else None)
+        inputs = StepInputs(batch, torch.zeros(len(batch), device="cpu"), width, self.device, step, cfg.train.seed,
+                            trainable=~truncated if cfg.train.mask_truncated else None,
+                            token_keep=stale.token_keep(cfg.correction.max_token_staleness),
+                            staleness=stale.rows if stale.known else None)  # fmt: skip
         self.driver.begin_step()
         t1 = time.perf_counter()
         old = ref = None
@@ -255,7 +255,7 @@ class RLTrainer:
         if self.reference is not None:
             ref = reference_rows(cfg, self.reference, self.driver, self.logprob_fn, plan, inputs)
         t_old = time.perf_counter() - t1
-        inputs.advantages = self.advantages(batch, rewards, old, inputs.width)
+        inputs.advantages = step_advantages(cfg, batch, rewards, old, inputs.width)
         t2 = time.perf_counter()
         results = [update_minibatch(cfg, self.learner, self.driver, self.logprob_fn, mb, inputs, old, ref, epoch)
                    for epoch, mb in plan.updates()]  # fmt: skip
@@ -271,7 +271,7 @@ class RLTrainer:
             "response/truncated_frac": float(truncated.double().mean()),
             "response/masked_truncated": float(truncated.sum()) if cfg.train.mask_truncated else 0.0,
             "ksm/outside_mask_frac": kept_set_outside_fraction(batch) if ksm_active(cfg) else 0.0,
-            **self.records.step_metrics(batch),
+            **self.records.step_metrics(batch), **stale.metrics(),
             "time/rollout_s": t_rollout, "time/old_logp_s": t_old, "time/train_s": t_train,
             "rollout/tokens_per_s": float(batch.response_lens.sum()) / max(t_rollout, 1e-9),
         }  # fmt: skip
@@ -284,22 +284,6 @@ class RLTrainer:
         if self.reference is not None and not self._reference_saved:
             save_reference(self.reference, self.ckpt_dir, self.run_id)
             self._reference_saved = True
-
-    def advantages(self, batch: RolloutBatch, rewards: torch.Tensor, old: torch.Tensor | None, width: int):
-        """Per-sample advantages ``[N]``; VCPO's baseline reads π_old (or μ in bypass mode)."""
-        from moe_rl.algo import compute_advantages
-        from moe_rl.algo.advantages import logit_grad_sq_norm
-        from moe_rl.train.batching import response_row_mask, response_rows
-
-        cfg, ids = self.cfg, list(range(len(batch)))
-        extra = {"lengths": torch.as_tensor(batch.response_lens.astype("int64"), device="cpu")}
-        if cfg.advantage.estimator == "vcpo_opob":
-            mask = response_row_mask(batch, ids, width)
-            mu = response_rows(batch, ids, width, kept_logp=ksm_active(cfg))
-            src = mu if old is None else old.cpu()
-            extra["is_weights"] = torch.exp(((src - mu) * mask).sum(1).clamp(-20, 20)).double()
-            extra["grad_sq_norms"] = logit_grad_sq_norm(src, mask).double()
-        return compute_advantages(cfg.advantage, rewards, cfg.rollout.samples_per_prompt, **extra).float()
 
     # ------------------------------------------------------------------ loop
     def _servers(self):
@@ -339,8 +323,11 @@ class RLTrainer:
                     # the API key (a generated one by default); dataset prompts stop at the tokenizer's EOS
                     client = RolloutClient.from_config(cfg, addresses, headers=self.server_keys.headers(),
                                                        **self._stop_tokens())  # fmt: skip
+                    self.source = self._batch_source(client)  # sync: inline; async: the producer thread
                 if self.start_step == 0 and self._eval_due(0):  # before the first step: a line of its own
                     logger.log(0, self.evaluator.run(client, 0, self.version(0)), progress=False)
+                if self.source is not None:
+                    self.source.start()
                 for step in range(self.start_step, cfg.train.steps):
                     t0 = time.perf_counter()
                     metrics = self.step(client, step)
@@ -348,19 +335,25 @@ class RLTrainer:
                     metrics["time/step_s"] = time.perf_counter() - t0
                     if self._eval_due(step + 1):  # at the weights just synced; never writes training records
                         t1 = time.perf_counter()
-                        metrics |= self.evaluator.run(client, step + 1, self.version(step + 1))
+                        with self.source.exclusive():  # async: the producer waits; eval sees version step + 1
+                            metrics |= self.evaluator.run(client, step + 1, self.version(step + 1))
                         metrics["time/eval_s"] = time.perf_counter() - t1
+                    if self.source is not None:
+                        metrics |= self.source.take_times()  # time/learner_wait_s, time/rollout_idle_s
                     # log before checkpointing: a kill in between resumes from the older checkpoint,
                     # which cuts this line again, so no step's metrics can go missing
                     logger.log(step + 1, metrics)
                     if cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0 \
                             or step + 1 == cfg.train.steps:  # fmt: skip
                         self._save_reference()  # first: no checkpoint exists without its reference
-                        save_checkpoint(self.learner, self.ckpt_dir, cfg.checkpoint.keep_last,
-                                        extra=self._checkpoint_extra(step + 1), step=step + 1)  # dirs named by RL step
+                        extra, files = self._checkpoint_contents(step + 1)
+                        save_checkpoint(self.learner, self.ckpt_dir, cfg.checkpoint.keep_last, extra=extra,
+                                        step=step + 1, files=files)  # dirs named by RL step
                 if self.weight_sync is not None and self.weight_sync.mode == "tensor":
                     self.export_weights()  # <run>/hf/current holds the final weights whatever the sync path
         finally:
+            if self.source is not None:
+                self.source.close()
             logger.close()
             self.close()
         return self.run_dir
@@ -369,10 +362,23 @@ class RLTrainer:
         """Rank 0 evaluates after ``step`` RL steps (``eval`` section; generation needs the servers)."""
         return self.evaluator is not None and self.evaluator.due(step)
 
-    def _checkpoint_extra(self, rl_step: int) -> dict:
-        """What a checkpoint carries besides weights: the RL step and the dataset position (rank 0's)."""
+    def _checkpoint_contents(self, rl_step: int) -> tuple[dict, dict]:
+        """``(extra, files)`` a checkpoint carries besides weights (rank 0's): the RL step, the dataset position
+        and, from the batch source, finished-but-untrained records (async mode: the position before them)."""
         state = self.prompts.state() if self.prompts is not None else None
-        return {"rl_step": rl_step} | ({"data": state} if state is not None else {})
+        extra = {"rl_step": rl_step} | ({"data": state} if state is not None else {})
+        if self.source is None:
+            return extra, {}
+        more, files = self.source.checkpoint_state(rl_step)
+        return extra | more, files
+
+    def _batch_source(self, client):
+        """Rank 0's batch source for ``train.rollout_mode`` with a resumed checkpoint's pending records."""
+        from moe_rl.train.producer import batch_source, pending_records
+
+        pending = pending_records(self.resume_meta, self.records_dir)
+        return batch_source(self.cfg, self._batch_maker(client), self.start_step, self.start_step,
+                            stream_state=self.prompts.state, pending=pending)  # fmt: skip
 
     def close(self) -> None:
         """Release the routers (nothing stays bound after a run), the reward workers and the run directory's lock.

@@ -31,8 +31,9 @@ from moe_rl.records import RolloutBatch
 from moe_rl.train.batching import Microbatch, build_microbatch, response_row_mask, response_rows
 from moe_rl.train.collectives import all_gather_rows, dp_group
 from moe_rl.train.plan import MinibatchPlan, StepPlan
+from moe_rl.train.staleness import staleness_kl_metrics
 
-__all__ = ["StepInputs", "MinibatchResult", "old_logprob_rows", "reference_rows", "update_minibatch"]
+__all__ = ["StepInputs", "MinibatchResult", "old_logprob_rows", "reference_rows", "update_minibatch", "step_advantages"]
 
 
 @dataclass
@@ -46,6 +47,8 @@ class StepInputs:
     step: int = 0
     seed: int = 0
     trainable: torch.Tensor | None = None  # [N] bool: samples that enter the loss (train.mask_truncated); None = all
+    token_keep: torch.Tensor | None = None  # [N, R] bool: tokens that may enter the loss (staleness rules); None = all
+    staleness: torch.Tensor | None = None  # [N, R] int64: step - token version (per-staleness KL metrics)
 
 
 @dataclass
@@ -146,8 +149,10 @@ def update_minibatch(cfg, learner, driver, logprob_fn, mb_plan: MinibatchPlan, i
     ids = list(mb_plan.sample_ids)
     ksm = ksm_active(cfg)
     mask = response_row_mask(inputs.batch, ids, width).to(dev)
-    # train.mask_truncated: those samples' tokens never enter the loss (nor its denominator)
+    # train.mask_truncated, stale samples / tokens: never in the loss (nor its denominator)
     loss_mask = None if inputs.trainable is None else mask & inputs.trainable[ids][:, None].to(dev)
+    if inputs.token_keep is not None:
+        loss_mask = (mask if loss_mask is None else loss_mask) & inputs.token_keep[ids].to(dev)
     mu = response_rows(inputs.batch, ids, width, kept_logp=ksm).to(dev)
     adv = inputs.advantages[ids].to(dev)
     old = None if old_rows is None else old_rows[ids].to(dev)
@@ -208,4 +213,22 @@ def update_minibatch(cfg, learner, driver, logprob_fn, mb_plan: MinibatchPlan, i
                              prep.denominator, entropy=ent_rows, ref_logp=ref, cov_selected=prep.cov_selected,
                              generator=_generator(inputs, mb_plan, epoch))  # fmt: skip
     metrics = {k: float(v) for k, v in (prep.metrics | vcpo | metrics).items()}
+    if inputs.staleness is not None and source is not mu:  # bypass without a pre-pass has no π to compare
+        metrics |= staleness_kl_metrics(source, mu, mask, inputs.staleness[ids].to(dev))
     return MinibatchResult(metrics["loss/total"], stats.grad_norm, stats.lr, metrics)
+
+
+def step_advantages(cfg, batch: RolloutBatch, rewards: torch.Tensor, old: torch.Tensor | None, width: int):
+    """Per-sample advantages ``[N]`` of a step; VCPO's baseline reads π_old (or μ in bypass mode)."""
+    from moe_rl.algo import compute_advantages
+    from moe_rl.algo.advantages import logit_grad_sq_norm
+
+    ids = list(range(len(batch)))
+    extra = {"lengths": torch.as_tensor(batch.response_lens.astype("int64"), device="cpu")}
+    if cfg.advantage.estimator == "vcpo_opob":
+        mask = response_row_mask(batch, ids, width)
+        mu = response_rows(batch, ids, width, kept_logp=ksm_active(cfg))
+        src = mu if old is None else old.cpu()
+        extra["is_weights"] = torch.exp(((src - mu) * mask).sum(1).clamp(-20, 20)).double()
+        extra["grad_sq_norms"] = logit_grad_sq_norm(src, mask).double()
+    return compute_advantages(cfg.advantage, rewards, cfg.rollout.samples_per_prompt, **extra).float()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from moe_rl.records import RolloutBatch
 from moe_rl.train.metrics_log import read_metrics
 from tests.conftest import one_gpu_per_rank
 
@@ -22,9 +23,11 @@ REPO = Path(__file__).parents[2]
 
 
 @one_gpu_per_rank(2)
-def test_two_rank_expert_parallel_run_starts_its_own_server_from_rank_0(tmp_path):
+def test_two_rank_expert_parallel_async_run_starts_its_own_server_from_rank_0(tmp_path):
+    """Also the asynchronous mode on two ranks: rank 0's producer runs one step ahead (max_staleness=1)."""
     env = {**os.environ, "NPROC": "2", "MOE_RL_PYTHON": sys.executable}
-    cmd = ["bash", str(REPO / "launch/local.sh"), str(REPO / "configs/tiny_cpu.yaml"), "parallel.ep=2", "train.steps=2",
+    cmd = ["bash", str(REPO / "launch/local.sh"), str(REPO / "configs/tiny_cpu.yaml"), "parallel.ep=2", "train.steps=3",
+           "train.rollout_mode=async", "train.max_staleness=1",
            "train.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=12",
            "train.micro_batch_size=2", "logging.tensorboard=false", "logging.progress=false",
            "rollout.startup_timeout_s=600",
@@ -32,7 +35,12 @@ def test_two_rank_expert_parallel_run_starts_its_own_server_from_rank_0(tmp_path
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"NPROC=2 launch/local.sh ... parallel.ep=2 failed:\n{proc.stderr[-4000:]}"
     metrics = read_metrics(tmp_path / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == [1, 2]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert [m["async/staleness_mean"] for m in metrics] == [0.0, 1.0, 1.0]
+    assert all(m["async/staleness_max"] <= 1 and m["async/dropped_stale"] == 0 for m in metrics)
+    for s in range(3):
+        versions = RolloutBatch.load(tmp_path / "rollouts" / f"step_{s:06d}.safetensors").token_versions
+        assert max(s - 1, 0) <= versions.min() and versions.max() <= s
     assert all(m["replay/rollout_vs_dispatched/response/flip_rate"] == 0.0 for m in metrics)
     assert all(m["train/grad_norm"] > 0 for m in metrics)
     assert (tmp_path / "logs" / "sglang_0.log").is_file(), "rank 0 should have started (and logged) its own server"

@@ -1,0 +1,91 @@
+"""Sync vs async rollouts on the demo's model and task, with the learner and the server on their own cores.
+
+The disaggregated layout in miniature: every ``moe-rl train`` run is pinned to ``--learner-cpus`` (the
+process and so its torch threads) and launches its SGLang server on ``--server-cpus``
+(``rollout.server_cpus``), in sync mode and in async mode alike, so the ratio measures the overlap of
+generation and training, not the pinning. Runs are interleaved (sync, async, sync, async, …) so drift in
+the machine's load hits both modes. Each run is ``--steps`` RL steps of ``configs/demo.yaml`` (its cached
+warm start; the first run builds the cache). Per run one JSON line:
+
+* ``rl_wall_s``: the sum of the steps' ``time/step_s`` (rollout or waiting for it, old log-probs,
+  updates, weight sync: the RL loop, without server start-up, warm start and checkpoints);
+* ``learner_idle_frac``: the learner's share of that time spent waiting for rollouts (sync:
+  ``time/rollout_s``; async: ``time/learner_wait_s``);
+* ``server_idle_frac``: the share the server generated nothing (sync: ``1 - rollout_s / step_s``; async:
+  the producer's ``time/rollout_idle_s``: waiting for admission or for a weight push);
+* ``reward_first`` / ``reward_last``: the mean reward of the first and last step.
+
+The last line is ``async_speedup=<sum of sync rl_wall_s / sum of async rl_wall_s>`` over the repeats.
+
+  .venv/bin/python bench/bench_async.py [--steps 12] [--repeats 2] [--learner-cpus 0] [--server-cpus 1] \
+      [--staleness 1] [a.b=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_once(mode: str, args, overrides: list[str]) -> dict:
+    learner = {int(c) for c in args.learner_cpus.split(",")}
+    with tempfile.TemporaryDirectory(prefix=f"bench_async_{mode}_") as tmp:
+        out = Path(tmp) / "run"
+        cmd = [sys.executable, "-m", "moe_rl.cli", "train", args.config, f"train.output_dir={out}",
+               f"train.steps={args.steps}", f"train.rollout_mode={mode}", f"train.max_staleness={args.staleness}",
+               f"rollout.server_cpus=[{args.server_cpus}]", "checkpoint.save_interval=0", "logging.progress=false",
+               "logging.tensorboard=false", *overrides]  # fmt: skip
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
+                              preexec_fn=lambda: os.sched_setaffinity(0, learner))  # fmt: skip
+        wall = time.perf_counter() - t0
+        if proc.returncode:
+            sys.exit(f"moe-rl train ({mode}) failed:\n{proc.stderr[-3000:]}")
+        steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    total = sum(m["time/step_s"] for m in steps)
+    if mode == "sync":
+        learner_idle = sum(m["time/rollout_s"] for m in steps) / total
+        server_idle = 1 - learner_idle
+    else:
+        learner_idle = sum(m["time/learner_wait_s"] for m in steps) / total
+        server_idle = sum(m["time/rollout_idle_s"] for m in steps) / total
+    return {
+        "mode": mode, "steps": len(steps), "rl_wall_s": round(total, 2), "process_wall_s": round(wall, 1),
+        "learner_idle_frac": round(learner_idle, 3), "server_idle_frac": round(server_idle, 3),
+        "staleness_mean": round(sum(m.get("async/staleness_mean", 0.0) for m in steps) / len(steps), 3),
+        "reward_first": round(steps[0]["reward/mean"], 4), "reward_last": round(steps[-1]["reward/mean"], 4),
+        "load_after": [round(x, 2) for x in os.getloadavg()],
+    }  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/demo.yaml")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--staleness", type=int, default=1, help="train.max_staleness of the async runs")
+    parser.add_argument("--learner-cpus", default="0", help="comma-separated cores of the trainer process")
+    parser.add_argument("--server-cpus", default="1", help="comma-separated cores of the SGLang server")
+    args, overrides = parser.parse_known_args()
+    print(json.dumps({"cpus": sorted(os.sched_getaffinity(0)), "config": args.config, "steps": args.steps,
+                      "learner_cpus": args.learner_cpus, "server_cpus": args.server_cpus,
+                      "overrides": overrides}), flush=True)  # fmt: skip
+    walls = {"sync": 0.0, "async": 0.0}
+    for _ in range(args.repeats):
+        for mode in ("sync", "async"):
+            result = run_once(mode, args, overrides)
+            walls[mode] += result["rl_wall_s"]
+            print(json.dumps(result), flush=True)
+    print(f"async_speedup={walls['sync'] / walls['async']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""Where rank 0's records for an RL step come from: made inline (sync) or by a producer thread (async).
+
+Owns ``train.rollout_mode`` and ``train.max_staleness`` (docs/training.md, "sync -> async"). Both
+sources call the same ``make(step, served_version) -> Path`` (the loop's: prompts, generation, rewards,
+filters, ``rollouts/step_<s>.safetensors`` written before it is trained on); they differ only in *when*:
+
+* ``InlineBatches`` (sync): ``batch(s)`` makes step ``s``'s records there and then, on version ``s``.
+* ``AsyncProducer`` (async, k = ``max_staleness``): a thread makes steps ``start, start+1, …`` in order.
+  Admission: step ``t`` starts only once the served weights have version ``>= t - k`` (version ``v`` = the
+  weights at the start of RL step ``v``), so no token it generates is more than ``k`` versions older than
+  the weights that train it. ``exclusive()`` is what a weight push (``rollout.partial: false``) and an
+  eval take: it waits for the batch in flight to finish and holds the producer back until it is left,
+  so every sample of a batch comes from one version and an eval sees the version being trained. With
+  ``k = 0`` step ``t`` starts only after version ``t`` is pushed: the same batches as sync, bitwise.
+
+The producer never talks to other ranks (only rank 0 runs it; the learner's collectives stay on the main
+thread). Its failure is re-raised in the main thread at the next ``batch()``. ``checkpoint_state(c)``
+is what a checkpoint taken before step ``c`` must carry so a killed run loses no prompt and trains no
+step twice: the finished-but-untrained records of steps ``c, c+1, …`` (the files themselves) and the
+prompt-stream position before the first unfinished step (its prompts are taken again from there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["InlineBatches", "AsyncProducer", "batch_source", "pending_records"]
+
+MakeBatch = Callable[[int, int], Path]  # (step, served version) -> the records file written for step
+
+
+class InlineBatches:
+    """Sync mode: step ``s``'s records are made when the learner asks for them, on version ``s`` (a resumed
+    async checkpoint's finished batches are trained first, as they were)."""
+
+    mode = "sync"
+
+    def __init__(self, make: MakeBatch, start_step: int, end_step: int, pending: dict[int, Path] | None = None):
+        self.make, self.served, self.pending = make, start_step, dict(pending or {})
+
+    def start(self) -> None:
+        pass
+
+    def batch(self, step: int) -> Path:
+        return self.pending.pop(step) if step in self.pending else self.make(step, self.served)
+
+    def weights_pushed(self, version: int) -> None:
+        self.served = version
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        yield
+
+    def take_times(self) -> dict[str, float]:
+        return {}
+
+    def checkpoint_state(self, next_step: int) -> tuple[dict, dict[str, Path]]:
+        return {}, {}
+
+    def close(self) -> None:
+        pass
+
+
+class AsyncProducer:
+    """Async mode: a thread making steps ``start … end-1`` ahead of the learner (module docstring)."""
+
+    mode = "async"
+
+    def __init__(self, make: MakeBatch, start_step: int, end_step: int, max_staleness: int, served_version: int,
+                 stream_state: Callable[[], dict | None] = lambda: None,
+                 pending: dict[int, Path] | None = None):  # fmt: skip
+        self.make, self.k = make, int(max_staleness)
+        self.end = end_step
+        self.served = int(served_version)
+        self.stream_state = stream_state
+        self.ready: dict[int, Path] = dict(pending or {})  # finished, not yet handed to the learner
+        self.next = start_step
+        while self.next in self.ready:  # a resumed run's finished batches are not made again
+            self.next += 1
+        self.data_before: dict[int, dict | None] = {}  # step -> stream position before its prompts were taken
+        self._cond = threading.Condition()
+        self._making: int | None = None  # the step in flight
+        self._held = 0  # exclusive() sections waiting or running: the producer starts nothing meanwhile
+        self._stop = False
+        self._error: BaseException | None = None
+        self._idle_s = 0.0  # producer time spent not making a batch, since the last take_times()
+        self._wait_s = 0.0  # learner time spent waiting for a batch, since the last take_times()
+        self._thread = threading.Thread(target=self._run, name="moe_rl-rollout-producer", daemon=True)
+
+    # ------------------------------------------------------------------ producer thread
+    def start(self) -> None:
+        self._thread.start()
+
+    def _admitted(self, step: int) -> bool:
+        return self._stop or (self._held == 0 and step - self.served <= self.k)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                t0 = time.perf_counter()
+                with self._cond:
+                    step = self.next
+                    if step >= self.end:
+                        return
+                    self._cond.wait_for(lambda: self._admitted(step))
+                    self._idle_s += time.perf_counter() - t0
+                    if self._stop:
+                        return
+                    self.data_before[step] = self.stream_state()  # before make() takes the step's prompts
+                    self._making, served = step, self.served
+                path = self.make(step, served)
+                with self._cond:
+                    self.ready[step] = path
+                    self._making, self.next = None, step + 1
+                    self._cond.notify_all()
+        except BaseException as exc:  # handed to the learner's thread at its next batch()
+            with self._cond:
+                self._error, self._making = exc, None
+                self._cond.notify_all()
+
+    # ------------------------------------------------------------------ learner thread
+    def batch(self, step: int) -> Path:
+        """Step ``step``'s records, once made (waiting is ``time/learner_wait_s``)."""
+        t0 = time.perf_counter()
+        with self._cond:
+            self._cond.wait_for(lambda: step in self.ready or self._error is not None)
+            self._wait_s += time.perf_counter() - t0
+            if step not in self.ready:
+                raise RuntimeError(f"the rollout producer failed while making step {step}'s batch: "
+                                   f"{type(self._error).__name__}: {self._error}") from self._error  # fmt: skip
+            self.data_before.pop(step, None)
+            return self.ready.pop(step)
+
+    def weights_pushed(self, version: int) -> None:
+        """The servers now hold ``version``: steps up to ``version + k`` may start."""
+        with self._cond:
+            self.served = int(version)
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        """Wait for the batch in flight, keep the producer from starting another while inside."""
+        with self._cond:
+            self._held += 1
+            try:
+                self._cond.wait_for(lambda: self._making is None)
+            except BaseException:
+                self._held -= 1
+                raise
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._held -= 1
+                self._cond.notify_all()
+
+    def take_times(self) -> dict[str, float]:
+        """``time/learner_wait_s`` and ``time/rollout_idle_s`` since the last call (the producer's idle time
+        counts up to now when it is waiting: admission or an exclusive section)."""
+        with self._cond:
+            out = {"time/learner_wait_s": self._wait_s, "time/rollout_idle_s": self._idle_s}
+            self._wait_s = self._idle_s = 0.0
+        return out
+
+    def checkpoint_state(self, next_step: int) -> tuple[dict, dict[str, Path]]:
+        """``(state, files)`` for a checkpoint taken before ``next_step`` (module docstring)."""
+        with self._cond:
+            steps, first_unfinished = [], next_step
+            while first_unfinished in self.ready:
+                steps.append(first_unfinished)
+                first_unfinished += 1
+            if first_unfinished in self.data_before:  # in flight: its prompts are taken again from here
+                data = self.data_before[first_unfinished]
+            else:  # not started: the stream has not moved past the finished steps
+                data = self.stream_state()
+            files = {f"step_{t:06d}.safetensors": self.ready[t] for t in steps}
+        state = {"ready_steps": steps, "unfinished_from": first_unfinished, "served_version": self.served}
+        return {"async": state, **({"data": data} if data is not None else {})}, files
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)  # a batch in flight ends with its requests (daemon thread otherwise)
+
+
+def batch_source(cfg, make: MakeBatch, start_step: int, served_version: int,
+                 stream_state: Callable[[], dict | None] = lambda: None,
+                 pending: dict[int, Path] | None = None):  # fmt: skip
+    """The source ``train.rollout_mode`` asks for (rank 0 only)."""
+    t = cfg.train
+    if t.rollout_mode == "sync":
+        return InlineBatches(make, start_step, t.steps, pending)
+    return AsyncProducer(make, start_step, t.steps, t.max_staleness, served_version, stream_state, pending)
+
+
+def pending_records(resume_meta: dict, records_dir: Path) -> dict[int, Path]:
+    """``{step: path}`` of a resumed checkpoint's finished-but-untrained records, copied back to
+    ``<records_dir>/step_<s>.safetensors`` (where the batch trained at step ``s`` lives)."""
+    import os
+    import shutil
+
+    ready = resume_meta.get("extra", {}).get("async", {}).get("ready_steps", [])
+    out = {}
+    for step in ready:
+        name = f"step_{int(step):06d}.safetensors"
+        source = Path(resume_meta["files_dir"]) / name
+        if not source.is_file():
+            raise FileNotFoundError(f"{source}: the checkpoint lists step {step}'s finished records but does not "
+                                    "hold them (a damaged checkpoint); start over or restore the file")  # fmt: skip
+        target = Path(records_dir) / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{name}.resume.tmp")
+        shutil.copyfile(source, tmp)
+        os.replace(tmp, target)
+        out[int(step)] = target
+    return out

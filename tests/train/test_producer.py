@@ -1,0 +1,152 @@
+"""The async producer's rules, driven by real threads and a real list-backed prompt stream (no server):
+admission by staleness, k = 0 as sync, exclusive sections, failures surfaced, and a kill + resume that
+trains every step once and loses no prompt."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from moe_rl.train.producer import AsyncProducer, InlineBatches, pending_records
+
+
+class ListStream:
+    """Prompts 0, 1, 2, …; step ``s`` takes ``1 + s % 3`` of them (as dynamic sampling takes a varying number)."""
+
+    def __init__(self, index: int = 0):
+        self.index = index
+
+    def take(self, step: int) -> list[int]:
+        n = 1 + step % 3
+        out = list(range(self.index, self.index + n))
+        self.index += n
+        return out
+
+    def state(self) -> dict:
+        return {"index": self.index}
+
+
+class Maker:
+    """``make(step, served)``: takes the step's prompts and writes them to ``dir/step_<s>`` (the records)."""
+
+    def __init__(self, directory: Path, stream: ListStream, gate: threading.Event | None = None, gated_step: int = 0):
+        self.dir, self.stream, self.gate, self.gated_step = directory, stream, gate, gated_step
+        self.calls: list[tuple[int, int]] = []
+
+    def __call__(self, step: int, served: int) -> Path:
+        self.calls.append((step, served))
+        prompts = self.stream.take(step)
+        if self.gate is not None and step == self.gated_step:  # in flight until the test opens the gate
+            assert self.gate.wait(30)
+        path = self.dir / f"step_{step:06d}.safetensors"
+        path.write_text(",".join(map(str, prompts)))
+        return path
+
+
+def train(producer, steps) -> list[int]:
+    """The loop's order: take step s's batch, 'train', push version s + 1. Returns the prompts trained."""
+    trained = []
+    for s in steps:
+        trained += [int(p) for p in producer.batch(s).read_text().split(",")]
+        with producer.exclusive():
+            producer.weights_pushed(s + 1)
+    return trained
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_no_batch_is_made_by_weights_more_than_k_versions_old(tmp_path, k):
+    maker = Maker(tmp_path, ListStream())
+    producer = AsyncProducer(maker, 0, 6, k, served_version=0)
+    producer.start()
+    try:
+        train(producer, range(6))
+    finally:
+        producer.close()
+    assert [s for s, _ in maker.calls] == list(range(6))
+    assert all(0 <= step - served <= k for step, served in maker.calls), maker.calls
+    if k == 0:  # exactly the sync loop's calls
+        sync = Maker(tmp_path / "sync", ListStream())
+        (tmp_path / "sync").mkdir()
+        inline = InlineBatches(sync, 0, 6)
+        train(inline, range(6))
+        assert maker.calls == sync.calls == [(s, s) for s in range(6)]
+
+
+def test_a_push_waits_for_the_batch_in_flight_and_holds_the_next_one_back(tmp_path):
+    gate = threading.Event()
+    maker = Maker(tmp_path, ListStream(), gate)
+    producer = AsyncProducer(maker, 0, 3, 1, served_version=0)
+    producer.start()
+    entered = threading.Event()
+
+    def push():
+        with producer.exclusive():
+            entered.set()
+
+    try:
+        pusher = threading.Thread(target=push)
+        pusher.start()
+        assert not entered.wait(0.5), "the push went in while step 0's batch was being generated"
+        gate.set()
+        assert entered.wait(30)
+        pusher.join()
+    finally:
+        producer.close()
+
+
+def test_a_failing_batch_is_raised_in_the_learner_naming_the_step(tmp_path):
+    def make(step, served):
+        raise ConnectionError("server gone")
+
+    producer = AsyncProducer(make, 0, 2, 1, served_version=0)
+    producer.start()
+    try:
+        with pytest.raises(RuntimeError, match="making step 0's batch: ConnectionError: server gone"):
+            producer.batch(0)
+    finally:
+        producer.close()
+
+
+def test_a_killed_run_resumed_from_its_checkpoint_trains_every_prompt_once(tmp_path):
+    """Checkpoint before step 2 with step 2 finished and step 3 in flight, then a kill: the resumed producer
+    trains the finished batch as it was and takes step 3's prompts again from the saved position."""
+    run, ckpt = tmp_path / "rollouts", tmp_path / "ckpt_files"
+    run.mkdir(), ckpt.mkdir()
+    gate = threading.Event()
+    stream = ListStream()
+    maker = Maker(run, stream, gate, gated_step=3)
+    producer = AsyncProducer(maker, 0, 8, 1, served_version=0, stream_state=stream.state)
+    producer.start()
+    trained = train(producer, range(2))  # pushing version 2 waited for step 2's batch; step 3 is admitted now
+    while 3 not in {s for s, _ in maker.calls}:  # step 2 done, step 3 in flight
+        threading.Event().wait(0.01)
+    extra, files = producer.checkpoint_state(2)
+    assert extra["async"]["ready_steps"] == [2] and extra["async"]["unfinished_from"] == 3
+    for name, source in files.items():  # what save_checkpoint(files=...) copies
+        (ckpt / name).write_bytes(source.read_bytes())
+    gate.set()
+    producer.close()  # "killed": what it made after the checkpoint is lost with the process
+    for f in run.iterdir():
+        f.unlink()
+
+    resumed_stream = ListStream(extra["data"]["index"])
+    maker2 = Maker(run, resumed_stream)
+    meta = {"extra": extra, "files_dir": str(ckpt)}
+    producer2 = AsyncProducer(maker2, 2, 8, 1, served_version=2, stream_state=resumed_stream.state,
+                              pending=pending_records(meta, run))  # fmt: skip
+    producer2.start()
+    try:
+        trained += train(producer2, range(2, 8))
+    finally:
+        producer2.close()
+    assert [s for s, _ in maker2.calls] == list(range(3, 8)), "step 2 is trained from the checkpoint, not remade"
+    assert trained == list(range(len(trained))), "a prompt was lost or trained twice"
+    assert len(trained) == sum(1 + s % 3 for s in range(8))
+
+
+def test_a_checkpoint_listing_records_it_does_not_hold_is_refused(tmp_path):
+    meta = {"extra": {"async": {"ready_steps": [4]}}, "files_dir": str(tmp_path / "files")}
+    with pytest.raises(FileNotFoundError, match="step 4's finished records"):
+        pending_records(meta, tmp_path / "rollouts")
