@@ -39,6 +39,7 @@ from moe_rl.train.logprob import make_logprob_fn
 from moe_rl.train.metrics_log import MetricsLogger
 from moe_rl.train.plan import plan_step
 from moe_rl.train.batch_maker import records_path
+from moe_rl.train.run_dir import reference_policy
 from moe_rl.train.run_identity import resolve_run_id, version_nonce, write_checkpoint_identity, write_run_id
 from moe_rl.train.staleness import StepStaleness
 from moe_rl.train.step_records import StepRecords
@@ -101,7 +102,8 @@ class RLTrainer:
             self._prompt_data(meta)
         self.logprob_fn = make_logprob_fn(ksm_active(cfg), with_entropy=cfg.loss.entropy_coef > 0)
         self.device = next(self.learner.model.parameters()).device
-        self.reference = self._reference_policy(meta is not None) if cfg.loss.kl_coef else None
+        self.reference = reference_policy(cfg, self.learner, self.ckpt_dir, self.run_id, meta is not None) \
+            if cfg.loss.kl_coef else None  # fmt: skip
         self._reference_saved = False  # save_reference checks the marker itself (rank 0) the first time
         self.plan(self.start_step)  # an impossible split fails here, before any server starts
 
@@ -129,25 +131,6 @@ class RLTrainer:
         return plan_step(n, minibatches=cfg.train.minibatches_per_step, micro_batch_size=cfg.train.micro_batch_size,
                          epochs=cfg.train.epochs_per_step, dp_rank=dp_rank, dp_size=dp_size, seed=cfg.train.seed,
                          step=step)  # fmt: skip
-
-    def _reference_policy(self, resumed: bool):
-        """π_ref for ``loss.kl_coef > 0``: the weights at the start of RL; on resume this run's saved
-        reference or nothing (never rebuilt from the resumed weights). Rank 0 decides, all ranks follow."""
-        from moe_rl.learner.dist import decided_by_rank0
-        from moe_rl.learner.reference import ReferencePolicy, reference_problem
-        from moe_rl.train.run_dir import RunDirError
-
-        offload = torch.cuda.is_available()
-        if not resumed:
-            return ReferencePolicy.from_learner(self.cfg, self.learner.module, offload=offload)
-        problem = decided_by_rank0(lambda: reference_problem(self.ckpt_dir, self.run_id))
-        if problem is not None:
-            raise RunDirError(
-                f"cannot resume checkpoint.dir={self.ckpt_dir} with loss.kl_coef={self.cfg.loss.kl_coef}: {problem}. "
-                "The KL anchor is the policy at the start of RL and is not rebuilt from trained weights; start "
-                "over with checkpoint.resume=never checkpoint.overwrite=true (or set loss.kl_coef=0)"
-            )
-        return ReferencePolicy.load(self.cfg, self.ckpt_dir, offload=offload)
 
     @property
     def from_records(self) -> bool:
@@ -314,7 +297,7 @@ class RLTrainer:
         if not self.from_records and not self.is_main:
             self.export_weights()  # the export is collective; rank 0 runs it inside _servers()
         try:
-            with self._servers() as self.server_pool:
+            with self._servers() as self.server_pool, self._source_scope():  # the producer stops before the servers
                 addresses = self.server_pool.addresses
                 if self.is_main and not self.from_records:  # label the served weights with our version
                     self.resync(addresses, self.start_step)
@@ -352,11 +335,17 @@ class RLTrainer:
                 if self.weight_sync is not None and self.weight_sync.mode == "tensor":
                     self.export_weights()  # <run>/hf/current holds the final weights whatever the sync path
         finally:
-            if self.source is not None:
-                self.source.close()
             logger.close()
             self.close()
         return self.run_dir
+
+    @contextlib.contextmanager
+    def _source_scope(self):
+        try:
+            yield
+        finally:
+            if self.source is not None:
+                self.source.close()
 
     def _eval_due(self, step: int) -> bool:
         """Rank 0 evaluates after ``step`` RL steps (``eval`` section; generation needs the servers)."""

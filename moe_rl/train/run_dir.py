@@ -319,3 +319,24 @@ def run_complete_message(start_step: int, total_steps: int) -> str | None:
     if start_step >= total_steps:
         return f"nothing to do (run complete at step {start_step}; train.steps={total_steps})"
     return None
+
+
+def reference_policy(cfg, learner, ckpt_dir: Path, run_id: str, resumed: bool):
+    """π_ref for ``loss.kl_coef > 0``: the weights at the start of RL; on resume this run's saved
+    reference or nothing (never rebuilt from the resumed weights). Rank 0 decides, all ranks follow."""
+    import torch
+
+    from moe_rl.learner.dist import decided_by_rank0
+    from moe_rl.learner.reference import ReferencePolicy, reference_problem
+
+    offload = torch.cuda.is_available()
+    if not resumed:
+        return ReferencePolicy.from_learner(cfg, learner.module, offload=offload)
+    problem = decided_by_rank0(lambda: reference_problem(ckpt_dir, run_id))
+    if problem is not None:
+        raise RunDirError(
+            f"cannot resume checkpoint.dir={ckpt_dir} with loss.kl_coef={cfg.loss.kl_coef}: {problem}. "
+            "The KL anchor is the policy at the start of RL and is not rebuilt from trained weights; start "
+            "over with checkpoint.resume=never checkpoint.overwrite=true (or set loss.kl_coef=0)"
+        )
+    return ReferencePolicy.load(cfg, ckpt_dir, offload=offload)
