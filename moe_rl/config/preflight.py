@@ -200,7 +200,9 @@ def partial_rollout_notes(cfg: ExperimentConfig) -> Iterable[str]:
         yield (
             "rollout.pause_mode=in_place is approximate: tokens sampled after a weight update attend to prefix KV the "
             "old weights computed, so they match no single weight version; they are recorded at the new version "
-            "and counted as async/kv_stale_tokens (retract or abort re-prefill and are exact; docs/rollout.md)"
+            "and counted as async/kv_stale_tokens (retract or abort re-prefill and are exact; docs/sglang.md)"
+            + ("; with rollout.deterministic=false the radix cache is on and not flushed at the update, so later "
+               "requests may reuse old-weight prefix KV that is not counted" if not cfg.rollout.deterministic else "")
         )
 
 

@@ -1,7 +1,7 @@
 """Partial rollouts: pause in-flight generation around a weight update, and per-token provenance of a
 response that spans it.
 
-Owns ``rollout.partial`` / ``rollout.pause_mode`` on the rollout side (docs/rollout.md, "Partial rollouts"):
+Owns ``rollout.partial`` / ``rollout.pause_mode`` on the rollout side (docs/sglang.md, "Partial rollouts"):
 
 * ``paused_generation(addresses, mode, keys)``: ``POST /pause_generation {mode}`` on every server, yield,
   ``POST /continue_generation`` on every server (also when the body raised), every call with the admin key.
@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import ClassVar
 
 import httpx
 import numpy as np
@@ -162,7 +163,9 @@ def stitch(head: RolloutSample, tail: RolloutSample) -> RolloutSample:
     log-prob, kept set, version and the route row of the forward pass that produced it."""
     p = len(head.prompt_ids)
     if len(tail.prompt_ids) != p + len(head.response_ids):
-        raise PartialRolloutError(f"continuation prompt has {len(tail.prompt_ids)} tokens; expected {p + len(head.response_ids)}")
+        raise PartialRolloutError(
+            f"continuation prompt has {len(tail.prompt_ids)} tokens; expected {p + len(head.response_ids)}"
+        )
 
     def cat(a, b):
         return None if a is None or b is None else np.concatenate([a, b])
@@ -190,11 +193,11 @@ class PartialCounters:
     kv_stale_tokens: int = 0  # in_place: tokens sampled after an update on old-weight prefix KV (approximate)
     partial_samples: int = 0  # samples whose tokens come from more than one weight version
     continued_requests: int = 0  # abort: requests sent to continue an aborted reply
-    _fields: tuple[str, ...] = field(default=("kv_stale_tokens", "partial_samples", "continued_requests"), repr=False)
+    FIELDS: ClassVar[tuple[str, ...]] = ("kv_stale_tokens", "partial_samples", "continued_requests")
 
     def drain(self) -> dict[str, int]:
         """``{"async/kv_stale_tokens": n, ...}`` since the last drain, and reset."""
-        out = {f"async/{name}": getattr(self, name) for name in self._fields}
-        for name in self._fields:
+        out = {f"async/{name}": getattr(self, name) for name in self.FIELDS}
+        for name in self.FIELDS:
             setattr(self, name, 0)
         return out

@@ -157,3 +157,41 @@ def test_in_place_counts_the_tokens_sampled_on_old_prefix_kv_as_stale(
     counters = client.partial_counters.drain()
     assert counters == {"async/kv_stale_tokens": stale, "async/partial_samples": 1, "async/continued_requests": 0}
     assert client.partial_counters.drain()["async/kv_stale_tokens"] == 0, "drain resets"
+
+
+@pytest.fixture(scope="module")
+def keyed_server(server_spec, tmp_path_factory):
+    """A second server of the session checkpoint that has an admin key (generate stays open)."""
+    import dataclasses
+
+    from moe_rl.rollout.auth import RUN_ADMIN_KEY_ENV, ServerKeys
+    from moe_rl.rollout.launcher import SGLangServer
+
+    keys = ServerKeys.fresh()
+    spec = dataclasses.replace(server_spec, admin_api_key_env=RUN_ADMIN_KEY_ENV, deterministic=False)
+    log = tmp_path_factory.mktemp("keyed_sglang") / "server.log"
+    with SGLangServer(spec, log, secret_env=keys.server_env()) as server:
+        yield server, keys
+
+
+def test_pause_and_continue_carry_the_admin_key_and_always_continue(keyed_server):
+    from moe_rl.rollout.partial import PartialRolloutError
+
+    server, keys = keyed_server
+    url = server.url
+    with pytest.raises(PartialRolloutError, match=f"{url}/pause_generation refused, HTTP 401"):
+        with paused_generation([url], "retract"):  # no key
+            pass
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}}
+    replies = []
+    with paused_generation([url], "retract", keys):
+        waiting = threading.Thread(target=lambda: replies.append(httpx.post(f"{url}/generate", json=body, timeout=120)))
+        waiting.start()
+        time.sleep(1.0)
+        assert not replies, "a request sent while paused must wait for /continue_generation"
+    waiting.join(timeout=120)
+    assert replies and replies[0].status_code == 200
+    with pytest.raises(RuntimeError, match="push failed"):
+        with paused_generation([url], "abort", keys):
+            raise RuntimeError("push failed")
+    assert httpx.post(f"{url}/generate", json=body, timeout=60).status_code == 200, "left paused after a failure"

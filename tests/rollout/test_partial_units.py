@@ -28,7 +28,8 @@ def test_pause_mode_is_one_of_three_and_partial_is_off_by_default():
     with pytest.raises(ConfigError) as info:
         load_config(overrides=["rollout.pause_mode=drain"])
     assert "rollout.pause_mode" in str(info.value) and "retract" in str(info.value)
-    with pytest.raises(ValueError, match=r"rollout.pause_mode='drain'; expected one of \('retract', 'abort', 'in_place'\)"):
+    expected = r"rollout.pause_mode='drain'; expected one of \('retract', 'abort', 'in_place'\)"
+    with pytest.raises(ValueError, match=expected):
         check_pause_mode("drain")
     with pytest.raises(ValueError, match="rollout.pause_mode"):
         with paused_generation(["http://127.0.0.1:1"], "drain"):
@@ -40,14 +41,16 @@ def test_partial_rollouts_need_the_async_producer_and_in_place_is_noted_as_appro
     assert [p for p in problems if p.startswith("rollout.partial=true")], problems
     assert "train.rollout_mode=async" in problems[-1]
     for mode in ("retract", "abort"):
-        assert config_problems(load_config(overrides=["rollout.partial=true", f"rollout.pause_mode={mode}"])).notes == []
+        cfg = load_config(overrides=["rollout.partial=true", f"rollout.pause_mode={mode}"])
+        assert config_problems(cfg).notes == []
     notes = config_problems(load_config(overrides=["rollout.partial=true", "rollout.pause_mode=in_place"])).notes
     assert any("in_place is approximate" in n and "async/kv_stale_tokens" in n for n in notes)
     assert config_problems(load_config(overrides=["rollout.pause_mode=in_place"])).notes == []  # partial off
 
 
 def _spans(*spans):
-    return {"weight_versions": [{"version": v, "start": s, "end": e} for v, s, e in spans], "weight_version": spans[-1][0]}
+    listed = [{"version": v, "start": s, "end": e} for v, s, e in spans]
+    return {"weight_versions": listed, "weight_version": spans[-1][0]}
 
 
 def test_token_versions_follow_sglangs_spans():
@@ -84,13 +87,16 @@ def test_stitch_keeps_each_segments_arrays():
     tail = RolloutSample(
         prompt_ids=np.array([0, 1, 2, 7, 8], np.int32), response_ids=np.array([9, 10, 11], np.int32),
         rollout_logp=np.array([-3, -4, -5], np.float32), routes=np.ones((r2, 1, 2), np.uint8),
-        sampling_mask=[np.array([9]), np.array([10]), np.array([11])], sampling_logp=np.array([-.3, -.4, -.5], np.float32),
+        sampling_mask=[np.array([9]), np.array([10]), np.array([11])],
+        sampling_logp=np.array([-0.3, -0.4, -0.5], np.float32),
         weight_version="step-1", finish_reason="length", token_versions=np.array([1, 1, 1], np.int32), group_id=5,
     )  # fmt: skip
     s = stitch(head, tail)
     assert s.response_ids.tolist() == [7, 8, 9, 10, 11] and s.token_versions.tolist() == [0, 0, 1, 1, 1]
-    assert s.routes.shape == (p + k + r2 - 1, 1, 2) and s.routes[: p + k - 1].max() == 0 and s.routes[p + k - 1 :].min() == 1
-    assert s.rollout_logp.tolist() == [-1, -2, -3, -4, -5] and [m.tolist() for m in s.sampling_mask] == [[7], [8], [9], [10], [11]]
+    assert s.routes.shape == (p + k + r2 - 1, 1, 2)
+    assert s.routes[: p + k - 1].max() == 0 and s.routes[p + k - 1 :].min() == 1
+    assert s.rollout_logp.tolist() == [-1, -2, -3, -4, -5]
+    assert [m.tolist() for m in s.sampling_mask] == [[7], [8], [9], [10], [11]]
     assert (s.weight_version, s.finish_reason, s.group_id) == ("step-1", "length", 5)
     with pytest.raises(PartialRolloutError, match="continuation prompt"):
         stitch(head, RolloutSample(prompt_ids=np.arange(4, dtype=np.int32), response_ids=tail.response_ids,
