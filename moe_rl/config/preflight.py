@@ -191,9 +191,32 @@ def rollout_mode(cfg: ExperimentConfig) -> Iterable[str]:
                "records without servers (set train.rollout_mode=sync)")  # fmt: skip
 
 
+def partial_rollouts(cfg: ExperimentConfig) -> Iterable[str]:
+    """A weight update interrupts in-flight requests only where rollouts overlap training."""
+    mode = cfg.train.rollout_mode
+    if cfg.rollout.partial and mode != "async":
+        yield (
+            f"rollout.partial=true pauses in-flight requests at a weight update, which only the asynchronous "
+            f"producer has in flight; train.rollout_mode={mode!r}: expected rollout.partial=false or "
+            "train.rollout_mode=async"
+        )
+
+
+def partial_rollout_notes(cfg: ExperimentConfig) -> Iterable[str]:
+    if cfg.rollout.partial and cfg.rollout.pause_mode == "in_place":
+        yield (
+            "rollout.pause_mode=in_place is approximate: tokens sampled after a weight update attend to prefix KV the "
+            "old weights computed, so they match no single weight version; they are recorded at the new version "
+            "and counted as async/kv_stale_tokens (retract or abort re-prefill and are exact; docs/sglang.md)"
+            + ("; with rollout.deterministic=false the radix cache is on and not flushed at the update, so later "
+               "requests may reuse old-weight prefix KV that is not counted" if not cfg.rollout.deterministic else "")
+        )
+
+
 CONFIG_RULES: tuple[ConfigRule, ...] = (
     finite_numbers, hf_model_directory, sampling_settings, task_and_lengths, reward_fn_imports, learner_features,
     weight_sync_architecture, ignored_loss_keys, data_files, reward_settings, eval_and_filters, rollout_mode,
+    partial_rollouts,
 )  # fmt: skip
 
 
@@ -207,6 +230,7 @@ def config_problems(cfg: ExperimentConfig) -> PreflightReport:
             if key not in keys_reported:  # one message per key, from the first rule that refuses it
                 report.problems.append(problem)
                 keys_reported.add(key)
+    report.notes.extend(partial_rollout_notes(cfg))
     if ksm_is_noop(cfg):
         report.notes.append(
             "replay.keep_sampling_mask=true with rollout.top_p=1 and rollout.top_k=-1: sampling is untruncated, "

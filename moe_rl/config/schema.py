@@ -183,6 +183,14 @@ class RolloutConfig(Section):
         "server is on this host, else disk",
     )
     weight_sync_bucket_mb: int = Field(256, ge=1, description="tensor sync: MiB of weights per request")
+    partial: bool = Field(
+        False, description="partial rollouts (async mode): a weight update pauses in-flight requests "
+        "(rollout.pause_mode) instead of waiting for them, so a response can span weight versions"
+    )
+    pause_mode: Literal["retract", "abort", "in_place"] = Field(
+        "retract", description="rollout.partial: retract / abort re-prefill under the new weights (exact per-token "
+        "versions); in_place keeps the old-weight prefix KV (approximate, counted as async/kv_stale_tokens)"
+    )
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1, description="-1 = no top-k")

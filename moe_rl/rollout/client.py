@@ -3,7 +3,8 @@
 Owns the request (sampling params, per-sample `sampling_seed`, log-probs, routed experts,
 sampling masks), bounded concurrency, round-robin over servers, retries with backoff on
 connection errors and 5xx, and the all-or-nothing rule: a batch either comes back whole or the
-call raises RolloutError. Decoding and validating `meta_info` is `moe_rl.records.decode_sglang_meta`.
+call raises RolloutError. Decoding and validating `meta_info` is `moe_rl.records.decode_sglang_meta`;
+per-token weight versions and continuing a reply aborted by a pause are `moe_rl.rollout.partial`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,17 @@ from moe_rl.config.preflight import ksm_active
 from moe_rl.records import RecordError, RolloutSample, RouteSpec, decode_sglang_meta
 from moe_rl.rollout.auth import ServerKeys
 from moe_rl.rollout.health import run_watched
+from moe_rl.rollout.partial import (
+    PartialCounters,
+    PartialRolloutError,
+    check_pause_mode,
+    continuation_prompt,
+    continuation_seed,
+    is_pause_abort,
+    kv_stale_tokens,
+    stitch,
+    token_versions_from_meta,
+)
 
 
 class RolloutError(RuntimeError):
@@ -65,6 +77,8 @@ class RolloutClient:
 
     `route_spec=None` skips routes (no `return_routed_experts`); `return_sampling_mask=False` skips
     masks. Sample `j` of prompt `i` is result `i * n + j`, with `group_id = group_ids[i]`.
+    `pause_mode` (``rollout.partial``): the servers may be paused mid-request in that mode; with
+    ``abort`` a reply ended by the pause is continued (at most `max_continuations` times) and stitched.
     """
 
     def __init__(
@@ -84,6 +98,8 @@ class RolloutClient:
         headers: dict[str, str] | None = None,
         health_timeout_s: float | None = None,
         stop_token_ids: Sequence[int] | None = None,
+        pause_mode: str | None = None,
+        max_continuations: int = 8,
     ):
         if not addresses:
             raise ValueError("addresses is empty; expected at least one http://host:port")
@@ -100,6 +116,9 @@ class RolloutClient:
         self.headers = dict(headers or {})  # Authorization when the servers have an API key (auth.py)
         self.health_timeout_s = health_timeout_s  # a server silent this long aborts the batch (health.py)
         self.stop_token_ids = None if stop_token_ids is None else [int(t) for t in stop_token_ids]  # the tokenizer's EOS
+        self.pause_mode = None if pause_mode is None else check_pause_mode(pause_mode)
+        self.max_continuations = max_continuations
+        self.partial_counters = PartialCounters()  # drained by the trainer: async/kv_stale_tokens, ...
         self._next_server = itertools.count()
         self._top_k = self._wire_top_k(sampling.top_k, sampling_mask_max_tokens)
 
@@ -120,6 +139,7 @@ class RolloutClient:
             max_retries=r.max_retries,
             headers=ServerKeys.from_rollout_config(r).headers(),
             health_timeout_s=r.health_timeout_s,
+            pause_mode=r.pause_mode if r.partial else None,
         )
         kwargs.update(overrides)
         return cls(addresses, **kwargs)
@@ -138,16 +158,19 @@ class RolloutClient:
             )
         return min(self.vocab_size, cap)
 
-    def request_body(self, prompt_ids: Sequence[int], seed: int | None, routes_start_len: int = 0) -> dict:
+    def request_body(
+        self, prompt_ids: Sequence[int], seed: int | None, routes_start_len: int = 0, max_new_tokens: int | None = None
+    ) -> dict:
         """JSON body of one `/generate` request for `prompt_ids[P]`.
 
-        `routes_start_len > 0` (continued generation) asks only for route rows from that position on.
+        `routes_start_len > 0` (continued generation) asks only for route rows from that position on;
+        `max_new_tokens` overrides the sampling settings' (the rest of an aborted sample's budget).
         """
         params = {
             "temperature": self.sampling.temperature,
             "top_p": self.sampling.top_p,
             "top_k": self._top_k,
-            "max_new_tokens": self.sampling.max_new_tokens,
+            "max_new_tokens": self.sampling.max_new_tokens if max_new_tokens is None else int(max_new_tokens),
         }
         if self.stop_token_ids:
             params["stop_token_ids"] = self.stop_token_ids
@@ -223,19 +246,46 @@ class RolloutClient:
             return await run_watched(whole_batch(), self.addresses, self.health_timeout_s, self.headers)
 
     async def _one(self, http: httpx.AsyncClient, gate: asyncio.Semaphore, prompt, group_id, seed, start) -> RolloutSample:
-        body = self.request_body(prompt, seed, start)
-        errors = []
+        budget = self.sampling.max_new_tokens
         async with gate:
-            first = next(self._next_server)  # round-robin per request; a retry moves to the next server
-            for attempt in range(self.max_retries + 1):
-                url = self.addresses[(first + attempt) % len(self.addresses)]
-                try:
-                    reply = await self._post(http, url, body)
-                    return self._to_sample(reply, prompt, group_id, url, start)
-                except _Retryable as err:
-                    errors.append(f"attempt {attempt + 1} at {url}: {err}")
-                if attempt < self.max_retries:
-                    await asyncio.sleep(self.backoff_s * 2**attempt)
+            sample, aborted = await self._attempts(http, prompt, group_id, seed, start, budget)
+            for _ in range(self.max_continuations):
+                if not aborted or len(sample.response_ids) >= budget:
+                    break
+                self.partial_counters.continued_requests += 1
+                k = len(sample.response_ids)
+                if k == 0:  # ended before its first token: ask again, same request
+                    sample, aborted = await self._attempts(http, prompt, group_id, seed, start, budget)
+                    continue
+                head_prompt = continuation_prompt(sample)  # rows before len - 1 came with the aborted reply
+                tail, aborted = await self._attempts(
+                    http, head_prompt, group_id, continuation_seed(seed, k), len(head_prompt) - 1, budget - k
+                )
+                sample = stitch(sample, tail)
+            if aborted and len(sample.response_ids) < budget:
+                raise RolloutRequestError(
+                    f"a sample was aborted by a pause {self.max_continuations + 1} times (max_continuations)"
+                )
+        if aborted:
+            sample.finish_reason = "length"  # the whole budget was generated before the abort
+        if sample.token_versions is not None and np.unique(sample.token_versions).size > 1:
+            self.partial_counters.partial_samples += 1
+        return sample
+
+    async def _attempts(self, http, prompt, group_id, seed, start, max_new_tokens) -> tuple[RolloutSample, bool]:
+        """One request with retries: (sample, whether a pause aborted it)."""
+        body = self.request_body(prompt, seed, start, max_new_tokens)
+        errors = []
+        first = next(self._next_server)  # round-robin per request; a retry moves to the next server
+        for attempt in range(self.max_retries + 1):
+            url = self.addresses[(first + attempt) % len(self.addresses)]
+            try:
+                reply = await self._post(http, url, body)
+                return self._to_sample(reply, prompt, group_id, url, start), is_pause_abort(reply["meta_info"])
+            except _Retryable as err:
+                errors.append(f"attempt {attempt + 1} at {url}: {err}")
+            if attempt < self.max_retries:
+                await asyncio.sleep(self.backoff_s * 2**attempt)
         raise RolloutError(
             f"/generate failed after {self.max_retries + 1} attempts (max_retries={self.max_retries}); "
             + "; ".join(errors)
@@ -263,7 +313,9 @@ class RolloutClient:
     def _to_sample(self, reply: dict, prompt: np.ndarray, group_id: int, url: str, start: int = 0) -> RolloutSample:
         meta = reply["meta_info"]
         finish = meta.get("finish_reason")
-        if isinstance(finish, dict) and finish.get("type") == "abort":
+        if isinstance(finish, dict) and finish.get("type") == "abort" and not (
+            self.pause_mode == "abort" and is_pause_abort(meta)
+        ):
             raise RolloutRequestError(f"{url} aborted the generation: {finish.get('message', finish)}")
         if meta.get("prompt_tokens", len(prompt)) != len(prompt):
             raise RolloutResponseError(
@@ -274,8 +326,11 @@ class RolloutClient:
             decoded = decode_sglang_meta(
                 meta, len(prompt), response, self.route_spec, vocab_size=self.vocab_size, start_len=start
             )
-        except RecordError as err:
+            token_versions = token_versions_from_meta(meta, len(response))
+        except (RecordError, PartialRolloutError) as err:
             raise RolloutResponseError(f"malformed /generate reply from {url}: {err}") from err
+        if self.pause_mode == "in_place":
+            self.partial_counters.kv_stale_tokens += kv_stale_tokens(meta, len(response))
         return RolloutSample(
             prompt_ids=prompt,
             response_ids=response,
@@ -286,4 +341,5 @@ class RolloutClient:
             group_id=group_id,
             weight_version=decoded.weight_version,
             finish_reason=decoded.finish_reason,
+            token_versions=token_versions,
         )

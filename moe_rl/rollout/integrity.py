@@ -43,9 +43,19 @@ def _why(found: str, expected: str) -> str:
     return "an older sync" if f.step < e.step else "a newer sync" if f.step > e.step else "the same step"
 
 
-def check_weight_versions(versions: Sequence[str], expected: str) -> None:
-    """Raise WeightVersionError unless every entry of ``versions`` is ``expected``."""
-    other = Counter(str(v) for v in versions if str(v) != expected)
+def _newer_of_same_run(found: str, expected: str) -> bool:
+    """A complete sync of the same run (same nonce) at ``expected``'s version or later."""
+    try:
+        f, e = parse_version_label(found), parse_version_label(expected)
+    except ValueError:
+        return False
+    return not f.partial and f.nonce == e.nonce and f.step >= e.step
+
+
+def check_weight_versions(versions: Sequence[str], expected: str, newer_ok: bool = False) -> None:
+    """Raise WeightVersionError unless every entry of ``versions`` is ``expected`` (``newer_ok``: or a later
+    complete sync of the same run: partial rollouts finish under the weights pushed while they ran)."""
+    other = Counter(str(v) for v in versions if str(v) != expected and not (newer_ok and _newer_of_same_run(v, expected)))
     if other:
         found = ", ".join(f"{v!r} x{n} ({_why(v, expected)})" for v, n in sorted(other.items()))
         raise WeightVersionError(
@@ -60,6 +70,7 @@ def generate_checked(
     expected_version: str,
     resync: Callable[[], None],
     restart: Callable[[Sequence[str] | None], list[str]] | None = None,
+    newer_ok: bool = False,
 ) -> list:
     """``generate()`` whose samples all carry ``expected_version`` (see module docstring).
 
@@ -74,7 +85,7 @@ def generate_checked(
     while True:
         try:
             samples = generate()
-            check_weight_versions([s.weight_version for s in samples], expected_version)
+            check_weight_versions([s.weight_version for s in samples], expected_version, newer_ok)
             return samples
         except WeightVersionError as err:
             if regenerated:

@@ -88,7 +88,7 @@ def _check_version(addresses: Iterable[str], weight_version: str, keys: ServerKe
 
 def update_weights_from_disk(
     addresses: Sequence[str], model_path: str | Path, weight_version: str, timeout_s: float = 600.0,
-    keys: ServerKeys | None = None,
+    keys: ServerKeys | None = None, flush_cache: bool = True,
 ) -> None:
     """Load `model_path` (an HF checkpoint dir) into every server as `weight_version`; verify it.
 
@@ -100,7 +100,7 @@ def update_weights_from_disk(
     model_path = Path(model_path)
     if not (model_path / "config.json").is_file():
         raise FileNotFoundError(f"{model_path} is not an HF checkpoint directory (no config.json)")
-    body = {"model_path": str(model_path.resolve()), "weight_version": str(weight_version), "flush_cache": True}
+    body = {"model_path": str(model_path.resolve()), "weight_version": str(weight_version), "flush_cache": flush_cache}
     for address in addresses:
         address = address.rstrip("/")
         ok, message = _post(address, "update_weights_from_disk", body, timeout_s,
@@ -165,7 +165,7 @@ def buckets(named: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[list[t
 
 def push_tensors(
     address: str, named: Mapping[str, torch.Tensor], weight_version: str, bucket_bytes: int, timeout_s: float = 600.0,
-    headers: dict | None = None,
+    headers: dict | None = None, flush_cache: bool = True,
 ) -> int:
     """Load `named` into one server in buckets; returns the number of buckets.
 
@@ -188,7 +188,7 @@ def push_tensors(
             body = {
                 "serialized_named_tensors": [payload],
                 "weight_version": str(weight_version) if last else f"{weight_version}.partial",
-                "flush_cache": last,
+                "flush_cache": last and flush_cache,
             }
             try:
                 ok, message = _post(address, "update_weights_from_tensor", body, timeout_s, headers)
@@ -357,12 +357,16 @@ class WeightSync:
         t0 = time.perf_counter()
         hf_state = export_hf_state_dict(model_module, self.model_cfg)
         if hf_state is not None:
-            with around_push():
-                self.push(hf_state, addresses, version)
+            with around_push() as push_kwargs:  # e.g. {"flush_cache": False} inside an in_place pause
+                self.push(hf_state, addresses, version, **(push_kwargs or {}))
         return time.perf_counter() - t0
 
-    def push(self, hf_state: Mapping[str, torch.Tensor], addresses: Sequence[str], version: str) -> None:
-        """Check, (quantise,) and load `hf_state` into every server as `version`; verify the version."""
+    def push(self, hf_state: Mapping[str, torch.Tensor], addresses: Sequence[str], version: str,
+             flush_cache: bool = True) -> None:  # fmt: skip
+        """Check, (quantise,) and load `hf_state` into every server as `version`; verify the version.
+
+        ``flush_cache=False`` only inside ``partial.paused_generation`` in ``in_place`` mode
+        (``PauseWindow.flush_cache``): SGLang refuses a flush while paused requests hold KV."""
         if not version:
             raise ValueError("weight version is empty; expected a label such as 'step-12'")
         addresses = [a.rstrip("/") for a in addresses]
@@ -372,13 +376,13 @@ class WeightSync:
             from moe_rl.learner.hf_convert import write_hf_checkpoint
 
             path = write_hf_checkpoint(named, self.model_cfg, self.export_dir, self.template_dir)
-            update_weights_from_disk(addresses, path, version, self.timeout_s, keys=self.keys)
+            update_weights_from_disk(addresses, path, version, self.timeout_s, keys=self.keys, flush_cache=flush_cache)
         else:
             failures = []
             for address in addresses:
                 try:
                     headers = self.keys.headers(admin=True) if self.keys else None
-                    push_tensors(address, named, version, self.bucket_bytes, self.timeout_s, headers)
+                    push_tensors(address, named, version, self.bucket_bytes, self.timeout_s, headers, flush_cache)
                     _check_version([address], version, self.keys)
                 except WeightSyncError as err:
                     if getattr(err, "buckets_loaded", 1) > 0:

@@ -45,10 +45,13 @@ class BatchMaker:
             return generate_checked(  # the served weight version only; a dead server we launched restarts
                 lambda: client.generate(ids, n, step=step, group_ids=groups), self.version(served),
                 resync=lambda: self.resync(served), restart=self.restart,
+                newer_ok=self.cfg.rollout.partial,  # a partial rollout ends under the weights pushed meanwhile
             )  # fmt: skip
 
         samples, sample_metrics = self.samples.make(step, generate)
         batch = self.records.stamp(RolloutBatch.from_samples(samples, num_experts=self.cfg.model.num_moe_experts))
+        if self.cfg.rollout.partial:  # async/kv_stale_tokens, … of this batch (drained on the generating thread)
+            sample_metrics = sample_metrics | client.partial_counters.drain()
         if sample_metrics:
             batch.extra["reward_metrics"] = sample_metrics  # travels with the records to every rank
         batch.validate(self.cfg.model)

@@ -171,7 +171,11 @@ class RLTrainer:
         if self.weight_sync is None:
             self.weight_sync = WeightSync.from_config(self.cfg, addresses, export_dir=self.run_dir / "hf" / "current",
                                                       keys=self.server_keys)  # fmt: skip
-        around = self.source.exclusive if self.source is not None else contextlib.nullcontext
+        around = contextlib.nullcontext
+        if self.source is not None:  # async: the batch in flight finishes first, or is paused (rollout.partial)
+            from moe_rl.train.producer import push_section
+
+            around = lambda: push_section(self.source, self.cfg.rollout, addresses, self.server_keys)  # noqa: E731
         seconds = self.weight_sync.sync(self.learner.module, addresses if self.is_main else [], self.version(step),
                                         around_push=around)  # fmt: skip
         if self.source is not None:

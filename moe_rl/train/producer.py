@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["InlineBatches", "AsyncProducer", "batch_source", "pending_records"]
+__all__ = ["InlineBatches", "AsyncProducer", "batch_source", "pending_records", "push_section"]
 
 MakeBatch = Callable[[int, int], Path]  # (step, served version) -> the records file written for step
 
@@ -52,7 +52,7 @@ class InlineBatches:
         self.served = version
 
     @contextlib.contextmanager
-    def exclusive(self):
+    def exclusive(self, wait_for_batch: bool = True):
         yield
 
     def take_times(self) -> dict[str, float]:
@@ -142,12 +142,13 @@ class AsyncProducer:
             self._cond.notify_all()
 
     @contextlib.contextmanager
-    def exclusive(self):
-        """Wait for the batch in flight, keep the producer from starting another while inside."""
+    def exclusive(self, wait_for_batch: bool = True):
+        """Wait for the batch in flight (``wait_for_batch``; a partial-rollout push pauses it instead) and keep
+        the producer from starting another while inside."""
         with self._cond:
             self._held += 1
             try:
-                self._cond.wait_for(lambda: self._making is None)
+                self._cond.wait_for(lambda: self._making is None or not wait_for_batch)
             except BaseException:
                 self._held -= 1
                 raise
@@ -187,6 +188,21 @@ class AsyncProducer:
             self._cond.notify_all()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=30)  # a batch in flight ends with its requests (daemon thread otherwise)
+
+
+@contextlib.contextmanager
+def push_section(source, rollout, addresses, keys):
+    """Around a weight push (rank 0): ``rollout.partial: false`` waits for the batch in flight;
+    ``true`` pauses it on the servers (``rollout.pause_mode``, ``moe_rl.rollout.partial``) and continues it
+    under the new weights. Either way no new batch starts inside. Yields the push's keyword arguments."""
+    if not rollout.partial:
+        with source.exclusive():
+            yield {}
+        return
+    from moe_rl.rollout.partial import paused_generation
+
+    with source.exclusive(wait_for_batch=False), paused_generation(addresses, rollout.pause_mode, keys) as window:
+        yield {"flush_cache": window.flush_cache}
 
 
 def batch_source(cfg, make: MakeBatch, start_step: int, served_version: int,
