@@ -15,10 +15,14 @@ warm start; the first run builds the cache). Per run one JSON line:
   the producer's ``time/rollout_idle_s``: waiting for admission or for a weight push);
 * ``reward_first`` / ``reward_last``: the mean reward of the first and last step.
 
-The last line is ``async_speedup=<sum of sync rl_wall_s / sum of async rl_wall_s>`` over the repeats.
+With ``--partial`` a third mode runs too, ``partial``: async with ``rollout.partial=true`` (a weight push
+pauses the batch in flight with ``rollout.pause_mode`` and continues it under the new weights instead
+of waiting for it; issue 29), reported as ``partial_speedup=<sync / partial>`` and per run the share of
+samples spanning two versions. The last line is ``async_speedup=<sum of sync rl_wall_s / sum of async
+rl_wall_s>`` over the repeats.
 
   .venv/bin/python bench/bench_async.py [--steps 12] [--repeats 2] [--learner-cpus 0] [--server-cpus 1] \
-      [--staleness 1] [a.b=value ...]
+      [--staleness 1] [--partial] [a.b=value ...]
 """
 
 from __future__ import annotations
@@ -37,12 +41,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_once(mode: str, args, overrides: list[str]) -> dict:
     learner = {int(c) for c in args.learner_cpus.split(",")}
+    partial = ["rollout.partial=true"] if mode == "partial" else []
     with tempfile.TemporaryDirectory(prefix=f"bench_async_{mode}_") as tmp:
         out = Path(tmp) / "run"
         cmd = [sys.executable, "-m", "moe_rl.cli", "train", args.config, f"train.output_dir={out}",
-               f"train.steps={args.steps}", f"train.rollout_mode={mode}", f"train.max_staleness={args.staleness}",
+               f"train.steps={args.steps}", f"train.rollout_mode={'sync' if mode == 'sync' else 'async'}", f"train.max_staleness={args.staleness}",
                f"rollout.server_cpus=[{args.server_cpus}]", "checkpoint.save_interval=0", "logging.progress=false",
-               "logging.tensorboard=false", *overrides]  # fmt: skip
+               "logging.tensorboard=false", *partial, *overrides]  # fmt: skip
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
                               preexec_fn=lambda: os.sched_setaffinity(0, learner))  # fmt: skip
@@ -60,6 +65,7 @@ def run_once(mode: str, args, overrides: list[str]) -> dict:
     return {
         "mode": mode, "steps": len(steps), "rl_wall_s": round(total, 2), "process_wall_s": round(wall, 1),
         "learner_idle_frac": round(learner_idle, 3), "server_idle_frac": round(server_idle, 3),
+        "partial_frac": round(sum(m.get("async/partial_frac", 0.0) for m in steps) / len(steps), 3),
         "staleness_mean": round(sum(m.get("async/staleness_mean", 0.0) for m in steps) / len(steps), 3),
         "reward_first": round(steps[0]["reward/mean"], 4), "reward_last": round(steps[-1]["reward/mean"], 4),
         "load_after": [round(x, 2) for x in os.getloadavg()],
@@ -74,16 +80,20 @@ def main() -> None:
     parser.add_argument("--staleness", type=int, default=1, help="train.max_staleness of the async runs")
     parser.add_argument("--learner-cpus", default="0", help="comma-separated cores of the trainer process")
     parser.add_argument("--server-cpus", default="1", help="comma-separated cores of the SGLang server")
+    parser.add_argument("--partial", action="store_true", help="also async with rollout.partial=true")
     args, overrides = parser.parse_known_args()
     print(json.dumps({"cpus": sorted(os.sched_getaffinity(0)), "config": args.config, "steps": args.steps,
                       "learner_cpus": args.learner_cpus, "server_cpus": args.server_cpus,
                       "overrides": overrides}), flush=True)  # fmt: skip
-    walls = {"sync": 0.0, "async": 0.0}
+    modes = ("sync", "async", "partial") if args.partial else ("sync", "async")
+    walls = dict.fromkeys(modes, 0.0)
     for _ in range(args.repeats):
-        for mode in ("sync", "async"):
+        for mode in modes:
             result = run_once(mode, args, overrides)
             walls[mode] += result["rl_wall_s"]
             print(json.dumps(result), flush=True)
+    if args.partial:
+        print(f"partial_speedup={walls['sync'] / walls['partial']:.3f}")
     print(f"async_speedup={walls['sync'] / walls['async']:.3f}")
 
 
