@@ -1,14 +1,17 @@
-"""Weight sync seconds, disk vs tensor, on the real SGLang CPU server: tiny model and ~100M parameters.
+"""Weight sync seconds, disk vs tensor (vs distributed), on the real SGLang CPU server: tiny and ~100M parameters.
 
 For each model: start one server on checkpoint A, load checkpoint B's HF state dict into memory (what
 `export_hf_state_dict` hands over after a train step), then time interleaved pairs of
   disk:   write the HF dir (safetensors + side files) and POST /update_weights_from_disk
   tensor: check names/shapes/finite, copy into shared memory, POST /update_weights_from_tensor
           in `rollout.weight_sync_bucket_mb` buckets between begin/end_weight_update
+  distributed: the same checks, then per bucket POST /update_weights_from_distributed while this
+          process broadcasts the tensors over the gloo weight-update group (opened once, at warm-up)
 each followed by the `/model_info` version check. Prints per-pair seconds, medians and the median of
 the per-pair ratios disk/tensor. Last line: `weight_sync_speedup_<model>=...` per model.
 
   python bench/bench_weight_sync.py [--pairs 5] [--models tiny,100m] [--bucket-mb 256]
+                                    [--modes disk,tensor[,distributed]]
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ MODELS = {
 }  # fmt: skip
 
 
-def bench_model(name: str, cfg: ModelConfig, pairs: int, bucket_mb: int, tmp: Path) -> float:
+def bench_model(name: str, cfg: ModelConfig, pairs: int, bucket_mb: int, tmp: Path, modes: list[str]) -> float:
     dir_a = write_random_hf_checkpoint(cfg, tmp / f"{name}_a", seed=0)
     dir_b = write_random_hf_checkpoint(cfg, tmp / f"{name}_b", seed=1)
     state = read_hf_state_dict(dir_b)
@@ -46,24 +49,33 @@ def bench_model(name: str, cfg: ModelConfig, pairs: int, bucket_mb: int, tmp: Pa
     syncs = {
         "disk": WeightSync("disk", cfg, export_dir=tmp / f"{name}_export", template_dir=dir_a, reference=reference),
         "tensor": WeightSync("tensor", cfg, bucket_bytes=bucket_mb << 20, reference=reference),
+        "distributed": WeightSync("distributed", cfg, bucket_bytes=bucket_mb << 20, reference=reference,
+                                  group_options={"backend": "gloo"}),
     }
+    syncs = {mode: syncs[mode] for mode in ["disk", "tensor"] + [m for m in modes if m == "distributed"]}
     spec = ServerSpec(str(dir_a), dtype="float32", deterministic=False, mem_fraction_static=0.3,
                       startup_timeout_s=600)  # fmt: skip
     times: dict[str, list[float]] = {mode: [] for mode in syncs}
     with SGLangServer(spec, tmp / f"{name}_server.log") as server:
         print(f"[{name}] {params / 1e6:.1f}M parameters, {mib:.0f} MiB fp32; load average {os.getloadavg()[0]:.1f}")
-        syncs["tensor"].push(state, [server.url], "warmup")  # first-call imports on both sides
+        for mode in syncs:  # first-call imports on both sides; the distributed group's rendezvous
+            if mode != "disk":
+                syncs[mode].push(state, [server.url], "warmup")
         for pair in range(pairs):
             order = list(syncs.items()) if pair % 2 == 0 else list(syncs.items())[::-1]
             for mode, sync in order:
                 t0 = time.perf_counter()
                 sync.push(state, [server.url], f"{mode}-{pair}")
                 times[mode].append(time.perf_counter() - t0)
-            print(f"[{name}] pair {pair}: disk {times['disk'][-1]:.3f} s, tensor {times['tensor'][-1]:.3f} s")
+            print(f"[{name}] pair {pair}: " + ", ".join(f"{m} {t[-1]:.3f} s" for m, t in times.items()))
+        syncs.get("distributed", syncs["disk"]).close()
     ratios = sorted(d / t for d, t in zip(times["disk"], times["tensor"]))
     for mode, values in times.items():
         print(f"[{name}] median {mode:6s}: {statistics.median(values):.3f} s (min {min(values):.3f}, max {max(values):.3f})")
     print(f"[{name}] disk/tensor per pair: {' '.join(f'{r:.2f}' for r in ratios)}")
+    if "distributed" in times:
+        dist = sorted(d / t for d, t in zip(times["disk"], times["distributed"]))
+        print(f"[{name}] disk/distributed per pair: {' '.join(f'{r:.2f}' for r in dist)}")
     return statistics.median(ratios)
 
 
@@ -75,11 +87,13 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--models", default="tiny,100m")
     ap.add_argument("--bucket-mb", type=int, default=256)
+    ap.add_argument("--modes", default="disk,tensor", help="add ',distributed' for the gloo group")
     args = ap.parse_args()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
-            results[name] = bench_model(name, MODELS[name], args.pairs, args.bucket_mb, Path(tmp))
+            modes = args.modes.split(",")
+            results[name] = bench_model(name, MODELS[name], args.pairs, args.bucket_mb, Path(tmp), modes)
     for name, speedup in results.items():
         print(f"weight_sync_speedup_{name}={speedup:.2f}")
 

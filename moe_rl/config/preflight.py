@@ -213,10 +213,18 @@ def partial_rollout_notes(cfg: ExperimentConfig) -> Iterable[str]:
         )
 
 
+def weight_sync_group(cfg: ExperimentConfig) -> Iterable[str]:
+    """``rollout.weight_sync: distributed``: NCCL moves CUDA tensors only (a CPU server cannot join)."""
+    r = cfg.rollout
+    if r.weight_sync == "distributed" and r.weight_sync_backend == "nccl" and r.device != "cuda":
+        yield (f"rollout.weight_sync_backend='nccl' with rollout.device={r.device!r}: a CPU SGLang server receives "
+               "weights over gloo only; expected rollout.weight_sync_backend='gloo' (or 'auto')")  # fmt: skip
+
+
 CONFIG_RULES: tuple[ConfigRule, ...] = (
     finite_numbers, hf_model_directory, sampling_settings, task_and_lengths, reward_fn_imports, learner_features,
-    weight_sync_architecture, ignored_loss_keys, data_files, reward_settings, eval_and_filters, rollout_mode,
-    partial_rollouts,
+    weight_sync_architecture, weight_sync_group, ignored_loss_keys, data_files, reward_settings, eval_and_filters,
+    rollout_mode, partial_rollouts,
 )  # fmt: skip
 
 
@@ -303,7 +311,25 @@ def rollout_addresses(cfg: ExperimentConfig, environ: Mapping[str, str]) -> Iter
             yield f"rollout.addresses: {url}/health is not reachable ({type(exc).__name__}: {exc})"
 
 
-ENV_RULES = (process_count, accelerator, rollout_addresses)
+def weight_sync_rendezvous(cfg: ExperimentConfig, environ: Mapping[str, str]) -> Iterable[str]:
+    """``rollout.weight_sync: distributed``: rank 0 can listen on the rendezvous port; NCCL has a GPU here."""
+    import torch
+
+    from moe_rl.rollout.weight_group import group_options, port_is_free
+
+    r = cfg.rollout
+    if r.weight_sync != "distributed":
+        return
+    port = r.weight_sync_master_port
+    if port is not None and environ.get("RANK", "0") == "0" and not port_is_free(port):
+        yield (f"rollout.weight_sync_master_port={port} is in use on this host; rank 0 listens there for the "
+               "weight-update group's rendezvous: expected a free port (or null: pick one)")  # fmt: skip
+    if group_options(r)["backend"] == "nccl" and not torch.cuda.is_available():
+        yield ("rollout.weight_sync='distributed' over nccl broadcasts from the learner's GPU, and this machine has "
+               "none; expected rollout.weight_sync_backend='gloo' with CPU servers, or another rollout.weight_sync")  # fmt: skip
+
+
+ENV_RULES = (process_count, accelerator, rollout_addresses, weight_sync_rendezvous)
 
 
 def environment_problems(cfg: ExperimentConfig, environ: Mapping[str, str] | None = None) -> PreflightReport:

@@ -176,13 +176,26 @@ class RolloutConfig(Section):
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: Literal["bfloat16", "float32"] = "float32"
     weight_quantization: Literal["none", "fp8_e4m3", "fp8_e5m2"] = "none"
-    weight_sync: Literal["auto", "tensor", "disk"] = Field(
+    weight_sync: Literal["auto", "tensor", "disk", "distributed"] = Field(
         "auto",
         description="learner -> server weights: tensor = shared-memory tensors over /update_weights_from_tensor "
-        "(servers on this host); disk = exported HF dir over /update_weights_from_disk; auto = tensor when every "
-        "server is on this host, else disk",
+        "(servers on this host); disk = exported HF dir over /update_weights_from_disk; distributed = a broadcast "
+        "from the learner's rank 0 into a process group with the servers (/update_weights_from_distributed); "
+        "auto = tensor when every server is on this host, else disk",
     )
-    weight_sync_bucket_mb: int = Field(256, ge=1, description="tensor sync: MiB of weights per request")
+    weight_sync_bucket_mb: int = Field(256, ge=1, description="tensor and distributed sync: MiB of weights per request")
+    weight_sync_backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="distributed sync: the group's backend; auto = nccl for rollout.device cuda, else gloo"
+    )
+    weight_sync_master_address: str | None = Field(
+        None, description="distributed sync: the address the servers reach the learner's rank 0 at (SGLang's "
+        "master_address); None = loopback when every server is on this host, else this host's address on the route "
+        "to the first server"
+    )
+    weight_sync_master_port: int | None = Field(
+        None, ge=1, le=65535, description="distributed sync: the rendezvous port rank 0 listens on (SGLang's "
+        "master_port; must be free and reachable from the servers); None = a free port"
+    )
     partial: bool = Field(
         False, description="partial rollouts (async mode): a weight update pauses in-flight requests "
         "(rollout.pause_mode) instead of waiting for them, so a response can span weight versions"

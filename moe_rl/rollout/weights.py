@@ -9,13 +9,16 @@ Owns ``rollout.weight_sync``:
   its device.
 * ``disk``: the state dict is written as an HF checkpoint dir and loaded with
   ``/update_weights_from_disk`` (any host that sees the path; SGLang rolls back on failure).
+* ``distributed``: a broadcast from the learner's rank 0 into a process group with the servers
+  (``/update_weights_from_distributed``, gloo for CPU servers, NCCL for GPU servers), in the same
+  buckets and session as ``tensor``; the group is ``weight_group.WeightGroup``'s.
 * ``auto``: tensor when every server address is on this host, else disk.
 
 FP8 rollout weights (``rollout.weight_quantization``) are applied to the in-memory tensors with the
 same function the disk path uses, so both paths serve identical weights. Before anything is sent
 the weights are checked against the previous sync (or the server's checkpoint): same names, same
 shapes, all finite; a failure there sends nothing, so the previous weights keep serving. A tensor
-sync that fails after some buckets were loaded leaves that server half-updated (SGLang has no
+or distributed sync that fails after some buckets were loaded leaves that server half-updated (no
 rollback): it is marked invalid, ``check_servable`` refuses rollouts from it, and the next
 ``sync`` (always a full one) makes it valid again. After every sync ``GET /model_info`` on every
 server must report the new ``weight_version``; samples carry the version of the reply.
@@ -39,7 +42,7 @@ import httpx
 import numpy as np
 import torch
 
-WEIGHT_SYNC_MODES = ("tensor", "disk")
+WEIGHT_SYNC_MODES = ("tensor", "disk", "distributed")
 
 from moe_rl.rollout.auth import ServerKeys
 
@@ -280,7 +283,8 @@ class WeightSync:
     ``sync(model_module, addresses, version)`` is collective (every learner rank calls it; rank 0
     talks to the servers) and returns seconds. ``push(hf_state, addresses, version)`` is the
     rank-0 half for a ready HF-named state dict. ``check_servable(addresses)`` raises
-    ServerInvalidError for a server a failed sync left half-updated.
+    ServerInvalidError for a server a failed sync left half-updated. ``close()`` ends a distributed
+    sync's weight-update group (a later sync opens a new one).
     """
 
     def __init__(
@@ -295,6 +299,7 @@ class WeightSync:
         reference: Mapping[str, tuple[int, ...]] | None = None,
         timeout_s: float = 600.0,
         keys: ServerKeys | None = None,
+        group_options: Mapping | None = None,
     ):
         if mode not in WEIGHT_SYNC_MODES:
             raise ValueError(f"rollout.weight_sync={mode!r}; expected one of {WEIGHT_SYNC_MODES} (or 'auto')")
@@ -312,6 +317,8 @@ class WeightSync:
         self.version: str | None = None
         self.keys = keys
         self.last_state: Mapping[str, torch.Tensor] | None = None  # what the servers should hold (rank 0)
+        self.group_options = dict(group_options or {})  # distributed: WeightGroup's backend / master address, port
+        self.group = None  # distributed: the open WeightGroup (rank 0)
 
     @classmethod
     def from_config(cls, cfg, addresses: Sequence[str], export_dir: str | Path | None = None,
@@ -331,13 +338,14 @@ class WeightSync:
                 f"on this host; use rollout.weight_sync='disk' (or 'auto')"
             )
         from moe_rl.config.hf_model import initial_weights_dir, side_files_dir
+        from moe_rl.rollout.weight_group import group_options
 
         init = initial_weights_dir(cfg)
         return cls(
             mode, cfg.model, export_dir=export_dir, template_dir=side_files_dir(cfg),
             weight_quantization=r.weight_quantization,
             bucket_bytes=r.weight_sync_bucket_mb << 20, reference=reference_from_hf_dir(init) if init else None,
-            keys=ServerKeys.from_rollout_config(r) if keys is None else keys,
+            keys=ServerKeys.from_rollout_config(r) if keys is None else keys, group_options=group_options(r),
         )  # fmt: skip
 
     def check_servable(self, addresses: Sequence[str]) -> None:
@@ -378,11 +386,11 @@ class WeightSync:
             path = write_hf_checkpoint(named, self.model_cfg, self.export_dir, self.template_dir)
             update_weights_from_disk(addresses, path, version, self.timeout_s, keys=self.keys, flush_cache=flush_cache)
         else:
-            failures = []
-            for address in addresses:
+            failures, errors = [], self._push_buckets(named, addresses, version, flush_cache)
+            for address, err in errors.items():
                 try:
-                    headers = self.keys.headers(admin=True) if self.keys else None
-                    push_tensors(address, named, version, self.bucket_bytes, self.timeout_s, headers, flush_cache)
+                    if err is not None:
+                        raise err
                     _check_version([address], version, self.keys)
                 except WeightSyncError as err:
                     if getattr(err, "buckets_loaded", 1) > 0:
@@ -397,3 +405,27 @@ class WeightSync:
         self.reference = {k: tuple(v.shape) for k, v in hf_state.items()}
         self.version = str(version)
         self.last_state = hf_state
+
+    def _push_buckets(self, named, addresses: list[str], version: str,
+                      flush_cache: bool = True) -> dict[str, WeightSyncError | None]:  # fmt: skip
+        """The tensor or distributed transport; ``{address: None | error with buckets_loaded}``."""
+        if self.mode == "distributed":
+            from moe_rl.rollout.weight_group import WeightGroup
+
+            self.group = WeightGroup.reuse(self.group, addresses, timeout_s=self.timeout_s, keys=self.keys,
+                                           **self.group_options)  # fmt: skip
+            return self.group.push(named, version, self.bucket_bytes, flush_cache)
+        errors: dict[str, WeightSyncError | None] = dict.fromkeys(addresses)
+        for address in addresses:
+            try:
+                push_tensors(address, named, version, self.bucket_bytes, self.timeout_s,
+                             self.keys.headers(admin=True) if self.keys else None, flush_cache)  # fmt: skip
+            except WeightSyncError as err:
+                errors[address] = err
+        return errors
+
+    def close(self) -> None:
+        """Tear down the distributed weight-update group (servers and here); a later sync opens a new one."""
+        if self.group is not None:
+            self.group.close()
+            self.group = None

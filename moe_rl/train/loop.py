@@ -188,6 +188,7 @@ class RLTrainer:
 
         ws = self.weight_sync
         if ws is not None and ws.last_state is not None:
+            ws.close()  # distributed: a restarted server lost its group; the full sync rendezvouses again
             ws.push(ws.last_state, addresses, self.version(step))  # a full sync: clears any half-updated state
             return
         update_weights_from_disk(addresses, self.run_dir / "hf" / "current", self.version(step), keys=self.server_keys)
@@ -336,7 +337,7 @@ class RLTrainer:
                         extra, files = self._checkpoint_contents(step + 1)
                         save_checkpoint(self.learner, self.ckpt_dir, cfg.checkpoint.keep_last, extra=extra,
                                         step=step + 1, files=files)  # dirs named by RL step
-                if self.weight_sync is not None and self.weight_sync.mode == "tensor":
+                if self.weight_sync is not None and self.weight_sync.mode != "disk":
                     self.export_weights()  # <run>/hf/current holds the final weights whatever the sync path
         finally:
             logger.close()
@@ -379,6 +380,8 @@ class RLTrainer:
         ``run`` does it itself; callers driving the trainer by hand (``moe-rl diagnose``) call it.
         """
         self.driver.close()
+        if self.weight_sync is not None:
+            self.weight_sync.close()  # distributed: the weight-update group, on the servers and here
         if self.rewarder is not None:
             self.rewarder.close()
         if self.run_lock is not None:

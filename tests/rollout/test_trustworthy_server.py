@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from safetensors.torch import load_file as load_safetensors
 
 from moe_rl.rollout.auth import ServerKeyError, ServerKeys
 from moe_rl.rollout.client import RolloutClient, SamplingSettings
@@ -92,10 +93,11 @@ def test_unauthenticated_weight_update_and_generate_are_refused_and_the_key_stay
         assert secret not in repr(keys) and secret not in repr(server.spec)
 
 
-# Every admin endpoint the trainer calls (weights.py: disk path, tensor path); the partial-rollout work adds
-# pause_generation / continue_generation here when the trainer starts calling them.
+# Every admin endpoint the trainer calls (weights.py: disk path, tensor path; weight_group.py: distributed path);
+# the partial-rollout work adds pause_generation / continue_generation here when the trainer starts calling them.
 TRAINER_ADMIN_ENDPOINTS = ("update_weights_from_disk", "begin_weight_update", "update_weights_from_tensor",
-                           "end_weight_update")  # fmt: skip
+                           "end_weight_update", "init_weights_update_group", "update_weights_from_distributed",
+                           "destroy_weights_update_group")  # fmt: skip
 
 
 def test_every_admin_endpoint_the_trainer_calls_refuses_a_call_without_the_admin_key(keyed, model_dir):
@@ -121,8 +123,31 @@ def test_every_admin_endpoint_the_trainer_calls_refuses_a_call_without_the_admin
         mp.setattr(weights, "_post", recording_post)
         weights.WeightSync("tensor", None, keys=keys).push(served, [url], "step-0")  # the same weights again
         weights.update_weights_from_disk([url], model_dir, "step-0", keys=keys)
+        distributed = weights.WeightSync("distributed", None, keys=keys, group_options={"backend": "gloo"})
+        try:
+            distributed.push(served, [url], "step-0")
+        finally:
+            distributed.close()
     assert {e for e, _ in sent} == set(TRAINER_ADMIN_ENDPOINTS)
     assert {auth for _, auth in sent} == {f"Bearer {ADMIN_KEY}"}
+
+
+def test_distributed_sync_without_the_admin_key_is_refused_before_any_rendezvous(keyed, model_dir):
+    import threading
+
+    import moe_rl.rollout.weights as weights
+    from moe_rl.rollout.weight_group import GROUP_PREFIX
+
+    pool, keys, _ = keyed
+    url = pool.addresses[0]
+    served = {k: v for f in sorted(Path(model_dir).glob("*.safetensors")) for k, v in load_safetensors(f).items()}
+    for wrong in (ServerKeys(api_key=API_KEY), ServerKeys(api_key=API_KEY, admin_api_key="not-the-admin-key")):
+        sync = weights.WeightSync("distributed", None, keys=wrong, group_options={"backend": "gloo"}, timeout_s=60)
+        with pytest.raises(weights.WeightSyncError, match="keeps its previous weights.*HTTP 401.*admin key"):
+            sync.push(served, [url], "step-9")
+        sync.close()
+    assert weights.server_weight_version(url, keys=keys) == "step-0"
+    assert not [t for t in threading.enumerate() if GROUP_PREFIX in t.name], "a refused rendezvous left a thread"
 
 
 def test_missing_key_variable_is_one_clear_error(monkeypatch):

@@ -1,0 +1,273 @@
+"""The weight-update process group of ``rollout.weight_sync: distributed``: learner rank 0 -> SGLang servers.
+
+Owns the group's life and its wire: the rendezvous (a TCPStore this process hosts on
+``rollout.weight_sync_master_port`` at ``rollout.weight_sync_master_address``; every server joins through
+SGLang's ``/init_weights_update_group``, which returns only after all ranks joined, so this side joins
+from a thread while those HTTP calls are in flight, else both wait for each other), one sync (inside the
+``/begin_weight_update`` ... ``/end_weight_update`` session: per bucket of ``rollout.weight_sync_bucket_mb``
+the names, dtypes and shapes go to ``/update_weights_from_distributed`` on every server while rank 0
+broadcasts the same tensors in the same order), and teardown (``/destroy_weights_update_group`` on every
+server, the local group destroyed, no thread left). Backend gloo for CPU servers, NCCL for GPU servers (the
+NCCL path is the same code with CUDA tensors; it has not been run on this CPU-only project host).
+
+Every call carries the admin key. A group that saw a failure is closed; the next sync opens a new one
+(new group name, so a server that kept the old one cannot mix them up). It does not check weights, label
+versions or track half-updated servers (``weights.WeightSync`` does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import socket
+import threading
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import httpx
+import torch
+
+from moe_rl.rollout.auth import ServerKeys
+from moe_rl.rollout import weights
+from moe_rl.rollout.weights import WeightSyncError, _failed, buckets, is_local_address
+
+logger = logging.getLogger(__name__)
+
+GROUP_PREFIX = "moe_rl_weight_sync"
+
+
+def default_backend(server_device: str) -> str:
+    """``rollout.weight_sync_backend: auto``: NCCL for CUDA servers, gloo for CPU servers."""
+    return "nccl" if server_device == "cuda" else "gloo"
+
+
+def group_options(rollout) -> dict:
+    """WeightGroup's keyword arguments from a RolloutConfig (``weight_sync_backend: auto`` resolved)."""
+    backend = rollout.weight_sync_backend
+    return {"backend": default_backend(rollout.device) if backend == "auto" else backend,
+            "master_address": rollout.weight_sync_master_address, "master_port": rollout.weight_sync_master_port}
+
+
+def master_address_for(addresses: Sequence[str], configured: str | None = None) -> str:
+    """The address the servers reach this process at: the configured one, loopback when every server is
+    on this host, else this host's address on the route to the first server."""
+    if configured:
+        return configured
+    if all(is_local_address(a) for a in addresses):
+        return "127.0.0.1"
+    from urllib.parse import urlparse
+
+    host = urlparse(addresses[0]).hostname
+    port = urlparse(addresses[0]).port or 80
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # no packet is sent: picks the route only
+        s.connect((host, port))
+        return s.getsockname()[0]
+
+
+def port_is_free(port: int, host: str = "") -> bool:
+    """True when ``port`` can be bound on this host (preflight of ``rollout.weight_sync_master_port``)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _new_group(store, rank: int, world_size: int, backend: str, group_name: str, timeout: timedelta):
+    """A process group over ``store`` exactly as SGLang's ``init_custom_process_group`` builds its side
+    (same store prefixes), without touching this process's default group (the learner's own)."""
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
+
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
+                                      group_name=group_name, backend_options=None, timeout=timeout)  # fmt: skip
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+class WeightGroup:
+    """Rank 0's weight-update group with ``addresses`` (opened on first use, reused across syncs)."""
+
+    _names = itertools.count()  # group names unique within this process
+
+    def __init__(self, addresses: Sequence[str], *, backend: str = "gloo", master_address: str | None = None,
+                 master_port: int | None = None, timeout_s: float = 600.0, keys: ServerKeys | None = None):  # fmt: skip
+        self.addresses = [a.rstrip("/") for a in addresses]
+        self.backend = backend
+        self.master_address = master_address_for(self.addresses, master_address)
+        self.master_port = master_port or 0  # 0: the store picks a free port
+        self.timeout_s = timeout_s
+        self.headers = keys.headers(admin=True) if keys else {}  # every call below is an admin call
+        self.api_headers = keys.headers() if keys else {}  # /server_info is not
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.group = self.store = self.group_name = None
+
+    @classmethod
+    def reuse(cls, group: WeightGroup | None, addresses: Sequence[str], **kwargs) -> WeightGroup:
+        """``group`` when it serves ``addresses``, else a new (unopened) one; a replaced group is closed."""
+        if group is not None and group.addresses == [a.rstrip("/") for a in addresses]:
+            return group
+        if group is not None:
+            group.close()
+        return cls(addresses, **kwargs)
+
+    # ------------------------------------------------------------------ lifecycle
+    def open(self) -> None:
+        """Rendezvous with every server (no-op when open). Raises WeightSyncError naming the server."""
+        if self.group is not None:
+            return
+        for address in self.addresses:  # a refusal after the rendezvous started would leave this side waiting
+            self._check_admin(address)
+        ranks = [self._tp_size(a) for a in self.addresses]
+        world = 1 + sum(ranks)
+        self.group_name = f"{GROUP_PREFIX}_{next(self._names)}"
+        timeout = timedelta(seconds=self.timeout_s)
+        self.store = torch.distributed.TCPStore("0.0.0.0", self.master_port, world, is_master=True, timeout=timeout,
+                                                wait_for_workers=False)  # fmt: skip
+        port, offsets = self.store.port, [1 + sum(ranks[:i]) for i in range(len(ranks))]
+        joined: dict = {}
+
+        def join():  # this side of the rendezvous: blocks until every server rank has joined
+            try:
+                joined["group"] = _new_group(self.store, 0, world, self.backend, self.group_name, timeout)
+            except Exception as err:  # reported by the caller  # noqa: BLE001
+                joined["error"] = err
+
+        thread = threading.Thread(target=join, name=f"{self.group_name}-rendezvous", daemon=True)
+        thread.start()
+        bodies = {a: {"master_address": self.master_address, "master_port": port, "rank_offset": off,
+                      "world_size": world, "group_name": self.group_name, "backend": self.backend}
+                  for a, off in zip(self.addresses, offsets)}  # fmt: skip
+        refused = self._on_every_server("init_weights_update_group", bodies)
+        if refused:  # a refused server never joins: the rendezvous thread gives up after the timeout
+            self.store = None
+            raise WeightSyncError(f"weight-update group {self.group_name} (tcp://{self.master_address}:{port}, "
+                                  f"backend {self.backend}) not created: " + "; ".join(refused.values()))  # fmt: skip
+        thread.join(self.timeout_s)
+        if "group" not in joined:
+            self.store = None
+            raise WeightSyncError(f"weight-update group {self.group_name}: the servers joined but this side did not "
+                                  f"({joined.get('error', 'timed out')})")  # fmt: skip
+        self.group = joined["group"]
+        logger.info("weight-update group %s open: %d server rank(s), tcp://%s:%d, %s", self.group_name, world - 1,
+                    self.master_address, port, self.backend)  # fmt: skip
+
+    def close(self) -> None:
+        """Destroy the group on every server (best effort: a dead server has none) and here."""
+        if self.group is None:
+            return
+        with contextlib.suppress(WeightSyncError):
+            self._on_every_server("destroy_weights_update_group", {a: {"group_name": self.group_name}
+                                                                    for a in self.addresses})  # fmt: skip
+        with contextlib.suppress(Exception):
+            torch.distributed.destroy_process_group(self.group)
+        self.group = self.store = None
+
+    # ------------------------------------------------------------------ one sync
+    def push(self, named: Mapping[str, torch.Tensor], weight_version: str, bucket_bytes: int,
+             flush_cache: bool = True) -> dict:  # fmt: skip
+        """Load ``named`` into every server; ``{address: None | WeightSyncError}`` (``buckets_loaded`` on the error).
+
+        Intermediate buckets label the servers ``<version>.partial``. Any failure ends the sync for every
+        server and closes the group (a broadcast may be half-consumed); the next push opens a new one.
+        """
+        try:
+            self.open()
+        except WeightSyncError as err:
+            return {a: _failed(str(err), 0) for a in self.addresses}
+        groups = buckets(named, bucket_bytes)
+        loaded = dict.fromkeys(self.addresses, 0)
+        errors: dict = dict.fromkeys(self.addresses)
+        begun = self._on_every_server("begin_weight_update", {a: {} for a in self.addresses})
+        if begun and all("already open" in m for m in begun.values()):  # left open by a learner that died
+            self._on_every_server("end_weight_update", {a: {} for a in begun})
+            begun = self._on_every_server("begin_weight_update", {a: {} for a in begun})
+        try:
+            if begun:
+                return {a: _failed(f"{a}/begin_weight_update refused ({begun.get(a)})", 0) if a in begun else
+                        _failed(f"another server refused to begin: {'; '.join(begun.values())}", 0)
+                        for a in self.addresses}  # fmt: skip
+            for i, group in enumerate(groups):
+                body = {
+                    "names": [n for n, _ in group],
+                    "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in group],
+                    "shapes": [list(t.shape) for _, t in group],
+                    "group_name": self.group_name,
+                    "weight_version": str(weight_version) if i == len(groups) - 1 else f"{weight_version}.partial",
+                    "flush_cache": flush_cache and i == len(groups) - 1,
+                }
+                refused = self._bucket(group, body)
+                for a in self.addresses:
+                    if a in refused:
+                        errors[a] = _failed(f"{a} refused bucket {i + 1}/{len(groups)} ({refused[a]})", loaded[a] + 1)
+                    else:
+                        loaded[a] += 1
+                if refused:
+                    for a in self.addresses:
+                        errors[a] = errors[a] or _failed(f"the sync stopped at bucket {i + 1}/{len(groups)}: "
+                                                         f"{'; '.join(refused.values())}", loaded[a])  # fmt: skip
+                    self.close()
+                    return errors
+            return errors
+        finally:
+            self._on_every_server("end_weight_update", {a: {} for a in self.addresses})
+
+    def _bucket(self, group: list[tuple[str, torch.Tensor]], body: dict) -> dict[str, str]:
+        """One bucket: the request to every server and, meanwhile, rank 0's broadcasts; refusals by address."""
+        tensors = [t.detach().to(self.device).contiguous() for _, t in group]
+        with ThreadPoolExecutor(len(self.addresses), thread_name_prefix=f"{self.group_name}-bucket") as pool:
+            futures = {a: pool.submit(weights._post, a, "update_weights_from_distributed", body, self.timeout_s,
+                                      self.headers) for a in self.addresses}  # fmt: skip
+            works = [torch.distributed.broadcast(t, src=0, group=self.group, async_op=True) for t in tensors]
+            refused = {}  # a server replies after it received (and loaded) the whole bucket, or refused it
+            for a, future in futures.items():
+                try:
+                    ok, message = future.result()
+                except WeightSyncError as err:
+                    ok, message = False, str(err)
+                if not ok:
+                    refused[a] = message
+            try:  # done when every server received; else it may never be (the group is closed after this)
+                for work in works:
+                    work.wait(timeout=timedelta(seconds=self.timeout_s if not refused else 5))
+            except Exception as err:  # noqa: BLE001
+                sent = f"rank 0's broadcast failed: {type(err).__name__}: {err}"
+                refused = refused or dict.fromkeys(self.addresses, sent)
+        return refused
+
+    # ------------------------------------------------------------------ HTTP
+    def _on_every_server(self, endpoint: str, bodies: Mapping[str, dict]) -> dict[str, str]:
+        """POST ``endpoint`` to every server concurrently; ``{address: message}`` of those that refused."""
+        with ThreadPoolExecutor(len(bodies), thread_name_prefix=f"{GROUP_PREFIX}-http") as pool:
+            futures = {a: pool.submit(weights._post, a, endpoint, body, self.timeout_s, self.headers)
+                       for a, body in bodies.items()}  # fmt: skip
+            refused = {}
+            for a, future in futures.items():
+                try:
+                    ok, message = future.result()
+                except WeightSyncError as err:
+                    ok, message = False, str(err)
+                if not ok:
+                    refused[a] = f"{a}/{endpoint}: {message}"
+        return refused
+
+    def _check_admin(self, address: str) -> None:
+        """The server takes this process's admin calls and has the group endpoints: destroying a group that
+        does not exist answers 400 when it does, 401/403 without the admin key, 404 on an SGLang without them."""
+        ok, message = weights._post(address, "destroy_weights_update_group", {"group_name": f"{GROUP_PREFIX}_probe"},
+                            self.timeout_s, self.headers)  # fmt: skip
+        if not ok and not message.startswith("HTTP 400"):
+            raise WeightSyncError(f"{address}/destroy_weights_update_group refused ({message}): the weight-update "
+                                  "group needs the servers' admin key (rollout.admin_api_key_env, or the run's own) "
+                                  "and an SGLang with /init_weights_update_group")  # fmt: skip
+
+    def _tp_size(self, address: str) -> int:
+        """Server ranks that join the group (``tp_size`` in ``/server_info``; one per tensor-parallel rank)."""
+        try:
+            resp = httpx.get(f"{address}/server_info", timeout=60, headers=self.api_headers)
+            resp.raise_for_status()
+            return int(resp.json().get("tp_size") or 1)
+        except (httpx.HTTPError, ValueError) as err:
+            raise WeightSyncError(f"{address}/server_info failed: {type(err).__name__}: {err}") from err

@@ -1,0 +1,51 @@
+"""``rollout.weight_sync: distributed`` in the config: the keys, the preflight's messages, what WeightSync gets."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from moe_rl.config import load_config
+from moe_rl.config.preflight import config_problems, environment_problems
+from moe_rl.rollout.weight_group import group_options, master_address_for, port_is_free
+
+
+def test_distributed_resolves_gloo_for_cpu_servers_and_nccl_for_gpu_servers():
+    cfg = load_config(overrides=["rollout.weight_sync=distributed", "rollout.weight_sync_master_port=29555"])
+    assert config_problems(cfg).problems == []
+    assert group_options(cfg.rollout) == {"backend": "gloo", "master_address": None, "master_port": 29555}
+    assert group_options(load_config(overrides=["rollout.device=cuda"]).rollout)["backend"] == "nccl"
+    assert master_address_for(["http://127.0.0.1:30000", "http://localhost:30001"]) == "127.0.0.1"
+    assert master_address_for(["http://10.0.0.7:30000"], "10.0.0.1") == "10.0.0.1"
+
+
+def test_nccl_with_cpu_servers_is_refused_by_the_config_rules():
+    cfg = load_config(overrides=["rollout.weight_sync=distributed", "rollout.weight_sync_backend=nccl"])
+    assert config_problems(cfg).problems == [
+        "rollout.weight_sync_backend='nccl' with rollout.device='cpu': a CPU SGLang server receives weights over "
+        "gloo only; expected rollout.weight_sync_backend='gloo' (or 'auto')"
+    ]
+
+
+def test_a_rendezvous_port_in_use_is_refused_by_the_environment_rules():
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        cfg = load_config(overrides=["rollout.weight_sync=distributed", f"rollout.weight_sync_master_port={port}"])
+        assert not port_is_free(port)
+        assert environment_problems(cfg, {"WORLD_SIZE": "1"}).problems == [
+            f"rollout.weight_sync_master_port={port} is in use on this host; rank 0 listens there for the "
+            "weight-update group's rendezvous: expected a free port (or null: pick one)"
+        ]
+        assert environment_problems(cfg, {"WORLD_SIZE": "2", "RANK": "1"}).problems == []  # rank 0 listens
+    assert port_is_free(port)
+
+
+@pytest.mark.parametrize("key", ["rollout.weight_sync=nccl", "rollout.weight_sync_backend=mpi"])
+def test_unknown_values_name_the_key(key):
+    from moe_rl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=key.split("=")[0]):
+        load_config(overrides=[key])
