@@ -1,0 +1,96 @@
+"""What a weight sync checks before anything is sent, and its errors.
+
+Owns ``WeightSyncError`` / ``ServerInvalidError``, the served model's ``{name: shape}`` read from an HF
+checkpoint's headers, the name / shape / finiteness check of an export (SGLang ignores unknown names
+and crashes on a wrong shape, so this is the only place such an export is caught), whether an address
+is on this host, and the FP8 fake quantisation both sync paths apply.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import socket
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+from urllib.parse import urlparse
+
+import numpy as np
+import torch
+
+__all__ = [
+    "WeightSyncError", "ServerInvalidError", "reference_from_hf_dir", "check_weights", "is_local_address",
+    "quantize_state_dict",
+]  # fmt: skip
+
+
+class WeightSyncError(RuntimeError):
+    """A sync was refused or failed; the message names the server and what state it is left in."""
+
+
+class ServerInvalidError(WeightSyncError):
+    """Rollouts were asked of a server whose weights are half-updated; a full sync must come first."""
+
+
+def reference_from_hf_dir(hf_dir: str | Path) -> dict[str, tuple[int, ...]]:
+    """``{name: shape}`` of an HF safetensors checkpoint, read from the file headers only."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in sorted(Path(hf_dir).glob("*.safetensors")):
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+        shapes.update({k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"})
+    if not shapes:
+        raise FileNotFoundError(f"{hf_dir} holds no *.safetensors weights")
+    return shapes
+
+
+def check_weights(named: Mapping[str, torch.Tensor], reference: Mapping[str, tuple[int, ...]] | None) -> None:
+    """Same names and shapes as `reference` (when given) and all values finite; else WeightSyncError.
+
+    SGLang ignores unknown names silently and crashes its scheduler on a wrong shape, so this is
+    the only place such an export is caught before it reaches a server.
+    """
+    if reference is not None:
+        missing, extra = sorted(set(reference) - set(named)), sorted(set(named) - set(reference))
+        if missing or extra:
+            raise WeightSyncError(
+                f"weights to sync do not match the served model: {len(missing)} missing (e.g. {missing[:3]}), "
+                f"{len(extra)} unknown (e.g. {extra[:3]}); nothing was sent"
+            )
+        for name, tensor in named.items():
+            if tuple(tensor.shape) != tuple(reference[name]):
+                raise WeightSyncError(
+                    f"weights to sync: {name} has shape {tuple(tensor.shape)}, the served model has "
+                    f"{tuple(reference[name])}; nothing was sent"
+                )
+    for name, tensor in named.items():
+        if tensor.is_floating_point() and not _all_finite(tensor):
+            raise WeightSyncError(f"weights to sync: {name} holds NaN or Inf values; nothing was sent")
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """numpy where it can (single-threaded: torch's OpenMP reductions crawl on an oversubscribed host)."""
+    t = tensor.detach().cpu()
+    if t.dtype in (torch.float16, torch.float32, torch.float64):
+        return bool(np.isfinite(t.numpy()).all())
+    return bool(torch.isfinite(t).all())
+
+
+def is_local_address(address: str) -> bool:
+    """True when `address` (http://host:port) resolves to a loopback interface of this host."""
+    host = urlparse(address if "//" in address else f"//{address}").hostname or ""
+    with contextlib.suppress(OSError, ValueError):
+        return all(ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(host, None))
+    return False
+
+
+def quantize_state_dict(named: Mapping[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
+    """FP8 fake quantisation of the projection weights, exactly as `quantize_hf_dir` does on disk."""
+    from moe_rl.rollout.quantize import QUANTIZED_SUFFIXES, fake_quantize
+
+    if fmt == "none":
+        return dict(named)
+    return {k: fake_quantize(v, fmt, 128) if k.endswith(QUANTIZED_SUFFIXES) else v for k, v in named.items()}
