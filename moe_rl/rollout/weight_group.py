@@ -221,14 +221,7 @@ class WeightGroup:
             futures = {a: pool.submit(weights._post, a, "update_weights_from_distributed", body, self.timeout_s,
                                       self.headers) for a in self.addresses}  # fmt: skip
             works = [torch.distributed.broadcast(t, src=0, group=self.group, async_op=True) for t in tensors]
-            refused = {}  # a server replies after it received (and loaded) the whole bucket, or refused it
-            for a, future in futures.items():
-                try:
-                    ok, message = future.result()
-                except WeightSyncError as err:
-                    ok, message = False, str(err)
-                if not ok:
-                    refused[a] = message
+            refused = _refusals(futures)  # a server replies after it received (and loaded) the whole bucket
             try:  # done when every server received; else it may never be (the group is closed after this)
                 for work in works:
                     work.wait(timeout=timedelta(seconds=self.timeout_s if not refused else 5))
@@ -243,15 +236,7 @@ class WeightGroup:
         with ThreadPoolExecutor(len(bodies), thread_name_prefix=f"{GROUP_PREFIX}-http") as pool:
             futures = {a: pool.submit(weights._post, a, endpoint, body, self.timeout_s, self.headers)
                        for a, body in bodies.items()}  # fmt: skip
-            refused = {}
-            for a, future in futures.items():
-                try:
-                    ok, message = future.result()
-                except WeightSyncError as err:
-                    ok, message = False, str(err)
-                if not ok:
-                    refused[a] = f"{a}/{endpoint}: {message}"
-        return refused
+            return {a: f"{a}/{endpoint}: {message}" for a, message in _refusals(futures).items()}
 
     def _check_admin(self, address: str) -> None:
         """The server takes this process's admin calls and has the group endpoints: destroying a group that
@@ -271,3 +256,16 @@ class WeightGroup:
             return int(resp.json().get("tp_size") or 1)
         except (httpx.HTTPError, ValueError) as err:
             raise WeightSyncError(f"{address}/server_info failed: {type(err).__name__}: {err}") from err
+
+
+def _refusals(futures: Mapping) -> dict[str, str]:
+    """``{address: message}`` of the admin calls (``weights._post`` futures by address) that were refused."""
+    refused = {}
+    for address, future in futures.items():
+        try:
+            ok, message = future.result()
+        except WeightSyncError as err:
+            ok, message = False, str(err)
+        if not ok:
+            refused[address] = message
+    return refused
