@@ -78,6 +78,9 @@ def test_every_shipped_config_passes_the_config_rules(path, request):
          "model.moe_token_dispatcher_type='allgather' with parallel.pp=2: Megatron-Core refuses the allgather "
          "dispatcher with variable_seq_lengths, which pipeline stages need for ragged microbatches; "
          "expected 'alltoall'"),
+        (["train.rollout_mode=async", "train.rollouts_from=/tmp/records"],
+         "train.rollout_mode=async overlaps generation with training; train.rollouts_from trains on saved records "
+         "without servers (set train.rollout_mode=sync)"),
         (["parallel.cp=2"],
          "parallel.cp=2: the training loop does not split sequences over context parallelism; expected 1"),
         (["model.moe_router_score_function=sigmoid"],
