@@ -1,4 +1,4 @@
-"""How stale a step's tokens are, and what that keeps out of the loss.
+"""How stale a step's tokens are, and what that keeps out of the loss (host tensors, like the records).
 
 Owns per-token staleness ``step - token_version`` (the records' ``token_versions``; older records: the
 sample's version on every token), the async guard (a sample whose oldest token is more than
@@ -28,19 +28,20 @@ class StepStaleness:
         tv = token_versions_of(batch)
         self.known = tv is not None
         lens = batch.response_lens.astype(np.int64)
-        self.rows = torch.zeros(len(batch), width, dtype=torch.int64)  # staleness per response position
+        self.rows = torch.zeros(len(batch), width, dtype=torch.int64, device="cpu")  # staleness per response position
         if self.known:
             stale = step - tv.astype(np.int64)
             ends = np.cumsum(lens)
             for i, (end, n) in enumerate(zip(ends, lens)):
-                self.rows[i, :n] = torch.from_numpy(stale[end - n : end])
-        self.lens = torch.from_numpy(lens)
-        valid = torch.arange(width)[None, :] < self.lens[:, None]
+                self.rows[i, :n] = torch.from_numpy(stale[end - n : end]).to("cpu")
+        self.lens = torch.from_numpy(lens).to("cpu")
+        valid = torch.arange(width, device="cpu")[None, :] < self.lens[:, None]
         self.valid = valid
         oldest = torch.where(valid, self.rows, torch.zeros_like(self.rows)).amax(dim=1)
         self.dropped = (oldest > max_staleness) if (self.known and max_staleness is not None) else \
-            torch.zeros(len(batch), dtype=torch.bool)  # fmt: skip
-        self.spans = torch.tensor([bool((self.rows[i, :n] != self.rows[i, 0]).any()) for i, n in enumerate(lens)])
+            torch.zeros(len(batch), dtype=torch.bool, device="cpu")  # fmt: skip
+        self.spans = torch.tensor([bool((self.rows[i, :n] != self.rows[i, 0]).any()) for i, n in enumerate(lens)],
+                                  device="cpu")  # fmt: skip
 
     def token_keep(self, max_token_staleness: int | None) -> torch.Tensor | None:
         """``[N, R]`` bool: tokens the loss may see (guard and ``correction.max_token_staleness``); None = all."""
