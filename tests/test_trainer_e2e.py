@@ -107,25 +107,31 @@ def test_routing_none_on_the_same_data_reports_natural_flips(tmp_path, r3_run):
 
 def test_killed_run_resumes_from_checkpoint_with_identical_next_step(tmp_path, r3_run):
     _, uninterrupted = r3_run
-    proc = subprocess.Popen(train_cmd(tmp_path, "replay.routing=r3"), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
-    latest, deadline = tmp_path / "checkpoints" / "latest", time.time() + 400
-    try:
-        while time.time() < deadline and proc.poll() is None:
-            if latest.exists() and json.loads((_step_dir(latest) / "meta.json").read_text())["extra"]["rl_step"] >= 1:
-                break
-            time.sleep(0.5)
-        assert proc.poll() is None, f"run ended before it could be killed:\n{proc.stderr.read()[-3000:]}"
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    latest = tmp_path / "checkpoints" / "latest"
+    kill_train_when(tmp_path, ["replay.routing=r3"], signal.SIGTERM, poll_s=0.5, ready=lambda: latest.exists()
+                    and json.loads((_step_dir(latest) / "meta.json").read_text())["extra"]["rl_step"] >= 1)  # fmt: skip
     resumed = run_train(tmp_path, "replay.routing=r3")
     assert [m["step"] for m in resumed] == [1, 2, 3]
     for before, after in zip(uninterrupted, resumed, strict=True):
         same = {k: v for k, v in before.items() if not k.startswith(("time/", "rollout/tokens_per_s"))}
         assert same == {k: after[k] for k in same}, f"step {before['step']} differs after resume"
+
+
+def kill_train_when(out_dir: Path, overrides, sig: int, poll_s: float, ready) -> None:
+    """Start ``moe-rl train`` in its own process group and send ``sig`` to the group once ``ready()``
+    (failing if the run ends first); the group is SIGKILLed whatever happens."""
+    proc = subprocess.Popen(train_cmd(out_dir, *overrides), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # fmt: skip
+    deadline = time.time() + 400
+    try:
+        while time.time() < deadline and proc.poll() is None and not ready():
+            time.sleep(poll_s)
+        assert proc.poll() is None, f"run ended before it could be killed:\n{proc.stderr.read()[-3000:]}"
+        os.killpg(proc.pid, sig)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _step_dir(latest: Path) -> Path:
@@ -159,18 +165,8 @@ def test_async_run_killed_and_resumed_trains_every_step_once_within_the_stalenes
     checkpoint carried (not a new one), every step once, and no token is more than 1 version old."""
     args = ("replay.routing=r3", "train.rollout_mode=async", "train.max_staleness=1", "train.steps=4",
             "checkpoint.save_interval=2")  # fmt: skip
-    proc = subprocess.Popen(train_cmd(tmp_path, *args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
-    meta, deadline = tmp_path / "checkpoints" / "step_00000002" / "meta.json", time.time() + 400
-    try:
-        while time.time() < deadline and proc.poll() is None and not meta.exists():
-            time.sleep(0.02)
-        assert proc.poll() is None, f"run ended before it could be killed:\n{proc.stderr.read()[-3000:]}"
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    meta = tmp_path / "checkpoints" / "step_00000002" / "meta.json"
+    kill_train_when(tmp_path, args, signal.SIGKILL, poll_s=0.02, ready=meta.exists)
     carried = json.loads(meta.read_text())["extra"]["async"]
     assert carried["ready_steps"] == [2], "pushing version 2 waits for step 2's batch, so the checkpoint holds it"
     saved = (meta.parent / "files" / "step_000002.safetensors").read_bytes()

@@ -205,7 +205,7 @@ class RLTrainer:
         if self.is_main:
             from moe_rl.train.producer import InlineBatches
 
-            source = self.source or InlineBatches(self._batch_maker(client), step, step + 1)
+            source = self.source or InlineBatches(self._batch_maker(client), step)
             path = source.batch(step)
         barrier()
         return self.records.load(path)  # every rank: the bytes rank 0 wrote, checked against the model

@@ -23,6 +23,8 @@ prompt-stream position before the first unfinished step (its prompts are taken a
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -39,7 +41,7 @@ class InlineBatches:
 
     mode = "sync"
 
-    def __init__(self, make: MakeBatch, start_step: int, end_step: int, pending: dict[int, Path] | None = None):
+    def __init__(self, make: MakeBatch, start_step: int, pending: dict[int, Path] | None = None):
         self.make, self.served, self.pending = make, start_step, dict(pending or {})
 
     def start(self) -> None:
@@ -211,16 +213,13 @@ def batch_source(cfg, make: MakeBatch, start_step: int, served_version: int,
     """The source ``train.rollout_mode`` asks for (rank 0 only)."""
     t = cfg.train
     if t.rollout_mode == "sync":
-        return InlineBatches(make, start_step, t.steps, pending)
+        return InlineBatches(make, start_step, pending)
     return AsyncProducer(make, start_step, t.steps, t.max_staleness, served_version, stream_state, pending)
 
 
 def pending_records(resume_meta: dict, records_dir: Path) -> dict[int, Path]:
     """``{step: path}`` of a resumed checkpoint's finished-but-untrained records, copied back to
     ``<records_dir>/step_<s>.safetensors`` (where the batch trained at step ``s`` lives)."""
-    import os
-    import shutil
-
     ready = resume_meta.get("extra", {}).get("async", {}).get("ready_steps", [])
     out = {}
     for step in ready:

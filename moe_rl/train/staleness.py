@@ -34,9 +34,7 @@ class StepStaleness:
             ends = np.cumsum(lens)
             for i, (end, n) in enumerate(zip(ends, lens)):
                 self.rows[i, :n] = torch.from_numpy(stale[end - n : end]).to("cpu")
-        self.lens = torch.from_numpy(lens).to("cpu")
-        valid = torch.arange(width, device="cpu")[None, :] < self.lens[:, None]
-        self.valid = valid
+        self.valid = valid = torch.arange(width, device="cpu")[None, :] < torch.from_numpy(lens).to("cpu")[:, None]
         oldest = torch.where(valid, self.rows, torch.zeros_like(self.rows)).amax(dim=1)
         self.dropped = (oldest > max_staleness) if (self.known and max_staleness is not None) else \
             torch.zeros(len(batch), dtype=torch.bool, device="cpu")  # fmt: skip

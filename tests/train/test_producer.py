@@ -69,7 +69,7 @@ def test_no_batch_is_made_by_weights_more_than_k_versions_old(tmp_path, k):
     if k == 0:  # exactly the sync loop's calls
         sync = Maker(tmp_path / "sync", ListStream())
         (tmp_path / "sync").mkdir()
-        inline = InlineBatches(sync, 0, 6)
+        inline = InlineBatches(sync, 0)
         train(inline, range(6))
         assert maker.calls == sync.calls == [(s, s) for s in range(6)]
 
