@@ -25,6 +25,13 @@ def rank_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def repo_env(root, **extra: str) -> dict[str, str]:
+    """The environment for a subprocess that imports this checkout: ``root`` first on PYTHONPATH, and
+    whatever PYTHONPATH already held after it (``make gpu-check`` puts its offline wheels there)."""
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 def one_gpu_per_rank(ranks: int):
     """Skip mark for a ``ranks``-process test on a machine with CUDA but fewer GPUs than ranks
     (each rank takes its own GPU; on a CPU-only machine the ranks run over gloo)."""

@@ -4,7 +4,6 @@ train configs/cpu/<name>.yaml`, 2 ranks over gloo (ep=2; pp=2 for qwen3_235b_a22
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 
 from moe_rl.learner.dist import free_port
 from moe_rl.train.metrics_log import read_metrics
+from tests.conftest import repo_env
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["logging.tensorboard=false", "logging.progress=false", "rollout.startup_timeout_s=600"]
@@ -21,7 +21,7 @@ QUICK = ["logging.tensorboard=false", "logging.progress=false", "rollout.startup
 def torchrun_train(config: Path, out_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            "-m", "moe_rl.cli", "train", str(config), f"train.output_dir={out_dir}", *QUICK, *overrides]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = repo_env(ROOT, OMP_NUM_THREADS="1")
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 

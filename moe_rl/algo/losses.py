@@ -102,6 +102,8 @@ def ppo_clip_loss(
     """
     logp, old_logp, adv, mask, is_weights = _inputs(logp, old_logp, advantages, mask, is_weights)
     lo, hi = _clip_bounds(clip_low, clip_high)
+    if dual_clip_c is not None and not float(dual_clip_c) > 1.0:
+        raise ValueError(f"dual_clip_c: expected > 1 (a floor at c·|A| for A < 0), got {dual_clip_c}")
     lr = log_ratio(logp, old_logp)
     ratio = torch.exp(lr)
     unclipped = -adv * ratio
@@ -114,10 +116,7 @@ def ppo_clip_loss(
         "loss/clip_frac_high": metric((clip_active & (ratio > hi)).sum() / mask.sum().clamp_min(1)),
     }
     if dual_clip_c is not None:
-        c = float(dual_clip_c)
-        if not c > 1.0:
-            raise ValueError(f"dual_clip_c: expected > 1 (a floor at c·|A| for A < 0), got {dual_clip_c}")
-        floor = -adv * c
+        floor = -adv * float(dual_clip_c)
         dual_active = (adv < 0) & (per_token > floor)
         per_token = torch.where(dual_active, floor, per_token)
         metrics["loss/dual_clip_frac"] = metric((dual_active & mask).sum() / mask.sum().clamp_min(1))

@@ -92,19 +92,20 @@ def test_rejection_arguments(kwargs, match):
 
 
 def test_loss_hyperparameters_are_checked():
-    adv = torch.zeros(2)
+    adv = torch.zeros(2)  # on the session device (conftest); LP and MASK were built on the host at import
+    lp, mask = LP.to(adv.device), MASK.to(adv.device)
     with pytest.raises(ValueError, match="dual_clip_c"):
-        ppo_clip_loss(LP, LP, adv, MASK, dual_clip_c=1.0)
+        ppo_clip_loss(lp, lp, adv, mask, dual_clip_c=1.0)
     with pytest.raises(ValueError, match="clip_low"):
-        ppo_clip_loss(LP, LP, adv, MASK, clip_low=1.0)
+        ppo_clip_loss(lp, lp, adv, mask, clip_low=1.0)
     with pytest.raises(ValueError, match="aggregation"):
-        ppo_clip_loss(LP, LP, adv, MASK, aggregation="mean")
+        ppo_clip_loss(lp, lp, adv, mask, aggregation="mean")
     with pytest.raises(ValueError, match="is_weights: expected non-negative"):
-        ppo_clip_loss(LP, LP, adv, MASK, is_weights=-torch.ones(2, 3))
+        ppo_clip_loss(lp, lp, adv, mask, is_weights=-torch.ones(2, 3))
     with pytest.raises(ValueError, match="icepop band"):
-        icepop_weights(LP, LP, MASK, low=2.0, high=1.0)
+        icepop_weights(lp, lp, mask, low=2.0, high=1.0)
     with pytest.raises(ValueError, match="is level"):
-        truncated_is_weights(LP, LP, MASK, level="geometric")
+        truncated_is_weights(lp, lp, mask, level="geometric")
 
 
 @pytest.mark.parametrize("fill", [1e30, -1e30, 0.0])

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import repo_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -16,7 +17,7 @@ def run_worker(worker: Path, *args: str, timeout: float = 240, nproc: int = 2) -
     """``torchrun --nproc_per_node=nproc worker *args``; fails the test with the stderr tail unless rc == 0."""
     from moe_rl.learner.dist import free_port
 
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = repo_env(REPO, OMP_NUM_THREADS="1")
     for attempt in range(2):  # a free port can be taken between probe and bind: retry once
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                f"--master_port={free_port()}", str(worker), *args]  # fmt: skip

@@ -7,13 +7,14 @@ recompute runs forward + backward (``shim_probe.py``).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.conftest import repo_env
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="CPU shims guard CPU-only failures; apply_cpu_shims is a no-op with CUDA"
@@ -36,7 +37,7 @@ EXPECTED_FAILURES = {
 @pytest.fixture(scope="module")
 def probe_results():
     """Launch all probes at once (each ~5 s, mostly imports) and collect their verdict lines."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = repo_env(REPO, OMP_NUM_THREADS="1")
     procs = {
         name: subprocess.Popen([sys.executable, str(PROBE), name], cwd=REPO, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)

@@ -15,7 +15,9 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the comparison is host-side: gloo ranks on any machine (make gpu-check too)
+if __name__ == "__main__":  # as torchrun's worker only: the test imports inputs() from here, and a GPU hidden
+    # at import would hide it from the whole pytest session (make gpu-check saw 0 GPUs in every later test)
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the comparison is host-side: gloo ranks on any machine
 
 import torch  # noqa: E402
 

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from moe_rl.rollout.shm import group_shm_files, remove_shm_files
+from tests.conftest import repo_env
 
 ROOT = Path(__file__).parents[2]
 HOLD_A_SEMAPHORE = """
@@ -53,7 +54,7 @@ def test_a_killed_groups_semaphore_is_found_by_inode_and_removed():
 
 
 def test_importing_sglang_entry_leaves_tqdm_without_a_multiprocessing_lock():
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = repo_env(ROOT)
     run = lambda how: subprocess.run([sys.executable, "-c", TQDM_LOCKS, how], capture_output=True, text=True,  # noqa: E731
                                      env=env, timeout=120, check=True).stdout.strip()  # fmt: skip
     assert "RLock" in run("plain")  # tqdm's default: a multiprocessing RLock (a named semaphore under spawn)

@@ -21,6 +21,7 @@ from moe_rl.records import RolloutBatch
 from moe_rl.rollout.auth import RUN_ADMIN_KEY_ENV
 from moe_rl.train.metrics_log import read_metrics
 from moe_rl.train.run_identity import read_run_id, version_nonce
+from tests.conftest import repo_env
 from tests.ops_probes import ShmWatch, server_of, shm_left_over, shm_snapshot, start_like_a_terminal
 from tests.rollout.test_launcher import _pids_mentioning
 
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.sglang
 ROOT = Path(__file__).parents[2]
 BASE = [sys.executable, "-m", "moe_rl.cli", "train", str(ROOT / "configs/tiny_cpu.yaml"), "logging.tensorboard=false",
         "logging.progress=false", "rollout.startup_timeout_s=600"]  # fmt: skip
-ENV = {k: v for k, v in os.environ.items() if k != RUN_ADMIN_KEY_ENV} | {"PYTHONPATH": str(ROOT)}
+ENV = {k: v for k, v in repo_env(ROOT).items() if k != RUN_ADMIN_KEY_ENV}
 
 
 def _environ_of(pid: int) -> dict[str, str]:

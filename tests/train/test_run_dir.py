@@ -14,6 +14,7 @@ import pytest
 
 from moe_rl.config import load_config, save_config
 from moe_rl.train.run_dir import RunDirError, RunLock, guard_run_dir
+from tests.conftest import repo_env
 
 HOLD_LOCK = "import sys, time; from moe_rl.train.run_dir import RunLock; RunLock(__import__('pathlib').Path(sys.argv[1])).acquire(); print('locked', flush=True); time.sleep(600)"  # noqa: E501
 
@@ -24,7 +25,7 @@ def _cfg(run_dir: Path, *overrides: str):
 
 def _holder(lock_path: Path) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(lock_path)], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": os.getcwd()})  # fmt: skip
+                            env=repo_env(os.getcwd()))  # fmt: skip
     assert proc.stdout.readline().strip() == "locked"
     return proc
 
@@ -43,7 +44,7 @@ def test_second_trainer_on_the_same_dir_fails_at_once_naming_the_holder(tmp_path
     assert str(holder.pid) in (tmp_path / ".moe_rl.lock").read_text()
     with caplog.at_level("WARNING"):
         lock = guard_run_dir(cfg, tmp_path, tmp_path / "checkpoints")
-    assert f"stale lock" in caplog.text and f"pid {holder.pid}" in caplog.text
+    assert "stale lock" in caplog.text and f"pid {holder.pid}" in caplog.text
     assert f'"pid": {os.getpid()}' in (tmp_path / ".moe_rl.lock").read_text()
     lock.release()
     assert RunLock(tmp_path / ".moe_rl.lock").acquire()  # released: the next run takes it

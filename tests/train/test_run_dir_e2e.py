@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import repo_env
 from tests.ops_probes import ShmWatch, shm_left_over, shm_snapshot, start_like_a_terminal
 from tests.rollout.test_launcher import _pids_mentioning
 
 ROOT = Path(__file__).parents[2]
 CONFIG = str(ROOT / "configs/tiny_cpu.yaml")
 BASE = ["train.steps=2", "logging.tensorboard=false", "logging.progress=false"]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+ENV = repo_env(ROOT)
 MAKE_FINISHED_RUN = """
 import sys
 from pathlib import Path

@@ -4,11 +4,11 @@ and with 2 ranks every rank trains on the bytes rank 0 read, or all ranks fail i
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+from tests.conftest import repo_env
 from tests.distributed.torchrun import run_worker
 from tests.train.records_fixture import CONFIG, RECORDS, ROOT
 
@@ -21,7 +21,7 @@ def test_the_issue_command_fails_in_one_line_naming_the_key(tmp_path):
            "train.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=16",
            "model.num_moe_experts=16", "train.steps=2", f"train.output_dir={tmp_path}", "logging.progress=false",
            "logging.tensorboard=false"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=repo_env(ROOT))
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines() == [
         f"error: train.rollouts_from={RECORDS}: {RECORDS}/step_000000.safetensors: records were made for 8 experts; "
