@@ -220,16 +220,27 @@ def main(argv: list[str] | None = None) -> int:
         warnings.filterwarnings("ignore", message=pattern, category=UserWarning)
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        rc = args.func(args)
     except Exception as exc:
         if not isinstance(exc, (ConfigError, RecordError, *_loaded_error_types())):
             raise
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        rc = 2  # every rank fails alike on these (decided on rank 0), so the groups can be torn down together
     except KeyboardInterrupt:  # servers were stopped and the lock released by the finally blocks on the way out
         print("interrupted (Ctrl-C): stopped; rerun the same command to resume from the last checkpoint",
               file=sys.stderr)  # fmt: skip
         return 130
+    _close_distributed()
+    return rc
+
+
+def _close_distributed() -> None:
+    """Tear down the process groups a command opened (NCCL warns at exit about a group never destroyed)."""
+    if "torch.distributed" not in sys.modules:  # config and launch commands never import torch
+        return
+    from moe_rl.learner.dist import destroy_distributed
+
+    destroy_distributed()
 
 
 if __name__ == "__main__":

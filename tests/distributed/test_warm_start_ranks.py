@@ -8,12 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import one_gpu_per_rank
 from tests.distributed.torchrun import run_worker
 
 WORKER = Path(__file__).with_name("warm_start_worker.py")
 
 
 @pytest.mark.distributed
+@one_gpu_per_rank(2)
 def test_a_cache_present_on_one_node_only_makes_every_rank_train(tmp_path):
     out = tmp_path / "result.json"
     run_worker(WORKER, "--root", str(tmp_path), "--out", str(out), timeout=240)  # a split decision hangs

@@ -50,7 +50,7 @@ def test_r2_record_then_replay_across_four_minibatches_while_weights_change(buil
         for l in range(L):
             got, want = probe.maps[l][step], expected_map(recorded[sids], l, E)
             rows = valid[sids].t().reshape(-1)  # padded rows of the record were re-padded; compare real ones
-            assert torch.equal(got[rows], want[rows]), f"minibatch {step} layer {l}"
+            assert torch.equal(got.cpu()[rows.cpu()], want.cpu()[rows.cpu()]), f"minibatch {step} layer {l}"
         m = driver.step_metrics()
         assert m["replay/r2_vs_dispatched/response/flip_rate"] == 0.0
         flip_rates.append(m["replay/r2_vs_natural/response/flip_rate"])
