@@ -56,8 +56,12 @@ class TaskRewarder(Rewarder):
 
 
 def function_spec(reward_cfg) -> str:
-    """The ``'module:fn'`` / ``'file.py:fn'`` a pool-backed ``reward.type`` runs."""
-    return reward_cfg.function if reward_cfg.type == "custom" else BUILTIN_FUNCTIONS[reward_cfg.type]
+    """The ``'module:fn'`` / ``'file.py:fn'`` a pool-backed ``reward.type`` runs (``math`` per ``reward.math_mode``)."""
+    if reward_cfg.type == "custom":
+        return reward_cfg.function
+    if reward_cfg.type == "math" and reward_cfg.math_mode == "flexible":
+        return BUILTIN_FUNCTIONS["math_flexible"]
+    return BUILTIN_FUNCTIONS[reward_cfg.type]
 
 
 class PoolRewarder(Rewarder):
