@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["extract_answer", "last_boxed", "math_score", "math_flexible_score", "exact_match_score", "normalize",
-           "TAIL_CHARS", "MATH_MODES"]  # fmt: skip
+__all__ = ["MATH_MODES", "TAIL_CHARS", "exact_match_score", "extract_answer", "last_boxed", "math_flexible_score",
+           "math_score", "normalize"]  # fmt: skip
 
 TAIL_CHARS = 300  # verl 0.9.1 math_dapo.compute_score / gsm8k._SOLUTION_CLIP_CHARS
 MATH_MODES = ("strict", "flexible")
@@ -76,7 +76,8 @@ def _parse(text: str):
     return parse(f"${text}$", extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()])
 
 
-def math_score(data_source=None, solution_str: str = "", ground_truth=None, extra_info=None, mode: str = "strict") -> float:
+def math_score(data_source=None, solution_str: str = "", ground_truth=None, extra_info=None,
+               mode: str = "strict") -> float:  # fmt: skip
     """1.0 when the response's final answer (``extract_answer(solution_str, mode)``) equals ``ground_truth``
     symbolically (math-verify), else 0.0. Strict by default: an unmarked answer scores 0."""
     from math_verify import verify

@@ -80,11 +80,10 @@ class PoolRewarder(Rewarder):
                      ground_truth=p.label, extra_info=p.extra_info) for p, r in zip(prompts, responses)]  # fmt: skip
 
     def score(self, prompts, responses) -> Scores:
-        try:
-            self.pool.start()  # imports the function in every worker (once)
+        try:  # start: imports the function in every worker (once); map: also in any replacement
+            outcomes = self.pool.start().map(self.calls(prompts, responses))
         except (ValueError, RuntimeError) as exc:
             raise RewardError(str(exc)) from None
-        outcomes = self.pool.map(self.calls(prompts, responses))
         errors = [(k, o.error) for k, o in enumerate(outcomes) if o.error is not None]
         if errors:
             k, why = errors[0]
