@@ -159,6 +159,50 @@ def test_in_place_counts_the_tokens_sampled_on_old_prefix_kv_as_stale(
     assert client.partial_counters.drain()["async/kv_stale_tokens"] == 0, "drain resets"
 
 
+class _RecordingClient(_NoEosClient):
+    """The real client; it also keeps every reply's finish reason (the test's evidence of a queued abort)."""
+
+    finishes: list
+
+    async def _post(self, http, url, body):
+        reply = await super()._post(http, url, body)
+        self.finishes.append(reply["meta_info"].get("finish_reason"))
+        return reply
+
+
+def test_abort_pause_continues_requests_aborted_while_still_queued(sglang_server, route_spec):
+    """A request still in SGLang's waiting queue when ``pause_generation(abort)`` comes is ended with "Abort in
+    waiting queue" and no tokens; the client must send it again like any paused request (the old client raised
+    'aborted the generation: Abort in waiting queue'). A retract pause first moves the running requests into the
+    waiting queue -- where requests beyond the server's running slots wait -- so the abort finds them queued."""
+    url, budget = sglang_server.url, 64
+    client = _RecordingClient([url], route_spec, VOCAB, SamplingSettings(1.0, 1.0, TOP_K, budget), pause_mode="abort")
+    client.finishes = []
+    out, errors, done = [], [], threading.Event()
+
+    def generate():
+        try:
+            out.extend(client.generate([PROMPT], n=3, step=0))
+        except Exception as err:  # noqa: BLE001 -- reported by the assertion below
+            errors.append(err)
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=generate)
+    worker.start()
+    _wait_until_generating(url, done, 3 * (len(PROMPT) + 4))
+    assert not done.is_set(), "the generation finished before the pause"
+    with paused_generation([url], "retract"), paused_generation([url], "abort"):
+        pass
+    worker.join(timeout=300)
+    assert not errors, errors
+    queued = [f for f in client.finishes if isinstance(f, dict) and f.get("message") == "Abort in waiting queue"]
+    assert queued, f"no request was aborted while queued: {client.finishes}"
+    assert [len(s.response_ids) for s in out] == [budget] * 3
+    assert client.partial_counters.continued_requests >= len(queued)
+    assert all(s.finish_reason == "length" and np.isfinite(s.rollout_logp).all() for s in out)
+
+
 @pytest.fixture(scope="module")
 def keyed_server(server_spec, tmp_path_factory):
     """A second server of the session checkpoint that has an admin key (generate stays open)."""
