@@ -29,6 +29,7 @@ from moe_rl.rollout.partial import (
     continuation_prompt,
     continuation_seed,
     is_pause_abort,
+    is_queued_abort,
     kv_stale_tokens,
     stitch,
     token_versions_from_meta,
@@ -276,7 +277,8 @@ class RolloutClient:
 
     async def _attempts(self, http, prompt, group_id, seed, start, max_new_tokens) -> tuple[RolloutSample | None, bool]:
         """One request with retries: (sample, whether a pause aborted it); the sample is None when a pause
-        aborted the request before it produced a token (SGLang's reply then carries no log-probs or routes)."""
+        aborted the request before its first token or while it sat in the waiting queue (``is_queued_abort``:
+        no routes in the reply, nothing to continue from): it is sent again whole."""
         body = self.request_body(prompt, seed, start, max_new_tokens)
         errors = []
         first = next(self._next_server)  # round-robin per request; a retry moves to the next server
@@ -285,7 +287,7 @@ class RolloutClient:
             try:
                 reply = await self._post(http, url, body)
                 paused = self.pause_mode == "abort" and is_pause_abort(reply["meta_info"])
-                if paused and not reply["output_ids"]:
+                if paused and (not reply["output_ids"] or is_queued_abort(reply["meta_info"])):
                     return None, True
                 return self._to_sample(reply, prompt, group_id, url, start), paused
             except _Retryable as err:

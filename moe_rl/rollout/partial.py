@@ -38,7 +38,8 @@ EXACT_PAUSE_MODES = ("retract", "abort")  # re-prefill under the new weights: ev
 SPANNING_PAUSE_MODES = ("retract", "in_place")  # one request is kept across the update: its reply needs spans
 # SGLang's messages for requests ended by abort_all (pause_generation abort): a running request's
 # FINISH_ABORT() ("Aborted"), and a still-queued one's (TokenizerManager._handle_abort_req's fallback)
-PAUSE_ABORT_MESSAGES = ("Aborted", "Abort in waiting queue")
+QUEUED_ABORT_MESSAGE = "Abort in waiting queue"
+PAUSE_ABORT_MESSAGES = ("Aborted", QUEUED_ABORT_MESSAGE)
 
 
 class PartialRolloutError(RuntimeError):
@@ -163,6 +164,13 @@ def is_pause_abort(meta_info: dict) -> bool:
         isinstance(finish, dict) and finish.get("type") == "abort"
         and finish.get("message") in PAUSE_ABORT_MESSAGES and finish.get("status_code") is None
     )  # fmt: skip
+
+
+def is_queued_abort(meta_info: dict) -> bool:
+    """A pause abort of a request in SGLang's waiting queue (never scheduled, or retracted there): its reply
+    has no routes or sampling masks and at most the tokens streamed before a retraction -- nothing a
+    continuation can stand on, so the request is sent again whole."""
+    return is_pause_abort(meta_info) and meta_info["finish_reason"].get("message") == QUEUED_ABORT_MESSAGE
 
 
 def continuation_seed(seed: int | None, tokens_so_far: int) -> int | None:

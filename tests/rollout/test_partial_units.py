@@ -16,6 +16,7 @@ from moe_rl.rollout.partial import (
     check_pause_mode,
     check_version_spans,
     is_pause_abort,
+    is_queued_abort,
     kv_stale_tokens,
     paused_generation,
     stitch,
@@ -74,6 +75,8 @@ def test_only_a_pause_abort_is_continued():
     assert is_pause_abort({"finish_reason": {"type": "abort", "message": "Aborted", "status_code": None}})
     # a request still queued at the pause: SGLang's TokenizerManager._handle_abort_req fallback, no status_code
     assert is_pause_abort({"finish_reason": {"type": "abort", "message": "Abort in waiting queue"}})
+    assert is_queued_abort({"finish_reason": {"type": "abort", "message": "Abort in waiting queue"}})
+    assert not is_queued_abort({"finish_reason": {"type": "abort", "message": "Aborted", "status_code": None}})
     assert not is_pause_abort({"finish_reason": {"type": "abort", "message": "Request running timeout reached."}})
     assert not is_pause_abort({"finish_reason": {"type": "abort", "message": "Aborted", "status_code": 400}})
     assert not is_pause_abort({"finish_reason": {"type": "length", "length": 4}})
