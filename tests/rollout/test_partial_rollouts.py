@@ -177,7 +177,7 @@ def test_abort_pause_continues_requests_aborted_while_still_queued(sglang_server
     waiting queue" and no tokens; the client must send it again like any paused request (the old client raised
     'aborted the generation: Abort in waiting queue'). A retract pause first moves the running requests into the
     waiting queue -- where requests beyond the server's running slots wait -- so the abort finds them queued."""
-    url, budget = sglang_server.url, BUDGET
+    url, budget = sglang_server.url, 64
     client = _RecordingClient([url], route_spec, VOCAB, SamplingSettings(1.0, 1.0, TOP_K, budget), pause_mode="abort")
     client.finishes = []
     out, errors, done = [], [], threading.Event()
@@ -196,8 +196,8 @@ def test_abort_pause_continues_requests_aborted_while_still_queued(sglang_server
     assert not done.is_set(), "the generation finished before the pause"
     with paused_generation([url], "retract"), paused_generation([url], "abort"):
         pass
-    worker.join(timeout=300)
-    assert not errors, errors
+    worker.join(timeout=600)
+    assert not worker.is_alive() and not errors, errors
     queued = [f for f in client.finishes if isinstance(f, dict) and f.get("message") == "Abort in waiting queue"]
     assert queued, f"no request was aborted while queued: {client.finishes}"
     assert [len(s.response_ids) for s in out] == [budget] * 3, [len(s.response_ids) for s in out]
