@@ -57,7 +57,11 @@ class RewardConfig(Section):
         None, description="custom: 'pkg.module:fn' or 'path/to/file.py:fn', called as "
         "fn(data_source=, solution_str=, ground_truth=, extra_info=) -> float | {'score': float, ...}"
     )
-    timeout_s: float = Field(30.0, gt=0, description="per sample, enforced by the worker pool")
+    math_mode: Literal["strict", "flexible"] = Field(
+        "strict", description="math: strict = only the last \\boxed{} or 'Answer:' line in the response's tail counts "
+        "(verl math_dapo); flexible = else the last number too (verl gsm8k method='flexible')"
+    )
+    timeout_s: float = Field(30.0, gt=0, description="per sample, measured in the worker from the call's own start")
     num_workers: int = Field(2, ge=1, description="reward worker processes")
     overlong_buffer: OverlongBufferConfig | None = Field(
         None, description="DAPO overlong shaping: {length, penalty}, added to every sample's reward"

@@ -15,7 +15,8 @@ from pathlib import Path
 
 __all__ = ["load_function", "BUILTIN_FUNCTIONS"]
 
-BUILTIN_FUNCTIONS = {"math": "moe_rl.reward.builtins:math_score", "exact_match": "moe_rl.reward.builtins:exact_match_score"}
+BUILTIN_FUNCTIONS = {"math": "moe_rl.reward.builtins:math_score", "math_flexible": "moe_rl.reward.builtins:math_flexible_score",
+                     "exact_match": "moe_rl.reward.builtins:exact_match_score"}  # fmt: skip
 VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
 
 

@@ -56,8 +56,12 @@ class TaskRewarder(Rewarder):
 
 
 def function_spec(reward_cfg) -> str:
-    """The ``'module:fn'`` / ``'file.py:fn'`` a pool-backed ``reward.type`` runs."""
-    return reward_cfg.function if reward_cfg.type == "custom" else BUILTIN_FUNCTIONS[reward_cfg.type]
+    """The ``'module:fn'`` / ``'file.py:fn'`` a pool-backed ``reward.type`` runs (``math`` per ``reward.math_mode``)."""
+    if reward_cfg.type == "custom":
+        return reward_cfg.function
+    if reward_cfg.type == "math" and reward_cfg.math_mode == "flexible":
+        return BUILTIN_FUNCTIONS["math_flexible"]
+    return BUILTIN_FUNCTIONS[reward_cfg.type]
 
 
 class PoolRewarder(Rewarder):
@@ -76,11 +80,10 @@ class PoolRewarder(Rewarder):
                      ground_truth=p.label, extra_info=p.extra_info) for p, r in zip(prompts, responses)]  # fmt: skip
 
     def score(self, prompts, responses) -> Scores:
-        try:
-            self.pool.start()  # imports the function in every worker (once)
+        try:  # start: imports the function in every worker (once); map: also in any replacement
+            outcomes = self.pool.start().map(self.calls(prompts, responses))
         except (ValueError, RuntimeError) as exc:
             raise RewardError(str(exc)) from None
-        outcomes = self.pool.map(self.calls(prompts, responses))
         errors = [(k, o.error) for k, o in enumerate(outcomes) if o.error is not None]
         if errors:
             k, why = errors[0]

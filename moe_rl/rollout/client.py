@@ -25,9 +25,11 @@ from moe_rl.rollout.partial import (
     PartialCounters,
     PartialRolloutError,
     check_pause_mode,
+    check_version_spans,
     continuation_prompt,
     continuation_seed,
     is_pause_abort,
+    is_queued_abort,
     kv_stale_tokens,
     stitch,
     token_versions_from_meta,
@@ -250,19 +252,20 @@ class RolloutClient:
         async with gate:
             sample, aborted = await self._attempts(http, prompt, group_id, seed, start, budget)
             for _ in range(self.max_continuations):
-                if not aborted or len(sample.response_ids) >= budget:
+                k = 0 if sample is None else len(sample.response_ids)
+                if not aborted or k >= budget:
                     break
                 self.partial_counters.continued_requests += 1
-                k = len(sample.response_ids)
-                if k == 0:  # ended before its first token: ask again, same request
+                if k == 0:  # ended before its first token (still queued, or in prefill): ask again, same request
                     sample, aborted = await self._attempts(http, prompt, group_id, seed, start, budget)
                     continue
                 head_prompt = continuation_prompt(sample)  # rows before len - 1 came with the aborted reply
                 tail, aborted = await self._attempts(
                     http, head_prompt, group_id, continuation_seed(seed, k), len(head_prompt) - 1, budget - k
                 )
-                sample = stitch(sample, tail)
-            if aborted and len(sample.response_ids) < budget:
+                if tail is not None:  # None: the continuation itself was aborted while queued; send it again
+                    sample = stitch(sample, tail)
+            if aborted and (sample is None or len(sample.response_ids) < budget):
                 raise RolloutRequestError(
                     f"a sample was aborted by a pause {self.max_continuations + 1} times (max_continuations)"
                 )
@@ -272,8 +275,10 @@ class RolloutClient:
             self.partial_counters.partial_samples += 1
         return sample
 
-    async def _attempts(self, http, prompt, group_id, seed, start, max_new_tokens) -> tuple[RolloutSample, bool]:
-        """One request with retries: (sample, whether a pause aborted it)."""
+    async def _attempts(self, http, prompt, group_id, seed, start, max_new_tokens) -> tuple[RolloutSample | None, bool]:
+        """One request with retries: (sample, whether a pause aborted it); the sample is None when a pause
+        aborted the request before its first token or while it sat in the waiting queue (``is_queued_abort``:
+        no routes in the reply, nothing to continue from): it is sent again whole."""
         body = self.request_body(prompt, seed, start, max_new_tokens)
         errors = []
         first = next(self._next_server)  # round-robin per request; a retry moves to the next server
@@ -281,7 +286,10 @@ class RolloutClient:
             url = self.addresses[(first + attempt) % len(self.addresses)]
             try:
                 reply = await self._post(http, url, body)
-                return self._to_sample(reply, prompt, group_id, url, start), is_pause_abort(reply["meta_info"])
+                paused = self.pause_mode == "abort" and is_pause_abort(reply["meta_info"])
+                if paused and (not reply["output_ids"] or is_queued_abort(reply["meta_info"])):
+                    return None, True
+                return self._to_sample(reply, prompt, group_id, url, start), paused
             except _Retryable as err:
                 errors.append(f"attempt {attempt + 1} at {url}: {err}")
             if attempt < self.max_retries:
@@ -322,6 +330,10 @@ class RolloutClient:
                 f"{url} reports prompt_tokens={meta.get('prompt_tokens')}; the request had {len(prompt)}"
             )
         response = np.asarray(reply["output_ids"], dtype=np.int32)
+        try:
+            check_version_spans(meta, self.pause_mode, url)
+        except PartialRolloutError as err:
+            raise RolloutResponseError(str(err)) from None
         try:
             decoded = decode_sglang_meta(
                 meta, len(prompt), response, self.route_spec, vocab_size=self.vocab_size, start_len=start

@@ -11,7 +11,8 @@ Owns ``rollout.partial`` / ``rollout.pause_mode`` on the rollout side (docs/sgla
   spans (the version in force while each output token was sampled; retract and in_place keep one request
   across the update) into the int32 per-token array; ``kv_stale_tokens`` counts the tokens an ``in_place``
   request generated after an update on prefix KV of the old weights (approximate: no single version).
-* ``abort``: SGLang ends every request at the pause; ``is_pause_abort`` recognises such a reply and
+* ``abort``: SGLang ends every request at the pause, running or still queued; ``is_pause_abort``
+  recognises such a reply and
   ``continuation`` / ``stitch`` turn it plus a continued request (prompt + tokens so far, only the new
   route rows) into one RolloutSample whose arrays keep each segment's own log-probs, routes and kept sets.
 * ``PartialCounters``: what the trainer logs (``async/kv_stale_tokens``, ``async/partial_samples``,
@@ -34,7 +35,11 @@ from moe_rl.rollout.auth import ServerKeys
 
 PAUSE_MODES = ("retract", "abort", "in_place")
 EXACT_PAUSE_MODES = ("retract", "abort")  # re-prefill under the new weights: every token has one version
-PAUSE_ABORT_MESSAGE = "Aborted"  # SGLang's message for requests ended by abort_all (pause_generation abort)
+SPANNING_PAUSE_MODES = ("retract", "in_place")  # one request is kept across the update: its reply needs spans
+# SGLang's messages for requests ended by abort_all (pause_generation abort): a running request's
+# FINISH_ABORT() ("Aborted"), and a still-queued one's (TokenizerManager._handle_abort_req's fallback)
+QUEUED_ABORT_MESSAGE = "Abort in waiting queue"
+PAUSE_ABORT_MESSAGES = ("Aborted", QUEUED_ABORT_MESSAGE)
 
 
 class PartialRolloutError(RuntimeError):
@@ -130,6 +135,21 @@ def token_versions_from_meta(meta_info: dict, response_len: int) -> np.ndarray |
     return out
 
 
+def check_version_spans(meta_info: dict, mode: str | None, url: str) -> None:
+    """With ``rollout.partial`` in a mode that keeps one request across an update (retract, in_place), a reply
+    must say which weights sampled each token (``meta_info["weight_versions"]``). A server that sends only
+    the reply's last ``weight_version`` would have every token counted current -- staleness understated --
+    so it is refused at its first reply, before any step trains on it. ``abort`` needs no spans: each
+    request it continues is a new one, sampled under one version."""
+    if mode in SPANNING_PAUSE_MODES and "weight_versions" not in meta_info:
+        raise PartialRolloutError(
+            f"{url} sends no per-token weight_versions spans in its /generate replies; rollout.partial with "
+            f"rollout.pause_mode={mode!r} keeps requests across a weight update, so without them a token's version "
+            "is unknown (it would count as current). Use the SGLang build moe_rl installs (it sends them) or "
+            "rollout.pause_mode='abort'"
+        )
+
+
 def kv_stale_tokens(meta_info: dict, response_len: int) -> int:
     """Tokens generated after the first weight change within one request (``in_place``: on old-prefix KV)."""
     spans = meta_info.get("weight_versions") or []
@@ -137,12 +157,20 @@ def kv_stale_tokens(meta_info: dict, response_len: int) -> int:
 
 
 def is_pause_abort(meta_info: dict) -> bool:
-    """True for a reply ended by ``pause_generation(mode="abort")`` (SGLang's abort_all), not by an error."""
+    """True for a reply ended by ``pause_generation(mode="abort")`` (SGLang's abort_all), not by an error:
+    a running request ("Aborted") or one still in the waiting queue ("Abort in waiting queue", no tokens)."""
     finish = meta_info.get("finish_reason")
     return (
         isinstance(finish, dict) and finish.get("type") == "abort"
-        and finish.get("message") == PAUSE_ABORT_MESSAGE and finish.get("status_code") is None
+        and finish.get("message") in PAUSE_ABORT_MESSAGES and finish.get("status_code") is None
     )  # fmt: skip
+
+
+def is_queued_abort(meta_info: dict) -> bool:
+    """A pause abort of a request in SGLang's waiting queue (never scheduled, or retracted there): its reply
+    has no routes or sampling masks and at most the tokens streamed before a retraction -- nothing a
+    continuation can stand on, so the request is sent again whole."""
+    return is_pause_abort(meta_info) and meta_info["finish_reason"].get("message") == QUEUED_ABORT_MESSAGE
 
 
 def continuation_seed(seed: int | None, tokens_so_far: int) -> int | None:

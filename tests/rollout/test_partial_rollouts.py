@@ -40,14 +40,16 @@ class _NoEosClient(RolloutClient):
         return body
 
 
-def _wait_until_generating(url: str, done: threading.Event, min_tokens: int, timeout_s: float = 180.0) -> None:
+def _wait_until_generating(
+    url: str, done: threading.Event, min_tokens: int, timeout_s: float = 180.0, poll_s: float = 0.01
+) -> None:
     """Until the server holds `min_tokens` of KV (the request is well into its decode) or it finished."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and not done.is_set():
         loads = httpx.get(f"{url}/v1/loads", timeout=30).json()["loads"]
         if sum(load["num_total_tokens"] for load in loads) >= min_tokens:
             return
-        time.sleep(0.01)
+        time.sleep(poll_s)
 
 
 def _spanning_sample(url, route_spec, model_dir, model_dir_v2, rollout_model_cfg, mode):
@@ -157,6 +159,50 @@ def test_in_place_counts_the_tokens_sampled_on_old_prefix_kv_as_stale(
     counters = client.partial_counters.drain()
     assert counters == {"async/kv_stale_tokens": stale, "async/partial_samples": 1, "async/continued_requests": 0}
     assert client.partial_counters.drain()["async/kv_stale_tokens"] == 0, "drain resets"
+
+
+class _RecordingClient(_NoEosClient):
+    """The real client; it also keeps every reply's finish reason (the test's evidence of a queued abort)."""
+
+    finishes: list
+
+    async def _post(self, http, url, body):
+        reply = await super()._post(http, url, body)
+        self.finishes.append(reply["meta_info"].get("finish_reason"))
+        return reply
+
+
+def test_abort_pause_continues_requests_aborted_while_still_queued(sglang_server, route_spec):
+    """A request still in SGLang's waiting queue when ``pause_generation(abort)`` comes is ended with "Abort in
+    waiting queue" and no tokens; the client must send it again like any paused request (the old client raised
+    'aborted the generation: Abort in waiting queue'). A retract pause first moves the running requests into the
+    waiting queue -- where requests beyond the server's running slots wait -- so the abort finds them queued."""
+    url, budget = sglang_server.url, 64
+    client = _RecordingClient([url], route_spec, VOCAB, SamplingSettings(1.0, 1.0, TOP_K, budget), pause_mode="abort")
+    client.finishes = []
+    out, errors, done = [], [], threading.Event()
+
+    def generate():
+        try:
+            out.extend(client.generate([PROMPT], n=3, step=0))
+        except Exception as err:  # noqa: BLE001 -- reported by the assertion below
+            errors.append(err)
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=generate)
+    worker.start()
+    _wait_until_generating(url, done, 3 * (len(PROMPT) + 8), poll_s=0.05)  # all three are decoding
+    assert not done.is_set(), "the generation finished before the pause"
+    with paused_generation([url], "retract"), paused_generation([url], "abort"):
+        pass
+    worker.join(timeout=600)
+    assert not worker.is_alive() and not errors, errors
+    queued = [f for f in client.finishes if isinstance(f, dict) and f.get("message") == "Abort in waiting queue"]
+    assert queued, f"no request was aborted while queued: {client.finishes}"
+    assert [len(s.response_ids) for s in out] == [budget] * 3, [len(s.response_ids) for s in out]
+    assert client.partial_counters.continued_requests >= len(queued), client.partial_counters
+    assert all(s.finish_reason == "length" and np.isfinite(s.rollout_logp).all() for s in out), out
 
 
 @pytest.fixture(scope="module")

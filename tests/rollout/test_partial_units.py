@@ -14,7 +14,9 @@ from moe_rl.records import RolloutSample
 from moe_rl.rollout.partial import (
     PartialRolloutError,
     check_pause_mode,
+    check_version_spans,
     is_pause_abort,
+    is_queued_abort,
     kv_stale_tokens,
     paused_generation,
     stitch,
@@ -71,9 +73,31 @@ def test_kv_stale_tokens_are_those_after_the_first_change():
 
 def test_only_a_pause_abort_is_continued():
     assert is_pause_abort({"finish_reason": {"type": "abort", "message": "Aborted", "status_code": None}})
+    # a request still queued at the pause: SGLang's TokenizerManager._handle_abort_req fallback, no status_code
+    assert is_pause_abort({"finish_reason": {"type": "abort", "message": "Abort in waiting queue"}})
+    assert is_queued_abort({"finish_reason": {"type": "abort", "message": "Abort in waiting queue"}})
+    assert not is_queued_abort({"finish_reason": {"type": "abort", "message": "Aborted", "status_code": None}})
     assert not is_pause_abort({"finish_reason": {"type": "abort", "message": "Request running timeout reached."}})
     assert not is_pause_abort({"finish_reason": {"type": "abort", "message": "Aborted", "status_code": 400}})
     assert not is_pause_abort({"finish_reason": {"type": "length", "length": 4}})
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_a_server_without_version_spans_is_refused_where_a_request_spans_an_update(mode):
+    """Without spans every token would get the reply's last version (counted current): refused, naming the
+    server and the mode, also through the client at the first reply; abort and non-partial runs need none."""
+    from moe_rl.rollout.client import RolloutClient, RolloutResponseError
+
+    no_spans = {"weight_version": "step-1", "finish_reason": {"type": "length", "length": 2}}
+    with pytest.raises(PartialRolloutError, match=rf"http://s:1 sends no per-token weight_versions.*pause_mode='{mode}'"):
+        check_version_spans(no_spans, mode, "http://s:1")
+    check_version_spans(_spans(("step-1", 0, 2)), mode, "http://s:1")
+    check_version_spans(no_spans, "abort", "http://s:1")
+    check_version_spans(no_spans, None, "http://s:1")
+    client = RolloutClient(["http://s:1"], None, 16, return_sampling_mask=False, pause_mode=mode)
+    reply = {"output_ids": [3, 4], "meta_info": no_spans}
+    with pytest.raises(RolloutResponseError, match="sends no per-token weight_versions"):
+        client._to_sample(reply, np.array([1, 2], np.int32), 0, "http://s:1")
 
 
 def test_stitch_keeps_each_segments_arrays():
