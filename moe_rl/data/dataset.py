@@ -75,6 +75,11 @@ class DatasetPrompts:
         f = int(np.searchsorted(self.ends, i, side="right"))
         return f, i - (int(self.ends[f - 1]) if f else 0)
 
+    def _note_first(self, count: int, message: str) -> None:
+        """Log ``message`` for the first of its kind only (later ones are counted)."""
+        if not count and self.log is not None:
+            self.log(message)
+
     def _label(self, row: dict, where: str):
         key = self.cfg.data.label_key
         label = get_field(row, key)
@@ -85,9 +90,8 @@ class DatasetPrompts:
         if self.needs_label:
             raise DataError(f"{where} {what}; expected a label for every row (the reward compares the response with "
                             "it; a custom reward function that needs none declares `needs_label = False`)")  # fmt: skip
-        if not self.unlabelled and self.log is not None:
-            self.log(f"data: {where} {what}: scored with ground_truth=None (the reward function declares "
-                     "needs_label=False); such samples are counted in reward/no_label")  # fmt: skip
+        self._note_first(self.unlabelled, f"data: {where} {what}: scored with ground_truth=None (the reward function "
+                         "declares needs_label=False); such samples are counted in reward/no_label")  # fmt: skip
         self.unlabelled += 1
         return None
 
@@ -106,9 +110,8 @@ class DatasetPrompts:
             if d.overlong_prompts == "error":
                 raise DataError(f"{where}: the prompt has {len(ids)} tokens > {self.limit} (data.max_prompt_tokens, or "
                                 "model.seq_length - rollout.max_new_tokens); data.overlong_prompts='error'")  # fmt: skip
-            if not self.dropped and self.log is not None:
-                self.log(f"data: {where}: the prompt has {len(ids)} tokens > {self.limit}: skipped "
-                         "(data.overlong_prompts='drop'; each epoch's count is logged at its end)")  # fmt: skip
+            self._note_first(self.dropped, f"data: {where}: the prompt has {len(ids)} tokens > {self.limit}: skipped "
+                             "(data.overlong_prompts='drop'; each epoch's count is logged at its end)")  # fmt: skip
             self.dropped += 1
             return None
         source = row.get("data_source")

@@ -12,8 +12,8 @@ import pytest
 from moe_rl.config import load_config
 from moe_rl.data import build_prompt_stream
 from moe_rl.data.chat import load_tokenizer, prompt_ids
-from moe_rl.data.dataset import DatasetPrompts, load_prompt_items, reward_needs_label
-from moe_rl.data.loaders import DataError, open_rows, read_rows
+from moe_rl.data.dataset import load_prompt_items
+from moe_rl.data.loaders import DataError, read_rows
 from tests.own_data.tiny_hf import CHAT_TEMPLATE, build_tokenizer
 
 
@@ -57,6 +57,8 @@ def test_a_large_parquet_is_tokenised_only_where_the_stream_draws(tmp_path, tok)
 
 
 def test_every_file_form_reads_rows_on_demand_like_the_eager_reader(tmp_path):
+    from moe_rl.data.loaders import open_rows
+
     chat = [{"role": "user", "content": "z"}]
     rows = [{"q": chat, "a": "1", "n": [1, 2]}, {"q": chat[::-1], "a": None, "n": []}, {"q": [], "a": "3", "n": [3]}]
     (tmp_path / "d.jsonl").write_text(json.dumps(rows[0]) + "\n\n  \n" + json.dumps(rows[1]) + "\n" + json.dumps(rows[2]))
@@ -74,7 +76,7 @@ def test_invalid_utf8_names_the_file_and_line(tmp_path):
     lines[4] = b'{"q": "caf\xe9", "a": "1"}'  # latin-1, line 5
     path.write_bytes(b"\n".join(lines) + b"\n")
     with pytest.raises(DataError, match=r"bad.jsonl: line 5 is not valid UTF-8 \(invalid continuation byte: byte 0xe9\)"):
-        open_rows(path)
+        build_prompt_stream(cfg_for(tmp_path, [path]), None)
     with pytest.raises(DataError, match=r"bad.jsonl: line 5 is not valid UTF-8"):
         read_rows(path, limit=10)  # the preflight's look at the first rows
 
@@ -90,6 +92,8 @@ def test_a_null_or_missing_label_names_file_and_row(tmp_path, tok, row):
 
 
 def test_a_reward_function_that_declares_needs_label_false_gets_none_with_one_warning(tmp_path, tok):
+    from moe_rl.data.dataset import reward_needs_label
+
     verl_file = tmp_path / "verl_reward.py"  # a verl reward file as it is: needs a label
     verl_file.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
     free = tmp_path / "format_reward.py"
@@ -174,6 +178,8 @@ def test_an_hf_directory_without_tokenizer_files_is_refused_up_front(tmp_path, t
 
 
 def test_dataset_prompts_index_spans_files_in_order(tmp_path, tok):
+    from moe_rl.data.dataset import DatasetPrompts
+
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_text("".join(json.dumps({"q": f"a{i}", "a": "1"}) + "\n" for i in range(3)))
     b.write_text("".join(json.dumps({"q": f"b{i}", "a": "1"}) + "\n" for i in range(2)))
