@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def write_dataset(path: Path, n: int) -> None:
-    prompts = [f"A shop sells {i % 97} apples and {i % 89} pears. How many fruits does it sell?" for i in range(n)]
+    prompts = [f"Shop {i} sells {i % 97} apples and {i % 89} pears. How many fruits does shop {i} sell?" for i in range(n)]
     labels = [str(i % 97 + i % 89) for i in range(n)]
     if path.suffix == ".parquet":
         import pyarrow as pa

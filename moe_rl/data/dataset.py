@@ -67,6 +67,8 @@ class DatasetPrompts:
         self.names = [str(f) for f in files]
         self.ends = np.cumsum([len(rows) for rows in self.files], dtype=np.int64)
         self.dropped = self.unlabelled = 0
+        if not len(self):
+            raise DataError(f"data files {self.names} hold no rows; expected at least one prompt")
 
     def __len__(self) -> int:
         return int(self.ends[-1]) if len(self.ends) else 0

@@ -186,3 +186,10 @@ def test_dataset_prompts_index_spans_files_in_order(tmp_path, tok):
     data = DatasetPrompts([str(a), str(b)], tok, cfg_for(tmp_path, [a, b]), log=None)
     assert len(data) == 5 and [(data.get(i).file[-7:], data.get(i).row) for i in (0, 2, 3, 4)] == [
         ("a.jsonl", 0), ("a.jsonl", 2), ("b.jsonl", 0), ("b.jsonl", 1)]
+
+
+def test_an_empty_file_is_one_clear_error(tmp_path, tok):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n\n")
+    with pytest.raises(DataError, match=r"empty.jsonl'\] hold no rows; expected at least one prompt"):
+        build_prompt_stream(cfg_for(tmp_path, [path]), tok, log=None)

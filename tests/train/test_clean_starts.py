@@ -120,3 +120,20 @@ def test_no_label_samples_are_counted_per_step(tmp_path):
     generate = lambda prompts, r: [SimpleNamespace(response_ids=[5]) for p in prompts for _ in range(2)]  # noqa: E731
     _, metrics = StepSamples(cfg, Rows(), Constant()).make(0, generate)
     assert metrics["reward/no_label"] == 4.0  # 2 of 4 prompts x 2 samples
+
+
+def test_a_bad_row_drawn_by_the_async_producer_reaches_the_cli_as_its_own_line(tmp_path):
+    """Datasets are read when drawn: in async mode that is the producer thread, whose error the learner re-raises."""
+    from moe_rl.data.loaders import DataError
+    from moe_rl.train.producer import AsyncProducer
+
+    def make(step, served):
+        raise DataError(f"{tmp_path}/d.jsonl row 3 has a null data.label_key='a'")
+
+    producer = AsyncProducer(make, 0, 2, 1, served_version=0)
+    producer.start()
+    try:
+        with pytest.raises(DataError, match=r"d.jsonl row 3 has a null data.label_key='a'"):
+            producer.batch(0)
+    finally:
+        producer.close()
