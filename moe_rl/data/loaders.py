@@ -24,8 +24,7 @@ import numpy as np
 __all__ = ["DataError", "Rows", "open_rows", "read_rows", "first_row", "get_field", "MISSING"]
 
 MISSING = object()
-_CHUNK = 1 << 24  # bytes read per step of the jsonl index pass
-_SPACE = np.frombuffer(b" \t\r\n\f\v", np.uint8)
+_CHUNK = 1 << 22  # bytes read per step of the jsonl index pass (its memory: a few times this)
 
 
 class DataError(ValueError):
@@ -101,12 +100,13 @@ class JsonlRows(Rows):
         if not whole:
             return np.zeros(0, np.int64)
         b = np.frombuffer(whole, np.uint8)
-        ends = np.flatnonzero(b == 10) + 1
-        if not len(ends) or ends[-1] != len(b):
-            ends = np.append(ends, len(b))
-        begins = np.concatenate([[0], ends[:-1]])
-        content = np.concatenate([[0], np.cumsum(~np.isin(b, _SPACE), dtype=np.int64)])
-        return begins[content[ends] - content[begins] > 0].astype(np.int64)
+        begins = np.concatenate([[0], np.flatnonzero(b[:-1] == 10) + 1]).astype(np.int64)  # each line >= 1 byte
+        first = b[begins]
+        keep = (first != 32) & ((first < 9) | (first > 13))  # starts with a non-space: not blank
+        ends = np.append(begins[1:], len(b))
+        for k in np.flatnonzero(~keep):  # lines starting with whitespace (rare): blank only if all of it is
+            keep[k] = bool(whole[begins[k] : ends[k]].strip())
+        return begins[keep]
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -176,9 +176,10 @@ class ParquetRows(Rows):
         os.close(fd)
         try:
             try:
-                source = pq.ParquetFile(self.path)
+                # buffered page reads, one thread: a row group is decoded a page at a time, not held whole
+                source = pq.ParquetFile(self.path, buffer_size=1 << 20, pre_buffer=False)
                 with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, source.schema_arrow) as writer:
-                    for batch in source.iter_batches(batch_size=8192):
+                    for batch in source.iter_batches(batch_size=8192, use_threads=False):
                         writer.write_batch(batch)
             except (OSError, ValueError, pa.ArrowException) as exc:
                 raise _parquet_error(self.path, exc) from None
