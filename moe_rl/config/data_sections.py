@@ -29,7 +29,7 @@ class DataConfig(Section):
         "Qwen3 (verl: data.apply_chat_template_kwargs)"
     )
     max_prompt_tokens: int | None = Field(
-        None, ge=1, description="longer prompts are dropped at load time (default: model.seq_length - max_new_tokens)"
+        None, ge=1, description="a longer prompt is skipped when drawn (default: model.seq_length - max_new_tokens)"
     )
     overlong_prompts: Literal["drop", "error"] = "drop"
     shuffle: bool = Field(True, description="seeded by train.seed, reshuffled every epoch")
