@@ -17,6 +17,7 @@ Usage: python bench/bench_data_start.py [--sizes 1000 100000 1000000] [--formats
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -59,8 +60,8 @@ def child(file: str, out_dir: str) -> None:
     cfg = load_config(None, [f"data.train_files=[{file}]", "reward.type=math", f"train.output_dir={out_dir}",
                              "model.seq_length=4096", "rollout.max_new_tokens=64"])  # fmt: skip
     tokenizer.apply_chat_template([{"role": "user", "content": "warm up"}], add_generation_prompt=True, tokenize=True)
-    import pyarrow.ipc  # noqa: F401 -- the libraries' own memory is not the dataset's
-    import pyarrow.parquet  # noqa: F401
+    for library in ("pyarrow.ipc", "pyarrow.parquet"):  # their own memory is not the dataset's
+        importlib.import_module(library)
 
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM restarts from here: the peak of this start alone
     before = _status("VmRSS")
