@@ -5,8 +5,9 @@ Owns the exclusive locks ``<train.output_dir>/.moe_rl.lock`` and ``<checkpoint.d
 dead process is simply taken over, with a log line naming it), the check that ``train.output_dir`` and
 ``checkpoint.dir`` are writable, and the rules for a directory that already holds a run:
 
-- a directory where an earlier start trained no step (no checkpoint, no metrics line of a step >= 1: e.g. a
-  start refused at its first step) holds no run: what that start wrote is removed and the run starts fresh;
+- a directory where an earlier start trained no step (its ``run_id``, no checkpoint, no metrics line of a
+  step >= 1: e.g. a start refused at its first step) holds no run: what that start wrote is removed and
+  the run starts fresh;
 - ``checkpoint.resume=never`` refuses unless ``checkpoint.overwrite=true`` (which discards the old
   checkpoints, their reference policy and identity, metrics and config);
 - ``checkpoint.resume=auto`` first checks that the checkpoints in ``checkpoint.dir`` belong to this
@@ -237,12 +238,13 @@ def check_checkpoint_owner(run_dir: Path, ckpt_dir: Path) -> None:
 
 
 def trained_no_step(run_dir: Path, ckpt_dir: Path) -> bool:
-    """True when ``run_dir`` holds only what a start that trained no step leaves: no checkpoint and no
-    metrics line of a step >= 1 (an evaluation before the first step logs step 0)."""
+    """True when ``run_dir`` holds only what a trainer's start that trained no step leaves: its ``run_id``
+    (so a ``config.yaml`` someone put there is never taken for one), no checkpoint and no metrics line of
+    a step >= 1 (an evaluation before the first step logs step 0)."""
     from moe_rl.learner.checkpoint import checkpoint_steps
     from moe_rl.train.metrics_log import step_of
 
-    if checkpoint_steps(ckpt_dir):
+    if read_run_id(run_dir) is None or checkpoint_steps(ckpt_dir):
         return False
     metrics = run_dir / METRICS_FILE
     if not metrics.is_file():

@@ -137,3 +137,11 @@ def test_a_bad_row_drawn_by_the_async_producer_reaches_the_cli_as_its_own_line(t
             producer.batch(0)
     finally:
         producer.close()
+
+
+def test_a_config_yaml_without_a_trainers_run_id_is_not_taken_for_a_failed_start(tmp_path):
+    _refused_start(tmp_path, "model.num_moe_experts=4")
+    (tmp_path / "run_id").unlink()  # e.g. the user keeps their own config.yaml in the output directory
+    with pytest.raises(RunDirError, match=r"! model.num_moe_experts: 4 -> 8"):
+        guard_run_dir(load_config(None, [f"train.output_dir={tmp_path}"]), tmp_path, tmp_path / "checkpoints")
+    assert (tmp_path / "config.yaml").is_file()
