@@ -6,7 +6,7 @@ preflight (``moe_rl.config.preflight``), the behaviour lives in ``moe_rl.data`` 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -23,12 +23,25 @@ class DataConfig(Section):
     prompt_key: str = Field("prompt", description="a string prompt, or a list of chat messages [{role, content}]")
     label_key: str = Field("label", description="the ground truth handed to the reward; dotted for nested fields")
     apply_chat_template: bool = Field(True, description="tokenizer.apply_chat_template(messages, add_generation_prompt=True)")
-    system_prompt: str | None = Field(None, description="prepended as a system message")
+    system_prompt: str | None = Field(None, description="prepended as a system message (a row's own system turn wins)")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="extra variables for the chat template, e.g. {enable_thinking: false} for "
+        "Qwen3 (verl: data.apply_chat_template_kwargs)"
+    )
     max_prompt_tokens: int | None = Field(
-        None, ge=1, description="longer prompts are dropped at load time (default: model.seq_length - max_new_tokens)"
+        None, ge=1, description="a longer prompt is skipped when drawn (default: model.seq_length - max_new_tokens)"
     )
     overlong_prompts: Literal["drop", "error"] = "drop"
     shuffle: bool = Field(True, description="seeded by train.seed, reshuffled every epoch")
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        fixed = sorted(set(kwargs) & {"conversation", "add_generation_prompt", "tokenize", "return_dict"})
+        if fixed:
+            raise ValueError(f"data.chat_template_kwargs sets {fixed}, which moe_rl fixes (the prompt ids are "
+                             "apply_chat_template(messages, add_generation_prompt=True, tokenize=True)); drop them")
+        return kwargs
 
     @field_validator("train_files", "eval_files")
     @classmethod

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from moe_rl.config.hf_model import HFModelError, model_keys_from_hf, read_hf_config, same_value
 
-__all__ = ["hf_model_directory", "data_files", "reward_settings"]
+__all__ = ["hf_model_directory", "unbuilt_model", "data_files", "reward_settings"]
 
 
 def _contradictions(cfg, derived: dict) -> Iterable[str]:
@@ -38,6 +38,16 @@ def _tokenizer(hf_path: str):
     return AutoTokenizer.from_pretrained(hf_path, local_files_only=True)
 
 
+def unbuilt_model(cfg) -> str | None:
+    """The problem of a ``model.hf_path`` that does not exist yet but that ``model.build_command`` creates
+    (``config validate`` reports it as a note and checks the rest; ``train`` refuses it)."""
+    path, command = cfg.model.hf_path, cfg.model.build_command
+    if not path or not command or Path(path).expanduser().exists():
+        return None
+    return (f"model.hf_path={path!r} is not built yet: run `{command}` (model.build_command) to create it; "
+            "the architecture, weights and tokenizer are read from it")
+
+
 def hf_model_directory(cfg) -> Iterable[str]:
     """``model.hf_path`` is a readable Qwen3-MoE / GLM-4.5 directory that agrees with the ``model`` keys."""
     path = cfg.model.hf_path
@@ -45,6 +55,9 @@ def hf_model_directory(cfg) -> Iterable[str]:
         if cfg.data is not None:
             yield ("data.train_files needs model.hf_path: dataset prompts are tokenised with the model's own "
                    "tokenizer (the built-in task tokenizer only knows digits)")  # fmt: skip
+        return
+    if (unbuilt := unbuilt_model(cfg)) is not None:
+        yield unbuilt
         return
     try:
         hf = read_hf_config(path)
@@ -63,12 +76,17 @@ def hf_model_directory(cfg) -> Iterable[str]:
     except Exception as exc:  # noqa: BLE001 -- any loader failure: one message naming the key
         yield f"model.hf_path={path!r}: its tokenizer cannot be loaded with local files only ({type(exc).__name__}: {exc})"
         return
+    from moe_rl.data.chat import tokenizer_problem
+
+    if (problem := tokenizer_problem(tokenizer, path)) is not None:
+        yield problem
+        return
     if cfg.data is not None and cfg.data.apply_chat_template and not getattr(tokenizer, "chat_template", None):
         yield (f"data.apply_chat_template=true but the tokenizer of model.hf_path={path!r} has no chat template; set "
                "data.apply_chat_template=false or add one (chat_template.jinja, or 'chat_template' in tokenizer_config.json)")  # fmt: skip
 
 
-def _first_row_problems(key: str, files: list[str], d) -> Iterable[str]:
+def _first_row_problems(key: str, files: list[str], d, needs_label: bool) -> Iterable[str]:
     from moe_rl.data.loaders import MISSING, DataError, first_row, get_field
 
     for i, file in enumerate(files):
@@ -81,8 +99,21 @@ def _first_row_problems(key: str, files: list[str], d) -> Iterable[str]:
             yield f"{key}[{i}]={file!r}: {exc}"
             continue
         for name, field in (("data.prompt_key", d.prompt_key), ("data.label_key", d.label_key)):
-            if get_field(row, field) is MISSING:
+            value = get_field(row, field)
+            if value is MISSING:
                 yield f"{name}={field!r} is not a field of the first row of {file} (its keys: {sorted(row)})"
+            elif value is None and (name == "data.prompt_key" or needs_label):
+                yield (f"{name}={field!r} is null in the first row of {file}; expected a value in every row (a "
+                       "custom reward function that needs no label declares `needs_label = False`)")  # fmt: skip
+
+
+def _needs_label(cfg) -> bool:
+    from moe_rl.data.dataset import reward_needs_label
+
+    try:
+        return reward_needs_label(cfg)
+    except ValueError:  # reward.function cannot be loaded: reward_settings says why
+        return True
 
 
 def data_files(cfg) -> Iterable[str]:
@@ -90,8 +121,9 @@ def data_files(cfg) -> Iterable[str]:
     d = cfg.data
     if d is None:
         return
-    yield from _first_row_problems("data.train_files", d.train_files, d)
-    yield from _first_row_problems("data.eval_files", d.eval_files, d)
+    needs_label = _needs_label(cfg)
+    yield from _first_row_problems("data.train_files", d.train_files, d, needs_label)
+    yield from _first_row_problems("data.eval_files", d.eval_files, d, needs_label)
     if d.system_prompt is not None and not d.apply_chat_template:
         yield "data.system_prompt needs data.apply_chat_template=true (it is sent as a system message)"
     m, r = cfg.model, cfg.rollout

@@ -47,6 +47,10 @@ class ModelConfig(Section):
     hf_path: str | None = Field(
         None, description="Hugging Face model directory: architecture (config.json), initial weights and tokenizer"
     )
+    build_command: str | None = Field(
+        None, description="the command that creates model.hf_path on a fresh clone (e.g. 'make math-example'): "
+        "config validate names it and checks the rest while the directory is missing; not part of the architecture"
+    )
     num_layers: int = Field(2, ge=1)
     hidden_size: int = Field(64, ge=1)
     ffn_hidden_size: int = Field(128, ge=1, description="dense MLP width (dense layers only)")

@@ -9,7 +9,8 @@ its two implementations:
 * ``DatasetStream`` -- ``data.train_files``: rows in a seeded order, reshuffled every epoch
   (``default_rng([seed, epoch, DATA_SALT])``), a batch spilling into the next epoch when one ends; its
   position ``(epoch, index)`` goes into every checkpoint, so a resumed run continues with exactly the
-  prompts an uninterrupted run would have used.
+  prompts an uninterrupted run would have used. The order is over the files' rows; a row the dataset
+  skips (an overlong prompt) is passed over where it falls.
 """
 
 from __future__ import annotations
@@ -66,14 +67,19 @@ class TaskStream:
 
 
 class DatasetStream:
-    """Rows of a prompt dataset in a seeded order per epoch; position ``(epoch, index)``."""
+    """Rows of a prompt dataset in a seeded order per epoch; position ``(epoch, index)``.
 
-    def __init__(self, items: list[PromptItem], seed: int, shuffle: bool = True):
-        if not items:
+    ``items`` is a list of ``PromptItem``s or a ``moe_rl.data.dataset.DatasetPrompts`` (rows made into
+    prompts when drawn; ``get(i)`` is None for a row that is skipped, which the stream passes over)."""
+
+    def __init__(self, items, seed: int, shuffle: bool = True, log=print):
+        if not len(items):
             raise ValueError("a DatasetStream needs at least one prompt")
-        self.items, self.seed, self.shuffle = items, seed, shuffle
+        self.items, self.seed, self.shuffle, self.log = items, seed, shuffle, log
+        self._get = getattr(items, "get", None) or items.__getitem__
         self.epoch, self.index = 0, 0
         self._order_epoch, self._order = -1, np.arange(0)
+        self._skipped_run = 0  # rows skipped in a row (a whole epoch of them: no usable prompt)
 
     def order(self, epoch: int) -> np.ndarray:
         """Row order of ``epoch`` (a permutation of the items, or file order without shuffle)."""
@@ -85,15 +91,28 @@ class DatasetStream:
         return self._order
 
     def next_prompts(self, step: int, n: int, round: int = 0) -> list[PromptItem]:
-        """The next ``n`` rows (every call moves the position, so a later round gets new rows)."""
-        out = []
+        """The next ``n`` usable rows (every call moves the position, so a later round gets new rows)."""
+        out: list[PromptItem] = []
         while len(out) < n:
-            take = min(n - len(out), len(self.items) - self.index)
-            out += [self.items[int(i)] for i in self.order(self.epoch)[self.index : self.index + take]]
-            self.index += take
+            item = self._get(int(self.order(self.epoch)[self.index]))
+            self.index += 1
             if self.index == len(self.items):  # an epoch ends: the position moves to the next one
-                self.epoch, self.index = self.epoch + 1, 0
+                self._epoch_done()
+            if item is not None:
+                out.append(item)
+                self._skipped_run = 0
+                continue
+            self._skipped_run += 1
+            if self._skipped_run >= len(self.items):
+                raise self.items.no_prompt_error()
         return out
+
+    def _epoch_done(self) -> None:
+        dropped = getattr(self.items, "dropped", 0)
+        if dropped and self.log is not None:
+            self.log(f"data: epoch {self.epoch} done; {dropped} prompt(s) longer than {self.items.limit} tokens "
+                     "skipped so far (data.overlong_prompts='drop')")  # fmt: skip
+        self.epoch, self.index = self.epoch + 1, 0
 
     def state(self) -> dict:
         return {"epoch": self.epoch, "index": self.index, "size": len(self.items)}
@@ -105,7 +124,7 @@ class DatasetStream:
             from moe_rl.data.loaders import DataError
 
             raise DataError(f"the checkpoint's dataset position is for {state['size']} prompts; data.train_files now "
-                             f"yield {len(self.items)} (files or data.max_prompt_tokens changed)")  # fmt: skip
+                             f"yield {len(self.items)} (files changed)")  # fmt: skip
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
 
 
@@ -115,7 +134,7 @@ def build_prompt_stream(cfg, tokenizer=None, log=print) -> PromptStream:
         from moe_rl.rollout.tasks import DigitTask
 
         return TaskStream(DigitTask(cfg.train.task, cfg.model.vocab_size), cfg.train.seed)
-    from moe_rl.data.dataset import load_prompt_items
+    from moe_rl.data.dataset import DatasetPrompts, reward_needs_label
 
-    items, _ = load_prompt_items(cfg.data.train_files, tokenizer, cfg, log=log)
-    return DatasetStream(items, cfg.train.seed, cfg.data.shuffle)
+    items = DatasetPrompts(cfg.data.train_files, tokenizer, cfg, needs_label=reward_needs_label(cfg), log=log)
+    return DatasetStream(items, cfg.train.seed, cfg.data.shuffle, log=log)

@@ -165,6 +165,14 @@ class RolloutBatch:
         return out
 
     # ------------------------------------------------------------------ validation
+    def _sample_count(self) -> int:
+        """The number of samples most per-sample arrays agree on (so the error names the odd one out)."""
+        from collections import Counter
+
+        counts = [len(a) for a in (self.prompt_lens, self.response_lens, self.rewards, self.group_ids,
+                                   self.weight_versions, self.finish_reasons)]  # fmt: skip
+        return Counter(counts).most_common(1)[0][0]
+
     def validate(self, model_cfg=None) -> None:
         """Raise ``RecordError`` naming the first inconsistent field.
 
@@ -174,13 +182,14 @@ class RolloutBatch:
         ``num_experts`` and distinct per token, mask offsets starting at 0 and growing by >= 1 per token.
         With ``model_cfg`` it also checks ids, lengths and route shapes against the model.
         """
-        n = len(self)
+        n = self._sample_count()
         integer_arrays = ("prompt_ids", "prompt_lens", "response_ids", "response_lens", "group_ids", "mask_ids", "mask_offsets")
         for name in integer_arrays:
             arr = getattr(self, name)
             if arr is not None and (arr.ndim != 1 or arr.dtype.kind not in "iu"):
                 raise RecordError(f"{name} must be a 1-D integer array, got {arr.dtype} with shape {arr.shape}")
-        for name, arr in (("rewards", self.rewards), ("group_ids", self.group_ids), ("response_lens", self.response_lens)):
+        for name, arr in (("prompt_lens", self.prompt_lens), ("response_lens", self.response_lens),
+                          ("rewards", self.rewards), ("group_ids", self.group_ids)):  # fmt: skip
             if len(arr) != n:
                 raise RecordError(f"{name} has {len(arr)} entries; expected one per sample ({n})")
         if len(self.weight_versions) != n or len(self.finish_reasons) != n:

@@ -34,6 +34,7 @@ TRAINING_ONLY_FIELDS = (
     "moe_token_dispatcher_type", "moe_expert_capacity_factor", "moe_router_fusion", "moe_router_dtype",
     "mtp_num_layers",  # extra prediction heads: the main head's log-probs and routes do not depend on them
     "hf_path",  # where the model was read from: its architecture is in the fields above, its tokenizer in tokenizer.vocab
+    "build_command",  # how hf_path is created on a fresh clone
 )  # fmt: skip
 TOKENIZER_KEY = "tokenizer.vocab"
 

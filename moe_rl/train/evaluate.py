@@ -46,13 +46,12 @@ class Evaluator:
     def _sets(self, tokenizer, prompts, log) -> list[tuple[str, list]]:
         cfg, e = self.cfg, self.cfg.eval
         if cfg.data is not None:
-            from moe_rl.data.dataset import load_prompt_items
+            from moe_rl.data.dataset import load_prompt_items, reward_needs_label
 
-            out = []
-            for f in cfg.data.eval_files:
-                items, _ = load_prompt_items([f], tokenizer, cfg, log=log)
-                out.append((Path(f).stem, items[: e.max_prompts]))
-            return out
+            needs_label = reward_needs_label(cfg)
+            return [(Path(f).stem, load_prompt_items([f], tokenizer, cfg, log=log, limit=e.max_prompts,
+                                                     needs_label=needs_label)[0])
+                    for f in cfg.data.eval_files]  # fmt: skip
         from moe_rl.data.stream import PromptItem
 
         task = prompts.task  # the built-in task's stream (moe_rl.data.stream.TaskStream)

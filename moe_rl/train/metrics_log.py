@@ -25,7 +25,7 @@ def _finite(v):
     return v if isinstance(v, (int, str)) or (isinstance(v, float) and math.isfinite(v)) else None
 
 
-def _step_of(line: str) -> int | None:
+def step_of(line: str) -> int | None:
     """The step of one JSONL line; None for a blank or torn line (a run killed mid-write)."""
     try:
         return int(json.loads(line)["step"])
@@ -37,7 +37,7 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     """Keep only whole lines with ``step <= last_step`` (atomic rewrite)."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines() if _step_of(line) is not None and _step_of(line) <= last_step]
+    kept = [line for line in path.read_text().splitlines() if step_of(line) is not None and step_of(line) <= last_step]
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     os.replace(tmp, path)

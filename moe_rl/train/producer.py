@@ -35,6 +35,15 @@ __all__ = ["InlineBatches", "AsyncProducer", "batch_source", "pending_records", 
 MakeBatch = Callable[[int, int], Path]  # (step, served version) -> the records file written for step
 
 
+def _user_errors() -> tuple[type, ...]:
+    """Errors whose message is complete for the user (file and row, or function and sample): re-raised as they
+    are, so the CLI prints one line (datasets are read when drawn, in the producer thread in async mode)."""
+    from moe_rl.data.loaders import DataError
+    from moe_rl.reward.scorer import RewardError
+
+    return (DataError, RewardError)
+
+
 class InlineBatches:
     """Sync mode: step ``s``'s records are made when the learner asks for them, on version ``s`` (a resumed
     async checkpoint's finished batches are trained first, as they were)."""
@@ -132,6 +141,8 @@ class AsyncProducer:
             self._cond.wait_for(lambda: step in self.ready or self._error is not None)
             self._wait_s += time.perf_counter() - t0
             if step not in self.ready:
+                if isinstance(self._error, _user_errors()):  # a bad dataset row or reward: its one-line message
+                    raise self._error
                 raise RuntimeError(f"the rollout producer failed while making step {step}'s batch: "
                                    f"{type(self._error).__name__}: {self._error}") from self._error  # fmt: skip
             self.data_before.pop(step, None)

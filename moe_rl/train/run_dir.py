@@ -5,6 +5,9 @@ Owns the exclusive locks ``<train.output_dir>/.moe_rl.lock`` and ``<checkpoint.d
 dead process is simply taken over, with a log line naming it), the check that ``train.output_dir`` and
 ``checkpoint.dir`` are writable, and the rules for a directory that already holds a run:
 
+- a directory where an earlier start trained no step (its ``run_id``, no checkpoint, no metrics line of a
+  step >= 1: e.g. a start refused at its first step) holds no run: what that start wrote is removed and
+  the run starts fresh;
 - ``checkpoint.resume=never`` refuses unless ``checkpoint.overwrite=true`` (which discards the old
   checkpoints, their reference policy and identity, metrics and config);
 - ``checkpoint.resume=auto`` first checks that the checkpoints in ``checkpoint.dir`` belong to this
@@ -14,7 +17,8 @@ dead process is simply taken over, with a log line naming it), the check that ``
   ``RESUME_SAFE_KEYS`` (operational: addresses, ports, timeouts, logging, the key variables,
   ``train.steps``, and the ``parallel.*`` layout, which the checkpoint loader reshards) and keys named
   in ``checkpoint.allow_changes`` may differ (each change is logged), any other difference
-  (including a key the old run did not have) refuses the start and prints every difference.
+  (including a key the old run did not have, unless the new value is that key's default: a run saved before
+  the key existed behaved as its default) refuses the start and prints every difference.
   ``train.steps`` is safe only while the lr schedule does not depend on it
   (``optim.lr_decay_style=constant``): a decaying schedule spans ``train.steps``, so a resumed run with
   another value would get another lr than an uninterrupted one.
@@ -56,7 +60,7 @@ RESUME_SAFE_KEYS = (
     "rollout.addresses", "rollout.host", "rollout.port", "launch.rollout_port", "launch.master_port",
     "rollout.request_timeout_s", "rollout.startup_timeout_s", "rollout.health_timeout_s",
     "rollout.max_server_restarts", "rollout.api_key_env", "rollout.admin_api_key_env", "logging.*", "train.steps",
-    "checkpoint.allow_changes", "checkpoint.overwrite", "parallel.*",
+    "checkpoint.allow_changes", "checkpoint.overwrite", "parallel.*", "model.build_command",
 )  # fmt: skip
 
 
@@ -150,11 +154,29 @@ def _flatten(tree, prefix: str = "") -> dict[str, object]:
 _ABSENT = "<absent>"
 
 
+def _with_defaults(saved_tree: dict) -> dict[str, object]:
+    """The saved config as today's schema reads it (keys added since it was saved at their defaults);
+    empty when it no longer validates (then every difference counts)."""
+    from pydantic import ValidationError
+
+    from moe_rl.config import ExperimentConfig
+
+    try:
+        return _flatten(ExperimentConfig.model_validate(saved_tree).model_dump(mode="json"))
+    except (ValidationError, ValueError, TypeError):
+        return {}
+
+
 def config_differences(saved_tree: dict, cfg) -> list[tuple[str, object, object]]:
-    """``(key, saved, new)`` for every dotted key whose value differs (``<absent>`` for a missing key)."""
+    """``(key, saved, new)`` for every dotted key whose value differs (``<absent>`` for a missing key); a key
+    the saved config lacks (added to the schema since) whose new value is its default is no difference."""
     old, new = _flatten(saved_tree), _flatten(cfg.model_dump(mode="json"))
-    return [(k, old.get(k, _ABSENT), new.get(k, _ABSENT)) for k in sorted(old.keys() | new.keys())
-            if old.get(k, _ABSENT) != new.get(k, _ABSENT)]  # fmt: skip
+    diffs = [(k, old.get(k, _ABSENT), new.get(k, _ABSENT)) for k in sorted(old.keys() | new.keys())
+             if old.get(k, _ABSENT) != new.get(k, _ABSENT)]  # fmt: skip
+    if any(k not in old for k, _, _ in diffs):
+        defaults = _with_defaults(saved_tree)
+        diffs = [d for d in diffs if d[0] in old or d[0] not in defaults or defaults[d[0]] != d[2]]
+    return diffs
 
 
 def is_allowed_change(key: str, allowed: tuple[str, ...] | list[str]) -> bool:
@@ -215,10 +237,42 @@ def check_checkpoint_owner(run_dir: Path, ckpt_dir: Path) -> None:
         )
 
 
+def trained_no_step(run_dir: Path, ckpt_dir: Path) -> bool:
+    """True when ``run_dir`` holds only what a trainer's start that trained no step leaves: its ``run_id``
+    (so a ``config.yaml`` someone put there is never taken for one), no checkpoint and no metrics line of
+    a step >= 1 (an evaluation before the first step logs step 0)."""
+    from moe_rl.learner.checkpoint import checkpoint_steps
+    from moe_rl.train.metrics_log import step_of
+
+    if read_run_id(run_dir) is None or checkpoint_steps(ckpt_dir):
+        return False
+    metrics = run_dir / METRICS_FILE
+    if not metrics.is_file():
+        return True
+    with metrics.open(errors="replace") as fh:
+        return not any((step_of(line) or 0) >= 1 for line in fh)
+
+
+def forget_failed_start(run_dir: Path, ckpt_dir: Path) -> None:
+    """Remove what a start that trained no step wrote (config, run id, metrics, its checkpoint.dir identity),
+    so the corrected command starts fresh instead of being compared with the refused settings (logged)."""
+    ours = read_run_id(run_dir)
+    owner = read_checkpoint_identity(ckpt_dir)
+    if owner is not None and owner["run_id"] == ours:
+        (ckpt_dir / CKPT_IDENTITY_FILE).unlink(missing_ok=True)
+    for name in (CONFIG_FILE, METRICS_FILE, RUN_ID_FILE):
+        (run_dir / name).unlink(missing_ok=True)
+    logger.warning("train.output_dir=%s holds only what an earlier start that trained no step left (no checkpoint, "
+                   "no step's metrics): starting fresh", run_dir)  # fmt: skip
+
+
 def check_resume(cfg, run_dir: Path, ckpt_dir: Path) -> None:
     """Apply the resume rules (module docstring); discards the old run when ``checkpoint.overwrite``."""
     found = previous_run(run_dir, ckpt_dir)
     if not found:
+        return
+    if trained_no_step(run_dir, ckpt_dir):  # e.g. refused before step 1: nothing to resume or to protect
+        forget_failed_start(run_dir, ckpt_dir)
         return
     ck = cfg.checkpoint
     if ck.resume == "never":

@@ -49,6 +49,8 @@ class StepSamples:
             metrics["reward/overlong_frac"].append(float((penalty < 0).mean()))
         for key, value in scores.metrics.items():
             metrics[key].append(value)
+        if cfg.data is not None:  # rows without a label (a reward function declaring needs_label = False)
+            metrics["reward/no_label"].append(float(sum(prompts[k // n].label is None for k in range(len(samples)))))
         for k, sample in enumerate(samples):
             sample.data_file, sample.data_row = prompts[k // n].file, prompts[k // n].row
         return GroupRound(prompts, samples, rewards.tolist())

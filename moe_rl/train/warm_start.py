@@ -13,7 +13,8 @@ warm start.
 
 Multi-node: ``cache_dir`` may be node-local (``~/.cache``). Whether the cache is used is decided once,
 by rank 0, from every rank's view (its own shard and ``meta.json`` in its own directory) and broadcast:
-the cache is used only when every rank has its files, otherwise every rank trains (a split decision
+the cache is used only when every rank has its files and they read back whole (a damaged file is named
+in one line and rebuilt), otherwise every rank trains (a split decision
 would leave some ranks in the training collectives and the others waiting elsewhere: a hang). Rank 0's
 ``meta.json`` is broadcast and written next to every rank's shard, so each node's cache is complete.
 """
@@ -50,7 +51,7 @@ def warm_start_key(cfg) -> str:
     """Hex key of everything the warm-start weights depend on (config sections + code version)."""
     ws = cfg.train.warm_start
     inputs = {
-        "model": cfg.model.model_dump(mode="json"),
+        "model": cfg.model.model_dump(mode="json", exclude={"build_command"}),
         "params_dtype": cfg.precision.params_dtype,
         "parallel": cfg.parallel.model_dump(mode="json", exclude={"backend"}),
         "task": cfg.train.task,
@@ -71,24 +72,43 @@ def _barrier() -> None:
         torch.distributed.barrier()
 
 
-def _has_files(directory: Path, rank: int) -> bool:
-    """This rank's view of the cache: its own shard and ``meta.json`` in its own directory."""
-    return (directory / "meta.json").is_file() and (directory / f"rank_{rank:05d}.safetensors").is_file()
+def _read_shard(directory: Path, rank: int) -> tuple[dict | None, str | None]:
+    """This rank's view of the cache (its own shard and ``meta.json`` in its own directory): ``(weights, None)``
+    when both read back whole, ``(None, None)`` when either is absent, ``(None, why)`` when one is damaged."""
+    from safetensors.torch import load_file
+
+    path, meta_path = directory / f"rank_{rank:05d}.safetensors", directory / "meta.json"
+    if not (meta_path.is_file() and path.is_file()):
+        return None, None
+    current = path
+    try:
+        weights = load_file(str(path))
+        current = meta_path
+        history = json.loads(meta_path.read_text())["history"]
+        float(history[0]["nll"]) + float(history[-1]["nll"])  # the fields the start-up line reads
+    except Exception as exc:  # noqa: BLE001 -- SafetensorError, OSError, JSON, missing fields: all "damaged"
+        return None, f"{current} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+    return weights, None
 
 
-def decide_cache_hit(directory: Path, rank: int, world: int) -> tuple[bool, list[int]]:
-    """``(hit, ranks without the files)`` on every rank: rank 0 gathers each rank's view, decides, broadcasts."""
-    mine = _has_files(directory, rank)
+def decide_cache_hit(directory: Path, rank: int, world: int) -> tuple[bool, list[int], list[str], dict | None]:
+    """``(hit, ranks without usable files, damaged files, this rank's weights)`` on every rank: rank 0 gathers
+    each rank's view, decides and broadcasts (a damaged file counts as absent and is rebuilt)."""
+    weights, damaged = _read_shard(directory, rank)
+    mine = (weights is not None, damaged)
     if world == 1:
-        return mine, [] if mine else [0]
-    views = [None] * world if rank == 0 else None
-    torch.distributed.gather_object(mine, views, dst=0)
+        views = [mine]
+    else:
+        views = [None] * world if rank == 0 else None
+        torch.distributed.gather_object(mine, views, dst=0)
     box = [None]
     if rank == 0:
-        missing = [r for r, has in enumerate(views) if not has]
-        box = [(not missing, missing)]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
+        missing = [r for r, (has, _) in enumerate(views) if not has]
+        box = [(not missing, missing, [why for _, why in views if why])]
+    if world > 1:
+        torch.distributed.broadcast_object_list(box, src=0)
+    hit, missing, bad = box[0]
+    return hit, missing, bad, weights if hit else None
 
 
 def _broadcast_meta(meta: dict | None) -> dict:
@@ -199,10 +219,10 @@ def _save_atomic(weights: dict[str, torch.Tensor], path: Path, metadata: dict[st
     os.replace(tmp, path)
 
 
-def _load_into(module: torch.nn.Module, path: Path) -> None:
+def _load_into(module: torch.nn.Module, path: Path, weights: dict[str, torch.Tensor] | None = None) -> None:
     from safetensors.torch import load_file
 
-    weights = load_file(str(path))
+    weights = load_file(str(path)) if weights is None else weights
     missing, unexpected = module.load_state_dict(weights, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
@@ -224,8 +244,12 @@ def apply_warm_start(learner, cfg) -> dict | None:
     directory = cache_path(cfg)
     path = directory / f"rank_{rank:05d}.safetensors"
     meta_path = directory / "meta.json"
-    cached, missing = decide_cache_hit(directory, rank, world)  # every rank has looked before any rank writes
+    # every rank has looked before any rank writes
+    cached, missing, damaged, weights = decide_cache_hit(directory, rank, world)
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if rank == 0 else None
+    if log and damaged:
+        log(f"[warm start] the cache file {'; '.join(damaged)} is damaged: rebuilding the warm start (train."
+            "warm_start.cache_dir)")  # fmt: skip
     if not cached:
         if log and world > 1 and len(missing) < world:
             log(f"[warm start] ranks {missing} have no cached shard under {directory} (train.warm_start.cache_dir "
@@ -244,7 +268,7 @@ def apply_warm_start(learner, cfg) -> dict | None:
         _barrier()
     else:
         meta = _broadcast_meta(json.loads(meta_path.read_text()) if rank == 0 else None)
-    _load_into(learner.module, path)
+    _load_into(learner.module, path, weights)
     info = {"path": str(directory), "cached": cached, "seconds": time.perf_counter() - t0,
             "nll_first": meta["history"][0]["nll"], "nll_last": meta["history"][-1]["nll"]}  # fmt: skip
     if log:

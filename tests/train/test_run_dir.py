@@ -97,15 +97,18 @@ def test_a_parallel_layout_change_may_resume_and_is_shown(tmp_path, caplog):
         guard_run_dir(_cfg(tmp_path, "parallel.ep=1", "model.num_moe_experts=4"), tmp_path, tmp_path / "checkpoints")
 
 
-def test_a_key_the_previous_run_did_not_have_counts_as_unsafe(tmp_path):
+def test_a_key_the_previous_run_did_not_have_is_safe_only_at_its_default(tmp_path):
+    """Issue 40: a run saved before a key existed behaved as its default; another value is a change."""
     import yaml
 
     _previous_run(tmp_path)
     tree = yaml.safe_load((tmp_path / "config.yaml").read_text())
     del tree["optim"]["min_lr"]  # an older version of moe_rl had no such key
+    del tree["data"]  # nor this section (its default: none)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(tree))
-    with pytest.raises(RunDirError, match=r"! optim.min_lr: '<absent>' -> 0.0"):
-        guard_run_dir(_cfg(tmp_path), tmp_path, tmp_path / "checkpoints")
+    guard_run_dir(_cfg(tmp_path), tmp_path, tmp_path / "checkpoints").release()  # both at their default
+    with pytest.raises(RunDirError, match=r"! optim.min_lr: '<absent>' -> 0.0001"):
+        guard_run_dir(_cfg(tmp_path, "optim.min_lr=0.0001"), tmp_path, tmp_path / "checkpoints")
 
 
 def test_unwritable_checkpoint_dir_is_caught_before_anything_starts(tmp_path):
