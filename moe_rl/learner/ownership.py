@@ -31,7 +31,8 @@ from moe_rl.learner.tp_shards import tp_split_dim
 
 __all__ = [
     "Box", "TensorSlice", "canonical_name", "expert_slot", "local_expert_range", "tp_rank_and_size",
-    "stage_layer_offset", "globalise_layer", "global_name", "local_slices", "writes_whole", "replica_group",
+    "stage_layer_offset", "globalise_layer", "global_name", "tensor_slice", "local_slices", "writes_whole",
+    "replica_group",
 ]  # fmt: skip
 
 _TE_FUSED_NORMS = (
@@ -145,20 +146,22 @@ class TensorSlice:
         return out
 
 
-def _boxes(name: str, shape: tuple[int, ...], rank: int, size: int) -> tuple[tuple[int, ...], tuple[Box, ...], bool]:
+def tensor_slice(local: str, name: str, shape: tuple[int, ...], rank: int, size: int) -> TensorSlice:
+    """Where a local tensor of ``shape`` named ``local`` (global ``name``) on tp/etp rank ``rank`` of ``size`` sits."""
     dim, swiglu = tp_split_dim(name)
     rows = shape[0] if shape else 1
     zero = (0,) * len(shape)
     if dim is None or size == 1:
-        return shape, (Box(0, rows, zero, shape),), dim is not None
+        return TensorSlice(local, name, shape, (Box(0, rows, zero, shape),), dim is not None)
     full = tuple(s * size if d == dim else s for d, s in enumerate(shape))
     if swiglu:  # local [gate_r; up_r], global [gate_0..gate_{n-1}; up_0..up_{n-1}]
         half = shape[0] // 2
         box = (half, *shape[1:])
-        return full, (Box(0, half, (rank * half, *zero[1:]), box),
-                      Box(half, shape[0], (full[0] // 2 + rank * half, *zero[1:]), box)), True  # fmt: skip
+        boxes = (Box(0, half, (rank * half, *zero[1:]), box),
+                 Box(half, shape[0], (full[0] // 2 + rank * half, *zero[1:]), box))  # fmt: skip
+        return TensorSlice(local, name, full, boxes, True)
     offsets = tuple(rank * s if d == dim else 0 for d, s in enumerate(shape))
-    return full, (Box(0, rows, offsets, shape),), True
+    return TensorSlice(local, name, full, (Box(0, rows, offsets, shape),), True)
 
 
 def local_slices(model, tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorSlice]:
@@ -168,8 +171,7 @@ def local_slices(model, tensors: Mapping[str, torch.Tensor]) -> dict[str, Tensor
     out = {}
     for local, t in tensors.items():
         g = global_name(local, start, offset)
-        shape, boxes, split = _boxes(g, tuple(t.shape), *tp_rank_and_size(g))
-        out[local] = TensorSlice(local, g, shape, boxes, split)
+        out[local] = tensor_slice(local, g, tuple(t.shape), *tp_rank_and_size(g))
     return out
 
 

@@ -36,8 +36,8 @@ from moe_rl.learner.global_state import (
 )  # fmt: skip
 from moe_rl.learner.ownership import Box, TensorSlice, local_slices, tp_rank_and_size, writes_whole
 
-__all__ = ["ShardedDir", "save_model_shards", "save_optimizer_shards", "write_safetensors", "rank_file",
-           "read_global", "SHARD_FORMAT"]  # fmt: skip
+__all__ = ["ShardedDir", "save_model_shards", "save_optimizer_shards", "write_safetensors", "write_rank_file",
+           "rank_file", "read_global", "SHARD_FORMAT"]  # fmt: skip
 
 SHARD_FORMAT = "moe_rl.sharded/1"
 _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -96,14 +96,21 @@ def _chunks(entries: Iterable[Entry]) -> tuple[list[tuple[str, torch.Tensor]], l
     return tensors, index
 
 
+def write_rank_file(directory: str | Path, kind: str, rank: int, world: int, entries: Iterable[Entry]) -> Path:
+    """Write rank ``rank``'s (of ``world``) ``kind`` file: the chunks of ``entries`` and their JSON index."""
+    tensors, index = _chunks(entries)
+    meta = {"format": SHARD_FORMAT, "kind": kind, "rank": str(rank), "world_size": str(world),
+            "chunks": json.dumps(index)}  # fmt: skip
+    path = rank_file(directory, kind, rank)
+    write_safetensors(path, tensors, meta)
+    return path
+
+
 def _save(directory: Path, kind: str, entries: Iterable[Entry]) -> None:
     import torch.distributed as dist
 
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    tensors, index = _chunks(entries)
-    meta = {"format": SHARD_FORMAT, "kind": kind, "rank": str(rank), "world_size": str(world),
-            "chunks": json.dumps(index)}  # fmt: skip
-    write_safetensors(rank_file(directory, kind, rank), tensors, meta)
+    write_rank_file(directory, kind, rank, world, entries)
 
 
 def save_model_shards(model, directory: str | Path) -> None:
