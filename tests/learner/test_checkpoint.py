@@ -147,6 +147,22 @@ def test_checkpoint_holds_no_pickle_and_a_pickle_shard_is_refused(megatron_world
     assert not marker.exists(), "loading a checkpoint ran the attacker's command"
 
 
+def test_a_save_killed_mid_write_leaves_the_previous_checkpoint_loadable(megatron_world, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from moe_rl.learner.checkpoint import latest_step, load_checkpoint
+    from moe_rl.learner.train_step import Learner
+
+    worker = Path(__file__).with_name("killed_save_worker.py")
+    proc = subprocess.run([sys.executable, str(worker), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, f"the save was not killed mid-write (rc={proc.returncode}):\n{proc.stderr[-2000:]}"
+    assert (tmp_path / ".step_00000002.tmp" / "model-r00000.safetensors").is_file(), "killed before the torn write"
+    assert latest_step(tmp_path) == 1 and [d.name for d in tmp_path.glob("step_*")] == ["step_00000001"]
+    assert load_checkpoint(Learner(_cfg(), total_steps=4), tmp_path)["step"] == 1
+
+
 def test_state_with_a_non_tensor_object_is_refused_at_save(tmp_path):
     from moe_rl.learner.state_codec import StateCodecError, save_state
 
