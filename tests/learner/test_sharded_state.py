@@ -78,3 +78,18 @@ def test_an_uncovered_or_twice_written_element_is_refused(tmp_path):
     write_rank_file(tmp_path / "twice", "optimizer", 3, 4, [(f"exp_avg/{name}", s, local, None)])
     with pytest.raises(GlobalStateError, match=r"0 elements missing, 5 written twice"):
         ShardedDir(tmp_path / "twice", "optimizer").full(f"exp_avg/{name}")
+
+
+def test_the_state_modules_do_not_import_the_hf_conversion():
+    """Issue 34: no import circle between ``global_state`` and ``hf_convert`` (hf_convert imports the gathers
+    from global_state, never the other way); the ownership map is shared by both."""
+    import ast
+    import inspect
+
+    from moe_rl.learner import global_state, ownership, sharded_state
+
+    for module in (global_state, ownership, sharded_state):
+        tree = ast.parse(inspect.getsource(module))
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
+            a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert "moe_rl.learner.hf_convert" not in imported, f"{module.__name__} imports hf_convert"
