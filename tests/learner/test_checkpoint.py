@@ -235,7 +235,7 @@ def _reindex(path, chunks: str) -> None:
     from safetensors.torch import save_file
 
     with safe_open(str(path), framework="pt") as fh:
-        tensors, meta = {k: fh.get_tensor(k) for k in fh}, dict(fh.metadata())
+        tensors, meta = {k: fh.get_tensor(k) for k in fh.keys()}, dict(fh.metadata())  # noqa: SIM118 - not iterable
     save_file(tensors, str(path), metadata={**meta, "chunks": chunks})
 
 
