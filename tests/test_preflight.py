@@ -83,6 +83,15 @@ def test_every_shipped_config_passes_the_config_rules(path, request):
          "without servers (set train.rollout_mode=sync)"),
         (["parallel.cp=2"],
          "parallel.cp=2: the training loop does not split sequences over context parallelism; expected 1"),
+        (["optim.optimizer_cpu_offload=true"],
+         "optim.optimizer_cpu_offload=true needs optim.use_distributed_optimizer=true (Megatron-Core keeps offloaded "
+         "and lower-precision optimizer state only in its distributed optimizer)"),
+        (["optim.use_precision_aware_optimizer=true"],
+         "optim.use_precision_aware_optimizer=true needs optim.use_distributed_optimizer=true (Megatron-Core keeps "
+         "offloaded and lower-precision optimizer state only in its distributed optimizer)"),
+        (["optim.optimizer_offload_fraction=0.5", "optim.use_distributed_optimizer=true"],
+         "optim.optimizer_offload_fraction=0.5 has no effect without optim.optimizer_cpu_offload=true; expected 1.0 "
+         "or offload on"),
         (["model.moe_router_score_function=sigmoid"],
          "model.moe_router_score_function='sigmoid' (Qwen3-MoE routes with softmax): the HF <-> Megatron bridge "
          "(weight sync to SGLang) cannot express it"),

@@ -21,8 +21,8 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from moe_rl.config.loader import ConfigError
 from moe_rl.config.eval_section import eval_and_filters
+from moe_rl.config.loader import ConfigError
 from moe_rl.config.loss_keys import ignored_loss_keys
 from moe_rl.config.preflight_data import data_files, hf_model_directory, reward_settings
 from moe_rl.config.schema import ExperimentConfig
@@ -154,6 +154,20 @@ def learner_features(cfg: ExperimentConfig) -> Iterable[str]:
             yield f"{key}={value} must be divisible by the {split} tensor-parallel shards it is split into (parallel.tp/etp)"
 
 
+def optimizer_options(cfg: ExperimentConfig) -> Iterable[str]:
+    """Megatron-Core's distributed-optimizer options that need each other (optimizer_config.py asserts, or
+    the option has no effect): offload and precision-aware state live in the distributed optimizer."""
+    o = cfg.optim
+    for key, on in (("optim.optimizer_cpu_offload", o.optimizer_cpu_offload),
+                    ("optim.use_precision_aware_optimizer", o.use_precision_aware_optimizer)):  # fmt: skip
+        if on and not o.use_distributed_optimizer:
+            yield (f"{key}=true needs optim.use_distributed_optimizer=true (Megatron-Core keeps offloaded and "
+                   "lower-precision optimizer state only in its distributed optimizer)")  # fmt: skip
+    if o.optimizer_offload_fraction != 1.0 and not o.optimizer_cpu_offload:
+        yield (f"optim.optimizer_offload_fraction={o.optimizer_offload_fraction} has no effect without "
+               "optim.optimizer_cpu_offload=true; expected 1.0 or offload on")  # fmt: skip
+
+
 def pipeline_stages(cfg: ExperimentConfig) -> Iterable[str]:
     """pp > 1 (equal stages: the schema checks ``num_layers % pp``): every stage holds at least one MoE layer
     (routing replay and the dispatch probe bind per stage), and the dispatcher accepts ragged microbatches."""
@@ -223,7 +237,7 @@ def weight_sync_group(cfg: ExperimentConfig) -> Iterable[str]:
 
 CONFIG_RULES: tuple[ConfigRule, ...] = (
     finite_numbers, hf_model_directory, sampling_settings, task_and_lengths, reward_fn_imports, learner_features,
-    weight_sync_architecture, weight_sync_group, ignored_loss_keys, data_files, reward_settings, eval_and_filters,
+    optimizer_options, weight_sync_architecture, weight_sync_group, ignored_loss_keys, data_files, reward_settings, eval_and_filters,
     rollout_mode, partial_rollouts,
 )  # fmt: skip
 

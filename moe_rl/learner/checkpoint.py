@@ -1,19 +1,23 @@
 """Learner checkpoints: save / resume model + optimizer + RNG + step, atomically, without pickle,
 on any parallel layout.
 
-Owns the on-disk layout ``<dir>/step_<N>/`` (``model.safetensors``, ``optimizer.safetensors``,
+Owns the on-disk layout ``<dir>/step_<N>/`` (``model-r<r>.safetensors``, ``optimizer-r<r>.safetensors``,
 ``rank_<r>.safetensors``, ``meta.json``) and the ``<dir>/latest`` pointer. ``N`` is the caller's step
 (the trainer passes the RL step, which is what ``checkpoint.save_interval`` counts); the optimizer
-step is stored inside. Weights and Adam state are stored layout-free: gathered to global tensors
-keyed by global parameter names (``global_state``), so a checkpoint written under one (tp, etp, ep,
-dp) layout resumes under another; each rank's ``rank_<r>`` file holds only its RNG streams and the
-step. Same layout: every stream is restored and on CPU the next step is reproduced bit for bit.
+step is stored inside. Weights and Adam state are stored layout-free, as chunks of global tensors
+keyed by global parameter names (``global_state``, ``ownership``): each rank writes only the chunks
+it owns (``sharded_state``: its experts, its tp slices, its share of the replicated tensors, under
+the distributed optimizer its own shard), in parallel, with no gather; rank 0 adds only ``meta.json``.
+A checkpoint written under one (tp, etp, ep, pp, dp) layout, with the distributed optimizer on or off,
+resumes under any other; each rank's ``rank_<r>`` file holds only its RNG streams and the step.
+Same layout: every stream is restored and on CPU the next step is reproduced bit for bit.
 Changed layout: the process-wide streams (python, numpy, torch) continue from rank 0's and the
 Megatron tracker keeps this layout's seeding (its streams are per tp/ep rank), with a warning.
 A checkpoint becomes visible only when complete: files go to a temp dir that rank 0 renames, then
 ``latest`` is replaced. Loading never unpickles (safetensors + JSON only); a step dir holding a
 pickle-based file (``*.pt``, a ``torch_dist`` ``.metadata``, ...) is refused without reading it.
-Format 2 checkpoints (per-rank shards) still load on the layout that wrote them.
+Format 3 checkpoints (the previous release: one global ``model.safetensors`` / ``optimizer.safetensors``)
+load on any layout; format 2 (per-rank state dicts) on the layout that wrote them.
 A corrupt or missing newest checkpoint falls back to the newest readable one, with a warning.
 Write failures (disk full, permissions) name the path.
 """
@@ -34,9 +38,14 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.learner.global_state import (
-    MODEL_FORMAT, OPTIMIZER_FORMAT, GlobalStateError, check_global_file, load_global_model, load_global_optimizer,
-    save_global_model, save_global_optimizer,
+    MODEL_FORMAT,
+    OPTIMIZER_FORMAT,
+    GlobalFile,
+    GlobalStateError,
+    load_model,
+    load_optimizer,
 )  # fmt: skip
+from moe_rl.learner.sharded_state import ShardedDir, rank_file, save_model_shards, save_optimizer_shards
 from moe_rl.learner.state_codec import StateCodecError, load_state, save_state
 
 __all__ = [
@@ -45,8 +54,10 @@ __all__ = [
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
-FORMAT_VERSION = 3  # 1 = torch.save pickles (refused); 2 = per-rank shards (same layout only); 3 = global
-MODEL_FILE, OPTIMIZER_FILE = "model.safetensors", "optimizer.safetensors"
+# 1 = torch.save pickles (refused); 2 = per-rank state dicts (same layout only); 3 = one global file per kind
+# written by rank 0 (the previous release; still loads on any layout); 4 = each rank writes what it owns
+FORMAT_VERSION = 4
+MODEL_FILE, OPTIMIZER_FILE = "model.safetensors", "optimizer.safetensors"  # format 3
 # What torch.save / torch_dist / pickle write: never opened, the step dir is refused.
 PICKLE_PATTERNS = ("*.pt", "*.pth", "*.pkl", "*.pickle", "*.bin", "*.distcp", ".metadata")
 
@@ -191,10 +202,11 @@ def save_checkpoint(
     _barrier()
     shard = {"format_version": FORMAT_VERSION, "step": step, "optimizer_step": learner.step, "rng": rng_state()}
     shard_path = tmp / f"rank_{rank:05d}.safetensors"
-    for what, path, write in (
-        ("the global model weights", tmp / MODEL_FILE, lambda p: save_global_model(learner.module, p)),
-        ("the global optimizer state", tmp / OPTIMIZER_FILE,
-         lambda p: save_global_optimizer(learner.optimizer, learner.module, p)),
+    for what, path, write in (  # every rank writes only what it owns: no gather, nothing through rank 0
+        (f"rank {rank}'s model weights", rank_file(tmp, "model", rank),
+         lambda p: save_model_shards(learner.module, p.parent)),
+        (f"rank {rank}'s optimizer state", rank_file(tmp, "optimizer", rank),
+         lambda p: save_optimizer_shards(learner.optimizer, learner.module, p.parent)),
         (f"rank {rank}'s RNG / step file", shard_path, lambda p: save_state(shard, p)),
     ):  # fmt: skip
         try:
@@ -205,7 +217,8 @@ def save_checkpoint(
     _barrier()
     if rank == 0:
         meta = {"format_version": FORMAT_VERSION, "step": step, "optimizer_step": learner.step, "world_size": world,
-                "parallel": layout(), "extra": extra or {}}  # fmt: skip
+                "parallel": layout(), "distributed_optimizer": _distributed_optimizer(learner),
+                "extra": extra or {}}  # fmt: skip
         try:
             for name, source in (files or {}).items():
                 (tmp / CARRIED_FILES).mkdir(exist_ok=True)
@@ -262,11 +275,22 @@ def _read_step_dir(d: Path, rank: int, world: int) -> tuple[dict, dict]:
             raise ValueError(f"{d} is a format-2 checkpoint saved by {meta['world_size']} ranks "
                              f"(parallel={meta['parallel']}); it loads only on that layout; this job has {world}")  # fmt: skip
         return meta, load_state(d / f"rank_{rank:05d}.safetensors")
-    if version != FORMAT_VERSION:
-        raise StateCodecError(f"{d} has format_version {version}; expected {FORMAT_VERSION} (or 2)")
-    check_global_file(d / MODEL_FILE, MODEL_FORMAT)
-    check_global_file(d / OPTIMIZER_FILE, OPTIMIZER_FORMAT)
+    if version not in (3, FORMAT_VERSION):
+        raise StateCodecError(f"{d} has format_version {version}; expected {FORMAT_VERSION} (or 2, 3)")
+    _sources(d, version)  # every header readable, every rank's file present
     return meta, load_state(d / f"rank_{rank if _same_layout(meta) else 0:05d}.safetensors")
+
+
+def _sources(d: Path, version: int):
+    """(model source, optimizer source) of a format-3 or format-4 step dir (headers read, no tensor)."""
+    if version == 3:
+        return GlobalFile(d / MODEL_FILE, MODEL_FORMAT), GlobalFile(d / OPTIMIZER_FILE, OPTIMIZER_FORMAT)
+    return ShardedDir(d, "model"), ShardedDir(d, "optimizer")
+
+
+def _distributed_optimizer(learner) -> bool:
+    """Whether ``learner`` runs Megatron's distributed optimizer (recorded in ``meta.json``, for people)."""
+    return bool(getattr(getattr(getattr(learner, "cfg", None), "optim", None), "use_distributed_optimizer", False))
 
 
 def _same_layout(meta: dict) -> bool:
@@ -321,8 +345,9 @@ def _apply(learner, d: Path, meta: dict, shard: dict, problems: list[str]) -> di
         meta["resharded_from"] = None
     else:
         try:
-            load_global_model(learner.module, d / MODEL_FILE)
-            load_global_optimizer(learner.optimizer, learner.module, d / OPTIMIZER_FILE)
+            model_src, optim_src = _sources(d, meta["format_version"])
+            load_model(learner.module, model_src)
+            load_optimizer(learner.optimizer, learner.module, optim_src)
         except GlobalStateError as exc:  # readable, but written for another model: no fallback
             raise CheckpointError(f"{exc} (model.* must match the run that wrote {d})") from None
         same = _same_layout(meta)

@@ -1,47 +1,55 @@
 """Layout-free learner state: model tensors and Adam state as global tensors keyed by global names.
 
-Owns the two files a checkpoint (and the reference policy) stores instead of per-rank shards:
+Owns the names and the loading of that state, whatever stores it:
 
-* ``model.safetensors``: every parameter and persistent buffer of the ``GPTModel``, tp/etp shards
-  concatenated (``tp_shards``) and experts gathered over the ep group under global expert ids,
-  named as ``hf_convert.canonical_name`` names them (the names the HF export starts from);
-* ``optimizer.safetensors``: for each such parameter ``exp_avg/<name>``, ``exp_avg_sq/<name>``,
-  ``step/<name>`` and, for Megatron's mixed-precision optimizer (GPU, bf16), its fp32 master copy
-  ``main/<name>``.
+* model: every parameter and persistent buffer of the ``GPTModel`` under its global name
+  (``ownership``: canonical local-spec name, global layer number, global expert id);
+* optimizer: for each such parameter ``exp_avg/<name>``, ``exp_avg_sq/<name>``, ``step/<name>`` and,
+  where the optimizer keeps a separate fp32 master copy (Megatron's mixed-precision or distributed
+  optimizer with bf16 params), ``main/<name>``.
 
-Saving is collective over the tp/etp/ep groups and rank 0 writes (the full state passes through
-rank 0's memory: fine at CPU scale, not a fully parallel save); loading is local: each rank reads
-the global tensors it holds a part of and slices its shard for the current (tp, etp, ep) layout,
-so a checkpoint resumes on any (tp, etp, ep) layout. dp replicas need nothing. Under pipeline
-parallelism names carry global layer numbers (``hf_convert.globalise_layer``), saving gathers every
-stage's tensors to rank 0 (``hf_convert.gather_stages``) and each stage loads its own layers; the pp
-size itself may change between save and load as long as the stages stay equal. Files are safetensors (JSON header, raw tensors): reading never unpickles.
+A *source* is anything with ``keys`` (a set of global keys) and ``full(key)`` (the whole global
+tensor): ``GlobalFile`` reads the previous release's single global file (``model.safetensors`` /
+``optimizer.safetensors``, checkpoint format 3); ``sharded_state.ShardedDir`` assembles the
+per-rank files of format 4. Loading is local: each rank reads the global tensors it holds a part of
+and slices its part for the current (tp, etp, ep, pp, dp) layout — for Megatron's distributed
+optimizer its flat range of each parameter — so any checkpoint resumes on any layout, with the
+distributed optimizer on or off. ``optimizer_slots`` names what every optimizer kind updates.
+
+``gather_global`` / ``gather_stages`` gather this rank's tensors into whole global tensors (the
+per-step HF export uses them; checkpoints no longer do). Files are safetensors (JSON header, raw
+tensors): reading never unpickles.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
-from moe_rl.learner.hf_convert import (
-    _expert_slot, _local_expert_range, _tp_rank_and_size, canonical_name, gather_stages, globalise_layer,
-    stage_layer_offset,
-)  # fmt: skip
 from moe_rl.learner.model import unwrap
+from moe_rl.learner.ownership import (
+    canonical_name,
+    expert_slot,
+    global_name,
+    globalise_layer,
+    local_expert_range,
+    stage_layer_offset,
+    tp_rank_and_size,
+)  # fmt: skip
 from moe_rl.learner.tp_shards import gather_tp_shards, tp_slice
 
 __all__ = [
-    "GlobalStateError", "model_tensors", "gather_global", "save_global_model", "load_global_model",
-    "save_global_optimizer", "load_global_optimizer", "check_global_file", "param_state",
+    "GlobalStateError", "Slot", "model_tensors", "gather_global", "gather_stages", "GlobalFile", "load_model",
+    "load_optimizer", "check_global_file", "optimizer_slots", "param_state", "MODEL_FORMAT", "OPTIMIZER_FORMAT",
 ]  # fmt: skip
 
 MODEL_FORMAT, OPTIMIZER_FORMAT = "moe_rl.global_model/1", "moe_rl.global_optimizer/1"
-_ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
+ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
 
 
 class GlobalStateError(ValueError):
@@ -54,31 +62,25 @@ def model_tensors(model) -> dict[str, torch.Tensor]:
     return {k: v for k, v in m.state_dict(keep_vars=True).items() if torch.is_tensor(v) and not k.endswith("_extra_state")}
 
 
-def _global_name(local: str, expert_start: int, layer_offset: int = 0) -> str:
-    name = globalise_layer(canonical_name(local), layer_offset)
-    slot = _expert_slot(name)
-    return name if slot is None else f"{slot[0]}{expert_start + slot[1]}.{slot[2]}"
-
-
+# ------------------------------------------------------------------------------------- gathers (export)
 def gather_global(model, local: Mapping[str, torch.Tensor], split: bool = True) -> dict[str, torch.Tensor]:
     """``{state-dict name: this rank's tensor}`` -> ``{global name: full CPU tensor}`` (collective).
 
     Every rank of the tp, etp and ep groups calls it with the same names. ``split=False`` for
-    tensors that are not sharded along the parameter's tp dim (e.g. Adam's per-parameter step):
-    they are taken as they are on each tp rank and only gathered over the experts.
+    tensors that are not sharded along the parameter's tp dim: they are only gathered over the experts.
     """
     from megatron.core import parallel_state as ps
 
     local = {canonical_name(n): t.detach() for n, t in local.items()}
     if split and (ps.get_tensor_model_parallel_world_size() > 1 or ps.get_expert_tensor_parallel_world_size() > 1):
         local = gather_tp_shards(local, ps.get_tensor_model_parallel_group(), ps.get_expert_tensor_parallel_group())
-    start, num_local = _local_expert_range(model)
+    start, num_local = local_expert_range(model)
     ep = ps.get_expert_model_parallel_world_size()
     out: dict[str, torch.Tensor] = {}
     for name in sorted(local):
-        t, slot = local[name], _expert_slot(name)
+        t, slot = local[name], expert_slot(name)
         if slot is None or ep == 1:
-            out[_global_name(name, start)] = t.cpu().clone()
+            out[global_name(name, start)] = t.cpu().clone()
             continue
         gathered = [torch.empty_like(t) for _ in range(ep)]
         dist.all_gather(gathered, t.contiguous(), group=ps.get_expert_model_parallel_group())
@@ -88,26 +90,23 @@ def gather_global(model, local: Mapping[str, torch.Tensor], split: bool = True) 
     return {globalise_layer(k, offset): v for k, v in out.items()}
 
 
-def _is_writer() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
+def gather_stages(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """Every pipeline stage's (globally named) tensors merged on the first rank of each pipeline group,
+    None on the other stages; ``state`` itself without pipeline parallelism. Collective over pp."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return state
+    group = ps.get_pipeline_model_parallel_group()
+    first = dist.get_process_group_ranks(group)[0]
+    parts = [None] * dist.get_world_size(group) if dist.get_rank() == first else None
+    dist.gather_object(state, parts, dst=first, group=group)
+    if parts is None:
+        return None
+    return {k: v for part in parts for k, v in part.items()}
 
 
-def _write(tensors: dict[str, torch.Tensor], path: Path, fmt: str) -> None:
-    """Rank 0 writes ``tensors`` to ``path`` (via a temp name, then renamed); OSError propagates."""
-    import os
-    import re
-
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": fmt})
-    except SafetensorError as exc:  # the Rust writer reports I/O failures as "... (os error N)"
-        code = re.search(r"os error (\d+)", str(exc))
-        if code is None:
-            raise
-        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from None
-    os.replace(tmp, path)
-
-
+# ------------------------------------------------------------------------------------- sources
 def check_global_file(path: str | Path, fmt: str) -> None:
     """GlobalStateError unless ``path`` is a readable safetensors file written with format ``fmt``."""
     try:
@@ -119,136 +118,150 @@ def check_global_file(path: str | Path, fmt: str) -> None:
         raise GlobalStateError(f"{path} has format {got!r}; expected {fmt!r}")
 
 
-class _Reader:
-    """Reads global tensors from one file and slices this rank's shard of each."""
+class GlobalFile:
+    """Source: one safetensors file of whole global tensors (checkpoint format 3, the previous release)."""
 
-    def __init__(self, path: Path, fmt: str):
+    def __init__(self, path: str | Path, fmt: str):
         check_global_file(path, fmt)
-        self.path = path
+        self.where = Path(path)
         self.fh = safe_open(str(path), framework="pt", device="cpu")
         self.keys = set(self.fh.keys())
 
-    def shard(self, key: str, global_name: str, like: torch.Tensor, split: bool = True) -> torch.Tensor:
-        if key not in self.keys:
-            raise GlobalStateError(f"{self.path} lacks {key!r}; expected the same model config (names differ)")
-        full = self.fh.get_tensor(key)
-        part = tp_slice(global_name, full, *_tp_rank_and_size(global_name)) if split else full
-        if part.shape != like.shape:
-            on_rank = f" ({tuple(part.shape)} on this rank)" if part.shape != full.shape else ""
-            raise GlobalStateError(f"{self.path}: size mismatch for {key}: saved {tuple(full.shape)}{on_rank}, the "
-                                   f"model expects {tuple(like.shape)}; the model config differs")  # fmt: skip
-        return part
+    def full(self, key: str) -> torch.Tensor:
+        return self.fh.get_tensor(key)
 
 
-def save_global_model(model, path: str | Path) -> None:
-    """Gather ``model`` (collective over tp/etp/ep) and write it on rank 0 as ``path``."""
-    full = gather_stages(gather_global(model, model_tensors(model)))
-    if full is not None and _is_writer():
-        _write(full, Path(path), MODEL_FORMAT)
+def _local_part(source, key: str, name: str, like: torch.Tensor, split: bool = True) -> torch.Tensor:
+    """This rank's part of global tensor ``key`` (tp/etp-sliced as ``name`` is), checked against ``like``."""
+    if key not in source.keys:
+        raise GlobalStateError(f"{source.where} lacks {key!r}; expected the same model config (names differ)")
+    full = source.full(key)
+    part = tp_slice(name, full, *tp_rank_and_size(name)) if split else full
+    if part.shape != like.shape:
+        on_rank = f" ({tuple(part.shape)} on this rank)" if part.shape != full.shape else ""
+        raise GlobalStateError(f"{source.where}: size mismatch for {key}: saved {tuple(full.shape)}{on_rank}, the "
+                               f"model expects {tuple(like.shape)}; the model config differs")  # fmt: skip
+    return part
 
 
-def load_global_model(model, path: str | Path) -> None:
-    """Copy this rank's shard of every tensor in ``path`` into ``model`` (local; every tensor required)."""
-    reader = _Reader(Path(path), MODEL_FORMAT)
-    start, _ = _local_expert_range(model)
+def load_model(model, source) -> None:
+    """Copy this rank's part of every tensor of ``source`` into ``model`` (local; every tensor required)."""
+    start, _ = local_expert_range(model)
     offset = stage_layer_offset(model)
     with torch.no_grad():
         for name, tensor in model_tensors(model).items():
-            g = _global_name(name, start, offset)
-            tensor.copy_(reader.shard(g, g, tensor))
+            g = global_name(name, start, offset)
+            tensor.copy_(_local_part(source, g, g, tensor))
 
 
 # ------------------------------------------------------------------------------------- optimizer
-def _param_slots(optimizer) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.optim.Optimizer]]:
-    """``(model param, param the optimizer updates, torch optimizer holding its state)`` per parameter.
+@dataclass(frozen=True)
+class Slot:
+    """One parameter as an optimizer sees it: ``main`` is what it updates (``param`` itself, an fp32
+    master copy, or a distributed optimizer's flat shard ``[start, stop)`` of ``param`` flattened)."""
 
-    torch optimizers (the CPU learner) update the model params; Megatron's mixed-precision
-    optimizer (GPU) updates fp32 master copies; ``ChainedOptimizer`` / ``FP32Optimizer`` wrap those.
-    """
+    param: torch.Tensor
+    main: torch.Tensor
+    opt: torch.optim.Optimizer
+    flat_range: tuple[int, int] | None = None
+
+    @property
+    def separate_main(self) -> bool:
+        """True when ``main`` is an fp32 master copy, not ``param`` (or a view of it)."""
+        return self.main is not self.param and self.param.dtype != self.main.dtype
+
+
+def optimizer_slots(optimizer) -> Iterator[Slot]:
+    """Every parameter the optimizer updates on this rank: torch optimizers (the CPU learner without the
+    distributed optimizer), Megatron's Float16 / FP32 / Distributed optimizers and ``ChainedOptimizer``."""
     if optimizer is None:  # Megatron's stub optimizer of a rank without parameters in that chain
         return
     if isinstance(optimizer, torch.optim.Optimizer):
         for group in optimizer.param_groups:
             for p in group["params"]:
-                yield p, p, optimizer
+                yield Slot(p, p, optimizer)
     elif hasattr(optimizer, "chained_optimizers"):
         for opt in optimizer.chained_optimizers:
-            yield from _param_slots(opt)
+            yield from optimizer_slots(opt)
+    elif hasattr(optimizer, "shard_fp32_groups"):  # DistributedOptimizer: this dp rank's range of each param
+        pairs = ((optimizer.model_float16_groups, optimizer.shard_fp32_from_float16_groups),
+                 (optimizer.model_fp32_groups, optimizer.shard_fp32_groups))  # fmt: skip
+        for model_groups, shard_groups in pairs:
+            for model_group, shard_group in zip(model_groups, shard_groups, strict=True):
+                for p, shard in zip(model_group, shard_group, strict=True):
+                    r = optimizer._get_model_param_range_map(p)["param"]
+                    yield Slot(p, shard, optimizer.optimizer, (r.start, r.end))
     elif hasattr(optimizer, "fp32_from_float16_groups"):
         for model_group, main_group in zip(optimizer.float16_groups, optimizer.fp32_from_float16_groups, strict=True):
             for p, main in zip(model_group, main_group, strict=True):
-                yield p, main, optimizer.optimizer
+                yield Slot(p, main, optimizer.optimizer)
         for group in optimizer.fp32_from_fp32_groups:
             for p in group:
-                yield p, p, optimizer.optimizer
+                yield Slot(p, p, optimizer.optimizer)
     elif hasattr(optimizer, "optimizer"):
-        yield from _param_slots(optimizer.optimizer)
+        yield from optimizer_slots(optimizer.optimizer)
     else:
         raise GlobalStateError(f"cannot read the state of a {type(optimizer).__name__} optimizer; expected a "
-                               "torch optimizer or Megatron's (Chained/Float16/FP32) optimizer")  # fmt: skip
+                               "torch optimizer or Megatron's (Chained/Float16/FP32/Distributed) optimizer")  # fmt: skip
 
 
 def param_state(optimizer, param) -> dict:
-    """The Adam state (``exp_avg``, ``exp_avg_sq``, ``step``) the optimizer keeps for model parameter ``param``."""
-    for p, main, opt in _param_slots(optimizer):
-        if p is param:
-            return opt.state.get(main, {})
+    """The Adam state (``exp_avg``, ``exp_avg_sq``, ``step``) the optimizer keeps for model parameter ``param``
+    (under the distributed optimizer: for this rank's shard of it)."""
+    for slot in optimizer_slots(optimizer):
+        if slot.param is param:
+            return slot.opt.state.get(slot.main, {})
     raise KeyError("the optimizer does not update this parameter")
 
 
-def _named_slots(optimizer, model):
+def named_slots(optimizer, model) -> Iterator[tuple[str, Slot]]:
+    """``(state-dict name, Slot)`` per parameter the optimizer updates on this rank."""
     names = {id(t): n for n, t in model_tensors(model).items()}
-    for p, main, opt in _param_slots(optimizer):
-        if id(p) not in names:
+    for slot in optimizer_slots(optimizer):
+        if id(slot.param) not in names:
             raise GlobalStateError("the optimizer updates a tensor that is not a parameter of the model")
-        yield names[id(p)], p, main, opt
+        yield names[id(slot.param)], slot
 
 
-def save_global_optimizer(optimizer, model, path: str | Path) -> None:
-    """Gather the Adam state of every parameter (collective over tp/etp/ep); rank 0 writes ``path``.
+def adam_state(name: str, slot: Slot) -> dict[str, torch.Tensor]:
+    """``exp_avg``, ``exp_avg_sq`` (shaped as ``slot.main``) and ``step`` (a host scalar) of a slot; zeros before
+    its first step (Adam treats zero moments at step 0 exactly as a fresh state)."""
+    state = slot.opt.state.get(slot.main, {})
+    unknown = set(state) - set(ADAM_KEYS)
+    if unknown:
+        raise GlobalStateError(f"optimizer state of {name} has {sorted(unknown)}; only Adam's "
+                               f"{list(ADAM_KEYS)} can be checkpointed")  # fmt: skip
+    out = {k: state[k] if k in state else torch.zeros_like(slot.main) for k in ("exp_avg", "exp_avg_sq")}
+    out["step"] = torch.as_tensor(state.get("step", 0.0), dtype=torch.float32).detach().to("cpu").reshape(1)
+    return out
 
-    A parameter without state yet is stored with zero moments and step 0, which Adam treats
-    exactly as a fresh state.
+
+def _slot_part(source, key: str, name: str, slot: Slot) -> torch.Tensor:
+    """This rank's part of global ``key`` shaped as ``slot.main`` (its flat range under the distributed optimizer)."""
+    whole = _local_part(source, key, name, slot.param)
+    return whole.reshape(-1)[slot.flat_range[0]:slot.flat_range[1]] if slot.flat_range else whole
+
+
+def load_optimizer(optimizer, model, source) -> None:
+    """Set the Adam state (and fp32 master copies) of this rank's part of every parameter from ``source``.
+
+    Call after ``load_model``: a master copy the source lacks (it was written without one) starts from the
+    loaded parameter, as Megatron's own optimizer initialises it.
     """
-    moments: dict[str, dict[str, torch.Tensor]] = {"exp_avg": {}, "exp_avg_sq": {}, "main": {}}
-    steps: dict[str, torch.Tensor] = {}
-    for name, p, main, opt in _named_slots(optimizer, model):
-        state = opt.state.get(main, {})
-        unknown = set(state) - set(_ADAM_KEYS)
-        if unknown:
-            raise GlobalStateError(f"optimizer state of {name} has {sorted(unknown)}; only Adam's "
-                                   f"{list(_ADAM_KEYS)} can be checkpointed")  # fmt: skip
-        for key in ("exp_avg", "exp_avg_sq"):
-            moments[key][name] = state[key] if key in state else torch.zeros_like(main)
-        # on the param's device: nccl gathers device tensors only
-        steps[name] = torch.as_tensor(state.get("step", 0.0), dtype=torch.float32, device=main.device).reshape(1)
-        if main is not p:
-            moments["main"][name] = main
-    out: dict[str, torch.Tensor] = {}
-    for key, local in moments.items():
-        if local:
-            out.update({f"{key}/{n}": t for n, t in gather_global(model, local).items()})
-    out.update({f"step/{n}": t for n, t in gather_global(model, steps, split=False).items()})
-    out = gather_stages(out)
-    if out is not None and _is_writer():
-        _write(out, Path(path), OPTIMIZER_FORMAT)
-
-
-def load_global_optimizer(optimizer, model, path: str | Path) -> None:
-    """Set the Adam state (and fp32 master copies) of this rank's shard of every parameter from ``path``."""
-    reader = _Reader(Path(path), OPTIMIZER_FORMAT)
-    start, _ = _local_expert_range(model)
+    start, _ = local_expert_range(model)
     offset = stage_layer_offset(model)
     with torch.no_grad():
-        for name, p, main, opt in _named_slots(optimizer, model):
-            g = _global_name(name, start, offset)
-            if main is not p:
+        for name, slot in named_slots(optimizer, model):
+            g = global_name(name, start, offset)
+            lo, hi = slot.flat_range or (0, slot.param.numel())
+            if slot.separate_main:
                 key = f"main/{g}"
-                main.copy_(reader.shard(key, g, main) if key in reader.keys else p.to(main.dtype))
-            like = main.detach()
-            step = reader.shard(f"step/{g}", g, torch.empty(1, device="cpu"), split=False).reshape(())  # a host scalar
-            opt.state[main] = {
+                slot.main.copy_(_slot_part(source, key, g, slot) if key in source.keys
+                                else slot.param.detach().reshape(-1)[lo:hi].view_as(slot.main))  # fmt: skip
+            like = slot.main.detach()
+            step = _local_part(source, f"step/{g}", g, torch.empty(1, device="cpu"), split=False).reshape(())
+            slot.opt.state[slot.main] = {
                 "step": step.clone().to(torch.float32),
-                "exp_avg": reader.shard(f"exp_avg/{g}", g, like).to(like.dtype, copy=True).to(like.device),
-                "exp_avg_sq": reader.shard(f"exp_avg_sq/{g}", g, like).to(like.dtype, copy=True).to(like.device),
+                "exp_avg": _slot_part(source, f"exp_avg/{g}", g, slot).to(like.dtype, copy=True).to(like.device),
+                "exp_avg_sq": _slot_part(source, f"exp_avg_sq/{g}", g, slot).to(like.dtype, copy=True).to(like.device),
             }

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -30,7 +29,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from moe_rl.learner.global_state import gather_global, gather_stages
 from moe_rl.learner.model import unwrap
+from moe_rl.learner.ownership import (
+    canonical_name,
+    expert_slot,
+    globalise_layer,
+    local_expert_range,
+    stage_layer_offset,
+    tp_rank_and_size,
+)  # fmt: skip
 from moe_rl.learner.tp_shards import tp_slice
 
 __all__ = [
@@ -179,106 +187,22 @@ def read_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-
-
-def stage_layer_offset(model) -> int:
-    """Global index of this pipeline stage's first decoder layer (0 without pipeline parallelism)."""
-    layers = unwrap(model).decoder.layers
-    return int(layers[0].layer_number) - 1 if len(layers) else 0
-
-
-def globalise_layer(name: str, offset: int) -> str:
-    """``decoder.layers.<local>.…`` of a pipeline stage -> ``decoder.layers.<offset + local>.…``."""
-    if not offset:
-        return name
-    return _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name, count=1)
-
-
-def gather_stages(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-    """Every pipeline stage's (globally named) tensors merged on the first rank of each pipeline group,
-    None on the other stages; ``state`` itself without pipeline parallelism. Collective over pp."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    if ps.get_pipeline_model_parallel_world_size() == 1:
-        return state
-    group = ps.get_pipeline_model_parallel_group()
-    first = dist.get_process_group_ranks(group)[0]
-    parts = [None] * dist.get_world_size(group) if dist.get_rank() == first else None
-    dist.gather_object(state, parts, dst=first, group=group)
-    if parts is None:
-        return None
-    return {k: v for part in parts for k, v in part.items()}
-
-
-def _tp_rank_and_size(name: str) -> tuple[int, int]:
-    from megatron.core import parallel_state as ps
-
-    if ".mlp.experts." in name:
-        return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
-    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-
-
-_TE_FUSED_NORMS = (
-    (".self_attention.linear_qkv.layer_norm_weight", ".input_layernorm.weight"),
-    (".mlp.linear_fc1.layer_norm_weight", ".pre_mlp_layernorm.weight"),  # dense layers
-)
-_TE_GROUPED = re.compile(r"^(.*\.mlp\.experts)\.(linear_fc[12])\.weight(\d+)$")
-
-
-def canonical_name(name: str) -> str:
-    """Local-spec name for a parameter of either spec.
-
-    The Transformer Engine spec fuses the pre-attention / dense pre-MLP norms into
-    the next linear (``linear_qkv.layer_norm_weight``) and stores grouped-GEMM
-    experts as ``experts.linear_fc1.weight<e>``; the local spec has separate norm
-    modules and ``experts.local_experts.<e>.linear_fc1.weight``.
-    """
-    for te, local in _TE_FUSED_NORMS:
-        if name.endswith(te):
-            return name[: -len(te)] + local
-    m = _TE_GROUPED.match(name)
-    if m:
-        return f"{m.group(1)}.local_experts.{m.group(3)}.{m.group(2)}.weight"
-    return name
-
-
-def _expert_slot(name: str) -> tuple[str, int, str] | None:
-    """``decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight`` -> (prefix, 5, suffix)."""
-    key = ".mlp.experts.local_experts."
-    if key not in name:
-        return None
-    prefix, rest = name.split(key, 1)
-    idx, suffix = rest.split(".", 1)
-    return prefix + key, int(idx), suffix
-
-
-def _local_expert_range(model) -> tuple[int, int]:
-    from megatron.core import parallel_state as ps
-
-    m = unwrap(model)
-    num_local = m.config.num_moe_experts // ps.get_expert_model_parallel_world_size()
-    start = ps.get_expert_model_parallel_rank() * num_local
-    return start, num_local
-
-
 def load_hf_weights(model, hf_dir: str | Path, model_cfg) -> None:
     """Copy an HF checkpoint into ``model`` in place (this rank's experts under ep > 1, its stage's layers
     under pp > 1)."""
     full = hf_to_megatron(read_hf_state_dict(hf_dir), model_cfg)
-    start, num_local = _local_expert_range(model)
+    start, _ = local_expert_range(model)
     offset = stage_layer_offset(model)
     target = unwrap(model).state_dict()
     loaded = set()
     with torch.no_grad():
         for name, tensor in target.items():
             global_name = globalise_layer(canonical_name(name), offset)
-            slot = _expert_slot(global_name)
+            slot = expert_slot(global_name)
             src = global_name if slot is None else f"{slot[0]}{start + slot[1]}.{slot[2]}"
             if src not in full:
                 continue
-            shard = tp_slice(src, full[src], *_tp_rank_and_size(src))
+            shard = tp_slice(src, full[src], *tp_rank_and_size(src))
             if shard.shape != tensor.shape:
                 on_rank = f" ({tuple(shard.shape)} on this tp rank)" if shard.shape != full[src].shape else ""
                 raise ValueError(f"{name}: HF tensor has shape {tuple(full[src].shape)}{on_rank}, "
@@ -298,8 +222,6 @@ def full_megatron_state_dict(model, grads: bool = False) -> dict[str, torch.Tens
     pipeline stage's layers; ``global_state.gather_global``). ``grads=True`` gathers each
     parameter's ``main_grad`` (Megatron DDP) or ``grad`` instead.
     """
-    from moe_rl.learner.global_state import gather_global
-
     m = unwrap(model)
     if grads:
         local = {n: (p.main_grad if hasattr(p, "main_grad") else p.grad).detach() for n, p in m.named_parameters()}

@@ -20,6 +20,13 @@ schedule of 0.16.1 allocates ``total_num_tokens = torch.zeros([], dtype=torch.in
 _without_interleaving), a ``RuntimeError``/``AssertionError: Torch not compiled with CUDA enabled``
 on CPU. The mode maps only an explicit ``device="cuda"`` to the host, only inside the call.
 
+Wrapper (not a patch): ``megatron_optimizer_device()`` is the context in which moe_rl builds Megatron's
+DDP and optimizer and calls ``optimizer.step()``. The distributed optimizer of 0.16.1 hard-codes CUDA:
+``distrib_optimizer.py`` (~361/420/582) refuses a param whose ``param.type()`` is not a ``torch.cuda.*``
+type, ``optimizer.py`` (~473/481/485) and ``clip_grads.py`` (~90/103/115/207) allocate with
+``device='cuda'``. Without CUDA the context makes host tensors report their ``torch.cuda.*`` type name
+and creates explicit-``cuda`` tensors on the host, only inside those calls; with CUDA it does nothing.
+
 API differences, read in the 0.16.1, 0.17.0, 0.18.0 and 0.19.2 sources (docs/gpu.md lists them):
 ``RouterReplay.get_replay_topk`` keeps its signature and call site throughout; 0.17 adds static
 CUDA-graph buffers and 0.19 a ``layer_number`` (both unused by moe_rl); 0.19's
@@ -35,7 +42,6 @@ import inspect
 
 import torch
 from torch.overrides import TorchFunctionMode
-
 
 __all__ = ["SUPPORTED", "megatron_core_version", "check_megatron_core_version", "apply_megatron_fixes",
            "need_te_general_gemm", "bind_te_general_gemm", "pipeline_schedule", "schedule_needs_host_device"]
@@ -68,7 +74,6 @@ def check_megatron_core_version(version: tuple[int, int, int] | None = None) -> 
 def need_te_general_gemm() -> bool:
     """True when ``router_gating_linear`` would hit an unbound ``te_general_gemm`` (0.16.x, no TE)."""
     import inspect
-
 
     from megatron.core.transformer.moe import moe_utils
 
@@ -150,6 +155,42 @@ class _HostDevice(TorchFunctionMode):
         if device is not None and torch.device(device).type == "cuda":
             kwargs = dict(kwargs, device="cpu")
         return func(*args, **kwargs)
+
+
+class _HostCudaTypes(_HostDevice):
+    """``_HostDevice``, and ``tensor.type()`` of a host tensor reads as its ``torch.cuda.*`` name."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if args[0].is_cuda else name.replace("torch.", "torch.cuda.", 1)
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+@functools.cache
+def optimizer_needs_host_device() -> bool:
+    """True when Megatron's distributed optimizer / DDP path hard-codes CUDA and this machine has none.
+
+    0.16.1 (read in the sources): ``distrib_optimizer.py`` accepts only params whose ``param.type()`` is a
+    ``torch.cuda.*Tensor`` (``_build_model_and_main_param_groups``, ``__init__``); ``optimizer.py`` allocates
+    ``found_inf`` / ``_dummy_overflow_buf`` / ``_scale_one`` with ``device='cuda'`` (``MixedPrecisionOptimizer``);
+    ``clip_grads.py`` allocates its norm and overflow buffers with ``device='cuda'``.
+    """
+    if torch.cuda.is_available():
+        return False
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+
+    return ("'torch.cuda.FloatTensor'" in inspect.getsource(distrib_optimizer)
+            or "device='cuda'" in inspect.getsource(optimizer) or "device='cuda'" in inspect.getsource(clip_grads))  # fmt: skip
+
+
+def megatron_optimizer_device():
+    """Context for building and stepping Megatron's DDP / optimizer on this machine: on a host without
+    CUDA (and a release that hard-codes it) explicit ``device="cuda"`` tensors are created on the host and
+    host tensors report ``torch.cuda.*`` types, only inside the call; elsewhere a no-op."""
+    import contextlib
+
+    return _HostCudaTypes() if optimizer_needs_host_device() else contextlib.nullcontext()
 
 
 def schedule_needs_host_device(schedule) -> bool:

@@ -3,7 +3,10 @@
 Owns: wrapping the model in Megatron's ``DistributedDataParallel`` (fp32 grad
 buffers; data-parallel and expert-data-parallel reductions with Megatron's
 scaling), choosing the optimizer, the LR at each step, and the global grad norm.
-Megatron's optimizer is used on GPU. On CPU, Megatron 0.16's ``FP32Optimizer``
+Megatron's optimizer is used on GPU, and everywhere with ``optim.use_distributed_optimizer``
+(Megatron's ``DistributedOptimizer``: fp32 master and Adam state sharded over the data-parallel
+ranks, over the expert-data-parallel ranks for experts; on CPU built and stepped inside
+``mcore_compat.megatron_optimizer_device``). Without it on CPU, Megatron 0.16's ``FP32Optimizer``
 allocates its loss scale with ``device='cuda'``, so ``torch.optim.AdamW`` takes
 the same ``optim`` config names instead (same update rule, no fp32 master copy
 for bf16 params).
@@ -17,18 +20,40 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.learner.device import model_device
+from moe_rl.learner.mcore_compat import megatron_optimizer_device
 
-__all__ = ["wrap_ddp", "build_optimizer", "lr_at", "set_lr", "grad_norm_and_clip", "is_expert_param"]
+__all__ = ["wrap_ddp", "build_optimizer", "lr_at", "set_lr", "grad_norm_and_clip", "is_expert_param",
+           "uses_megatron_optimizer", "megatron_step"]  # fmt: skip
 
 
-def wrap_ddp(model):
-    """Megatron DDP around ``model`` with fp32 grad buffers and no overlap (deterministic)."""
+def wrap_ddp(model, use_distributed_optimizer: bool = False):
+    """Megatron DDP around ``model`` with fp32 grad buffers and no overlap (deterministic); with the distributed
+    optimizer its grad buffers are reduce-scattered and its params all-gathered after each step."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_cfg = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=use_distributed_optimizer
     )
-    return DistributedDataParallel(model.config, ddp_cfg, model)
+    with megatron_optimizer_device():
+        return DistributedDataParallel(model.config, ddp_cfg, model)
+
+
+def uses_megatron_optimizer(optim_cfg) -> bool:
+    """Megatron's optimizer on a GPU or with the distributed optimizer; torch AdamW otherwise (CPU)."""
+    return torch.cuda.is_available() or bool(optim_cfg.use_distributed_optimizer)
+
+
+def _check_options(optim_cfg) -> None:
+    """Options this machine cannot run, refused by name (preflight refuses the combinations earlier)."""
+    from moe_rl.learner.fp8 import te_available
+
+    if optim_cfg.use_precision_aware_optimizer and not optim_cfg.optimizer_cpu_offload and not te_available():
+        raise ValueError("optim.use_precision_aware_optimizer=true needs Transformer Engine's FusedAdam (the "
+                         "lower-precision master and moments live in it), which this machine lacks; set it to "
+                         "false, or use it with optim.optimizer_cpu_offload=true on a GPU")  # fmt: skip
+    if optim_cfg.optimizer_cpu_offload and not torch.cuda.is_available():
+        raise ValueError("optim.optimizer_cpu_offload=true moves the optimizer state from the GPU to the host; "
+                         "this machine has no GPU (the state is on the host already): set it to false")  # fmt: skip
 
 
 def is_expert_param(param: torch.nn.Parameter) -> bool:
@@ -44,17 +69,28 @@ def build_optimizer(ddp_model, optim_cfg, params_dtype: torch.dtype):
     """
     if optim_cfg.optimizer != "adam":
         raise ValueError(f"optim.optimizer={optim_cfg.optimizer!r}; expected 'adam'")
-    if torch.cuda.is_available():
+    if uses_megatron_optimizer(optim_cfg):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        _check_options(optim_cfg)
         mcfg = OptimizerConfig(
             optimizer="adam", lr=optim_cfg.lr, min_lr=optim_cfg.min_lr,
             weight_decay=optim_cfg.weight_decay, adam_beta1=optim_cfg.adam_beta1,
             adam_beta2=optim_cfg.adam_beta2, adam_eps=optim_cfg.adam_eps,
             clip_grad=optim_cfg.clip_grad, bf16=params_dtype == torch.bfloat16,
-            params_dtype=params_dtype, use_distributed_optimizer=False,
+            params_dtype=params_dtype, use_distributed_optimizer=optim_cfg.use_distributed_optimizer,
+            optimizer_cpu_offload=optim_cfg.optimizer_cpu_offload,
+            optimizer_offload_fraction=optim_cfg.optimizer_offload_fraction,
+            use_precision_aware_optimizer=optim_cfg.use_precision_aware_optimizer,
         )
-        return get_megatron_optimizer(mcfg, [ddp_model])
+        with megatron_optimizer_device():
+            optimizer = get_megatron_optimizer(mcfg, [ddp_model])
+        # Megatron's groups carry ``wd_mult`` (0 for biases and 1-d params) but no ``weight_decay``, so torch's
+        # default (optim.weight_decay) would decay every param; Megatron's own scheduler sets
+        # ``weight_decay = wd * wd_mult`` each step (optimizer_param_scheduler.py ~294); moe_rl has no scheduler
+        for group in optimizer.param_groups:
+            group["weight_decay"] = optim_cfg.weight_decay * group.get("wd_mult", 1.0)
+        return optimizer
     decay, no_decay = [], []
     for p in ddp_model.parameters():
         if p.requires_grad:
@@ -65,6 +101,18 @@ def build_optimizer(ddp_model, optim_cfg, params_dtype: torch.dtype):
         groups, lr=optim_cfg.lr, betas=(optim_cfg.adam_beta1, optim_cfg.adam_beta2),
         eps=optim_cfg.adam_eps, foreach=False,
     )
+
+
+def megatron_step(optimizer) -> float:
+    """``optimizer.step()`` of a Megatron optimizer (it clips to ``optim.clip_grad`` itself) -> the grad norm.
+
+    FloatingPointError when Megatron skipped the step (inf / nan gradients).
+    """
+    with megatron_optimizer_device():
+        ok, grad_norm, _ = optimizer.step()
+    if not ok:
+        raise FloatingPointError("Megatron optimizer skipped the step (inf/nan gradients)")
+    return float(grad_norm if grad_norm is not None else optimizer.get_grad_norm())
 
 
 def lr_at(step: int, optim_cfg, total_steps: int) -> float:

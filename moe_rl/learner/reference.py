@@ -3,13 +3,14 @@
 Owns the reference model: a second ``GPTModel`` with the learner's Megatron layout holding
 the weights at the start of RL (after HF import or warm start), with no gradients, its
 log-probs for a microbatch (natural routing, or the routes the old-log-prob pass used),
-optional CPU offload between uses, and its layout-free safetensors file (``global_state``: global
-tensors keyed by global names, so a run resumed on another parallel layout reloads it). It never
+optional CPU offload between uses, and its layout-free safetensors files (``sharded_state``: every
+rank writes its own chunks of the global tensors keyed by global names, so a run resumed on another
+parallel layout reloads it; the previous release's single ``model.safetensors`` still loads). It never
 touches the learner's model, optimizer or RNG streams.
 
 Lifecycle (the KL anchor must never silently be another run's, another step's or half of one):
-``<ckpt>/reference/`` holds the layout-free ``model.safetensors`` and a completion marker
-``complete.json`` naming the run id, written by rank 0 only after the weights file is in place. ``save_reference`` runs before
+``<ckpt>/reference/`` holds the ranks' ``model-r<rank>.safetensors`` and a completion marker
+``complete.json`` naming the run id, written by rank 0 only after every rank's file is in place. ``save_reference`` runs before
 a run's first checkpoint (so no checkpoint exists without its reference) and replaces anything else
 in the directory; on resume ``reference_problem`` must find this run's marker, or the resume is
 refused — a missing reference is never rebuilt from the resumed (trained) weights.
@@ -40,7 +41,8 @@ __all__ = ["ReferencePolicy", "reference_path", "reference_problem", "save_refer
 REFERENCE_DIR = "reference"
 MARKER_FILE = "complete.json"
 MARKER_FORMAT = "moe_rl.reference-complete/1"
-REFERENCE_FILE = "model.safetensors"
+REFERENCE_FILE = "model-r00000.safetensors"  # rank 0's file; every rank writes its own model-r<rank>
+LEGACY_REFERENCE_FILE = "model.safetensors"  # one global file (the previous release)
 
 
 def _rank() -> int:
@@ -48,8 +50,19 @@ def _rank() -> int:
 
 
 def reference_path(ckpt_dir: str | Path) -> Path:
-    """``<ckpt_dir>/reference/model.safetensors``: π_ref as global tensors (loads on any parallel layout)."""
-    return Path(ckpt_dir) / REFERENCE_DIR / REFERENCE_FILE
+    """``<ckpt_dir>/reference/``'s rank-0 weights file (``sharded_state``: every rank's ``model-r<rank>`` chunks
+    of the global tensors; loads on any parallel layout), or the previous release's global ``model.safetensors``."""
+    where = Path(ckpt_dir) / REFERENCE_DIR
+    legacy = where / LEGACY_REFERENCE_FILE
+    return legacy if legacy.is_file() and not (where / REFERENCE_FILE).is_file() else where / REFERENCE_FILE
+
+
+def _reference_source(ckpt_dir: str | Path):
+    from moe_rl.learner.global_state import MODEL_FORMAT, GlobalFile
+    from moe_rl.learner.sharded_state import ShardedDir
+
+    path = reference_path(ckpt_dir)
+    return GlobalFile(path, MODEL_FORMAT) if path.name == LEGACY_REFERENCE_FILE else ShardedDir(path.parent, "model")
 
 
 def _read_marker(ckpt_dir: str | Path) -> dict | None:
@@ -153,7 +166,7 @@ class ReferencePolicy:
     @classmethod
     def load(cls, cfg, ckpt_dir: str | Path, *, offload: bool = False) -> ReferencePolicy:
         """Rebuild π_ref from ``save``'s file, sliced for this job's layout; a clear error if missing or mismatched."""
-        from moe_rl.learner.global_state import GlobalStateError, load_global_model
+        from moe_rl.learner.global_state import GlobalStateError, load_model
 
         path = reference_path(ckpt_dir)
         if not path.is_file():
@@ -163,24 +176,25 @@ class ReferencePolicy:
             )
         model = cls._build(cfg)
         try:
-            load_global_model(model, path)
+            load_model(model, _reference_source(ckpt_dir))
         except GlobalStateError as exc:
             raise ValueError(f"reference policy: {exc}") from None
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         return cls(model, offload=offload, device=device)
 
     def save(self, ckpt_dir: str | Path) -> Path:
-        """Write the weights, gathered to global tensors, to ``reference_path(ckpt_dir)`` (collective:
-        every rank calls it; rank 0 writes via a temp name; other files in the directory are kept)."""
-        from moe_rl.learner.global_state import save_global_model
+        """Write the weights to ``<ckpt_dir>/reference/`` (collective: every rank calls it and writes the
+        chunks it owns, ``sharded_state``; other files in the directory are kept). Completeness is the
+        marker's job (``save_reference`` writes it last)."""
+        from moe_rl.learner.sharded_state import save_model_shards
 
-        path = reference_path(ckpt_dir)
+        where = Path(ckpt_dir) / REFERENCE_DIR
         if _rank() == 0:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        with self.on_device():
-            save_global_model(self.model, path)
+            where.mkdir(parents=True, exist_ok=True)
         _barrier()
-        return path
+        save_model_shards(self.model, where)
+        _barrier()
+        return reference_path(ckpt_dir)
 
     # ------------------------------------------------------------------ use
     @contextlib.contextmanager

@@ -21,7 +21,15 @@ from moe_rl.learner.device import model_device, to_device
 from moe_rl.learner.hf_convert import export_hf_checkpoint, load_hf_weights
 from moe_rl.learner.logprobs import response_logprobs
 from moe_rl.learner.model import build_model, unwrap
-from moe_rl.learner.optimizer import build_optimizer, grad_norm_and_clip, lr_at, set_lr, wrap_ddp
+from moe_rl.learner.optimizer import (
+    build_optimizer,
+    grad_norm_and_clip,
+    lr_at,
+    megatron_step,
+    set_lr,
+    uses_megatron_optimizer,
+    wrap_ddp,
+)  # fmt: skip
 from moe_rl.learner.pipeline import pipeline_logprobs, pipeline_size, pipeline_train
 
 __all__ = ["Microbatch", "LossFn", "LogprobFn", "StepStats", "Learner"]
@@ -82,7 +90,7 @@ class Learner:
             model = build_model(cfg)
             if initial_weights_dir(cfg):  # checkpoint.init_from_hf, else model.hf_path
                 load_hf_weights(model, initial_weights_dir(cfg), cfg.model)
-        self.model = wrap_ddp(model)
+        self.model = wrap_ddp(model, cfg.optim.use_distributed_optimizer)
         self.config = unwrap(self.model).config
         self.optimizer = build_optimizer(self.model, cfg.optim, self.config.params_dtype)
         self.total_steps = total_steps or cfg.train.steps * cfg.train.minibatches_per_step * cfg.train.epochs_per_step
@@ -176,11 +184,8 @@ class Learner:
         return losses, metrics
 
     def _clip_and_step(self) -> float:
-        if torch.cuda.is_available():  # Megatron's optimizer clips with cfg.optim.clip_grad itself
-            ok, grad_norm, _ = self.optimizer.step()
-            if not ok:
-                raise FloatingPointError("Megatron optimizer skipped the step (inf/nan gradients)")
-            return float(grad_norm)
+        if uses_megatron_optimizer(self.cfg.optim):  # it clips with cfg.optim.clip_grad itself
+            return megatron_step(self.optimizer)
         grad_norm = grad_norm_and_clip(self.model, self.cfg.optim.clip_grad)
         if not torch.isfinite(torch.tensor(grad_norm)):
             raise FloatingPointError(f"gradient norm is {grad_norm}; refusing to step")

@@ -55,12 +55,14 @@ CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 # Keys that may change when a run resumes: where the servers are and how long to wait for them, how
 # metrics are logged, which variables hold the keys, how many steps to run, these rules themselves, and
-# the parallel layout (checkpoints are layout-free: moe_rl.learner.checkpoint reshards them on load).
+# the parallel layout and whether the optimizer state is sharded (checkpoints are layout-free:
+# moe_rl.learner.checkpoint reshards them on load, into or out of the distributed optimizer).
 RESUME_SAFE_KEYS = (
     "rollout.addresses", "rollout.host", "rollout.port", "launch.rollout_port", "launch.master_port",
     "rollout.request_timeout_s", "rollout.startup_timeout_s", "rollout.health_timeout_s",
     "rollout.max_server_restarts", "rollout.api_key_env", "rollout.admin_api_key_env", "logging.*", "train.steps",
     "checkpoint.allow_changes", "checkpoint.overwrite", "parallel.*", "model.build_command",
+    "optim.use_distributed_optimizer",
 )  # fmt: skip
 
 

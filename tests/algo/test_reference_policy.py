@@ -124,4 +124,4 @@ def test_reference_lifecycle_marker_run_id_and_interrupted_saves(megatron_world,
     assert "is incomplete (no completion marker" in reference_problem(ckpt, "run-a")
     assert save_reference(ref, ckpt, "run-a")
     reference_path(ckpt).unlink()
-    assert "lacks its weights file model.safetensors" in reference_problem(ckpt, "run-a")
+    assert "lacks its weights file model-r00000.safetensors" in reference_problem(ckpt, "run-a")

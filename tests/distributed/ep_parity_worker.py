@@ -109,13 +109,12 @@ def export_and_resume_at_ep2(hf_dir: str, work: Path, rank: int) -> dict:
 
 
 def _checkpoint_holds_my_shard(learner, step_dir: Path, rank: int) -> bool:
-    """This rank's local weights and Adam state sit in the global files under the right global names
-    (expert e of rank r is global expert r * num_local + e; the map is written out here, not imported)."""
-    from safetensors.torch import load_file
-
+    """This rank's local weights and Adam state sit in the checkpoint's global tensors under the right global
+    names (expert e of rank r is global expert r * num_local + e; the map is written out here, not imported)."""
     from moe_rl.learner.global_state import param_state
+    from moe_rl.learner.sharded_state import read_global
 
-    model, optim = load_file(step_dir / "model.safetensors"), load_file(step_dir / "optimizer.safetensors")
+    model, optim = read_global(step_dir, "model"), read_global(step_dir, "optimizer")
     num_local = MODEL["num_moe_experts"] // 2
     ok = True
     for name, p in learner.module.named_parameters():

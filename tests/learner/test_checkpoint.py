@@ -129,7 +129,8 @@ def test_checkpoint_holds_no_pickle_and_a_pickle_shard_is_refused(megatron_world
     learner.train_step([fixed_batch(256)], random_subset_nll)
     d = save_checkpoint(learner, tmp_path, extra={"rl_step": 1})
     files = sorted(p.name for p in d.iterdir())
-    assert files == ["meta.json", "model.safetensors", "optimizer.safetensors", "rank_00000.safetensors"], files
+    assert files == ["meta.json", "model-r00000.safetensors", "optimizer-r00000.safetensors",
+                     "rank_00000.safetensors"], files
     with safe_open(str(d / "rank_00000.safetensors"), framework="pt") as fh:  # tensors + JSON, nothing else
         skeleton = json.loads(fh.metadata()["moe_rl_state"])
     assert set(skeleton["rng"]) >= {"python", "numpy", "torch_cpu", "megatron_tracker"}
@@ -146,6 +147,22 @@ def test_checkpoint_holds_no_pickle_and_a_pickle_shard_is_refused(megatron_world
     assert not marker.exists(), "loading a checkpoint ran the attacker's command"
 
 
+def test_a_save_killed_mid_write_leaves_the_previous_checkpoint_loadable(megatron_world, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from moe_rl.learner.checkpoint import latest_step, load_checkpoint
+    from moe_rl.learner.train_step import Learner
+
+    worker = Path(__file__).with_name("killed_save_worker.py")
+    proc = subprocess.run([sys.executable, str(worker), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, f"the save was not killed mid-write (rc={proc.returncode}):\n{proc.stderr[-2000:]}"
+    assert (tmp_path / ".step_00000002.tmp" / "model-r00000.safetensors").is_file(), "killed before the torn write"
+    assert latest_step(tmp_path) == 1 and [d.name for d in tmp_path.glob("step_*")] == ["step_00000001"]
+    assert load_checkpoint(Learner(_cfg(), total_steps=4), tmp_path)["step"] == 1
+
+
 def test_state_with_a_non_tensor_object_is_refused_at_save(tmp_path):
     from moe_rl.learner.state_codec import StateCodecError, save_state
 
@@ -154,7 +171,7 @@ def test_state_with_a_non_tensor_object_is_refused_at_save(tmp_path):
     assert not (tmp_path / "s.safetensors").exists()
 
 
-@pytest.mark.parametrize("torn", ["rank_00000.safetensors", "model.safetensors", "optimizer.safetensors"])
+@pytest.mark.parametrize("torn", ["rank_00000.safetensors", "model-r00000.safetensors", "optimizer-r00000.safetensors"])
 def test_corrupt_latest_checkpoint_falls_back_to_the_newest_valid_one(megatron_world, tmp_path, caplog, torn):
     from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint
     from moe_rl.learner.train_step import Learner
@@ -191,7 +208,7 @@ def test_disk_full_error_names_the_path_and_what_was_written(megatron_world, tmp
 
     small = _full_filesystem(tmp_path / "small")
     try:
-        with pytest.raises(CheckpointError, match=r"cannot write the global model weights to .*small/ckpt/\.step_\d+\.tmp/model\.safetensors: the disk is full \(ENOSPC\)"):  # noqa: E501
+        with pytest.raises(CheckpointError, match=r"cannot write rank 0's model weights to .*small/ckpt/\.step_\d+\.tmp/model-r00000\.safetensors: the disk is full \(ENOSPC\)"):  # noqa: E501
             save_checkpoint(Learner(_cfg(), total_steps=2), small / "ckpt")
         assert not list((small / "ckpt").glob(".step_*")), "the torn temp dir was left behind"
     finally:
@@ -210,6 +227,16 @@ def no_pickle(monkeypatch):
     for name in ("load", "loads", "Unpickler"):
         monkeypatch.setattr(pickle, name, refuse)
     monkeypatch.setattr(torch, "load", refuse)
+
+
+def _reindex(path, chunks: str) -> None:
+    """Rewrite a rank file with its tensors unchanged and ``chunks`` as its chunk index."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as fh:
+        tensors, meta = {k: fh.get_tensor(k) for k in fh.keys()}, dict(fh.metadata())  # noqa: SIM118 - not iterable
+    save_file(tensors, str(path), metadata={**meta, "chunks": chunks})
 
 
 def test_a_crafted_checkpoint_is_refused_without_running_code(megatron_world, tmp_path, no_pickle):
@@ -235,8 +262,17 @@ def test_a_crafted_checkpoint_is_refused_without_running_code(megatron_world, tm
     with pytest.raises(CheckpointError, match=r"\.metadata is a pickle checkpoint file.*refuses to unpickle"):
         load_checkpoint(Learner(_cfg(), total_steps=4), tmp_path)
     assert not marker.exists(), "loading a checkpoint ran the attacker's command"
-    # pickle bytes smuggled into the metadata of the safetensors files and meta.json stay inert data
+    # format 4's tensor files: a rank file that is a pickle, and one whose chunk index is pickle bytes, are
+    # unreadable (safetensors header / JSON), so the newest checkpoint is skipped, nothing executed
     shutil.rmtree(evil)
+    for victim, forge in (("model-r00000.safetensors", lambda f: f.write_bytes(payload)),
+                          ("optimizer-r00000.safetensors", lambda f: _reindex(f, payload.hex()))):  # fmt: skip
+        shutil.copytree(good, evil)
+        forge(evil / victim)
+        assert load_checkpoint(Learner(_cfg(), total_steps=4), tmp_path)["step"] == 1, victim
+        assert not marker.exists(), "loading a checkpoint ran the attacker's command"
+        shutil.rmtree(evil)
+    # pickle bytes smuggled into the metadata of the safetensors files and meta.json stay inert data
     state = load_state(good / "rank_00000.safetensors")
     save_state({**state, "rng": {**state["rng"], "evil": payload}}, good / "rank_00000.safetensors")
     meta = json.loads((good / "meta.json").read_text())

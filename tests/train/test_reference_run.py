@@ -26,4 +26,4 @@ def test_kl_to_the_reference_is_logged_and_the_reference_is_checkpointed(tmp_pat
     kl = [m["loss/kl_ref"] for m in metrics]
     assert all(k >= 0 for k in kl) and kl[1] > 0, f"KL to the reference should grow once the policy moves: {kl}"
     assert all(0 < m["vcpo/lr_scale"] <= 1 for m in metrics)
-    assert (out / "checkpoints" / "reference" / "model.safetensors").is_file(), "reference not saved"
+    assert (out / "checkpoints" / "reference" / "model-r00000.safetensors").is_file(), "reference not saved"

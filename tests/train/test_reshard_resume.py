@@ -22,8 +22,8 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
+from moe_rl.learner.sharded_state import read_global
 from moe_rl.train.metrics_log import read_metrics
 from tests.conftest import one_gpu_per_rank
 from tests.train.records_fixture import CONFIG, SHAPE, initial_hf_dir
@@ -60,8 +60,8 @@ def test_ep2_checkpoint_resumes_at_ep1_and_continues_the_same_run(resharded):
     meta = json.loads((out / "checkpoints" / "step_00000002" / "meta.json").read_text())
     assert meta["parallel"]["ep"] == 1 and meta["world_size"] == 1 and meta["extra"]["rl_step"] == 2
     assert json.loads((out / "checkpoints" / "step_00000001" / "meta.json").read_text())["parallel"]["ep"] == 2
-    for name in ("model.safetensors", "optimizer.safetensors"):  # the state after step 2, either way
-        want, got = load_file(ep2_step2 / name), load_file(out / "checkpoints" / "step_00000002" / name)
+    for name in ("model", "optimizer"):  # the state after step 2, either way
+        want, got = read_global(ep2_step2, name), read_global(out / "checkpoints" / "step_00000002", name)
         assert sorted(want) == sorted(got)
         for k in want:
             torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=2e-6, msg=lambda m, k=k: f"{name} {k}: {m}")
@@ -85,7 +85,7 @@ def test_resumed_state_equals_the_saved_global_state_and_the_reference_its_start
     step1 = out / "checkpoints" / "step_00000001"
     meta = load_checkpoint(learner, out / "checkpoints", step=1)
     assert meta["resharded_from"]["ep"] == 2 and learner.step == 2  # 2 minibatches per RL step
-    model, optim = load_file(step1 / "model.safetensors"), load_file(step1 / "optimizer.safetensors")
+    model, optim = read_global(step1, "model"), read_global(step1, "optimizer")
     params = dict(learner.module.named_parameters())
     assert sorted(params) == sorted(model), "ep=1 names are the global names"
     for name, p in params.items():

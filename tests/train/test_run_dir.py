@@ -93,6 +93,10 @@ def test_a_parallel_layout_change_may_resume_and_is_shown(tmp_path, caplog):
         guard_run_dir(_cfg(tmp_path, "parallel.ep=1", "parallel.tp=2"), tmp_path, tmp_path / "checkpoints").release()
     assert "parallel.ep: 2 -> 1" in caplog.text and "parallel.tp: 1 -> 2" in caplog.text
     assert "the checkpoint is resharded to the new layout" in caplog.text
+    with caplog.at_level("WARNING"):  # issue 34: the optimizer state may move into / out of the distributed optimizer
+        guard_run_dir(_cfg(tmp_path, "parallel.ep=1", "optim.use_distributed_optimizer=true"), tmp_path,
+                      tmp_path / "checkpoints").release()  # fmt: skip
+    assert "optim.use_distributed_optimizer: False -> True" in caplog.text
     with pytest.raises(RunDirError, match=r"! model.num_moe_experts"):  # everything else stays strict
         guard_run_dir(_cfg(tmp_path, "parallel.ep=1", "model.num_moe_experts=4"), tmp_path, tmp_path / "checkpoints")
 

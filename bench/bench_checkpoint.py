@@ -1,0 +1,150 @@
+"""Checkpoint save / load of an expert-heavy MoE of ~305M parameters at 1 and 2 ranks (issue 34).
+
+Model (built here, fp32): 6 layers, hidden 256, 64 experts top-2, moe_ffn_hidden_size 1024 (experts
+~302M of ~305M parameters). Per layout, every rank: build the learner, one train step on a tiny batch
+(so Adam has state), then time ``save_checkpoint`` and ``load_checkpoint`` (into the same learner), and
+report the bytes of the files it wrote and the peak increase of its resident memory during the save
+(``VmRSS`` from ``/proc/self/status`` sampled every 2 ms by a thread) next to its own state (its
+parameters, grad buffer excluded, plus its Adam moments and master copies).
+
+  python bench/bench_checkpoint.py [--layouts 1,ep2,dp2_distopt] [--dir SCRATCH]
+
+Runs each 2-rank layout under torchrun (gloo) itself; prints one line per rank and a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = dict(num_layers=6, hidden_size=256, num_attention_heads=4, num_query_groups=2, kv_channels=64,
+             num_moe_experts=64, moe_router_topk=2, moe_ffn_hidden_size=1024, ffn_hidden_size=1024,
+             vocab_size=1024, first_k_dense_layers=0, moe_aux_loss_coeff=0.0)  # fmt: skip
+LAYOUTS = {"1": (1, {}, False), "ep2": (2, {"ep": 2}, False), "dp2_distopt": (2, {}, True)}
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+class PeakRSS:
+    """Samples this process's resident memory every ``period`` s while active; ``peak`` in bytes."""
+
+    def __init__(self, period: float = 0.002):
+        self.period, self.peak, self._stop = period, 0, threading.Event()
+
+    def __enter__(self):
+        self.peak = rss_bytes()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_bytes())
+            time.sleep(self.period)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+
+
+def own_state_bytes(learner) -> int:
+    from moe_rl.learner.global_state import optimizer_slots
+
+    n = sum(p.numel() * p.element_size() for p in learner.module.parameters())
+    for s in optimizer_slots(learner.optimizer):
+        state = s.opt.state.get(s.main, {})
+        n += sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t))
+        n += s.main.numel() * s.main.element_size() if s.separate_main else 0
+    return n
+
+
+def worker(layout: str, scratch: Path) -> None:
+    import torch.distributed as dist
+
+    from moe_rl.config import ExperimentConfig
+    from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint
+    from moe_rl.learner.dist import init_distributed
+    from moe_rl.learner.train_step import Learner
+
+    torch.set_num_threads(1)
+    _, parallel, distopt = LAYOUTS[layout]
+    cfg = ExperimentConfig.model_validate({"model": MODEL, "parallel": parallel, "train": {"seed": 1},
+                                           "optim": {"use_distributed_optimizer": distopt}})  # fmt: skip
+    init_distributed(cfg.parallel)
+    rank = dist.get_rank()
+    learner = Learner(cfg, total_steps=2)
+    tokens = torch.randint(0, MODEL["vocab_size"], (1, 17), generator=torch.Generator().manual_seed(rank))
+    learner.train_step([{"input_ids": tokens[:, :-1], "targets": tokens[:, 1:]}],
+                       lambda logp, ent, mb: (-logp.mean(), {}))  # fmt: skip
+    params = sum(p.numel() for p in learner.module.parameters())
+    ckpt = scratch / f"ckpt_{layout}"
+    dist.barrier()
+    with PeakRSS() as mem:
+        before = rss_bytes()
+        t0 = time.perf_counter()
+        d = save_checkpoint(learner, ckpt)
+        save_s = time.perf_counter() - t0
+    dist.barrier()
+    written = sum(f.stat().st_size for f in d.iterdir() if f.is_file() and
+                  (f.name.endswith(f"r{rank:05d}.safetensors") or f.name == f"rank_{rank:05d}.safetensors"))  # fmt: skip
+    written += (d / "meta.json").stat().st_size if rank == 0 else 0
+    t0 = time.perf_counter()
+    load_checkpoint(learner, ckpt)
+    load_s = time.perf_counter() - t0
+    dist.barrier()
+    out = {"layout": layout, "rank": rank, "local_params": params, "save_s": save_s, "load_s": load_s,
+           "bytes_written": written, "own_state_bytes": own_state_bytes(learner),
+           "save_peak_rss_increase": mem.peak - before, "load_average": os.getloadavg()[0]}  # fmt: skip
+    (scratch / f"{layout}_rank{rank}.json").write_text(json.dumps(out))
+    print(json.dumps(out), flush=True)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layouts", default="1,ep2,dp2_distopt")
+    ap.add_argument("--dir", default=None, help="scratch dir (default: a temp dir, removed)")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args.worker, Path(args.dir))
+    from moe_rl.learner.dist import free_port
+
+    scratch = Path(args.dir or tempfile.mkdtemp(prefix="bench_ckpt_"))
+    rows = []
+    for layout in args.layouts.split(","):
+        nproc = LAYOUTS[layout][0]
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               f"--master_port={free_port()}", __file__, "--worker", layout, "--dir", str(scratch)]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+        rows += [json.loads((scratch / f"{layout}_rank{r}.json").read_text()) for r in range(nproc)]
+        subprocess.run(["rm", "-rf", str(scratch / f"ckpt_{layout}")], check=True)
+    gb = 1e9
+    print(f"{'layout':<12} {'rank':>4} {'params(M)':>9} {'save s':>7} {'load s':>7} {'written GB':>10} "
+          f"{'own state GB':>12} {'save peak RSS +GB':>17} {'load avg':>8}")  # fmt: skip
+    for r in rows:
+        print(f"{r['layout']:<12} {r['rank']:>4} {r['local_params'] / 1e6:>9.1f} {r['save_s']:>7.1f} {r['load_s']:>7.1f} "
+              f"{r['bytes_written'] / gb:>10.2f} {r['own_state_bytes'] / gb:>12.2f} "
+              f"{r['save_peak_rss_increase'] / gb:>17.3f} {r['load_average']:>8.1f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""Checkpoint state written in parallel: every rank writes the global-tensor chunks it owns, no rank gathers.
+
+Owns format 4's tensor files. In a directory, ``<kind>-r<rank>.safetensors`` (kind ``model`` or
+``optimizer``) is rank ``rank``'s file: a plain safetensors file whose header metadata holds the JSON
+list of its chunks, each ``{"key", "name", "shape", "offsets", "box", "flat"}``: the tensor stored under
+``key`` is the box of global tensor ``name`` (of ``shape``) at ``offsets`` with extent ``box`` — all of
+it, or with ``flat = [a, b]`` elements ``a..b`` of the box flattened (a distributed-optimizer shard).
+Who writes what is ``ownership``'s rule, so every global element is written exactly once and no rank
+receives another's tensors; nothing passes through rank 0. The writer streams each tensor from the
+rank's own memory into the file (no serialised copy of the state: the memory a save adds is one
+tensor at most, for a non-contiguous one), then fsyncs.
+
+``ShardedDir`` is the matching source for ``global_state.load_model`` / ``load_optimizer``: it reads
+every rank file's header (JSON only), checks that every rank of the writing job left its file and
+that each global tensor is covered exactly, and assembles one global tensor at a time on request.
+Reading never runs code: safetensors headers are JSON and the data raw bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from moe_rl.learner.global_state import (
+    GlobalStateError,
+    adam_state,
+    model_tensors,
+    named_slots,
+)  # fmt: skip
+from moe_rl.learner.ownership import Box, TensorSlice, local_slices, tp_rank_and_size, writes_whole
+
+__all__ = ["ShardedDir", "save_model_shards", "save_optimizer_shards", "write_safetensors", "write_rank_file",
+           "rank_file", "read_global", "SHARD_FORMAT"]  # fmt: skip
+
+SHARD_FORMAT = "moe_rl.sharded/1"
+_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+           torch.bool: "BOOL"}  # fmt: skip
+_RANK_FILE = re.compile(r"^(model|optimizer)-r(\d{5})\.safetensors$")
+
+Entry = tuple[str, TensorSlice, torch.Tensor, "tuple[int, int] | None"]
+"""``(global key, slice, tensor, flat range)``: the whole local tensor (range None), or the flat shard
+``[a, b)`` of the flattened local tensor (``tensor`` then holds exactly those ``b - a`` elements)."""
+
+
+def rank_file(directory: str | Path, kind: str, rank: int) -> Path:
+    return Path(directory) / f"{kind}-r{rank:05d}.safetensors"
+
+
+def write_safetensors(path: str | Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> None:
+    """Write ``tensors`` as one safetensors file, each streamed from its own memory (no serialised copy
+    of the whole set, as ``safetensors.torch.save_file`` makes), then fsync. OSError propagates."""
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for key, t in tensors:
+        if t.dtype not in _DTYPES:
+            raise GlobalStateError(f"{key}: dtype {t.dtype} cannot be checkpointed; expected one of {list(_DTYPES)}")
+        n = t.numel() * t.element_size()
+        header[key] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors' own writer pads it
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(raw)))
+        fh.write(raw)
+        for _, t in tensors:
+            if t.numel():
+                host = t.detach().to("cpu").contiguous()  # a copy only for a device or non-contiguous tensor
+                fh.write(host.reshape(-1).view(torch.uint8).numpy().data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _chunks(entries: Iterable[Entry]) -> tuple[list[tuple[str, torch.Tensor]], list[dict]]:
+    tensors, index = [], []
+    for key, s, t, flat in entries:
+        if flat is None:
+            pieces = [(box, None, t.reshape(box.shape) if not box.shape else t[box.row_start:box.row_stop])
+                      for box in s.boxes]  # fmt: skip
+        else:
+            lo = flat[0]
+            pieces = [(box, (a, b), t.reshape(-1)[start - lo:start - lo + (b - a)])
+                      for box, a, b, start in s.flat_pieces(*flat)]  # fmt: skip
+        for box, ab, data in pieces:
+            name = f"{key}@{len(index)}"
+            tensors.append((name, data))
+            index.append({"key": name, "name": key, "shape": list(s.global_shape), "offsets": list(box.offsets),
+                          "box": list(box.shape), "flat": list(ab) if ab else None})  # fmt: skip
+    return tensors, index
+
+
+def write_rank_file(directory: str | Path, kind: str, rank: int, world: int, entries: Iterable[Entry]) -> Path:
+    """Write rank ``rank``'s (of ``world``) ``kind`` file: the chunks of ``entries`` and their JSON index."""
+    tensors, index = _chunks(entries)
+    meta = {"format": SHARD_FORMAT, "kind": kind, "rank": str(rank), "world_size": str(world),
+            "chunks": json.dumps(index)}  # fmt: skip
+    path = rank_file(directory, kind, rank)
+    write_safetensors(path, tensors, meta)
+    return path
+
+
+def _save(directory: Path, kind: str, entries: Iterable[Entry]) -> None:
+    import torch.distributed as dist
+
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    write_rank_file(directory, kind, rank, world, entries)
+
+
+def save_model_shards(model, directory: str | Path) -> None:
+    """This rank writes ``model-r<rank>.safetensors`` with the model tensors it owns (no collective)."""
+    tensors = {n: t.detach() for n, t in model_tensors(model).items()}
+    slices = local_slices(model, tensors)
+    mine = writes_whole(slices, {n: t.numel() * t.element_size() for n, t in tensors.items()})
+    _save(Path(directory), "model", ((slices[n].global_name, slices[n], tensors[n], None) for n in sorted(mine)))
+
+
+def _step_slice(s: TensorSlice) -> TensorSlice:
+    return TensorSlice(s.local_name, s.global_name, (1,), (Box(0, 1, (0,), (1,)),), False)
+
+
+def save_optimizer_shards(optimizer, model, directory: str | Path) -> None:
+    """This rank writes ``optimizer-r<rank>.safetensors`` with the Adam state it owns (no collective).
+
+    Without the distributed optimizer that is the state of the parameters ``ownership.writes_whole``
+    gives it; with it, this rank's flat shard of each parameter (tp/etp rank 0 only for a tp-replicated
+    one), and the step from the rank whose shard starts the parameter.
+    """
+    slots = dict(named_slots(optimizer, model))
+    slices = local_slices(model, {n: s.param for n, s in slots.items()})
+    sizes = {n: s.param.numel() * s.param.element_size() for n, s in slots.items()}
+    whole = writes_whole({n: s for n, s in slices.items() if slots[n].flat_range is None}, sizes)
+    entries: list[Entry] = []
+    for name in sorted(slots):
+        slot, s = slots[name], slices[name]
+        if slot.flat_range is None and name not in whole:
+            continue
+        if slot.flat_range is not None and not s.split and tp_rank_and_size(s.global_name)[0] != 0:
+            continue
+        state = adam_state(name, slot)
+        for key in ("exp_avg", "exp_avg_sq"):
+            entries.append((f"{key}/{s.global_name}", s, state[key], slot.flat_range))
+        if slot.separate_main:
+            entries.append((f"main/{s.global_name}", s, slot.main, slot.flat_range))
+        if slot.flat_range is None or slot.flat_range[0] == 0:
+            entries.append((f"step/{s.global_name}", _step_slice(s), state["step"], None))
+    _save(Path(directory), "optimizer", entries)
+
+
+class ShardedDir:
+    """Source of global tensors (``keys``, ``full(key)``) over the ``<kind>-r*.safetensors`` files of a directory.
+
+    GlobalStateError when a rank's file is missing or unreadable, was written for another kind or job
+    size, or a global tensor is not covered exactly once by the chunks.
+    """
+
+    def __init__(self, directory: str | Path, kind: str):
+        self.where = Path(directory) / f"{kind}-r*.safetensors"
+        files = sorted(p for p in Path(directory).glob(f"{kind}-r*.safetensors") if _RANK_FILE.match(p.name))
+        if not files:
+            raise GlobalStateError(f"{self.where}: no {kind} rank files; not a format-4 checkpoint directory")
+        self.handles, self.chunks, worlds = [], {}, set()
+        for path in files:
+            try:
+                fh = safe_open(str(path), framework="pt", device="cpu")
+                meta = fh.metadata() or {}
+                index = json.loads(meta.get("chunks", "null"))
+            except (SafetensorError, OSError, ValueError) as exc:
+                raise GlobalStateError(f"{path} is not a readable safetensors rank file ({exc})") from None
+            if meta.get("format") != SHARD_FORMAT or meta.get("kind") != kind or not isinstance(index, list):
+                raise GlobalStateError(f"{path} has format {meta.get('format')!r} / kind {meta.get('kind')!r}; "
+                                       f"expected {SHARD_FORMAT!r} / {kind!r}")  # fmt: skip
+            worlds.add(meta.get("world_size"))
+            self.handles.append(fh)
+            for c in index:
+                self.chunks.setdefault(c["name"], []).append((fh, c))
+        if len(worlds) != 1 or not str(next(iter(worlds))).isdigit() or int(next(iter(worlds))) != len(files):
+            raise GlobalStateError(f"{self.where}: {len(files)} rank files for a job of {sorted(map(str, worlds))} "
+                                   "ranks; a rank's file is missing")  # fmt: skip
+        self.keys = set(self.chunks)
+
+    def full(self, key: str) -> torch.Tensor:
+        """Global tensor ``key`` assembled from its chunks (one global tensor in memory)."""
+        parts = self.chunks[key]
+        shape = tuple(parts[0][1]["shape"])
+        first = parts[0][1]
+        if len(parts) == 1 and first["flat"] is None and tuple(first["box"]) == shape and not any(first["offsets"]):
+            return parts[0][0].get_tensor(first["key"])  # written whole by one rank: nothing to assemble
+        out, covered = None, torch.zeros(shape, dtype=torch.int32, device="cpu")
+        boxes: dict[tuple, torch.Tensor] = {}
+        for fh, c in parts:
+            data = fh.get_tensor(c["key"])
+            out = torch.empty(shape, dtype=data.dtype, device="cpu") if out is None else out
+            region = tuple(slice(o, o + b) for o, b in zip(c["offsets"], c["box"], strict=True))
+            if c["flat"] is None:
+                out[region] = data.reshape(c["box"])
+                covered[region] += 1
+                continue
+            a, b = c["flat"]
+            if (box := boxes.get(tuple(c["offsets"]))) is None:  # fill a box's flat ranges, then place the box
+                box = boxes[tuple(c["offsets"])] = torch.zeros(c["box"], dtype=data.dtype, device="cpu")
+                box_cover = torch.zeros(c["box"], dtype=torch.int32, device="cpu")
+                boxes[("cover", *c["offsets"])] = box_cover
+            box.reshape(-1)[a:b] = data
+            boxes[("cover", *c["offsets"])].reshape(-1)[a:b] += 1
+        for offsets, box in boxes.items():
+            if offsets and offsets[0] == "cover":
+                continue
+            region = tuple(slice(o, o + b) for o, b in zip(offsets, box.shape, strict=True))
+            out[region] = box
+            covered[region] += boxes[("cover", *offsets)]
+        if not bool((covered == 1).all()):
+            raise GlobalStateError(f"{self.where}: {key} is not covered exactly once by the saved chunks "
+                                   f"({int((covered == 0).sum())} elements missing, {int((covered > 1).sum())} "
+                                   "written twice); the checkpoint is incomplete or corrupt")  # fmt: skip
+        return out
+
+
+def read_global(directory: str | Path, kind: str) -> dict[str, torch.Tensor]:
+    """Every global tensor of a format-4 directory, whole (tests, tools; a whole model in memory)."""
+    src = ShardedDir(directory, kind)
+    return {k: src.full(k) for k in sorted(src.keys)}

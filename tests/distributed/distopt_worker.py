@@ -1,0 +1,91 @@
+"""torchrun worker (2 ranks, gloo): Megatron's distributed optimizer against the plain step, and its checkpoints.
+
+Run: ``torchrun --nproc_per_node=2 --master_port=<free> tests/distributed/distopt_worker.py --work <dir>``
+with ``<dir>/init`` (a 1-rank checkpoint of the initial weights) and ``<dir>/dp1`` (the 1-rank run after
+step 1 on both ranks' data) written by the pytest side (``test_distributed_optimizer.py``). Every learner
+here starts from ``init`` (ep=1 and ep=2 builds draw different expert values). Rank 0 writes
+``<dir>/result.json``; the step-2 checkpoints it leaves are resumed at 1 rank by the pytest side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+torch.set_num_threads(1)
+
+from moe_rl.config import ParallelConfig  # noqa: E402
+from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from moe_rl.learner.dist import init_distributed  # noqa: E402
+from moe_rl.learner.global_state import optimizer_slots  # noqa: E402
+from moe_rl.learner.train_step import Learner  # noqa: E402
+from tests.distributed.distopt_data import cfg, data_shard, nll  # noqa: E402
+
+
+def learner(work: Path, ep: int, distopt: bool, start: str = "init") -> Learner:
+    c = cfg(ep=ep, distopt=distopt)
+    init_distributed(c.parallel)
+    out = Learner(c, total_steps=4)
+    load_checkpoint(out, work / start)
+    return out
+
+
+def step(lrn: Learner, rank: int, s: int) -> dict:
+    stats = lrn.train_step([data_shard(rank, s)], nll)
+    losses = [torch.zeros(1, dtype=torch.float64) for _ in range(2)]
+    dist.all_gather(losses, torch.tensor([stats.loss], dtype=torch.float64))
+    return {"loss": sum(float(x) for x in losses) / 2, "grad_norm": stats.grad_norm}
+
+
+def params(lrn: Learner) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in lrn.module.named_parameters()}
+
+
+def all_ranks(flag: bool) -> bool:
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", required=True)
+    work = Path(ap.parse_args().work)
+    init_distributed(ParallelConfig())
+    rank, res = dist.get_rank(), {}
+
+    plain, distopt = learner(work, 1, False), learner(work, 1, True)
+    res["plain_step1"], res["distopt_step1"] = step(plain, rank, 1), step(distopt, rank, 1)
+    a, b = params(plain), params(distopt)
+    res["step1_params_bitwise"] = all_ranks(all(torch.equal(a[n], b[n]) for n in a))
+    res["step1_params_max_diff"] = max(float((a[n] - b[n]).abs().max()) for n in a)
+    # the distributed optimizer keeps this rank's flat shard of each parameter's moments only
+    res["moment_elements_this_rank"] = sum(s.opt.state[s.main]["exp_avg"].numel() for s in optimizer_slots(distopt.optimizer))
+    res["param_elements"] = sum(p.numel() for p in distopt.module.parameters())
+    save_checkpoint(plain, work / "ckpt_plain")
+    save_checkpoint(distopt, work / "ckpt_distopt")
+    res["distopt_step2"] = step(distopt, rank, 2)
+    save_checkpoint(distopt, work / "after_distopt")  # the uninterrupted run's state after step 2
+
+    for name, ckpt in (("plain_to_distopt", "ckpt_plain"), ("dp1_to_distopt", "dp1"), ("distopt_to_distopt", "ckpt_distopt")):
+        resumed = learner(work, 1, True, start=ckpt)
+        res[name] = step(resumed, rank, 2)
+
+    ep2 = learner(work, 2, True)  # ep=2 and the distributed optimizer: dense state over dp=2, experts' not sharded
+    res["ep2_distopt_step1"] = step(ep2, rank, 1)
+    save_checkpoint(ep2, work / "ckpt_ep2_distopt")
+    res["ep2_distopt_step2"] = step(ep2, rank, 2)
+    if rank == 0:
+        (work / "result.json").write_text(json.dumps(res, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
