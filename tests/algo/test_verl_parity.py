@@ -153,9 +153,8 @@ def test_sapo_verl_ignores_loss_agg_mode():
     logp, old, _, adv = _data(seed=4)
     assert LossConfig(type="sapo").aggregation == "seq_mean_token_mean"
     for mode in ("token-mean", "seq-mean-token-sum"):
-        a, b, ga, gb = _pair(lambda lp: sapo_loss(lp, old, adv, MASK, 1.0, 1.05)[0],
-                             lambda lp: verl.compute_policy_loss_sapo(old, lp, adv, MASK.double(), mode, _actor())[0],
-                             logp)  # fmt: skip
+        theirs = lambda lp, m=mode: verl.compute_policy_loss_sapo(old, lp, adv, MASK.double(), m, _actor())[0]  # noqa: E731
+        a, b, ga, gb = _pair(lambda lp: sapo_loss(lp, old, adv, MASK, 1.0, 1.05)[0], theirs, logp)
         _close(a, b)
         _close(ga, gb)
 
@@ -206,9 +205,9 @@ def test_reinforce_equals_verl_gpg_and_bypass_reinforce():
     logp, _, _, adv = _data(seed=8)
     w = torch.rand(MASK.shape, generator=torch.Generator().manual_seed(8), dtype=torch.float64) * 2
     for agg in ("token_mean", "seq_mean_token_sum"):
-        a, b, ga, gb = _pair(lambda lp: reinforce_loss(lp, adv, MASK, w, agg)[0],
-                             lambda lp: verl.compute_policy_loss_gpg(lp, lp, adv, MASK.double(), AGG[agg], _actor(), w)[0],
-                             logp)  # fmt: skip
+        ours = lambda lp, a=agg: reinforce_loss(lp, adv, MASK, w, a)[0]  # noqa: E731
+        theirs = lambda lp, a=agg: verl.compute_policy_loss_gpg(lp, lp, adv, MASK.double(), AGG[a], _actor(), w)[0]  # noqa: E731
+        a, b, ga, gb = _pair(ours, theirs, logp)
         _close(a, b)
         _close(ga, gb)
 

@@ -3,6 +3,7 @@
 Config stand-ins: the constant field defaults of verl/workers/config/actor.py. Each function's text is the wheel's, minus its docstring.
 Copyright 2024 Bytedance Ltd. and/or its affiliates; Apache License 2.0.
 """
+
 # ruff: noqa
 # fmt: off
 from dataclasses import dataclass, field

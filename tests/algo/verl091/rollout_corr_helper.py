@@ -3,6 +3,7 @@
 Functions of verl/trainer/ppo/rollout_corr_helper.py. Each function's text is the wheel's, minus its docstring.
 Copyright 2024 Bytedance Ltd. and/or its affiliates; Apache License 2.0.
 """
+
 # ruff: noqa
 # fmt: off
 import math
