@@ -19,7 +19,7 @@ from moe_rl.algo import AGGREGATIONS, RS_MODES, compute_policy_loss, m2po_mask, 
 from moe_rl.algo.surrogates import LOSS_TYPES, surrogate_loss
 from moe_rl.config import CorrectionConfig, LossConfig
 
-MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+MASK_CPU = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
 GAP = 3.0  # |log π − log μ| on every valid token: outside every band below
 
 # thresholds each reject every token (or sequence) at a log-ratio of ±3
@@ -50,15 +50,17 @@ CORRECTIONS = {
 }
 
 
-def _inputs(mode: str, sign: float):
-    """(logp, old_logp, rollout_logp, advantages): ratio to μ is e^{sign·3}; A < 0 so OPSM applies."""
+def _inputs(mode: str, sign: float, device):
+    """(logp, old_logp, rollout_logp, advantages) on ``device``: ratio to μ is e^{sign·3}; A < 0 so OPSM applies."""
     g = torch.Generator().manual_seed(7)
-    mu = -torch.rand(MASK.shape, generator=g, dtype=torch.float64) - 0.5
+    mu = -torch.rand(MASK_CPU.shape, generator=g, dtype=torch.float64) - 0.5
     old = mu + sign * GAP
-    logp = old + 0.01 * torch.randn(MASK.shape, generator=g, dtype=torch.float64)
+    logp = old + 0.01 * torch.randn(MASK_CPU.shape, generator=g, dtype=torch.float64)
     if mode == "bypass":
         logp, old = mu + sign * GAP, None
-    return logp.requires_grad_(True), old, mu, torch.tensor([-1.0, -0.5, -2.0], dtype=torch.float64)
+    adv = torch.tensor([-1.0, -0.5, -2.0], dtype=torch.float64)
+    old = None if old is None else old.to(device)
+    return logp.to(device).requires_grad_(True), old, mu.to(device), adv.to(device)
 
 
 def _assert_graph_connected_zero(loss: torch.Tensor, logp: torch.Tensor, metrics: dict):
@@ -72,11 +74,12 @@ def _assert_graph_connected_zero(loss: torch.Tensor, logp: torch.Tensor, metrics
 
 @pytest.mark.parametrize("mode", ["decoupled", "bypass"])
 @pytest.mark.parametrize("name", sorted(CORRECTIONS))
-def test_every_correction_that_removes_every_token_gives_a_graph_connected_zero(name, mode):
+def test_every_correction_that_removes_every_token_gives_a_graph_connected_zero(name, mode, device):
+    MASK = MASK_CPU.to(device)
     correction = CorrectionConfig(mode=mode, **CORRECTIONS[name])
     for loss_type in ("reinforce", "kl_cov"):  # IS weights applied in both modes; the covariance selection
-        logp, old, mu, adv = _inputs(mode, -1.0)
-        ent = torch.rand(MASK.shape, dtype=torch.float64, requires_grad=True)
+        logp, old, mu, adv = _inputs(mode, -1.0, device)
+        ent = torch.rand(MASK.shape, dtype=torch.float64, device=device, requires_grad=True)
         cfg = LossConfig(type=loss_type, kl_coef=0.1, entropy_coef=0.01)
         loss, metrics = compute_policy_loss(cfg, correction, logp, old, mu, adv, MASK, logp.detach() - 0.2, ent)
         assert float(metrics["correction/kept_token_frac"]) == 0.0, (name, loss_type)
@@ -85,19 +88,20 @@ def test_every_correction_that_removes_every_token_gives_a_graph_connected_zero(
 
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_every_loss_and_aggregation_on_an_all_rejected_or_all_masked_minibatch(loss_type, aggregation):
+def test_every_loss_and_aggregation_on_an_all_rejected_or_all_masked_minibatch(loss_type, aggregation, device):
+    MASK = MASK_CPU.to(device)
     if aggregation == "token_mean" and loss_type == "gmpo":
         pytest.skip("the schema refuses token_mean for gmpo")
     cfg = LossConfig(type=loss_type, aggregation=aggregation, kl_coef=0.1, entropy_coef=0.01, norm_len=4)
     for mode in ("decoupled", "bypass"):
         # all rejected: a token_k1 criterion (+ M2PO, which used to raise on the empty keep set)
-        logp, old, mu, adv = _inputs(mode, 1.0)
+        logp, old, mu, adv = _inputs(mode, 1.0, device)
         correction = CorrectionConfig(mode=mode, m2po_tau=0.04, **REJECT_ALL)
         loss, metrics = compute_policy_loss(cfg, correction, logp, old, mu, adv, MASK, logp.detach(),
-                                            torch.ones(MASK.shape, dtype=torch.float64))  # fmt: skip
+                                            torch.ones(MASK.shape, dtype=torch.float64, device=device))  # fmt: skip
         _assert_graph_connected_zero(loss, logp, metrics)
         # all masked: no rejection, the loss mask removes every token (the trainer's three phases)
-        logp, old, mu, adv = _inputs(mode, 0.0)
+        logp, old, mu, adv = _inputs(mode, 0.0, device)
         correction = CorrectionConfig(mode=mode, m2po_tau=0.04, is_level="token")
         source = old if old is not None else logp.detach()
         prep = prepare_corrections(cfg, correction, source, mu, MASK, policy_logp=logp.detach(), advantages=adv,
@@ -107,28 +111,37 @@ def test_every_loss_and_aggregation_on_an_all_rejected_or_all_masked_minibatch(l
             loss, metrics = policy_loss(cfg, correction, lp, None if old is None else old[rows], mu[rows], adv[rows],
                                         MASK[rows], prep.keep[rows], None if prep.weights is None else
                                         prep.weights[rows], prep.denominator, ref_logp=lp.detach(),
-                                        entropy=torch.ones(lp.shape, dtype=torch.float64),
+                                        entropy=torch.ones(lp.shape, dtype=torch.float64, device=device),
                                         cov_selected=None if prep.cov_selected is None else prep.cov_selected[rows])  # fmt: skip
             _assert_graph_connected_zero(loss, lp, prep.metrics | metrics)
         # the surrogate itself, handed an empty kept set
-        logp, old, mu, adv = _inputs(mode, 0.0)
+        logp, old, mu, adv = _inputs(mode, 0.0, device)
         loss, metrics = surrogate_loss(cfg, logp, mu if old is None else old, adv[:, None].expand_as(MASK),
                                        torch.zeros_like(MASK), None, None, torch.Generator().manual_seed(0))  # fmt: skip
         _assert_graph_connected_zero(loss, logp, metrics)
 
 
-def test_m2po_on_an_empty_kept_set_keeps_nothing_and_reports_zero():
-    keep, metrics = m2po_mask(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.bool), 0.04)
+def test_m2po_on_an_empty_kept_set_keeps_nothing_and_reports_zero(device):
+    zeros = torch.zeros(2, 3, device=device)
+    keep, metrics = m2po_mask(zeros, zeros, zeros.bool(), 0.04)
     assert not bool(keep.any())
     assert {k: float(v) for k, v in metrics.items()} == {"m2po/masked_frac": 0.0, "m2po/m2_before": 0.0,
                                                          "m2po/m2_after": 0.0}  # fmt: skip
 
 
-def test_issue_40_smallest_m2po_case():
+def test_issue_40_smallest_m2po_case(device):
     """The issue's reproduction: one token, k1 rejection removes it, M2PO on."""
-    t = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
+    t = lambda x: torch.tensor(x, dtype=torch.float64, device=device)  # noqa: E731
     logp = t([[0.0]]).requires_grad_(True)
     correction = CorrectionConfig(m2po_tau=0.04, rejection=[{"mode": "token_k1", "lower": 0.5, "upper": 2.0}])
     loss, metrics = compute_policy_loss(LossConfig(), correction, logp, t([[0.0]]), t([[-3.0]]), t([1.0]),
-                                        torch.tensor([[True]]))  # fmt: skip
+                                        torch.tensor([[True]], device=device))  # fmt: skip
     _assert_graph_connected_zero(loss, logp, metrics)
+
+
+def test_compute_policy_loss_keeps_its_positional_signature():
+    import inspect
+
+    params = list(inspect.signature(compute_policy_loss).parameters)
+    assert params == ["loss_cfg", "correction_cfg", "logp", "old_logp", "rollout_logp", "advantages", "mask",
+                      "ref_logp", "entropy", "loss_denominator", "norm_len", "generator"]  # fmt: skip
