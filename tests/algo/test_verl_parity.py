@@ -1,13 +1,15 @@
 """Differential tests against verl 0.9.1's own code: each row of docs/algo.md "Porting a verl config".
 
-The expected values come from verl's functions, copied verbatim from the PyPI wheel into
-tests/algo/verl091/ by scripts/verl_extract.py (``--check`` verifies the copy). Each test runs
+The expected values come from verl's functions, run from the pinned PyPI wheel: the session fixture
+``verl091`` (tests/algo/conftest.py) downloads it, checks its sha256 and generates an importable
+package of verl's functions, verbatim, in a cache folder (tests/algo/verl_wheel.py). Each test runs
 the row's stated setting and asserts equality with verl, or — where the table says no setting
 reproduces verl — shows the input on which the two differ.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -33,11 +35,10 @@ from moe_rl.algo import (
 )
 from moe_rl.algo.surrogates import surrogate_loss
 from moe_rl.config import CorrectionConfig, LossConfig
-from tests.algo.verl091 import core_algos as verl
-from tests.algo.verl091 import rollout_corr_helper as verl_rc
-from tests.algo.verl091.config import ActorConfig, PolicyLossConfig
 
-MASK_CPU = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0]], dtype=torch.bool)
+MASK_CPU = torch.tensor(
+    [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0]], dtype=torch.bool
+)
 AGG = {"token_mean": "token-mean", "seq_mean_token_mean": "seq-mean-token-mean", "token_sum": "token-sum",
        "seq_mean_token_sum": "seq-mean-token-sum", "seq_mean_token_sum_norm": "seq-mean-token-sum-norm"}  # fmt: skip
 
@@ -66,13 +67,27 @@ def _close(a, b, rtol=1e-7, atol=1e-9):  # verl adds 1e-8 to its divisors
     torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
 
 
-def _actor(**kw) -> ActorConfig:
+def _actor(verl, **kw):
+    """verl's ActorConfig (the wheel's field defaults) with ``kw`` and ``policy_loss`` overridden."""
+    config = importlib.import_module(".config", verl.__package__)
     pl = kw.pop("policy_loss", {})
-    return ActorConfig(policy_loss=PolicyLossConfig(**pl), **kw)
+    return config.ActorConfig(policy_loss=config.PolicyLossConfig(**pl), **kw)
+
+
+@pytest.fixture
+def verl(verl091):
+    """verl 0.9.1's verl/trainer/ppo/core_algos.py functions."""
+    return verl091.core_algos
+
+
+@pytest.fixture
+def verl_rc(verl091):
+    """verl 0.9.1's verl/trainer/ppo/rollout_corr_helper.py functions."""
+    return verl091.rollout_corr_helper
 
 
 @pytest.mark.parametrize("ours", sorted(AGG))
-def test_aggregation_equals_verl_agg_loss(ours, device):
+def test_aggregation_equals_verl_agg_loss(ours, verl, device):
     """Row "aggregation" and "fixed length normaliser" (loss.norm_len = loss_scale_factor). A fully
     rejected row: verl's trainer passes global_batch_size = the minibatch's sequences (ppo_mini_batch_size
     · n), so its sequence means count that row; ours count sequences with a kept token (row 9)."""
@@ -92,12 +107,12 @@ def test_aggregation_equals_verl_agg_loss(ours, device):
         _close(aggregate(loss, mask, ours, norm_len=7), theirs)
 
 
-def test_ppo_clip_with_dual_clip_3_equals_verl_vanilla(device):
+def test_ppo_clip_with_dual_clip_3_equals_verl_vanilla(verl, device):
     """Row "PPO-clip": verl's vanilla always applies the dual clip (clip_ratio_c 3.0) -> dual_clip_c: 3.0."""
     MASK = MASK_CPU.to(device)
     logp, old, _, adv = _data(device, spread=0.8)
     logp = logp.detach().index_put((torch.tensor([0]), torch.tensor([1])), old[0, 1] + 1.5).requires_grad_(True)
-    cfg = _actor(clip_ratio_low=0.2, clip_ratio_high=0.28)
+    cfg = _actor(verl, clip_ratio_low=0.2, clip_ratio_high=0.28)
     a, b, ga, gb = _pair(lambda lp: ppo_clip_loss(lp, old, adv, MASK, 0.2, 0.28, dual_clip_c=3.0)[0],
                          lambda lp: verl.compute_policy_loss_vanilla(old, lp, adv, MASK.double(), "token-mean", cfg)[0],
                          logp)  # fmt: skip
@@ -110,12 +125,12 @@ def test_ppo_clip_with_dual_clip_3_equals_verl_vanilla(device):
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
-def test_gspo_token_equals_verl_gspo_in_every_aggregation(aggregation, device):
+def test_gspo_token_equals_verl_gspo_in_every_aggregation(aggregation, verl, device):
     """Row "GSPO": verl implements the token form and honours loss_agg_mode (0.9.1), token-mean included."""
     MASK = MASK_CPU.to(device)
     logp, old, _, adv = _data(device, seed=3)
     cfg = LossConfig(type="gspo_token", aggregation=aggregation, clip_low=3e-4, clip_high=4e-4, norm_len=6)
-    actor = _actor(clip_ratio_low=3e-4, clip_ratio_high=4e-4, global_batch_info={"loss_scale_factor": 6})
+    actor = _actor(verl, clip_ratio_low=3e-4, clip_ratio_high=4e-4, global_batch_info={"loss_scale_factor": 6})
     a, b, ga, gb = _pair(lambda lp: surrogate_loss(cfg, lp, old, adv, MASK, None, None)[0],
                          lambda lp: verl.compute_policy_loss_gspo(old, lp, adv, MASK.double(), AGG[aggregation],
                                                                   actor)[0], logp)  # fmt: skip
@@ -128,11 +143,11 @@ def test_gspo_token_equals_verl_gspo_in_every_aggregation(aggregation, device):
     _close(gc, gb)
 
 
-def test_gspo_token_mean_and_sequence_mean_differ(device):
+def test_gspo_token_mean_and_sequence_mean_differ(verl, device):
     """Why token_mean matters: verl 0.9.1's default token-mean is not its seq-mean-token-mean."""
     MASK = MASK_CPU.to(device)
     logp, old, _, adv = _data(device, seed=3)
-    actor = _actor(clip_ratio_low=3e-4, clip_ratio_high=4e-4)
+    actor = _actor(verl, clip_ratio_low=3e-4, clip_ratio_high=4e-4)
     tok = verl.compute_policy_loss_gspo(old, logp, adv, MASK.double(), "token-mean", actor)[0]
     seq = verl.compute_policy_loss_gspo(old, logp, adv, MASK.double(), "seq-mean-token-mean", actor)[0]
     assert abs(float(tok) - float(seq)) > 0.05
@@ -140,7 +155,7 @@ def test_gspo_token_mean_and_sequence_mean_differ(device):
 
 @pytest.mark.parametrize("mean_log_r, adv, same", [(-15.0, 1.0, True), (-15.0, -1.0, True), (5.0, -1.0, True),
                                                    (15.0, 1.0, True), (15.0, -1.0, False)])  # fmt: skip
-def test_gspo_clamp_differs_only_above_plus_10(mean_log_r, adv, same, device):
+def test_gspo_clamp_differs_only_above_plus_10(mean_log_r, adv, same, verl, device):
     """Row "GSPO ratio clamp": verl clamps log s at +10 (no lower clamp), ours at ±20; visible only for
     mean log s > +10 where the unclipped branch is active (A < 0)."""
     mask = torch.ones(1, 4, dtype=torch.bool, device=device)
@@ -149,27 +164,27 @@ def test_gspo_clamp_differs_only_above_plus_10(mean_log_r, adv, same, device):
     logp = (old + mean_log_r + spread).requires_grad_(True)
     a_t = torch.full((1, 4), adv, dtype=torch.float64, device=device)
     ours = gspo_loss(logp, old, a_t, mask, 0.2, 0.2, token_level=True, aggregation="token_mean")[0]
-    theirs = verl.compute_policy_loss_gspo(old, logp, a_t, mask.double(), "token-mean", _actor())[0]
+    theirs = verl.compute_policy_loss_gspo(old, logp, a_t, mask.double(), "token-mean", _actor(verl))[0]
     assert math.isclose(float(ours), float(theirs), rel_tol=1e-9) is same
 
 
-def test_sapo_verl_ignores_loss_agg_mode(device):
+def test_sapo_verl_ignores_loss_agg_mode(verl, device):
     """Row 1: verl's SAPO always aggregates seq-mean-token-mean -> leave loss.aggregation unset."""
     MASK = MASK_CPU.to(device)
     logp, old, _, adv = _data(device, seed=4)
     assert LossConfig(type="sapo").aggregation == "seq_mean_token_mean"
     for mode in ("token-mean", "seq-mean-token-sum"):
-        theirs = lambda lp, m=mode: verl.compute_policy_loss_sapo(old, lp, adv, MASK.double(), m, _actor())[0]  # noqa: E731
+        theirs = lambda lp, m=mode: verl.compute_policy_loss_sapo(old, lp, adv, MASK.double(), m, _actor(verl))[0]
         a, b, ga, gb = _pair(lambda lp: sapo_loss(lp, old, adv, MASK, 1.0, 1.05)[0], theirs, logp)
         _close(a, b)
         _close(ga, gb)
 
 
-def test_gmpo_equals_verl_geo_mean_until_a_row_is_empty(device):
+def test_gmpo_equals_verl_geo_mean_until_a_row_is_empty(verl, device):
     """Row 2: equal with every row kept and no IS weights; verl's torch.mean also counts empty rows."""
     MASK = MASK_CPU.to(device)
     logp, old, _, adv = _data(device, seed=5)
-    cfg = _actor(clip_ratio_low=0.4, clip_ratio_high=0.4)
+    cfg = _actor(verl, clip_ratio_low=0.4, clip_ratio_high=0.4)
     a, b, ga, gb = _pair(lambda lp: gmpo_loss(lp, old, adv, MASK, 0.4, 0.4)[0],
                          lambda lp: verl.compute_policy_loss_geo_mean(old, lp, adv, MASK.double(), "token-mean", cfg)[0],
                          logp)  # fmt: skip
@@ -183,40 +198,40 @@ def test_gmpo_equals_verl_geo_mean_until_a_row_is_empty(device):
 
 
 @pytest.mark.parametrize("kind", ["tv", "kl"])
-def test_dppo_cap_3_equals_verl_default(kind, device):
+def test_dppo_cap_3_equals_verl_default(kind, verl, device):
     """Row 3: verl's effective clip_ratio_c is ActorConfig's 3.0 -> loss.dppo_ratio_cap: 3.0."""
     MASK = MASK_CPU.to(device)
     logp, old, _, adv = _data(device, seed=6, spread=0.9)
     fn = verl.compute_policy_loss_dppo_tv if kind == "tv" else verl.compute_policy_loss_dppo_kl
     a, b, ga, gb = _pair(lambda lp: dppo_loss(lp, old, adv, MASK, kind, 0.2, 0.2, 3.0)[0],
-                         lambda lp: fn(old, lp, adv, MASK.double(), "token-mean", _actor())[0], logp)  # fmt: skip
+                         lambda lp: fn(old, lp, adv, MASK.double(), "token-mean", _actor(verl))[0], logp)  # fmt: skip
     _close(a, b)
     _close(ga, gb)
     assert bool(((torch.exp(logp - old) > 3.0) & MASK).any())  # the cap is active on this input
     assert abs(float(dppo_loss(logp, old, adv, MASK, kind, 0.2, 0.2, 20.0)[0]) - float(b)) > 1e-6
 
 
-def test_cispo_verl_defaults_bound_both_sides(device):
+def test_cispo_verl_defaults_bound_both_sides(verl, device):
     """Row "CISPO": verl clips [1 - clip_ratio_low, 1 + clip_ratio_high] (0.2 / 0.2 by default);
     ours has no lower bound unless loss.cispo_clip_low is set."""
     MASK = MASK_CPU.to(device)
     logp, old, _, adv = _data(device, seed=7, spread=0.8)
     a, b, ga, gb = _pair(lambda lp: cispo_loss(lp, old, adv, MASK, 0.2, 0.2)[0],
-                         lambda lp: verl.compute_policy_loss_cispo(old, lp, adv, MASK.double(), "token-mean", _actor())[0],
+                         lambda lp: verl.compute_policy_loss_cispo(old, lp, adv, MASK.double(), "token-mean", _actor(verl))[0],
                          logp)  # fmt: skip
     _close(a, b)
     _close(ga, gb)
     assert abs(float(cispo_loss(logp, old, adv, MASK, None, 0.2)[0]) - float(b)) > 1e-6
 
 
-def test_reinforce_equals_verl_gpg_and_bypass_reinforce(device):
+def test_reinforce_equals_verl_gpg_and_bypass_reinforce(verl, device):
     """Row "REINFORCE / GPG": −w·A·log π with detached IS weights, any aggregation."""
     MASK = MASK_CPU.to(device)
     logp, _, _, adv = _data(device, seed=8)
     w = torch.rand(MASK.shape, generator=torch.Generator().manual_seed(8), dtype=torch.float64).to(device) * 2
     for agg in ("token_mean", "seq_mean_token_sum"):
-        ours = lambda lp, a=agg: reinforce_loss(lp, adv, MASK, w, a)[0]  # noqa: E731
-        theirs = lambda lp, a=agg: verl.compute_policy_loss_gpg(lp, lp, adv, MASK.double(), AGG[a], _actor(), w)[0]  # noqa: E731
+        ours = lambda lp, a=agg: reinforce_loss(lp, adv, MASK, w, a)[0]
+        theirs = lambda lp, a=agg: verl.compute_policy_loss_gpg(lp, lp, adv, MASK.double(), AGG[a], _actor(verl), w)[0]
         a, b, ga, gb = _pair(ours, theirs, logp)
         _close(a, b)
         _close(ga, gb)
@@ -225,7 +240,7 @@ def test_reinforce_equals_verl_gpg_and_bypass_reinforce(device):
 @pytest.mark.parametrize("ours, theirs", [("k1", "k1"), ("k2", "k2"), ("k3", "low_var_kl"), ("abs", "abs"),
                                           ("k1_plus", "k1+"), ("k3_plus", "k3+"), ("abs_plus", "abs+"),
                                           ("k2_plus", "k2+")])  # fmt: skip
-def test_kl_estimators_equal_verl_kl_penalty(ours, theirs, device):
+def test_kl_estimators_equal_verl_kl_penalty(ours, theirs, verl, device):
     """Row "KL estimators": values and gradients, where verl's k3 clamp at 10 is inactive."""
     MASK = MASK_CPU.to(device)
     logp, old, _, _ = _data(device, seed=9, spread=1.0)
@@ -235,18 +250,18 @@ def test_kl_estimators_equal_verl_kl_penalty(ours, theirs, device):
     _close(ga, gb, rtol=1e-9, atol=1e-9)
 
 
-def test_k3_differs_where_verl_clamps_at_10(device):
+def test_k3_differs_where_verl_clamps_at_10(verl, device):
     lp = torch.tensor([[-20.0]], dtype=torch.float64, device=device)
     ref = torch.tensor([[-5.0]], dtype=torch.float64, device=device)
     assert float(verl.kl_penalty(lp, ref, "low_var_kl")) == 10.0
     assert float(kl_penalty(lp, ref, "k3")) > 3e6
 
 
-def test_kl_cov_equals_verl_on_one_microbatch(device):
+def test_kl_cov_equals_verl_on_one_microbatch(verl, device):
     """Rows 4 and 8: coefficient 0.1, top-k of the minibatch's (here: the one microbatch's) covariances."""
     MASK = MASK_CPU.to(device)
     logp, old, _, adv = _data(device, seed=10, spread=0.5)
-    cfg = _actor(policy_loss={"kl_cov_ratio": 0.2})
+    cfg = _actor(verl, policy_loss={"kl_cov_ratio": 0.2})
     a, b, ga, gb = _pair(lambda lp: kl_cov_loss(lp, old, adv, MASK, 0.2, 0.1)[0],
                          lambda lp: verl.compute_policy_loss_kl_cov(old, lp, adv, MASK.double(), "token-mean", cfg)[0],
                          logp)  # fmt: skip
@@ -255,7 +270,7 @@ def test_kl_cov_equals_verl_on_one_microbatch(device):
 
 
 @pytest.mark.parametrize("length", [3, 5, 7, 16, 100])
-def test_kl_cov_breaks_ties_as_verl_when_all_covariances_are_zero(length, device):
+def test_kl_cov_breaks_ties_as_verl_when_all_covariances_are_zero(length, verl, device):
     """One sequence with tokens in the minibatch: A is constant, every covariance is 0, and which tokens
     get the penalty is the tie-break — verl's: torch.topk on the CPU over the valid tokens in order."""
     mask = torch.zeros(3, length + 2, dtype=torch.bool)
@@ -264,7 +279,7 @@ def test_kl_cov_breaks_ties_as_verl_when_all_covariances_are_zero(length, device
     old = -torch.rand(mask.shape, generator=g) - 0.1
     logp = (old + torch.randn(mask.shape, generator=g)).to(device).requires_grad_(True)  # float32, as the trainer's
     mask, old, adv = mask.to(device), old.to(device), torch.full(mask.shape, 0.5, device=device)
-    cfg = _actor(policy_loss={"kl_cov_ratio": 0.3})
+    cfg = _actor(verl, policy_loss={"kl_cov_ratio": 0.3})
     a, b, ga, gb = _pair(lambda lp: kl_cov_loss(lp, old, adv, mask, 0.3, 0.1)[0],
                          lambda lp: verl.compute_policy_loss_kl_cov(old, lp, adv, mask.float(), "token-mean", cfg)[0],
                          logp)  # fmt: skip
@@ -286,7 +301,7 @@ def _ours_bounds(mode, spec):
 
 
 @pytest.mark.parametrize("mode, spec", RS_CASES)
-def test_rejection_equals_verl_rollout_rs(mode, spec, device):
+def test_rejection_equals_verl_rollout_rs(mode, spec, verl_rc, device):
     """Rows "rejection, one criterion" (k1: invert the bounds) and the k1/k2/k3 tables."""
     MASK = MASK_CPU.to(device)
     _, old, mu, _ = _data(device, seed=11, spread=0.3)
@@ -297,7 +312,7 @@ def test_rejection_equals_verl_rollout_rs(mode, spec, device):
     assert torch.equal(keep, theirs.bool())
 
 
-def test_several_rejection_criteria_equal_verl_comma_list(device):
+def test_several_rejection_criteria_equal_verl_comma_list(verl_rc, device):
     """Row "rejection, several": AND of the criteria, each on the input mask."""
     MASK = MASK_CPU.to(device)
     _, old, mu, _ = _data(device, seed=12, spread=0.3)
@@ -310,7 +325,7 @@ def test_several_rejection_criteria_equal_verl_comma_list(device):
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("normalize", [False, True])
-def test_truncated_is_equals_verl_rollout_is(level, normalize, device):
+def test_truncated_is_equals_verl_rollout_is(level, normalize, verl_rc, device):
     """Rows "truncated IS" and "IS batch normalisation" (nothing rejected)."""
     MASK = MASK_CPU.to(device)
     _, old, mu, _ = _data(device, seed=13, spread=0.3)
@@ -320,7 +335,7 @@ def test_truncated_is_equals_verl_rollout_is(level, normalize, device):
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
-def test_icepop_equals_verl_lower_upper_threshold(level, device):
+def test_icepop_equals_verl_lower_upper_threshold(level, verl_rc, device):
     """Rows "IcePop, token" (icepop_weighted: true) and "IcePop, sequence": verl's "lower_upper" threshold."""
     MASK = MASK_CPU.to(device)
     _, old, mu, _ = _data(device, seed=14, spread=0.6)
@@ -333,7 +348,7 @@ def test_icepop_equals_verl_lower_upper_threshold(level, device):
     _close(ours * MASK, theirs * MASK)
 
 
-def test_is_batch_normalisation_with_rejection_differs_from_verl(device):
+def test_is_batch_normalisation_with_rejection_differs_from_verl(verl_rc, device):
     """verl normalises the IS weights over every response token, rejected ones included; ours over the
     tokens that enter the loss. No setting reproduces verl when rejection and normalisation combine."""
     MASK = MASK_CPU.to(device)
