@@ -71,7 +71,7 @@ def test_override_values_are_parsed_as_yaml():
         (["rollout.top_p=1.5"], "rollout.top_p: Input should be less than or equal to 1"),
         (["loss.type=ppo"], "loss.type='ppo' is not allowed"),
         (["precision.fp8={format: e5m2}"], "precision.fp8.format='e5m2' is not allowed"),
-        (["loss.type=gspo", "loss.aggregation=token_mean"], "loss.aggregation='token_mean' with loss.type='gspo'"),
+        (["loss.type=gmpo", "loss.aggregation=token_mean"], "loss.aggregation='token_mean' with loss.type='gmpo'"),
     ],
 )
 def test_bad_config_is_rejected_with_dotted_key(overrides, message):

@@ -36,15 +36,31 @@ def cov_selection_count(num_tokens: int, fraction: float) -> int:
     return max(int(fraction * int(num_tokens)), 1)
 
 
+def _kl_cov_top(logp, adv, mask, k, center):
+    """Flat indices of KL-Cov's top-k tokens by covariance, computed as verl's ``compute_policy_loss_kl_cov``.
+
+    The valid tokens in row-major order, centred by their own means (or ``center``), ``torch.topk``
+    on the CPU: equal covariances (e.g. one sequence in the minibatch, so A − Ā = 0 everywhere)
+    are then broken exactly as verl breaks them — an order torch leaves unspecified, which changes
+    with the token count, so only the same computation on the same values reproduces it.
+    """
+    idx = mask.reshape(-1).nonzero().squeeze(1)
+    a = adv.detach().reshape(-1)[idx].cpu()
+    lp = logp.detach().reshape(-1)[idx].cpu()
+    a_mean, lp_mean = (a.mean(), lp.mean()) if center is None else (float(center[0]), float(center[1]))
+    cov = (a - a_mean) * (lp - lp_mean)
+    return idx[torch.topk(cov, min(k, cov.numel())).indices.to(idx.device)]
+
+
 @torch.no_grad()
 def _select(kind, logp, old_logp, adv, mask, clip_low, clip_high, fraction, lb, ub, generator, center, num_select):
     """The ``[B, T]`` tokens Clip-Cov zeroes (``kind="clip"``) or KL-Cov penalises (``kind="kl"``)."""
-    cov = token_covariance(logp, adv, mask, center)
     k = cov_selection_count(int(mask.sum()), fraction) if num_select is None else int(num_select)
     picked = torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device)
     if kind == "kl":
-        picked[torch.topk(cov.reshape(-1), min(k, int(mask.sum()))).indices] = True
-        return picked.view_as(mask) & mask
+        picked[_kl_cov_top(logp, adv, mask, k, center)] = True
+        return picked.view_as(mask)
+    cov = token_covariance(logp, adv, mask, center)
     lo, hi = _clip_bounds(clip_low, clip_high)
     ratio = torch.exp(log_ratio(logp.detach(), old_logp))
     clip_active = (-adv * ratio.clamp(lo, hi) > -adv * ratio) & mask
@@ -153,8 +169,8 @@ def kl_cov_loss(
     """KL-Cov: ℓ_t = −A_t r_t, plus β·|log r_t| on the top-k tokens by cov_t (k = max(1, ⌊fraction·N⌋)).
 
     No ratio clipping: the |log r| penalty on the highest-covariance tokens is the only
-    constraint (verl ``kl_cov``, ``ppo_kl_coef`` = β). Ties at the k-th value are broken by
-    position (``torch.topk``). ``selected[B, T]`` (from :func:`cov_selection`) replaces the
+    constraint (verl ``kl_cov``, ``ppo_kl_coef`` = β). Ties at the k-th value are broken as verl
+    breaks them (``_kl_cov_top``). ``selected[B, T]`` (from :func:`cov_selection`) replaces the
     selection. Metrics: cov_kl_frac, kl_abs_mean (mean |log r|), approx_kl.
     """
     logp, old_logp, adv, mask, is_weights = _inputs(logp, old_logp, advantages, mask, is_weights)

@@ -3,7 +3,8 @@
 Each loss returns ``(scalar loss to minimise, metrics)``. Shared contract:
 ``logp[B, T]`` is π_θ (carries the gradient), ``old_logp[B, T]`` is the trust-region
 anchor (π_old, or μ in bypass mode), ``advantages`` is ``[B]`` or ``[B, T]``,
-``mask[B, T]`` the final loss mask (after rejection), ``is_weights[B, T]`` optional
+``mask[B, T]`` the final loss mask (after rejection; all False gives a graph-connected zero
+loss and finite metrics), ``is_weights[B, T]`` optional
 detached per-token importance weights that multiply each token's loss term before
 aggregation (seed 001, "TIS × Multi-Epoch": r_TIS · min(r·A, clip(r)·A)).
 Ratios are formed in log space and clamped to ±20 before exp.
@@ -31,7 +32,7 @@ Metrics = dict[str, torch.Tensor]
 
 
 def _inputs(logp, old_logp, advantages, mask, is_weights):
-    mask = check_mask(mask)
+    mask = check_mask(mask, allow_empty=True)  # nothing kept: every loss is a graph-connected zero
     logp = check_logp("logp", logp, mask)
     old_logp = None if old_logp is None else check_logp("old_logp", old_logp.detach(), mask)
     adv = check_seq_or_token("advantages", advantages.detach(), mask)
@@ -122,7 +123,7 @@ def ppo_clip_loss(
         metrics["loss/dual_clip_frac"] = metric((dual_active & mask).sum() / mask.sum().clamp_min(1))
     with torch.no_grad():
         metrics["loss/ratio_mean"] = metric(masked_mean(ratio, mask))
-        metrics["loss/ratio_max"] = metric(masked_max(ratio, mask))
+        metrics["loss/ratio_max"] = metric(masked_max(ratio, mask).clamp_min(0))  # ratios ≥ 0; empty mask: 0
         metrics["loss/approx_kl"] = metric(masked_mean(-lr, mask))
     return _finish(per_token, mask, is_weights, aggregation, loss_denominator, metrics)
 
@@ -209,7 +210,7 @@ def cispo_loss(
         metrics: Metrics = {
             "loss/clip_frac": metric(((weight != ratio) & mask).sum() / mask.sum().clamp_min(1)),
             "loss/ratio_mean": metric(masked_mean(ratio, mask)),
-            "loss/ratio_max": metric(masked_max(ratio, mask)),
+            "loss/ratio_max": metric(masked_max(ratio, mask).clamp_min(0)),  # ratios ≥ 0; empty mask: 0
             "loss/approx_kl": metric(masked_mean(old_logp - logp, mask)),
         }
     per_token = -weight * adv * logp

@@ -32,8 +32,9 @@ def m2po_mask(
     of ascending values never decreases), so this masks the fewest tokens, always the largest.
     Ties are broken by position. Inputs ``logp[B, T]``, ``anchor_logp[B, T]``, ``mask[B, T]``.
     Metrics: ``m2po/masked_frac``, ``m2po/m2_before`` and ``m2po/m2_after`` (mean (log ρ)²).
+    An all-False ``mask`` (rejection left nothing) keeps nothing and reports zeros.
     """
-    mask = check_mask(mask)
+    mask = check_mask(mask, allow_empty=True)
     logp = check_logp("logp", logp.detach(), mask)
     anchor_logp = check_logp("anchor_logp", anchor_logp.detach(), mask)
     tau = check_positive("correction.m2po_tau", tau)

@@ -122,16 +122,21 @@ class LossConfig(Section):
 
     @model_validator(mode="after")
     def _sequence_level_defaults(self) -> LossConfig:
-        """GSPO's/GMPO's defaults differ from PPO's; an explicit token_mean GSPO is the field-facts #12 bug."""
+        """GSPO's/GMPO's defaults differ from PPO's (sequence mean; the paper's bounds).
+
+        An explicit ``token_mean`` is accepted for GSPO (verl 0.9.1's ``compute_policy_loss_gspo``
+        honours ``loss_agg_mode`` and its default is ``token-mean``) and refused for GMPO, whose
+        objective is a mean over sequences (verl's ``geo_mean`` ignores ``loss_agg_mode``).
+        """
         if self.type == "sapo" and "aggregation" not in self.model_fields_set:
             self.__dict__["aggregation"] = "seq_mean_token_mean"  # SAPO's (and verl's) sequence-mean objective
         if self.type not in SEQUENCE_LEVEL_LOSSES:
             return self
         given = self.model_fields_set
-        if "aggregation" in given and self.aggregation == "token_mean":
+        if self.type == "gmpo" and "aggregation" in given and self.aggregation == "token_mean":
             raise ValueError(
-                f"loss.aggregation='token_mean' with loss.type={self.type!r} weighs long sequences more; GSPO "
-                "averages each sequence's token log-ratio, then sequences: use 'seq_mean_token_mean'"
+                "loss.aggregation='token_mean' with loss.type='gmpo' weighs long sequences more; GMPO's objective is "
+                "a mean over sequences of the geometric-mean ratio: use 'seq_mean_token_mean'"
             )
         # Write through __dict__: these are defaults, not user assignments (keeps model_fields_set honest).
         if "aggregation" not in given:

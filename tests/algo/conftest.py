@@ -5,6 +5,10 @@ The older algo tests build inputs with plain ``torch.tensor`` / ``torch.randn`` 
 numpy, so a per-test default device sweeps them without touching each call. A test that takes the
 ``device`` fixture itself places its tensors explicitly (CPU generators, then ``.to(device)``) and is
 left alone: a CPU generator cannot drive a factory whose default device is CUDA.
+
+``verl091``: verl 0.9.1's own functions for the differential tests, generated from the pinned PyPI
+wheel at test time (tests/algo/verl_wheel.py); a wheel that cannot be obtained fails the tests with
+one line saying how to provide it.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import inspect
 
 import pytest
 import torch
+
+from tests.algo import verl_wheel
 
 
 @pytest.fixture(autouse=True)
@@ -26,3 +32,13 @@ def _algo_tensors_on_session_device(request, device):
         yield
     finally:
         torch.set_default_device(previous)
+
+
+@pytest.fixture(scope="session")
+def verl091():
+    """The ``verl091`` package: verl 0.9.1's functions, verbatim from the sha256-pinned wheel."""
+    try:
+        return verl_wheel.load()
+    except verl_wheel.WheelUnavailable as exc:
+        problem = str(exc)
+    pytest.fail(problem, pytrace=False)  # outside the except: one line, no chained traceback

@@ -136,11 +136,10 @@ def configs(draw):
         icepop_weighted=draw(st.booleans()),
         token_veto_threshold=draw(st.sampled_from([None, 1e-4])),
         opsm_delta=draw(st.sampled_from([None, 0.0, 0.1])),
+        m2po_tau=draw(st.sampled_from([None, 0.04])),  # issue 40: raised when rejection left no token
     )
     loss_type = draw(st.sampled_from(["ppo_clip", "gspo", "gspo_token", "cispo", "reinforce"]))
-    aggregations = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
-    if loss_type.startswith("gspo"):  # the schema rejects token_mean GSPO (field-facts #12)
-        aggregations.remove("token_mean")
+    aggregations = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]  # GSPO too, as verl 0.9.1
     loss = LossConfig(
         type=loss_type,
         dual_clip_c=draw(st.sampled_from([None, 3.0])),
