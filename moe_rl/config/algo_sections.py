@@ -165,3 +165,7 @@ class OptimConfig(Section):
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
     ess_lr_scaling: bool = Field(False, description="VCPO: scale each step's lr by clamp(sqrt(ESS/N), min, 1)")
     ess_lr_min_scale: float = Field(0.1, gt=0, le=1, description="lower clamp of the VCPO lr multiplier")
+    use_distributed_optimizer: bool = Field(False, description="Megatron-Core DistributedOptimizer: fp32 master and Adam state sharded over the data-parallel ranks (experts: expert-data-parallel ranks)")
+    optimizer_cpu_offload: bool = Field(False, description="Megatron-Core: optimizer state and fp32 master on the host (needs use_distributed_optimizer)")
+    optimizer_offload_fraction: float = Field(1.0, ge=0, le=1, description="with optimizer_cpu_offload: share of the optimizer state kept on the host")
+    use_precision_aware_optimizer: bool = Field(False, description="Megatron-Core: master weights and moments in lower precision (TE FusedAdam unless optimizer_cpu_offload)")
