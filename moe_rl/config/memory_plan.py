@@ -34,7 +34,10 @@ def local_params(cfg: ExperimentConfig, stage: int) -> StageParams:
     """Elements of every parameter a rank of ``stage`` holds (tp / etp / ep shares, as GPTModel builds them).
 
     Norm weights and the router are replicated over tp (counted whole); the embedding and the
-    (untied) output layer are split over tp by vocabulary, on the first and last stage.
+    (untied) output layer are split over tp by vocabulary, on the first and last stage. Megatron marks
+    expert weights as expert-parallel (reduced over expert dp) only when ``ep > 1``
+    (transformer/moe/experts.py: ``expert_parallel = expert_model_parallel_size > 1``); at ep = 1 they
+    are reduced and sharded with the dense params, and are counted there.
     """
     m, p = cfg.model, cfg.parallel
     tp, etp, pp = p.tp, (p.tp if p.etp is None else p.etp), p.pp
@@ -55,6 +58,8 @@ def local_params(cfg: ExperimentConfig, stage: int) -> StageParams:
         dense += vocab  # word embeddings
     if stage == pp - 1:
         dense += vocab + h  # output layer + final RMSNorm
+    if p.ep == 1:
+        dense, expert = dense + expert, 0
     return StageParams(stage, dense, expert)
 
 
