@@ -313,7 +313,7 @@ def build_launch_plan(cfg: ExperimentConfig, env: Mapping[str, str]) -> LaunchPl
         sbatch_args=tuple(sbatch_args(cfg)),
         notes=tuple(notes + rollout_notes),
         generated_key_env=generated,
-        memory=tuple(memory_plan(cfg, world).lines()),
+        memory=tuple(memory_plan(cfg).lines()),  # world = launch.learner_nodes * launch.gpus_per_node
     )
 
 
