@@ -20,8 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from moe_rl.config import load_config  # noqa: E402
-from moe_rl.learner.optimizer import is_expert_param  # noqa: E402
+from moe_rl.config import load_config
+from moe_rl.learner.optimizer import is_expert_param
 
 REPO = Path(__file__).resolve().parents[2]
 TWINS = ("qwen3_30b_a3b", "qwen3_235b_a22b")
