@@ -7,6 +7,8 @@ gradients and records, per rank: dense and expert parameter elements, weight byt
 buffers' bytes and the optimizer state's tensor bytes. Then, for the 30B twin (dp 2, expert dp 1),
 Megatron DDP with ``use_distributed_optimizer=True`` and Megatron's own
 ``DistributedOptimizer._build_gbuf_range_map`` give the elements of this rank's optimizer shard.
+When the learner builds Megatron's distributed optimizer for ``optim.use_distributed_optimizer=true``
+(issue 34's learner change), the same twin's real optimizer state after one step is recorded too.
 Nothing here computes an expected value: the test compares these counts with ``memory_plan``.
 Writes ``--out`` (JSON: one entry per rank) from every rank (``--out`` gets ``.rank<r>``).
 """
@@ -65,6 +67,41 @@ def measure(cfg) -> dict:
     }  # fmt: skip
 
 
+def optimizer_state_bytes(optimizer) -> int | None:
+    """Tensor bytes of a Megatron (chained / distributed) optimizer's state: Adam moments and fp32 master shards.
+
+    None when ``optimizer`` is not Megatron's DistributedOptimizer (the learner does not build it yet).
+    """
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    if not all(type(o).__name__ == "DistributedOptimizer" for o in parts):
+        return None
+    total = 0
+    for o in parts:
+        inner = o.optimizer
+        total += sum(t.numel() * t.element_size() for s in inner.state.values() for t in s.values()
+                     if torch.is_tensor(t) and t.dim() > 0)  # fmt: skip
+        total += sum(t.numel() * t.element_size() for g in o.shard_fp32_from_float16_groups for t in g if t is not None)
+    return total
+
+
+def measure_distributed(cfg) -> dict:
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    from moe_rl.learner.dist import init_distributed
+    from moe_rl.learner.train_step import Learner
+
+    init_distributed(cfg.parallel)
+    RouterReplay.clear_global_router_replay_instances()
+    learner = Learner(cfg)
+    if optimizer_state_bytes(learner.optimizer) is None:
+        return {"built": type(learner.optimizer).__name__}
+    for p in learner.model.parameters():
+        if p.requires_grad:
+            p.main_grad.fill_(1e-3)
+    learner.optimizer.step()
+    return {"built": "DistributedOptimizer", "optimizer_bytes": optimizer_state_bytes(learner.optimizer)}
+
+
 def distributed_shard(cfg) -> dict:
     """Elements of this rank's distributed-optimizer shard, dense and expert, by Megatron's own range map."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -99,6 +136,7 @@ def main() -> None:
     torch.set_num_threads(1)
     report = {name: measure(twin_cfg(name)) for name in TWINS}
     report["distributed_shard_30b"] = distributed_shard(twin_cfg("qwen3_30b_a3b"))
+    report["distributed_optimizer_30b"] = measure_distributed(twin_cfg("qwen3_30b_a3b", "optim.use_distributed_optimizer=true"))
     rank = torch.distributed.get_rank()
     Path(f"{args.out}.rank{rank}").write_text(json.dumps(report))
     torch.distributed.barrier()
