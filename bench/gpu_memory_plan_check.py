@@ -5,7 +5,9 @@ DDP (fp32 grad buffer, as the learner does) and builds Megatron-Core's own optim
 (``get_megatron_optimizer``) for each setting the shipped configs use; after one step it measures the
 GPU bytes the optimizer added (``torch.cuda.memory_allocated``) and the host tensors it holds, and
 prints them next to ``moe_rl.config.memory_plan.optimizer_bytes_per_element`` x the local elements.
-Prints one JSON line per setting. Usage: ``python bench/gpu_memory_plan_check.py``.
+Prints one JSON line per setting. Usage: ``python bench/gpu_memory_plan_check.py``. Not run on a GPU yet
+(docs/launch.md "Memory plan"); without Transformer Engine the precision-aware setting reports Megatron's
+TypeError.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ SETTINGS = {
 def cfg_for(optim: dict):
     from moe_rl.config import ExperimentConfig
 
-    model = dict(num_layers=2, hidden_size=512, ffn_hidden_size=1024, num_attention_heads=8, num_query_groups=4,
-                 kv_channels=64, num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=512, vocab_size=4096)  # fmt: skip
+    model = {"num_layers": 2, "hidden_size": 512, "ffn_hidden_size": 1024, "num_attention_heads": 8,
+             "num_query_groups": 4, "kv_channels": 64, "num_moe_experts": 8, "moe_router_topk": 2,
+             "moe_ffn_hidden_size": 512, "vocab_size": 4096}
     return ExperimentConfig.model_validate({"model": model, "precision": {"params_dtype": "bfloat16"},
                                             "optim": {"optimizer_offload_fraction": 1.0, **optim}})  # fmt: skip
 
