@@ -85,7 +85,9 @@ def optimizer_bytes_per_element(cfg: ExperimentConfig) -> OptimizerBytes:
       moments; fp32 params are their own master.
     * Distributed (distrib_optimizer.py ``_build_model_and_main_param_groups``): the same, on this
       rank's 1/dp shard. With ``use_precision_aware_optimizer`` and no offload, TE's FusedAdam holds the
-      master as the 16-bit remainder of the bf16 param (``store_param_remainders``, default True).
+      master as the 16-bit remainder of the bf16 param (``store_param_remainders``, default True; fp32
+      params: counted as a 4-byte master, not checked). 0.16.1 accepts precision-aware only with
+      Transformer Engine installed, offload or not (``is_te_min_version`` raises without it).
     * Offload (cpu_offloading/hybrid_optimizer.py, ``param_update_in_fp32=True``): the offloaded share
       lives on the host as an fp32 param copy, fp32 grad copy and two fp32 moments (16 bytes); the GPU
       share keeps the moments plus an fp32 copy of bf16 params. Without precision-aware the
@@ -130,7 +132,7 @@ class RankMemory:
 def activation_bytes(cfg: ExperimentConfig, stage: int) -> float:
     """Estimate of one GPU's activations: ``model.seq_length`` x ``train.micro_batch_size`` tokens.
 
-    Per layer and token, Korthikanti et al. 2022 (arXiv 2205.05198, eq. 2) count 11h bytes for attention
+    Per layer and token, Korthikanti et al. 2022 (arXiv 2205.05198, section 4.1) count 11h bytes for attention
     (the 5as/h softmax term dropped: flash attention), 4h for the two norms, and for the MLP we count the
     gated expert path per routed copy (2h input, 4F gate/up output, 2F activation, 2F product) with
     ``moe_router_topk`` copies (plus the shared expert), all divided by tp (sequence parallelism).
