@@ -63,10 +63,25 @@ def _config_validate(args) -> int:
         if report.problems:
             print(f"error: {path} cannot run:\n  " + "\n  ".join(report.problems), file=sys.stderr)
             failed += 1
-            continue
-        model = "model not built yet" if unbuilt else f"{cfg.model.num_layers} layers, {cfg.model.num_moe_experts} experts"
-        print(f"ok: {path} ({cfg.name}: {model}, routing={cfg.replay.routing}, loss={cfg.loss.type})")
+        else:
+            model = "model not built yet" if unbuilt else f"{cfg.model.num_layers} layers, {cfg.model.num_moe_experts} experts"
+            print(f"ok: {path} ({cfg.name}: {model}, routing={cfg.replay.routing}, loss={cfg.loss.type})")
+        if not unbuilt:  # the plan needs the model's real sizes
+            _print_memory_plan(cfg, path)
     return 2 if failed else 0
+
+
+def _print_memory_plan(cfg, path: str) -> None:
+    """The per-GPU memory lines of ``cfg``'s launch layout (moe_rl.config.memory_plan), or why there are none."""
+    from moe_rl.config.memory_plan import launch_world, memory_plan
+
+    world = launch_world(cfg)
+    if world is None:
+        ln = cfg.launch
+        print(f"{path}: no memory plan: launch.learner_nodes*launch.gpus_per_node = "
+              f"{ln.learner_nodes * ln.gpus_per_node} ranks do not fit the parallel sizes")  # fmt: skip
+        return
+    print(f"{path}: " + "\n  ".join(memory_plan(cfg).lines()))
 
 
 def _config_show(args) -> int:

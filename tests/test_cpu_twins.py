@@ -13,7 +13,8 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TWINS = sorted((CONFIGS / "cpu").glob("*.yaml"))
 
 # Issue 12's list: sizes, parallel layout, precision, rollout.device, engine flags that need a GPU,
-# checkpoint.init_from_hf, step counts -- plus the twin's identity and the cluster allocation.
+# checkpoint.init_from_hf, step counts -- plus the twin's identity and the cluster allocation; and
+# (issue 34) optimizer flags that need Transformer Engine.
 MODEL_SIZES = {f"model.{k}" for k in (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
     "vocab_size", "seq_length", "num_moe_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")}  # fmt: skip
@@ -21,9 +22,13 @@ BATCH_SIZES = {"rollout.max_new_tokens", "rollout.samples_per_prompt", "train.pr
 PARALLEL = {"parallel.tp", "parallel.ep", "parallel.etp", "parallel.pp", "parallel.cp"}
 PRECISION = {"precision.params_dtype", "precision.fp8"}
 GPU_ENGINE = {"rollout.device", "rollout.extra_server_args", "rollout.mem_fraction_static", "rollout.max_total_tokens"}
+# Megatron-Core 0.16.1 refuses use_precision_aware_optimizer without Transformer Engine (optimizer_config.py
+# __post_init__: is_te_min_version raises TypeError when TE is absent), even with optimizer_cpu_offload;
+# optimizer_cpu_offload moves GPU state to the host, which moe_rl.learner.optimizer refuses without CUDA.
+NEEDS_TE = {"optim.use_precision_aware_optimizer", "optim.optimizer_cpu_offload"}
 STEPS = {"train.steps", "checkpoint.save_interval"}
 IDENTITY = {"name", "train.output_dir", "checkpoint.init_from_hf"}
-ALLOWED = MODEL_SIZES | BATCH_SIZES | PARALLEL | PRECISION | GPU_ENGINE | STEPS | IDENTITY
+ALLOWED = MODEL_SIZES | BATCH_SIZES | PARALLEL | PRECISION | GPU_ENGINE | NEEDS_TE | STEPS | IDENTITY
 
 
 def allowed_key(key: str) -> str | None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from moe_rl.config.eval_section import eval_and_filters
 from moe_rl.config.loader import ConfigError
 from moe_rl.config.loss_keys import ignored_loss_keys
+from moe_rl.config.memory_plan import memory_fits
 from moe_rl.config.preflight_data import data_files, hf_model_directory, reward_settings
 from moe_rl.config.schema import ExperimentConfig
 
@@ -237,8 +238,8 @@ def weight_sync_group(cfg: ExperimentConfig) -> Iterable[str]:
 
 CONFIG_RULES: tuple[ConfigRule, ...] = (
     finite_numbers, hf_model_directory, sampling_settings, task_and_lengths, reward_fn_imports, learner_features,
-    optimizer_options, weight_sync_architecture, weight_sync_group, ignored_loss_keys, data_files, reward_settings, eval_and_filters,
-    rollout_mode, partial_rollouts,
+    optimizer_options, weight_sync_architecture, weight_sync_group, ignored_loss_keys, data_files, reward_settings,
+    eval_and_filters, rollout_mode, partial_rollouts, memory_fits,
 )  # fmt: skip
 
 

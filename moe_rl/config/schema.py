@@ -332,6 +332,10 @@ class SlurmConfig(Section):
     master_port: int = Field(29500, ge=1, le=65535)
     partition: str | None = None
     time: str = "24:00:00"
+    gpu_memory_gb: float = Field(
+        80.0, gt=0, description="memory of one learner GPU (GB = 1e9 bytes): the memory plan refuses a layout whose "
+        "weights, gradients and optimizer state alone exceed it (moe_rl.config.memory_plan)"
+    )
 
 
 class ExperimentConfig(Section):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 
 from moe_rl.config import ConfigError, ExperimentConfig, dump_config
+from moe_rl.config.memory_plan import memory_plan
 from moe_rl.launch.hostlist import HostlistError, expand_hostlist
 from moe_rl.rollout.auth import RUN_ADMIN_KEY_ENV
 from moe_rl.rollout.launcher import ServerSpec, server_command, server_env
@@ -67,6 +68,7 @@ class LaunchPlan:
     sbatch_args: tuple[str, ...]
     notes: tuple[str, ...] = ()
     generated_key_env: str | None = None  # the script exports a fresh random admin key under this name
+    memory: tuple[str, ...] = ()  # the memory plan's lines (moe_rl.config.memory_plan), per GPU and per node
 
 
 def sbatch_args(cfg: ExperimentConfig) -> list[str]:
@@ -311,6 +313,7 @@ def build_launch_plan(cfg: ExperimentConfig, env: Mapping[str, str]) -> LaunchPl
         sbatch_args=tuple(sbatch_args(cfg)),
         notes=tuple(notes + rollout_notes),
         generated_key_env=generated,
+        memory=tuple(memory_plan(cfg).lines()),  # world = launch.learner_nodes * launch.gpus_per_node
     )
 
 

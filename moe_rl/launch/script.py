@@ -55,6 +55,7 @@ def render_script(plan: LaunchPlan) -> str:
         f"# rollout nodes: {' '.join(n for s in plan.rollout_steps for n in s.nodes) or '(none: rollout.addresses)'}",
         f"# learner nodes: {' '.join(plan.learner_step.nodes)}",
         *(f"# note: {note}" for note in plan.notes),
+        *(f"# {line}" for line in plan.memory),
         "set -eo pipefail",
         f"mkdir -p {q(launch_dir)} {q(log_dir)}",
         f"cat > {q(plan.config_path)} <<'{CONFIG_HEREDOC_END}'",

@@ -35,8 +35,8 @@ def test_submit_script_sizes_the_sbatch_allocation_from_the_launch_section(tmp_p
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     argv = result.stdout.splitlines()
-    # deepseek_v3_style: 4 rollout + 8 learner nodes, 8 GPUs each.
-    for expected in ("--nodes=12", "--gpus-per-node=8", "--partition=hpc", "--account=rl", "--ntasks-per-node=1"):
+    # deepseek_v3_style: 4 rollout + 16 learner nodes, 8 GPUs each.
+    for expected in ("--nodes=20", "--gpus-per-node=8", "--partition=hpc", "--account=rl", "--ntasks-per-node=1"):
         assert expected in argv
     assert argv[-3:] == [str(REPO / "launch" / "slurm" / "moe_rl.sbatch"), str(DSV3), "launch.partition=hpc"]
 

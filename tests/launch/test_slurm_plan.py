@@ -66,7 +66,7 @@ def test_learner_receives_every_rollout_address_as_a_parseable_override(slurm_en
 def test_deepseek_plan_uses_mixed_hostlists_and_its_own_sizes(slurm_env):
     cfg = load_config(DSV3, ["checkpoint.init_from_hf=/models/dsv3", "launch.rollout_port=31000",
                              "launch.master_port=29999", "rollout.deterministic=true"])  # fmt: skip
-    env = slurm_env("dgx-a[1-4],dgx-b[01-08]", SLURM_JOB_NUM_NODES="12")
+    env = slurm_env("dgx-a[1-4],dgx-b[01-16]", SLURM_JOB_NUM_NODES="20")
     rollout, (learner,) = _split(render_launch(cfg, dry_run=True, env=env))
     assert [flag_value(c, "--nodelist") for c in rollout] == ["dgx-a1", "dgx-a2", "dgx-a3", "dgx-a4"]
     for argv in rollout:
@@ -75,10 +75,10 @@ def test_deepseek_plan_uses_mixed_hostlists_and_its_own_sizes(slurm_env):
         assert flag_value(server, "--tp-size") == "8" and flag_value(server, "--ep-size") == "8"
         assert "--enable-deterministic-inference" in server
     torchrun = _program(learner, "torchrun")
-    assert flag_value(learner, "--nodelist") == ",".join(f"dgx-b{i:02d}" for i in range(1, 9))
-    assert flag_value(torchrun, "--nnodes") == "8"
+    assert flag_value(learner, "--nodelist") == ",".join(f"dgx-b{i:02d}" for i in range(1, 17))
+    assert flag_value(torchrun, "--nnodes") == "16"
     assert flag_value(torchrun, "--rdzv-endpoint") == "dgx-b01:29999"
-    for override in ("parallel.tp=8", "parallel.ep=64", "parallel.etp=1", "parallel.pp=1"):
+    for override in ("parallel.tp=8", "parallel.ep=128", "parallel.etp=1", "parallel.pp=1"):
         assert override in torchrun
     (addr,) = [a for a in torchrun if a.startswith("rollout.addresses=")]
     assert apply_overrides({}, [addr])["rollout"]["addresses"] == [f"http://dgx-a{i}:31000" for i in range(1, 5)]
@@ -86,7 +86,7 @@ def test_deepseek_plan_uses_mixed_hostlists_and_its_own_sizes(slurm_env):
 
 def test_a_cluster_run_without_a_checkpoint_to_serve_is_refused_naming_the_key(slurm_env):
     with pytest.raises(LaunchError, match="checkpoint.init_from_hf"):
-        build_launch_plan(load_config(DSV3, ["checkpoint.init_from_hf=null"]), slurm_env("node[01-12]"))
+        build_launch_plan(load_config(DSV3, ["checkpoint.init_from_hf=null"]), slurm_env("node[01-20]"))
 
 
 def test_dense_world_not_divisible_by_tp_pp_cp_names_the_keys(slurm_env):
