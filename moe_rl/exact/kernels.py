@@ -23,8 +23,9 @@ How each op is made row-invariant (torch 2.13 CPU):
   row-wise ``softmax``. A padded / masked row would change the reduction length.
 * routing (``router_logits``/``router_topk``): fp32 logits through ``linear``, ``torch.topk`` on the
   logits then ``softmax`` over the k selected (Megatron's ``pre_softmax=False`` order).
-* expert combine (``moe_experts``): each token's weighted expert outputs are added to zero in
-  ascending expert id, the order of Megatron's unpermute (``scatter_add_`` over expert-sorted rows).
+* expert combine (``moe_experts``): the routing weight scales the activation inside each expert
+  (Megatron 0.16's ``per_token_scale``), and each token's expert outputs are added to zero in ascending
+  expert id, the order of Megatron's unpermute (``scatter_add_`` over expert-sorted rows).
 * RMSNorm, rotary (rotate-half) and the log-softmax with temperature (``token_logprobs``):
   fixed formulas on top of the above; ``token_logprobs`` is SGLang's deterministic-sampler
   ``log_softmax(logits / t)``.
@@ -188,14 +189,16 @@ def moe_experts(
     x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
 ) -> torch.Tensor:
     """SwiGLU experts ``w13[E, 2I, H]`` (gate | up), ``w2[E, H, I]`` for ``x[M, H]`` routed to ``ids[M, k]``
-    with ``weights[M, k]``; each token's terms ``weight * expert(x)`` are added to zero in ascending
-    expert id. Output in ``x.dtype``."""
+    with ``weights[M, k]``. As Megatron-Core 0.16's experts: the routing weight scales the activation
+    (``w2 @ (swiglu(w13 @ x) * weight)``, cast back to ``x.dtype``); each token's expert outputs are
+    then added to zero in ascending expert id. Output in ``x.dtype``."""
     M, k = ids.shape
-    y = torch.zeros(M, k, x.shape[-1], dtype=torch.promote_types(x.dtype, weights.dtype))
+    y = torch.zeros(M, k, x.shape[-1], dtype=x.dtype)
     for e in torch.unique(ids).tolist():
         rows, slots = (ids == e).nonzero(as_tuple=True)
-        h = linear(x[rows], w13[e])
-        y[rows, slots] = linear(swiglu(h), w2[e]).to(y.dtype) * weights[rows, slots, None].to(y.dtype)
+        a = swiglu(linear(x[rows], w13[e]))
+        a = (a * weights[rows, slots, None]).to(x.dtype)
+        y[rows, slots] = linear(a, w2[e])
     order = torch.argsort(ids, dim=-1, stable=True)
     ordered = torch.gather(y, 1, order[:, :, None].expand_as(y))
     out = torch.zeros(M, x.shape[-1], dtype=y.dtype)
