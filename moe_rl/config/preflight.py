@@ -27,6 +27,7 @@ from moe_rl.config.loss_keys import ignored_loss_keys
 from moe_rl.config.memory_plan import memory_fits
 from moe_rl.config.preflight_data import data_files, hf_model_directory, reward_settings
 from moe_rl.config.schema import ExperimentConfig
+from moe_rl.exact.preflight import true_on_policy_settings
 
 __all__ = [
     "PreflightError", "PreflightReport", "config_problems", "environment_problems", "preflight",
@@ -239,7 +240,7 @@ def weight_sync_group(cfg: ExperimentConfig) -> Iterable[str]:
 CONFIG_RULES: tuple[ConfigRule, ...] = (
     finite_numbers, hf_model_directory, sampling_settings, task_and_lengths, reward_fn_imports, learner_features,
     optimizer_options, weight_sync_architecture, weight_sync_group, ignored_loss_keys, data_files, reward_settings,
-    eval_and_filters, rollout_mode, partial_rollouts, memory_fits,
+    eval_and_filters, rollout_mode, partial_rollouts, memory_fits, true_on_policy_settings,
 )  # fmt: skip
 
 

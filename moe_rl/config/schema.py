@@ -214,6 +214,11 @@ class RolloutConfig(Section):
     max_new_tokens: int = Field(16, ge=1)
     samples_per_prompt: int = Field(4, ge=1)
     deterministic: bool = True
+    true_on_policy: bool = Field(
+        False, description="exact-zero mismatch (miles' --true-on-policy-mode): the SGLang CPU server and the "
+        "learner compute every forward with the shared row-invariant kernels of moe_rl.exact, so the learner "
+        "recomputes each rollout log-prob and router top-k bit for bit (docs/true_on_policy.md); slow"
+    )
     seed: int = 0
     sampling_mask_max_tokens: int = Field(4096, ge=1)
     request_timeout_s: float = Field(120.0, gt=0)

@@ -12,7 +12,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["logprobs_from_logits", "response_logprobs"]
+__all__ = ["logprobs_from_logits", "response_logprobs", "uses_exact"]
+
+
+def uses_exact(model) -> bool:
+    """Whether ``model`` was built for ``rollout.true_on_policy`` (its log-probs use ``kernels.token_logprobs``)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return bool(getattr(model, "moe_rl_exact", False))
 
 
 def _tp_group():
@@ -39,6 +46,7 @@ def logprobs_from_logits(
     temperature: float = 1.0,
     with_entropy: bool = True,
     tp_group="auto",
+    exact: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``logits[B, T, V/tp]``, ``targets[B, T]`` -> ``(logp[B, T], entropy[B, T] | None)``, fp32.
 
@@ -57,6 +65,16 @@ def logprobs_from_logits(
         raise ValueError(f"temperature must be > 0; got {temperature}")
     group = _tp_group() if tp_group == "auto" else tp_group
     targets = targets.to(logits.device)
+    if exact:  # rollout.true_on_policy: SGLang's deterministic-sampler log-softmax, bit for bit
+        if group is not None:
+            raise ValueError("exact log-probs need unsharded logits (parallel.tp=1)")
+        from moe_rl.exact.kernels import token_logprobs
+
+        lsm = token_logprobs(logits, temperature)
+        picked = lsm.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        logp = torch.where(targets >= 0, picked, torch.zeros_like(picked))
+        entropy = -(lsm.exp() * lsm).sum(-1) if with_entropy else None
+        return logp, entropy
     # One fp32 upcast shared by log-probs and entropy: bf16 log-softmax loses ~1e-2 nats.
     z = logits.float() / temperature
     local_v = z.shape[-1]
@@ -106,4 +124,5 @@ def response_logprobs(
     from moe_rl.learner.model import forward_logits
 
     logits = forward_logits(model, input_ids, segment_ids=segment_ids, padding_mask=padding_mask)
-    return logprobs_from_logits(logits, targets, temperature=temperature, with_entropy=with_entropy)
+    return logprobs_from_logits(logits, targets, temperature=temperature, with_entropy=with_entropy,
+                                exact=uses_exact(model))

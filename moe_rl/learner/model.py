@@ -54,6 +54,7 @@ def transformer_config_kwargs(cfg) -> dict:
     Raises ``ValueError`` for FP8 on a machine without Transformer Engine + GPU.
     """
     m, p, prec = cfg.model, cfg.parallel, cfg.precision
+    exact = _true_on_policy(cfg)
     if m.mtp_num_layers:
         raise ValueError(
             f"model.mtp_num_layers={m.mtp_num_layers}: multi-token prediction is not supported by the "
@@ -87,7 +88,7 @@ def transformer_config_kwargs(cfg) -> dict:
         init_method_std=m.init_method_std,
         normalization="RMSNorm",
         gated_linear_unit=True,
-        activation_func=F.silu,
+        activation_func=_exact_silu() if exact else F.silu,
         add_bias_linear=False,  # also avoids an in-place-on-view error on CPU
         add_qkv_bias=m.add_qkv_bias,
         bias_activation_fusion=False,
@@ -139,6 +140,16 @@ def transformer_config_kwargs(cfg) -> dict:
     )
 
 
+def _true_on_policy(cfg) -> bool:
+    return bool(getattr(cfg.rollout, "true_on_policy", False))
+
+
+def _exact_silu():
+    from moe_rl.exact.kernels import silu
+
+    return silu
+
+
 def _pipeline_fields(pp: int, params_dtype: torch.dtype, on_gpu: bool) -> dict:
     """Megatron's p2p settings for pp > 1 (none for pp = 1): the hidden states sent between stages
     have the params dtype; microbatches are ragged (each padded to its own length and size), so the
@@ -148,10 +159,15 @@ def _pipeline_fields(pp: int, params_dtype: torch.dtype, on_gpu: bool) -> dict:
     return dict(pipeline_dtype=params_dtype, variable_seq_lengths=True, batch_p2p_sync=on_gpu)
 
 
-def _layer_spec(tcfg, use_te: bool):
+def _layer_spec(tcfg, use_te: bool, exact: bool = False):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    return get_gpt_decoder_block_spec(tcfg, use_transformer_engine=use_te, normalization="RMSNorm")
+    spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=use_te, normalization="RMSNorm")
+    if exact:  # rollout.true_on_policy: the shared row-invariant kernels (moe_rl.exact)
+        from moe_rl.exact.megatron_spec import exact_layer_spec
+
+        spec = exact_layer_spec(spec)
+    return spec
 
 
 def build_model(cfg, seed: int | None = None):
@@ -174,18 +190,27 @@ def build_model(cfg, seed: int | None = None):
     tcfg = transformer_config_from(cfg)
     seed_model_parallel_rng(cfg.train.seed if seed is None else seed)
     use_te = use_transformer_engine()
+    exact = _true_on_policy(cfg)
+    if exact and use_te:
+        raise ValueError("rollout.true_on_policy runs the learner on the CPU kernels of moe_rl.exact; "
+                         "Transformer Engine on a GPU is not covered (see docs/true_on_policy.md)")
     model = GPTModel(
         config=tcfg,
-        transformer_layer_spec=_layer_spec(tcfg, use_te),
+        transformer_layer_spec=_layer_spec(tcfg, use_te, exact),
         vocab_size=cfg.model.vocab_size,
         max_sequence_length=cfg.model.seq_length,
         pre_process=ps.is_pipeline_first_stage(),  # pp > 1: this stage's layers only (global layer numbers)
         post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=False,
-        position_embedding_type="rope",
+        position_embedding_type="none" if exact else "rope",  # exact: rope inside ExactCoreAttention
         rotary_base=int(cfg.model.rotary_base),
         rotary_percent=cfg.model.rotary_percent,
     )
+    if exact:
+        from moe_rl.exact.megatron_spec import install_exact_hooks
+
+        install_exact_hooks(model, cfg.model.rotary_base, int(cfg.model.kv_channels * cfg.model.rotary_percent))
+        model.moe_rl_exact = True  # read by the log-prob functions (moe_rl.learner.logprobs.uses_exact)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model

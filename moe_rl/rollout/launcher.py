@@ -51,6 +51,7 @@ class ServerSpec:
     port: int | None = None  # None = a free port
     dtype: str = "float32"
     deterministic: bool = True
+    true_on_policy: bool = False  # MOE_RL_TRUE_ON_POLICY=1: patch 0013 routes the forward through moe_rl.exact
     seed: int = 0
     sampling_mask_max_tokens: int = 4096
     mem_fraction_static: float = 0.05
@@ -73,6 +74,7 @@ class ServerSpec:
             port=rollout.port,
             dtype=rollout.dtype,
             deterministic=rollout.deterministic,
+            true_on_policy=rollout.true_on_policy,
             seed=rollout.seed,
             sampling_mask_max_tokens=rollout.sampling_mask_max_tokens,
             mem_fraction_static=rollout.mem_fraction_static,
@@ -139,6 +141,9 @@ def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(STUBS_DIR), env.get("PYTHONPATH", "")) if p)
         if spec.cpu_threads is not None:
             env["OMP_NUM_THREADS"] = str(spec.cpu_threads)
+    env.pop("MOE_RL_TRUE_ON_POLICY", None)
+    if spec.true_on_policy:
+        env["MOE_RL_TRUE_ON_POLICY"] = "1"  # read by moe_rl.exact.sglang_hooks (patch 0013)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
@@ -181,7 +186,8 @@ class SGLangServer:
         """
         environ = {**os.environ, **self.secret_env}
         ServerKeys.from_env_names(self.spec.api_key_env, self.spec.admin_api_key_env, environ)  # unset: fail now
-        if self.spec.device == "cpu" and self.spec.deterministic and self.spec.dtype == "float32":
+        if (self.spec.device == "cpu" and self.spec.deterministic and self.spec.dtype == "float32"
+                and not self.spec.true_on_policy):
             logger.warning(
                 "deterministic rollouts on CPU are bit-exact across batch compositions only in bfloat16: "
                 "fp32 CPU matmuls change kernels with the batch size (docs/sglang.md)"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_rl.learner.logprobs import logprobs_from_logits
+from moe_rl.learner.logprobs import logprobs_from_logits, uses_exact
 from moe_rl.learner.model import forward_logits
 from moe_rl.replay.keep_mask import KeptSets, keep_mask_logprobs
 
@@ -67,7 +67,8 @@ def make_logprob_fn(keep_sampling_mask: bool, with_entropy: bool):
     def logprob_fn(model, mb: dict, temperature: float):
         logits = forward_logits(model, mb["input_ids"], padding_mask=mb.get("padding_mask"))
         if not keep_sampling_mask:
-            return logprobs_from_logits(logits, mb["targets"], temperature=temperature, with_entropy=with_entropy)
+            return logprobs_from_logits(logits, mb["targets"], temperature=temperature, with_entropy=with_entropy,
+                                        exact=uses_exact(model))
         B, T, V = logits.shape
         targets = mb["targets"].clamp(min=0).reshape(-1)  # pad targets (-1) are outside the loss mask
         flat = logits.reshape(B * T, V)

@@ -1,0 +1,176 @@
+"""Learner side of the true-on-policy mode: Megatron-Core spec modules and hooks over ``kernels``.
+
+Owns ``exact_layer_spec(spec)`` (the local GPT block spec with every linear, norm and core attention
+replaced by a module that calls ``moe_rl.exact.kernels``), ``install_exact_hooks(model)`` (the parts a
+spec does not reach: each router's ``gating`` and the output layer, hooked per instance).
+``moe_rl.learner.model`` also sets ``activation_func=kernels.silu`` and builds without Megatron's rope.
+``GPTModel`` itself is never forked.
+
+RoPE: the model is built with ``position_embedding_type='none'`` and ``ExactCoreAttention`` applies
+``kernels.apply_rope`` to the (q/k-normalised) queries and keys itself, with positions read from the
+attention mask: a query's position is the number of keys it may see minus one (a padded batch's
+causal mask gives 0..T-1, a packed batch's block-diagonal mask restarts at each sequence), exactly
+what SGLang's cache holds. Attention then runs per sequence with ``kernels.attention``.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.module import MegatronModule
+
+from moe_rl.exact import kernels as K
+
+__all__ = [
+    "ExactColumnParallelLinear",
+    "ExactCoreAttention",
+    "ExactRMSNorm",
+    "ExactRowParallelLinear",
+    "exact_layer_spec",
+    "install_exact_hooks",
+    "mask_positions",
+]
+
+class ExactColumnParallelLinear(ColumnParallelLinear):
+    """``ColumnParallelLinear`` (tp = 1) whose forward is ``kernels.linear``."""
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        w = self.weight if weight is None else weight
+        return K.linear(input_, w), self.bias if self.skip_bias_add else None
+
+
+class ExactRowParallelLinear(RowParallelLinear):
+    """``RowParallelLinear`` (tp = 1) whose forward is ``kernels.linear``."""
+
+    def forward(self, input_):
+        return K.linear(input_, self.weight), self.bias if self.skip_bias_add else None
+
+
+class ExactRMSNorm(torch.nn.Module):
+    """RMSNorm with ``kernels.rms_norm``; same ``weight`` parameter name as ``torch.nn.RMSNorm``."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+
+    def forward(self, x):
+        return K.rms_norm(x, self.weight, self.eps)
+
+
+def mask_positions(attention_mask: torch.Tensor, b: int, T: int) -> torch.Tensor:
+    """``positions[T]`` of batch row ``b`` from Megatron's boolean mask (True = may not attend).
+    Each query must see one contiguous run of keys ending at itself, else ``ValueError``."""
+    masked = attention_mask[b if attention_mask.shape[0] > 1 else 0, 0]
+    allowed = ~masked
+    t = torch.arange(T, device=masked.device)
+    first = allowed.int().argmax(-1)
+    seen = allowed.sum(-1)
+    if not bool((seen == t - first + 1).all()) or not bool(allowed[t, t].all()):
+        raise ValueError("true-on-policy attention needs causal (or block-diagonal causal) masks")
+    return t - first
+
+
+class ExactCoreAttention(MegatronModule):
+    """Core attention (rope + causal softmax attention) with ``kernels``; replaces DotProductAttention."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, **_unused):
+        super().__init__(config=config)
+        self.rot_dim = config.kv_channels  # install_exact_hooks sets the model's rotary dim and base
+        self.rotary_base = None
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("true-on-policy attention: packed_seq_params / attention_bias are not supported")
+        if self.rotary_base is None:
+            raise RuntimeError("ExactCoreAttention used before install_exact_hooks set the rotary base")
+        T, B, H, d = query.shape
+        if attention_mask is None:
+            attention_mask = torch.ones(T, T, dtype=torch.bool, device=query.device).triu(1).view(1, 1, T, T)
+        out = query.new_empty(T, B, H, d)
+        for b in range(B):
+            pos = mask_positions(attention_mask, b, T)
+            starts = (pos == 0).nonzero().flatten().tolist() + [T]
+            for s0, s1 in itertools.pairwise(starts):
+                cos, sin = K.rope_cos_sin(pos[s0:s1], self.rot_dim, self.rotary_base)
+                q = K.apply_rope(query[s0:s1, b], cos, sin)
+                k = K.apply_rope(key[s0:s1, b], cos, sin)
+                out[s0:s1, b] = K.attention(q, k, value[s0:s1, b], start=0)
+        return out.view(T, B, H * d)
+
+
+def _swap(obj, table):
+    """Replace, in a ModuleSpec tree, every ``module`` class found in ``table`` (in place)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if isinstance(obj, ModuleSpec):
+        if obj.module in table:
+            obj.module = table[obj.module]
+        _swap(obj.submodules, table)
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            _swap(x, table)
+    elif obj is not None and hasattr(obj, "__dataclass_fields__"):
+        for name in obj.__dataclass_fields__:
+            val = getattr(obj, name)
+            if isinstance(val, type) and val in table:
+                setattr(obj, name, table[val])
+            else:
+                _swap(val, table)
+
+
+def exact_layer_spec(spec):
+    """The local (non-TE) block ``spec`` with kernels-backed linears, norms and core attention."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    table = {ColumnParallelLinear: ExactColumnParallelLinear, RowParallelLinear: ExactRowParallelLinear,
+             WrappedTorchNorm: ExactRMSNorm, DotProductAttention: ExactCoreAttention}
+    try:
+        from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+        table[FusedLayerNorm] = ExactRMSNorm
+    except ImportError:  # pragma: no cover - depends on the Megatron build
+        pass
+    _swap(spec, table)
+    return spec
+
+
+def install_exact_hooks(model, rotary_base: float, rotary_dim: int) -> None:
+    """Per-instance hooks on a built ``GPTModel``: routers' gating and the output layer use ``kernels``;
+    every ``ExactCoreAttention`` gets the rotary base. Refuses a model the spec did not cover."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from moe_rl.learner.model import unwrap
+
+    gpt = unwrap(model)
+    leftovers = []
+    for name, mod in gpt.named_modules():
+        if isinstance(mod, ExactCoreAttention):
+            mod.rotary_base, mod.rot_dim = float(rotary_base), int(rotary_dim)
+        elif isinstance(mod, TopKRouter):
+            mod.gating = _gating(mod)
+        elif type(mod) in (ColumnParallelLinear, RowParallelLinear) and name != "output_layer" or type(mod).__name__ in ("DotProductAttention", "RMSNorm", "LayerNorm"):
+            leftovers.append(name)
+    if leftovers:
+        raise ValueError(f"true-on-policy: modules outside the exact kernels: {leftovers}")
+    if getattr(gpt, "output_layer", None) is not None:
+        out = gpt.output_layer
+
+        def output_forward(input_, weight=None, runtime_gather_output=None):
+            return K.linear(input_, out.weight if weight is None else weight), None
+
+        out.forward = output_forward
+
+
+def _gating(router):
+    if router.bias is not None:
+        raise ValueError("true-on-policy: a router bias is not covered by the exact kernels")
+
+    def gating(input):
+        return K.router_logits(input, router.weight)
+
+    return gating

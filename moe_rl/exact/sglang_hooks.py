@@ -1,0 +1,186 @@
+"""SGLang side of the true-on-policy mode: route a loaded CPU model's forward through ``kernels``.
+
+Owns ``install(model_runner)``, called by moe_rl's SGLang patch 0013 (``model_runner.py``) after the
+attention backends are built and after a weight update that builds a new model, when the server
+runs with ``MOE_RL_TRUE_ON_POLICY=1`` (set by the launcher for ``rollout.true_on_policy``). It
+replaces, per module instance (no SGLang class is changed):
+
+* every unquantised linear layer's ``quant_method.apply`` and the LM head (``LogitsProcessor``)
+  with ``kernels.linear`` (logits in fp32);
+* every ``RMSNorm`` with ``kernels.rms_norm`` / ``add_rms_norm`` (residual added in the model dtype);
+* every rotate-half ``RotaryEmbedding`` with ``kernels.rope_cos_sin`` + ``apply_rope``;
+* every MoE block's ``forward_normal`` with ``router_logits`` -> ``router_topk`` (routes captured for
+  ``return_routed_experts`` exactly as upstream) -> ``moe_experts``; dense MLP activations with ``swiglu``;
+* the torch-native attention backends' per-request SDPA with ``kernels.attention`` over the cache.
+
+The sampler is left as is: with ``--enable-deterministic-inference`` it returns
+``log_softmax(logits / t)`` (``kernels.token_logprobs``). Anything this module cannot make exact
+(another attention backend, a rope variant, biases, unnormalised top-k) raises ``TrueOnPolicyError``
+at start-up, naming the module, instead of serving inexact log-probs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from moe_rl.exact import kernels as K
+
+__all__ = ["ENV", "TrueOnPolicyError", "enabled", "install"]
+
+ENV = "MOE_RL_TRUE_ON_POLICY"
+
+
+class TrueOnPolicyError(RuntimeError):
+    """The served model has a part the true-on-policy kernels do not cover."""
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "0") == "1"
+
+
+def install(runner) -> list[str]:
+    """Install the exact forwards on ``runner.model`` and its attention backends; returns what was
+    hooked (one line per kind). Idempotent."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from sglang.srt.layers.layernorm import RMSNorm
+    from sglang.srt.layers.logits_processor import LogitsProcessor
+    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+    from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
+
+    counts: dict[str, int] = {}
+
+    def hooked(kind):
+        counts[kind] = counts.get(kind, 0) + 1
+
+    for name, mod in runner.model.named_modules():
+        qm = getattr(mod, "quant_method", None)
+        if isinstance(qm, UnquantizedLinearMethod) and hasattr(mod, "weight") and mod.weight.dim() == 2:
+            if getattr(mod, "bias", None) is not None:
+                raise TrueOnPolicyError(f"{name}: linear with a bias is not covered by the exact kernels")
+            qm.apply = _exact_linear_apply
+            hooked("linear")
+        if isinstance(mod, RMSNorm):
+            mod.forward = _rms_forward(mod, name)
+            hooked("rmsnorm")
+        elif isinstance(mod, RotaryEmbedding):
+            if type(mod) is not RotaryEmbedding or not mod.is_neox_style:
+                raise TrueOnPolicyError(f"{name}: {type(mod).__name__} (neox={mod.is_neox_style}) is not covered")
+            mod.forward = _rope_forward(mod)
+            hooked("rope")
+        elif isinstance(mod, LogitsProcessor):
+            mod._compute_lm_head = _lm_head
+            hooked("lm_head")
+        elif type(mod).__name__ == "SiluAndMul":
+            mod.forward = K.swiglu
+            hooked("swiglu")
+        elif hasattr(mod, "forward_normal") and hasattr(mod, "gate") and hasattr(mod, "experts"):
+            mod.forward_normal = _moe_forward(mod, name)
+            hooked("moe")
+    backends = [runner.attn_backend, getattr(runner, "decode_attn_backend", None)]
+    backends += list(getattr(runner, "decode_attn_backend_group", None) or [])
+    for backend in {id(b): b for b in backends if b is not None}.values():
+        if not isinstance(backend, TorchNativeAttnBackend):
+            raise TrueOnPolicyError(
+                f"attention backend {type(backend).__name__}: the true-on-policy mode needs torch_native"
+            )
+        backend._run_sdpa_forward_extend = _sdpa_extend
+        backend._run_sdpa_forward_decode = _sdpa_decode
+        hooked("attention_backend")
+    return [f"{k}: {v}" for k, v in sorted(counts.items())]
+
+
+def _exact_linear_apply(layer, x, bias=None):
+    if bias is not None:
+        raise TrueOnPolicyError("linear with a bias is not covered by the exact kernels")
+    return K.linear(x, layer.weight)
+
+
+def _lm_head(hidden_states, lm_head, embedding_bias=None, *, out=None):
+    if embedding_bias is not None:
+        raise TrueOnPolicyError("an LM head bias is not covered by the exact kernels")
+    return K.linear(hidden_states, lm_head.weight, out_dtype=torch.float32)
+
+
+def _rms_forward(mod, name):
+    if getattr(mod, "variance_size_override", None) is not None:
+        raise TrueOnPolicyError(f"{name}: RMSNorm with variance_size_override is not covered")
+
+    def forward(x, residual=None, post_residual_addition=None, quant_linear=None, **kwargs):
+        if post_residual_addition is not None or kwargs:
+            raise TrueOnPolicyError(f"{name}: RMSNorm called with {sorted(kwargs) or ['post_residual_addition']}")
+        if residual is None:
+            return K.rms_norm(x, mod.weight, mod.variance_epsilon)
+        return K.add_rms_norm(x, residual, mod.weight, mod.variance_epsilon)
+
+    return forward
+
+
+def _rope_forward(mod):
+    def forward(positions, query, key, offsets=None, fused_set_kv_buffer_arg=None):
+        if fused_set_kv_buffer_arg is not None:
+            raise TrueOnPolicyError("fused KV-buffer rope is not covered by the exact kernels")
+        pos = positions if offsets is None else positions + offsets
+        pos = pos.flatten()
+        cos, sin = K.rope_cos_sin(pos, mod.rotary_dim, mod.base)
+        d = mod.head_size
+        q = K.apply_rope(query.reshape(pos.shape[0], -1, d), cos, sin).reshape(query.shape)
+        k = K.apply_rope(key.reshape(pos.shape[0], -1, d), cos, sin).reshape(key.shape)
+        return q, k
+
+    return forward
+
+
+def _moe_forward(block, name):
+    from sglang.srt.layers.moe.topk import capture_routed_experts_if_allowed
+
+    cfg = block.topk.topk_config
+    if cfg.use_grouped_topk or not cfg.renormalize or cfg.correction_bias is not None or cfg.scoring_func != "softmax":
+        raise TrueOnPolicyError(
+            f"{name}: only softmax top-k with renormalisation is covered (grouped={cfg.use_grouped_topk}, "
+            f"renormalize={cfg.renormalize}, correction_bias={cfg.correction_bias is not None}, "
+            f"scoring={cfg.scoring_func})"
+        )
+    experts = block.experts
+    if getattr(experts, "w13_weight_bias", None) is not None or experts.num_local_experts != experts.num_experts:
+        raise TrueOnPolicyError(f"{name}: expert biases or expert parallelism inside SGLang are not covered")
+
+    def forward_normal(hidden_states):
+        if hidden_states.shape[0] == 0:
+            return hidden_states
+        logits = K.router_logits(hidden_states, block.gate.weight)
+        weights, ids = K.router_topk(logits, cfg.top_k)
+        capture_routed_experts_if_allowed(cfg, block.topk.layer_id, ids.to(torch.int32))
+        return K.moe_experts(hidden_states, weights, ids, experts.w13_weight, experts.w2_weight)
+
+    return forward_normal
+
+
+def _per_request(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, q_lens):
+    """``output[start_q:end_q] = attention(...)`` per request; query ``[num_tokens, H, d]``."""
+    start_q = 0
+    for i in range(seq_lens.shape[0]):
+        n, L = int(q_lens[i]), int(seq_lens[i])
+        tokens = req_to_token[req_pool_indices[i], :L]
+        out = K.attention(query[start_q : start_q + n], k_cache[tokens], v_cache[tokens], start=L - n)
+        output[start_q : start_q + n] = out.to(output.dtype)
+        start_q += n
+    return output
+
+
+def _sdpa_extend(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                 extend_prefix_lens, extend_seq_lens, encoder_lens=None, scaling=None, enable_gqa=False,
+                 causal=False, is_cross_attn=False, sliding_window_size=None):
+    if encoder_lens is not None or is_cross_attn or not causal or sliding_window_size is not None:
+        raise TrueOnPolicyError("only causal self-attention without a sliding window is covered")
+    return _per_request(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_seq_lens)
+
+
+def _sdpa_decode(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                 encoder_lens=None, scaling=None, enable_gqa=False, causal=False, is_cross_attn=False,
+                 sliding_window_size=None):
+    if encoder_lens is not None or is_cross_attn or sliding_window_size is not None:
+        raise TrueOnPolicyError("only causal self-attention without a sliding window is covered")
+    ones = torch.ones_like(seq_lens)
+    return _per_request(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ones)

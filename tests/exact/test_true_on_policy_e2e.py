@@ -1,0 +1,114 @@
+"""CI gate of ``rollout.true_on_policy``: a real SGLang CPU server + the Megatron-Core learner, 2 steps.
+
+With ``train.minibatches_per_step: 1`` π_old is the rollout's policy, so the learner's recomputed
+log-probs must equal the server's recorded ones exactly: ``offpolicy/log_ratio_abs_max == 0.0`` and
+``offpolicy/kl_k3 == 0.0`` (no tolerance), and the learner's natural top-k must equal the recorded
+routes at every layer and position: both ``replay/rollout_vs_natural/{prompt,response}/flip_rate``
+are 0.0 at every step. Step 2's rollouts come from weights pushed through the weight sync. Each run
+is a ``moe-rl train`` subprocess as a user runs it.
+
+The check can fail: ``test_one_stock_kernel_breaks_equality`` recomputes step 0's saved records with
+the exact learner (bit-equal) and with one kernel swapped back to Megatron's stock one (non-zero).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_rl.records import RolloutBatch
+from moe_rl.train.metrics_log import read_metrics
+
+pytestmark = pytest.mark.sglang
+
+ROOT = Path(__file__).parents[2]
+GATE = [
+    "rollout.true_on_policy=true", "rollout.dtype=float32", "train.minibatches_per_step=1",
+    "replay.keep_sampling_mask=false", "train.steps=2", "train.prompts_per_step=2", "rollout.samples_per_prompt=4",
+    "train.micro_batch_size=4", "rollout.max_new_tokens=8", "checkpoint.save_interval=100",
+    "logging.tensorboard=false", "logging.progress=false", "rollout.startup_timeout_s=600",
+    "rollout.health_timeout_s=300",  # the exact kernels are slow: a loaded CI box must not read that as a hang
+]  # fmt: skip
+EXACT_KEYS = ("offpolicy/log_ratio_abs_max", "offpolicy/kl_k3",
+              "replay/rollout_vs_natural/prompt/flip_rate", "replay/rollout_vs_natural/response/flip_rate")
+
+
+def _train(out_dir: Path, config: str, *overrides: str, nproc: int = 1) -> list[dict]:
+    args = [str(ROOT / "configs" / config), *GATE, f"train.output_dir={out_dir}", *overrides]
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "moe_rl.cli", "train", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+               f"--nproc-per-node={nproc}", "-m", "moe_rl.cli", "train", *args]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, check=False)
+    assert proc.returncode == 0, f"moe-rl train failed:\n{proc.stderr[-4000:]}"
+    return read_metrics(out_dir / "metrics.jsonl")
+
+
+def _assert_exact(metrics: list[dict]) -> None:
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        got = {k: m[k] for k in EXACT_KEYS}
+        assert all(v == 0.0 for v in got.values()), f"step {m['step']}: not exact: {got}"
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny_exact")
+    return out, _train(out, "tiny_cpu.yaml", "replay.routing=none")
+
+
+def test_tiny_fp32_ep1_is_exact(tiny_run):
+    _assert_exact(tiny_run[1])
+
+
+def test_midsize_fp32_top8_is_exact(tmp_path):
+    """configs/cpu_midsize.yaml (6 layers, 64 experts, top-8: the combine order matters) with replay.routing=none,
+    which still logs the flip metrics; no warm start (the gate is about the kernels, not the policy)."""
+    _assert_exact(_train(tmp_path, "cpu_midsize.yaml", "train.warm_start=null"))
+
+
+@pytest.mark.distributed
+def test_tiny_fp32_ep2_with_r3_is_exact(tmp_path):
+    """Two learner ranks, experts split over them (all-to-all dispatch), R3 replaying the recorded routes."""
+    _assert_exact(_train(tmp_path, "tiny_cpu.yaml", "replay.routing=r3", "parallel.ep=2", nproc=2))
+
+
+def test_one_stock_kernel_breaks_equality(tiny_run, megatron_world):
+    """Step 0's records, recomputed by the step-0 learner: exact spec -> equal; one stock kernel -> not."""
+    from megatron.core.tensor_parallel import RowParallelLinear
+
+    from moe_rl.config.loader import load_config
+    from moe_rl.exact.megatron_spec import ExactRowParallelLinear
+    from moe_rl.learner.logprobs import response_logprobs
+    from moe_rl.learner.model import build_model
+
+    out, _ = tiny_run
+    cfg = load_config(ROOT / "configs/tiny_cpu.yaml", overrides=GATE[:4])
+    samples = RolloutBatch.load(out / "rollouts" / "step_000000.safetensors").samples()
+
+    def max_abs_diff(model) -> float:
+        worst = 0.0
+        for s in samples:
+            tokens = torch.as_tensor(list(s.prompt_ids) + list(s.response_ids), dtype=torch.long)[None]
+            P = len(s.prompt_ids)
+            with torch.no_grad():
+                logp, _ = response_logprobs(model, tokens[:, :-1], tokens[:, 1:], temperature=cfg.rollout.temperature,
+                                            with_entropy=False)
+            recorded = torch.as_tensor(s.rollout_logp, dtype=torch.float32)
+            worst = max(worst, (logp[0, P - 1 :] - recorded).abs().max().item())
+        return worst
+
+    model = build_model(cfg).eval()  # the trainer's initial weights (same seed): step 0's policy
+    assert max_abs_diff(model) == 0.0
+    swapped = [m for name, m in model.named_modules() if name.endswith("linear_proj")]
+    assert swapped and all(type(m) is ExactRowParallelLinear for m in swapped)
+    for m in swapped:  # the attention output projection back to Megatron's stock (BLAS) matmul
+        m.__class__ = RowParallelLinear
+    assert max_abs_diff(model) > 0.0
