@@ -56,7 +56,8 @@ RESUME_SAFE_KEYS = (
     "rollout.addresses", "rollout.host", "rollout.port", "launch.rollout_port", "launch.master_port",
     "rollout.request_timeout_s", "rollout.startup_timeout_s", "rollout.health_timeout_s",
     "rollout.max_server_restarts", "rollout.api_key_env", "rollout.admin_api_key_env", "logging.*", "train.steps",
-    "checkpoint.allow_changes", "checkpoint.overwrite", "parallel.*",
+    "checkpoint.allow_changes", "checkpoint.overwrite", "parallel.*", "rollout.max_foreign_syncs",
+    "correction.kl_alarm", "correction.kl_alarm_max_in_row",
 )  # fmt: skip
 
 
