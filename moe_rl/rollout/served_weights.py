@@ -43,7 +43,7 @@ __all__ = [
 ]  # fmt: skip
 
 FINGERPRINT_SUFFIXES = ("norm.weight", "mlp.gate.weight")
-KEEP_PUSHES = 4  # labels remembered: the current one and, for partial rollouts, a few before it
+KEEP_PUSHES = 4  # labels remembered by default: the current one and a few before it (async: max_staleness + 2)
 
 
 def fingerprint_tensors(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -93,17 +93,17 @@ def served_entries(address: str, keys: ServerKeys | None, timeout_s: float = 60.
 
 
 class PushedWeights:
-    """The fingerprinted tensors of the last ``KEEP_PUSHES`` pushes, by label; ``check`` compares the servers."""
+    """The fingerprinted tensors of the last ``keep`` pushes, by label; ``check`` compares the servers."""
 
-    def __init__(self, keys: ServerKeys | None = None, timeout_s: float = 60.0):
-        self.keys, self.timeout_s = keys, timeout_s
+    def __init__(self, keys: ServerKeys | None = None, timeout_s: float = 60.0, keep: int = KEEP_PUSHES):
+        self.keys, self.timeout_s, self.keep = keys, timeout_s, keep
         self.by_label: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
 
     def remember(self, label: str, named: Mapping[str, torch.Tensor]) -> None:
         """``named``: the HF-named tensors just pushed as ``label`` (only the fingerprinted ones are kept)."""
         self.by_label.pop(str(label), None)
         self.by_label[str(label)] = fingerprint_tensors(named)
-        while len(self.by_label) > KEEP_PUSHES:
+        while len(self.by_label) > self.keep:
             self.by_label.popitem(last=False)
 
     def remember_hf_dir(self, label: str, hf_dir: str | Path) -> None:
@@ -116,12 +116,13 @@ class PushedWeights:
                 named |= {n: f.get_tensor(n) for n in f.keys() if n.endswith(FINGERPRINT_SUFFIXES)}  # noqa: SIM118
         self.remember(label, named)
 
-    def _acceptable(self, label: str, newer_ok: bool) -> list[str]:
+    @staticmethod
+    def _acceptable(pushed: Mapping, label: str, newer_ok: bool) -> list[str]:
         if not newer_ok:
-            return [label] if label in self.by_label else []
+            return [label] if label in pushed else []
         want = parse_version_label(label)
         ok = []
-        for other in self.by_label:
+        for other in pushed:
             got = parse_version_label(other)
             if other == label or (got.nonce == want.nonce and not got.partial and got.step >= want.step):
                 ok.append(other)
@@ -129,12 +130,13 @@ class PushedWeights:
 
     def check(self, addresses: Sequence[str], label: str, newer_ok: bool = False) -> None:
         """ForeignWeightsError unless every server rank serves the weights pushed as ``label`` (see module doc)."""
-        labels = self._acceptable(label, newer_ok)
+        pushed = dict(self.by_label)  # a snapshot: the trainer may push (partial rollouts) while a producer checks
+        labels = self._acceptable(pushed, label, newer_ok)
         if not labels:  # nothing pushed under this label by this trainer: nothing to compare with
             raise ForeignWeightsStop(f"no push of {label!r} is known to this trainer: cannot check the served weights")
         for address in addresses:
             for rank, served in enumerate(served_entries(address.rstrip("/"), self.keys, self.timeout_s)):
-                expected = {lb: expected_entries(self.by_label[lb], served) for lb in labels}
+                expected = {lb: expected_entries(pushed[lb], served) for lb in labels}
                 if not any(served == e for e in expected.values()):
                     mine = expected[labels[0]]
                     differ = sorted(n for n in set(mine) | set(served) if mine.get(n) != served.get(n))

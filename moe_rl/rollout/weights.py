@@ -244,6 +244,7 @@ class WeightSync:
         keys: ServerKeys | None = None,
         group_options: Mapping | None = None,
         max_foreign_syncs: int | None = None,
+        keep_pushes: int = 4,
     ):
         if mode not in WEIGHT_SYNC_MODES:
             raise ValueError(f"rollout.weight_sync={mode!r}; expected one of {WEIGHT_SYNC_MODES} (or 'auto')")
@@ -263,7 +264,7 @@ class WeightSync:
         self.last_state: Mapping[str, torch.Tensor] | None = None  # what the servers should hold (rank 0)
         self.group_options = dict(group_options or {})  # distributed: WeightGroup's backend / master address, port
         self.group = None  # distributed: the open WeightGroup (rank 0)
-        self.pushed = PushedWeights(keys, timeout_s)  # fingerprints of the last pushes, by label
+        self.pushed = PushedWeights(keys, timeout_s, max(4, keep_pushes))  # fingerprints of the last pushes
         self.max_foreign_syncs = max_foreign_syncs  # None: a failed push raises its WeightSyncError at once
 
     @classmethod
@@ -292,7 +293,7 @@ class WeightSync:
             weight_quantization=r.weight_quantization,
             bucket_bytes=r.weight_sync_bucket_mb << 20, reference=reference_from_hf_dir(init) if init else None,
             keys=ServerKeys.from_rollout_config(r) if keys is None else keys, group_options=group_options(r),
-            max_foreign_syncs=r.max_foreign_syncs,
+            max_foreign_syncs=r.max_foreign_syncs, keep_pushes=cfg.train.max_staleness + 2,
         )  # fmt: skip
 
     def check_servable(self, addresses: Sequence[str]) -> None:

@@ -60,10 +60,10 @@ class KLAlarm:
         self.in_row += 1
         if self.in_row >= self.max_in_row:
             raise KLAlarmStop(
-                f"step {step}: offpolicy/kl_k3={kl:.3g} is over correction.kl_alarm={self.threshold:g} for the "
-                f"{self.in_row}th step in a row (correction.kl_alarm_max_in_row={self.max_in_row}): the rollouts do not "
-                "come from the weights the learner holds (foreign or half-applied weights, another model, a rollout "
-                "dtype or kernel change); stopping. Check the server and its weights, then resume"
+                f"step {step}: offpolicy/kl_k3={kl:.3g} is over correction.kl_alarm={self.threshold:g} for "
+                f"{self.in_row} steps in a row (correction.kl_alarm_max_in_row={self.max_in_row}): the rollouts do "
+                "not come from the weights the learner holds (foreign or half-applied weights, another model, a "
+                "rollout dtype or kernel change); stopping. Check the server and its weights, then resume"
             )
         logger.warning("kl alarm: step %d not trained on: offpolicy/kl_k3=%.3g > correction.kl_alarm=%g (%d in a row, "
                        "stop at %d)", step, kl, self.threshold, self.in_row, self.max_in_row)  # fmt: skip

@@ -102,3 +102,15 @@ def test_served_fingerprint_follows_every_push_and_catches_foreign_weights(admin
         ws.pushed.check([url], "step-2-abcd0123")
     ws.push(_pushed(model_dir_v2), [url], "step-2-abcd0123")  # the re-sync restores it
     ws.pushed.check([url], "step-2-abcd0123")
+
+
+def test_every_secret_server_argument_is_redacted_at_any_depth():
+    from sglang.srt.utils.auth import SECRET_SERVER_ARGS, redact_server_secrets
+
+    info = {"api_key": "k1", "admin_api_key": "k2", "ssl_keyfile_password": "pw", "tp_size": 1, "watermark_key": None,
+            "launch_command": "python -m x --api-key k1", "internal_states": [{"admin_api_key": "k2", "n": 2}]}
+    out = redact_server_secrets(info, ("k1", "k2"))
+    assert out["api_key"] == out["admin_api_key"] == out["ssl_keyfile_password"] == "<redacted>"
+    assert out["internal_states"] == [{"admin_api_key": "<redacted>", "n": 2}] and out["tp_size"] == 1
+    assert out["watermark_key"] is None and out["launch_command"] == "python -m x --api-key <redacted>"
+    assert {"api_key", "admin_api_key", "ssl_keyfile_password"} <= SECRET_SERVER_ARGS

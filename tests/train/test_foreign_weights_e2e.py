@@ -57,7 +57,7 @@ def test_another_model_pushed_under_the_runs_label_is_never_trained_on(tmp_path)
     trainer = start_like_a_terminal(cmd, env, stdout=-1, stderr=-1, text=True)
     stop, pushes = threading.Event(), []
     try:
-        _, url = server_of(run, trainer)
+        _, url = server_of(run, trainer, timeout_s=900)
         attacker = threading.Thread(target=_attack, args=(url, foreign, stop, pushes), daemon=True)
         attacker.start()
         out, err = trainer.communicate(timeout=600)
