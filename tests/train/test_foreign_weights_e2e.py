@@ -44,6 +44,7 @@ def _attack(url: str, foreign_dir: Path, stop: threading.Event, pushes: list) ->
             stop.wait(0.3)
 
 
+@pytest.mark.timeout(1800)  # at load 40-70 on 2 cores the server start alone took over 15 minutes
 def test_another_model_pushed_under_the_runs_label_is_never_trained_on(tmp_path):
     from moe_rl.learner.hf_init import write_random_hf_checkpoint
 

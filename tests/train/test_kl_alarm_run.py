@@ -45,6 +45,7 @@ def test_a_step_over_the_alarm_is_not_trained_on_and_two_in_a_row_stop_the_run(t
     (row,) = read_metrics(tmp_path / "foreign" / "metrics.jsonl")  # step 0's row; step 1 stopped the run
     assert row["alarm/skipped"] == 1 and row["alarm/kl_k3"] > alarm and "offpolicy/kl_k3" not in row, row
     assert "train/loss" not in row and "train/grad_norm" not in row, row  # no optimizer step ran
+    print(f"\nforeign weights: alarm/kl_k3 = {row['alarm/kl_k3']:.3g} (correction.kl_alarm = {alarm:g})")
 
 
 def test_the_normal_mismatch_trains_and_logs_offpolicy_kl(tmp_path, device):
@@ -53,3 +54,4 @@ def test_the_normal_mismatch_trains_and_logs_offpolicy_kl(tmp_path, device):
     rows = read_metrics(tmp_path / "own" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2] and all("alarm/kl_k3" not in r for r in rows), rows
     assert all(0 <= r["offpolicy/kl_k3"] < load_config(CONFIG).correction.kl_alarm for r in rows), rows
+    print("\nown weights: offpolicy/kl_k3 = " + ", ".join(f"{r['offpolicy/kl_k3']:.3g}" for r in rows))
