@@ -44,7 +44,7 @@ def _attack(url: str, foreign_dir: Path, stop: threading.Event, pushes: list) ->
             stop.wait(0.3)
 
 
-@pytest.mark.xfail(reason="NOT MET YET (issue 38): run at 18:45 UTC on this loaded host, the attack loop's back-to-back "
+@pytest.mark.xfail(reason="NOT MET YET (issue 38): run at 18:45 UTC on a loaded host, the attack loop's back-to-back "
                    "disk updates made the trainer restart its server until rollout.max_server_restarts was spent; "
                    "ServerStartError then ended the run with a traceback", strict=False)
 @pytest.mark.timeout(1800)  # at load 40-70 on 2 cores the server start alone took over 15 minutes
