@@ -68,6 +68,11 @@ class CorrectionConfig(Section):
         "step's (async rollouts; token_versions in the records); None = off"
     )
     opsm_delta: float | None = Field(None, ge=0)
+    kl_alarm: float | None = Field(
+        1e-2, gt=0, description="a step whose offpolicy/kl_k3 (whole batch, before any update) exceeds this is not "
+        "trained on (alarm/kl_k3, alarm/skipped=1); normal ranges of the shipped configs in docs/operations.md; None = off"
+    )
+    kl_alarm_max_in_row: int = Field(3, ge=1, description="this many alarmed steps in a row stop the run (exit code 2)")
 
     @model_validator(mode="after")
     def _check(self) -> CorrectionConfig:

@@ -244,6 +244,10 @@ class RolloutConfig(Section):
     )
     health_timeout_s: float = Field(30.0, gt=0, le=600, description="a server silent this long counts as hung")
     max_server_restarts: int = Field(2, ge=0, description="restarts of a dead server this run launched")
+    max_foreign_syncs: int = Field(
+        2, ge=0, description="re-syncs in a row after a batch made under weights the trainer did not push (label "
+        "or fingerprint); one more stops the run (exit code 2)"
+    )
 
 
 class ReplayConfig(Section):

@@ -100,7 +100,6 @@ class WeightGroup:
         self.master_port = master_port or 0  # 0: the store picks a free port
         self.timeout_s = timeout_s
         self.headers = keys.headers(admin=True) if keys else {}  # every call below is an admin call
-        self.api_headers = keys.headers() if keys else {}  # /server_info is not
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self.group = self.store = self.group_name = None
 
@@ -251,7 +250,7 @@ class WeightGroup:
     def _tp_size(self, address: str) -> int:
         """Server ranks that join the group (``tp_size`` in ``/server_info``; one per tensor-parallel rank)."""
         try:
-            resp = httpx.get(f"{address}/server_info", timeout=60, headers=self.api_headers)
+            resp = httpx.get(f"{address}/server_info", timeout=60, headers=self.headers)  # admin (patch 0009)
             resp.raise_for_status()
             return int(resp.json().get("tp_size") or 1)
         except (httpx.HTTPError, ValueError) as err:

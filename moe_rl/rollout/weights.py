@@ -22,6 +22,11 @@ or distributed sync that fails after some buckets were loaded leaves that server
 rollback): it is marked invalid, ``check_servable`` refuses rollouts from it, and the next
 ``sync`` (always a full one) makes it valid again. After every sync ``GET /model_info`` on every
 server must report the new ``weight_version``; samples carry the version of the reply.
+
+Every successful push is remembered by label in ``WeightSync.pushed`` (``served_weights.PushedWeights``: the
+fingerprinted tensors of what was sent), so each generation batch can be checked against what the servers
+really hold. A push whose label is overwritten behind it, or that fails, is pushed again at most
+``rollout.max_foreign_syncs`` times in a row, then the run stops (``ForeignWeightsStop``, one line).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import io
+import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -39,6 +45,8 @@ import torch
 WEIGHT_SYNC_MODES = ("tensor", "disk", "distributed")
 
 from moe_rl.rollout.auth import ServerKeys
+from moe_rl.rollout.integrity import ForeignWeightsStop
+from moe_rl.rollout.served_weights import PushedWeights
 from moe_rl.rollout.weight_checks import (  # noqa: F401 (re-exported: the sync's public names)
     ServerInvalidError,
     WeightSyncError,
@@ -47,6 +55,8 @@ from moe_rl.rollout.weight_checks import (  # noqa: F401 (re-exported: the sync'
     quantize_state_dict,
     reference_from_hf_dir,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def server_weight_version(address: str, timeout_s: float = 30.0, keys: ServerKeys | None = None) -> str:
@@ -78,9 +88,11 @@ def _check_version(addresses: Iterable[str], weight_version: str, keys: ServerKe
     for address in addresses:
         reported = server_weight_version(address, keys=keys)
         if reported != str(weight_version):
-            raise WeightSyncError(
+            err = WeightSyncError(
                 f"{address} reports weight_version={reported!r} after the update; expected {weight_version!r}"
             )
+            err.foreign_label = True  # someone else pushed after this update
+            raise err
 
 
 def update_weights_from_disk(
@@ -231,6 +243,8 @@ class WeightSync:
         timeout_s: float = 600.0,
         keys: ServerKeys | None = None,
         group_options: Mapping | None = None,
+        max_foreign_syncs: int | None = None,
+        keep_pushes: int = 4,
     ):
         if mode not in WEIGHT_SYNC_MODES:
             raise ValueError(f"rollout.weight_sync={mode!r}; expected one of {WEIGHT_SYNC_MODES} (or 'auto')")
@@ -250,6 +264,8 @@ class WeightSync:
         self.last_state: Mapping[str, torch.Tensor] | None = None  # what the servers should hold (rank 0)
         self.group_options = dict(group_options or {})  # distributed: WeightGroup's backend / master address, port
         self.group = None  # distributed: the open WeightGroup (rank 0)
+        self.pushed = PushedWeights(keys, timeout_s, max(4, keep_pushes))  # fingerprints of the last pushes
+        self.max_foreign_syncs = max_foreign_syncs  # None: a failed push raises its WeightSyncError at once
 
     @classmethod
     def from_config(cls, cfg, addresses: Sequence[str], export_dir: str | Path | None = None,
@@ -277,6 +293,7 @@ class WeightSync:
             weight_quantization=r.weight_quantization,
             bucket_bytes=r.weight_sync_bucket_mb << 20, reference=reference_from_hf_dir(init) if init else None,
             keys=ServerKeys.from_rollout_config(r) if keys is None else keys, group_options=group_options(r),
+            max_foreign_syncs=r.max_foreign_syncs, keep_pushes=cfg.train.max_staleness + 2,
         )  # fmt: skip
 
     def check_servable(self, addresses: Sequence[str]) -> None:
@@ -311,19 +328,55 @@ class WeightSync:
         addresses = [a.rstrip("/") for a in addresses]
         check_weights(hf_state, self.reference)  # raises before anything is sent
         named = quantize_state_dict(hf_state, self.weight_quantization)
+        path = self._again(version, lambda: self._send(named, addresses, version, flush_cache))
+        self.reference = {k: tuple(v.shape) for k, v in hf_state.items()}
+        self.version = str(version)
+        self.last_state = hf_state
+        if path is not None:  # the disk path: what the servers read is the file (its dtype), not the tensors
+            self.pushed.remember_hf_dir(version, path)
+        else:
+            self.pushed.remember(version, named)
+
+    def load_dir(self, hf_dir: str | Path, addresses: Sequence[str], version: str) -> None:
+        """Load an HF checkpoint dir (the run's export) into every server as ``version``, remembered like a push."""
+        addresses = [a.rstrip("/") for a in addresses]
+        self._again(version, lambda: update_weights_from_disk(addresses, hf_dir, version, self.timeout_s, keys=self.keys))
+        self.version = str(version)
+        self.pushed.remember_hf_dir(version, hf_dir)
+
+    def _again(self, version: str, send) -> None:
+        """``send()``, again after a failed push (its label overwritten behind it: foreign weights) at most
+        ``max_foreign_syncs`` times in a row, then ForeignWeightsStop (one line); None: no second try."""
+        for attempt in range(1 + (self.max_foreign_syncs or 0)):
+            try:
+                return send()
+            except WeightSyncError as err:
+                if self.max_foreign_syncs is None:
+                    raise
+                what = "foreign weights: " if getattr(err, "foreign_label", False) else ""
+                if attempt == self.max_foreign_syncs:
+                    raise ForeignWeightsStop(f"{what}the push of {version!r} failed {attempt + 1} time(s) in a row "
+                                             f"(rollout.max_foreign_syncs={self.max_foreign_syncs}): {err}") from None  # fmt: skip
+                logger.warning("%s%s; pushing %r again (%d/%d)", what, err, version, attempt + 1, self.max_foreign_syncs)
+
+    def _send(self, named, addresses: list[str], version: str, flush_cache: bool) -> Path | None:
+        """One push of the (checked, quantised) ``named`` over this sync's transport (the disk path returns the
+        directory it wrote); WeightSyncError on failure."""
         if self.mode == "disk":
             from moe_rl.learner.hf_convert import write_hf_checkpoint
 
             path = write_hf_checkpoint(named, self.model_cfg, self.export_dir, self.template_dir)
             update_weights_from_disk(addresses, path, version, self.timeout_s, keys=self.keys, flush_cache=flush_cache)
+            return Path(path)
         else:
-            failures, errors = [], self._push_buckets(named, addresses, version, flush_cache)
+            failures, foreign, errors = [], [], self._push_buckets(named, addresses, version, flush_cache)
             for address, err in errors.items():
                 try:
                     if err is not None:
                         raise err
                     _check_version([address], version, self.keys)
                 except WeightSyncError as err:
+                    foreign.append(err)
                     if getattr(err, "buckets_loaded", 1) > 0:
                         self.invalid[address] = f"{address}: {err}"
                         failures.append(f"{address} is left half-updated and marked invalid: {err}")
@@ -332,10 +385,10 @@ class WeightSync:
                     continue
                 self.invalid.pop(address, None)
             if failures:
-                raise WeightSyncError(f"weight sync to version {version!r} failed: " + "; ".join(failures))
-        self.reference = {k: tuple(v.shape) for k, v in hf_state.items()}
-        self.version = str(version)
-        self.last_state = hf_state
+                err = WeightSyncError(f"weight sync to version {version!r} failed: " + "; ".join(failures))
+                err.foreign_label = any(getattr(e, "foreign_label", False) for e in foreign)
+                raise err
+        return None
 
     def _push_buckets(self, named, addresses: list[str], version: str,
                       flush_cache: bool = True) -> dict[str, WeightSyncError | None]:  # fmt: skip

@@ -35,6 +35,7 @@ from moe_rl.config.preflight import ksm_active
 from moe_rl.records import RecordError, RolloutBatch
 from moe_rl.train.batching import check_ksm_records, kept_set_outside_fraction
 from moe_rl.train.collectives import barrier, dp_group, dp_rank_and_size, is_main_process
+from moe_rl.train.kl_alarm import KLAlarm
 from moe_rl.train.logprob import make_logprob_fn
 from moe_rl.train.metrics_log import MetricsLogger
 from moe_rl.train.plan import plan_step
@@ -105,6 +106,7 @@ class RLTrainer:
         self.reference = reference_policy(cfg, self.learner, self.ckpt_dir, self.run_id, meta is not None) \
             if cfg.loss.kl_coef else None  # fmt: skip
         self._reference_saved = False  # save_reference checks the marker itself (rank 0) the first time
+        self.kl_alarm = KLAlarm(cfg.correction.kl_alarm, cfg.correction.kl_alarm_max_in_row)
         self.plan(self.start_step)  # an impossible split fails here, before any server starts
 
     def _prompt_data(self, meta: dict | None) -> None:
@@ -164,34 +166,37 @@ class RLTrainer:
     def sync_weights(self, addresses: list[str], step: int) -> float:
         """Export (collective) and load the learner into every server as ``version(step)``: tensors through
         shared memory for servers on this host, an HF checkpoint on disk otherwise (``rollout.weight_sync``)."""
-        from moe_rl.rollout.weights import WeightSync
-
         if self.from_records:
             return 0.0
-        if self.weight_sync is None:
-            self.weight_sync = WeightSync.from_config(self.cfg, addresses, export_dir=self.run_dir / "hf" / "current",
-                                                      keys=self.server_keys)  # fmt: skip
         around = contextlib.nullcontext
         if self.source is not None:  # async: the batch in flight finishes first, or is paused (rollout.partial)
             from moe_rl.train.producer import push_section
 
             around = lambda: push_section(self.source, self.cfg.rollout, addresses, self.server_keys)  # noqa: E731
-        seconds = self.weight_sync.sync(self.learner.module, addresses if self.is_main else [], self.version(step),
-                                        around_push=around)  # fmt: skip
+        seconds = self._weight_sync(addresses).sync(self.learner.module, addresses if self.is_main else [],
+                                                    self.version(step), around_push=around)  # fmt: skip
         if self.source is not None:
             self.source.weights_pushed(step)
         return seconds
 
-    def resync(self, addresses: list[str], step: int) -> None:
-        """Push the served weights again as ``version(step)`` (rank 0, after a restart or a version mismatch)."""
-        from moe_rl.rollout.weights import update_weights_from_disk
+    def _weight_sync(self, addresses: list[str]):
+        """The run's ``WeightSync`` (created at first use: its mode depends on the servers' hosts)."""
+        from moe_rl.rollout.weights import WeightSync
 
-        ws = self.weight_sync
-        if ws is not None and ws.last_state is not None:
+        if self.weight_sync is None:
+            self.weight_sync = WeightSync.from_config(self.cfg, addresses, export_dir=self.run_dir / "hf" / "current",
+                                                      keys=self.server_keys)  # fmt: skip
+        return self.weight_sync
+
+    def resync(self, addresses: list[str], step: int) -> None:
+        """Push the served weights again as ``version(step)`` (rank 0: at the start, after a restart, a version
+        mismatch or foreign weights); remembered with its fingerprint like every push."""
+        ws = self._weight_sync(addresses)
+        if ws.last_state is not None:
             ws.close()  # distributed: a restarted server lost its group; the full sync rendezvouses again
             ws.push(ws.last_state, addresses, self.version(step))  # a full sync: clears any half-updated state
             return
-        update_weights_from_disk(addresses, self.run_dir / "hf" / "current", self.version(step), keys=self.server_keys)
+        ws.load_dir(self.run_dir / "hf" / "current", addresses, self.version(step))
 
     # ------------------------------------------------------------------ one step
     def rollout(self, client, step: int) -> RolloutBatch:
@@ -240,6 +245,13 @@ class RLTrainer:
         old = ref = None
         if cfg.correction.mode == "decoupled":
             old = old_logprob_rows(cfg, self.learner, self.driver, self.logprob_fn, plan, inputs)
+        if self.kl_alarm.enabled:  # bypass mode: one forward pass at the current weights to measure it
+            pi = old if old is not None else old_logprob_rows(cfg, self.learner, self.driver, self.logprob_fn, plan,
+                                                              inputs)  # fmt: skip
+            kl = self.kl_alarm.batch_kl_k3(batch, pi, width, ksm_active(cfg))
+            if self.kl_alarm.check(step, kl):  # not trained on: the row says why (alarm/*), not offpolicy/kl_k3
+                return {"alarm/kl_k3": kl, "alarm/skipped": 1.0, "reward/mean": float(rewards.mean()),
+                        "time/rollout_s": t_rollout}  # fmt: skip
         if self.reference is not None:
             ref = reference_rows(cfg, self.reference, self.driver, self.logprob_fn, plan, inputs)
         t_old = time.perf_counter() - t1

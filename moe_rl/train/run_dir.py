@@ -62,7 +62,8 @@ RESUME_SAFE_KEYS = (
     "rollout.request_timeout_s", "rollout.startup_timeout_s", "rollout.health_timeout_s",
     "rollout.max_server_restarts", "rollout.api_key_env", "rollout.admin_api_key_env", "logging.*", "train.steps",
     "checkpoint.allow_changes", "checkpoint.overwrite", "parallel.*", "model.build_command",
-    "optim.use_distributed_optimizer",
+    "optim.use_distributed_optimizer", "rollout.max_foreign_syncs", "correction.kl_alarm",
+    "correction.kl_alarm_max_in_row",
 )  # fmt: skip
 
 

@@ -22,6 +22,7 @@ SUMMARY_METRICS: tuple[tuple[str, str, str], ...] = (
     ("reward/mean", "mean reward", ".3f"),
     ("response/len_mean", "mean response length (tokens)", ".1f"),
     ("offpolicy/kl_k3", "KL k3 rollout vs learner", ".2e"),
+    ("alarm/kl_k3", "KL k3 of steps NOT trained on (kl alarm)", ".2e"),
     ("replay/rollout_vs_natural/response/flip_rate", "router flip rate rollout vs learner", ".2%"),
     ("replay/rollout_vs_dispatched/response/flip_rate", "router flip rate rollout vs dispatched", ".2%"),
     ("replay/rollout_vs_natural/response/tokens_with_flip", "tokens with >= 1 flipped layer", ".2%"),

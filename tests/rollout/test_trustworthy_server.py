@@ -175,7 +175,7 @@ def test_batch_with_foreign_weight_versions_is_rejected_then_regenerated_once(ke
     with caplog.at_level(logging.WARNING):
         samples = generate_checked(lambda: client.generate(PROMPTS, 2), "step-0", resync)
     assert len(resyncs) == 1 and {s.weight_version for s in samples} == {"step-0"}
-    assert "re-syncing the weights and regenerating once" in caplog.text
+    assert "re-syncing the weights and regenerating (1/1)" in caplog.text
     # a re-sync that cannot fix it: fail after exactly one regeneration
     update_weights_from_disk(pool.addresses, model_dir_v2, "attacker", keys=keys)
     calls = []

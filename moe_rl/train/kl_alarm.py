@@ -1,0 +1,71 @@
+"""``correction.kl_alarm``: a step whose rollout-vs-learner mismatch is far outside its normal range is not trained on.
+
+Owns the alarm's decision for one step and its bookkeeping. The step's ``offpolicy/kl_k3`` (``moe_rl.algo.metrics``:
+mean(ρ − log ρ − 1), ρ = π_old / μ over the response tokens) is measured on the whole batch before any update: from
+the old-log-prob rows in decoupled mode, from one extra forward pass at the current weights in bypass mode. Above
+the threshold (measured normal ranges in docs/operations.md) the step is skipped: its metrics row carries
+``alarm/kl_k3`` and ``alarm/skipped = 1`` instead of ``offpolicy/kl_k3``, the log says so in one line, and
+``correction.kl_alarm_max_in_row`` skipped steps in a row stop the run (``KLAlarmStop``: one line, exit code 2).
+Rollouts from weights the learner does not hold (foreign weights, a half-applied update, another model) look like
+this; the served-weights fingerprint (``moe_rl.rollout.served_weights``) catches them before, this is the net behind.
+
+Rank 0 decides and broadcasts the value, so every rank skips (or trains) the same step.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from moe_rl.algo.metrics import offpolicy_metrics
+from moe_rl.train.batching import response_row_mask, response_rows
+
+__all__ = ["KLAlarm", "KLAlarmStop"]
+
+logger = logging.getLogger(__name__)
+
+
+class KLAlarmStop(RuntimeError):
+    """``correction.kl_alarm_max_in_row`` steps in a row were over the alarm; the message says why and what to do."""
+
+
+class KLAlarm:
+    """Per run: ``check(step, kl)`` -> skip this step?; counts skipped steps in a row."""
+
+    def __init__(self, threshold: float | None, max_in_row: int):
+        self.threshold, self.max_in_row, self.in_row = threshold, max_in_row, 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.threshold is not None
+
+    @staticmethod
+    def batch_kl_k3(batch, rows: torch.Tensor, width: int, kept_logp: bool) -> float:
+        """``offpolicy/kl_k3`` of the whole batch: ``rows[N, R]`` (π_old) against the rollout log-probs, rank 0's
+        value on every rank."""
+        ids = list(range(len(batch)))
+        mu = response_rows(batch, ids, width, kept_logp=kept_logp).to(rows.device)
+        mask = response_row_mask(batch, ids, width).to(rows.device)
+        value = [float(offpolicy_metrics(rows.float(), mu.float(), mask)["offpolicy/kl_k3"])]
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.broadcast_object_list(value, src=0)  # gloo or NCCL alike
+        return value[0]
+
+    def check(self, step: int, kl: float) -> bool:
+        """True: do not train on ``step`` (logged once); KLAlarmStop after ``max_in_row`` such steps in a row."""
+        if kl <= self.threshold:
+            self.in_row = 0
+            return False
+        self.in_row += 1
+        if self.in_row >= self.max_in_row:
+            raise KLAlarmStop(
+                f"step {step}: offpolicy/kl_k3={kl:.3g} is over correction.kl_alarm={self.threshold:g} for "
+                f"{self.in_row} steps in a row (correction.kl_alarm_max_in_row={self.max_in_row}): the rollouts do "
+                "not come from the weights the learner holds (foreign or half-applied weights, another model, a "
+                "rollout dtype or kernel change); stopping. Check the server and its weights, then resume"
+            )
+        logger.warning("kl alarm: step %d not trained on: offpolicy/kl_k3=%.3g > correction.kl_alarm=%g (%d in a row, "
+                       "stop at %d)", step, kl, self.threshold, self.in_row, self.max_in_row)  # fmt: skip
+        return True
+

@@ -1,0 +1,59 @@
+"""``generate_checked``'s foreign-weights rule: re-sync at most ``rollout.max_foreign_syncs`` times in a row, then stop.
+
+The server side (a real server serving another model under the run's label) is tested in
+``test_server_secrets.py`` and end to end in ``tests/train/test_foreign_weights_e2e.py``; here the counting,
+the one log line and the stop, with the fingerprint check standing in as a callable.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from moe_rl.rollout.integrity import ForeignWeightsError, ForeignWeightsStop, generate_checked
+from moe_rl.rollout.served_weights import PushedWeights, digest, expected_entries, fingerprint_entry
+
+LABEL = "step-3-0a1b2c3d"
+
+
+def _checked(foreign_batches: int, max_syncs: int, caplog):
+    served, resyncs = {"foreign": foreign_batches}, []
+
+    def check_served():
+        if served["foreign"] > 0:
+            served["foreign"] -= 1
+            raise ForeignWeightsError(f"foreign weights on http://h:1 (rank 0): label {LABEL!r} serves fingerprint "
+                                      "aaaa, the trainer pushed bbbb")  # fmt: skip
+
+    with caplog.at_level(logging.WARNING):
+        samples = generate_checked(lambda: [SimpleNamespace(weight_version=LABEL)], LABEL, lambda: resyncs.append(1),
+                                   check_served=check_served, max_foreign_syncs=max_syncs)  # fmt: skip
+    return samples, len(resyncs)
+
+
+def test_foreign_batches_are_resynced_up_to_the_limit_then_the_run_stops(caplog):
+    samples, resyncs = _checked(2, 2, caplog)
+    assert resyncs == 2 and len(samples) == 1
+    lines = [r.getMessage() for r in caplog.records if "foreign weights" in r.getMessage()]
+    assert len(lines) == 2 and all("\n" not in m and "(1/2)" in lines[0] and "re-syncing" in m for m in lines), lines
+    caplog.clear()
+    with pytest.raises(ForeignWeightsStop, match=r"foreign weights .* 2 times in a row \(rollout.max_foreign_syncs\)"):
+        _checked(3, 2, caplog)
+    with pytest.raises(ForeignWeightsStop, match="foreign weights"):  # max_foreign_syncs=0: the first one stops
+        _checked(1, 0, caplog)
+
+
+def test_expected_fingerprint_is_taken_in_the_served_dtype():
+    import torch
+
+    router = torch.randn(8, 64)
+    bf16 = fingerprint_entry(router.to(torch.bfloat16))
+    assert expected_entries({"model.layers.0.mlp.gate.weight": router}, {"model.layers.0.mlp.gate.weight": bf16}) \
+        == {"model.layers.0.mlp.gate.weight": bf16}  # fmt: skip
+    assert fingerprint_entry(router) != fingerprint_entry(router + 1e-6) and bf16.startswith("bfloat16:")
+    pushed = PushedWeights()
+    pushed.remember(LABEL, {"model.norm.weight": torch.ones(4), "model.layers.0.mlp.experts.0.up_proj.weight": router})
+    assert list(pushed.by_label[LABEL]) == ["model.norm.weight"]  # only the fingerprinted names are kept
+    assert digest({"a": "x"}) != digest({"a": "y"})
