@@ -328,6 +328,12 @@ class SlurmConfig(Section):
     master_port: int = Field(29500, ge=1, le=65535)
     partition: str | None = None
     time: str = "24:00:00"
+    signal: Literal["USR1", "USR2"] | None = Field(
+        "USR1", description="the warning SLURM sends signal_lead_s before the time limit (sbatch --signal=B:SIG@s); "
+        "the learner finishes its step, checkpoints and the job requeues itself; None = no warning (SIGTERM is "
+        "not one: scancel sends it too, to every process at once)")
+    signal_lead_s: int = Field(300, ge=10, description="seconds between the warning and the time limit: one step, "
+                               "a checkpoint and stopping the servers must fit")
 
 
 class ExperimentConfig(Section):
