@@ -16,13 +16,15 @@
 #     removed by `down`), exactly what DNS does for node names on a real cluster, so the launch plan
 #     (http://node1:30000, rendezvous at node2) needs no local special case.
 # Environment: SLURM_LOCAL_NODES (default 3), SLURM_LOCAL_PORT (slurmctld port, default 6817; the
-# slurmds use the next N ports), SLURM_LOCAL_KILLWAIT (default 30: SLURM's own default).
+# slurmds use the next N ports), SLURM_LOCAL_KILLWAIT (default 30: SLURM's own default),
+# SLURM_LOCAL_CRED_EXPIRE (default 30: how long a requeued job waits before it starts again; SLURM: 120).
 set -euo pipefail
 
 ACTION=${1:-}
 NODES=${2:-${SLURM_LOCAL_NODES:-3}}
 CTLD_PORT=${SLURM_LOCAL_PORT:-6817}
 KILLWAIT=${SLURM_LOCAL_KILLWAIT:-30}
+CRED_EXPIRE=${SLURM_LOCAL_CRED_EXPIRE:-30}
 CONF_DIR=/etc/slurm
 STATE=/var/spool/moe_rl_slurm
 RUN=/run/moe_rl_slurm
@@ -64,6 +66,8 @@ SlurmctldPort=$CTLD_PORT
 SlurmUser=root
 AuthType=auth/munge
 CredType=cred/munge
+# a requeued job waits cred_expire seconds before it may start again (SLURM's default: 120)
+AuthInfo=cred_expire=$CRED_EXPIRE
 MpiDefault=none
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
