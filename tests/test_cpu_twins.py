@@ -22,8 +22,9 @@ PARALLEL = {"parallel.tp", "parallel.ep", "parallel.etp", "parallel.pp", "parall
 PRECISION = {"precision.params_dtype", "precision.fp8"}
 GPU_ENGINE = {"rollout.device", "rollout.extra_server_args", "rollout.mem_fraction_static", "rollout.max_total_tokens"}
 STEPS = {"train.steps", "checkpoint.save_interval"}
+CPU_MACHINE = {"rollout.startup_timeout_s"}  # issue 39: a CPU server on 2 loaded cores (a SLURM job) starts slowly
 IDENTITY = {"name", "train.output_dir", "checkpoint.init_from_hf"}
-ALLOWED = MODEL_SIZES | BATCH_SIZES | PARALLEL | PRECISION | GPU_ENGINE | STEPS | IDENTITY
+ALLOWED = MODEL_SIZES | BATCH_SIZES | PARALLEL | PRECISION | GPU_ENGINE | STEPS | IDENTITY | CPU_MACHINE
 
 
 def allowed_key(key: str) -> str | None:
