@@ -110,6 +110,7 @@ def test_script_with_fake_srun_starts_servers_then_learner_and_stops_the_servers
 def test_script_propagates_the_learner_exit_code(tmp_path):
     result = _run(tmp_path, _script(tmp_path), FAKE_LEARNER_RC="7")
     assert result.returncode == 7
+    assert f"the learner step failed with exit code 7; its logs: {tmp_path}/run/launch/logs-55/learner-*.log" in result.stderr
 
 
 def test_script_never_starts_the_learner_when_a_server_dies_during_startup(tmp_path):
