@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO
 
 from moe_rl.learner.dist import free_port
 from moe_rl.train.metrics_log import read_metrics
 
+REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slurm, pytest.mark.sglang, pytest.mark.distributed, pytest.mark.timeout(1500)]
 TWIN = REPO / "configs" / "cpu" / "qwen3_30b_a3b.yaml"
 RUN = Path("runs") / "qwen3_30b_a3b_cpu"
