@@ -1,8 +1,10 @@
 """Render a ``LaunchPlan`` as one bash script, and run it: the reviewed text is the executed text.
 
-Owns the script's control flow: write the resolved config, start the rollout servers in the
-background, wait for every ``/health``, run the learner in the foreground, and stop the servers on
-any exit. ``moe-rl launch --dry-run`` prints this script; without ``--dry-run`` it is written to the
+Owns the script's control flow: write the resolved config (and, with no HF checkpoint configured, the
+one the servers start from), start the rollout servers in the background, wait for every ``/health``,
+run the learner while watching the servers (one that exits stops the job, naming its node), pass
+SLURM's warning (``launch.signal``) to the learner and requeue the job once it has checkpointed, and
+stop the servers on any exit. ``moe-rl launch --dry-run`` prints this script; without ``--dry-run`` it is written to the
 run directory and ``exec``-ed, so SLURM's signals reach the script's cleanup trap directly.
 """
 
@@ -100,7 +102,8 @@ def render_script(plan: LaunchPlan) -> str:
         _HELPERS,
     ]
     if plan.stop_signal:
-        lines += [_STOP_HELPERS.replace("JOB_ID", shlex.quote(plan.job_id)), f"trap 'on_stop {plan.stop_signal}' {plan.stop_signal}", ""]
+        lines += [_STOP_HELPERS.replace("JOB_ID", q(plan.job_id)),
+                  f"trap 'on_stop {plan.stop_signal}' {plan.stop_signal}", ""]  # fmt: skip
     if plan.generated_key_env:  # drawn when the job runs: in no file, on no command line
         lines += ["# a fresh random admin key for this job's rollout servers (srun --export=ALL hands it on)",
                   f"export {plan.generated_key_env}=\"$(head -c 32 /dev/urandom | od -An -tx1 -v | tr -d ' \\n')\"",
