@@ -7,12 +7,14 @@ test using it skips with the reason and the command that fixes it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,7 +61,7 @@ class SlurmCluster:
                              check=False)
         return dict(kv.split("=", 1) for kv in out.stdout.split() if "=" in kv)
 
-    def wait(self, job_id: str, until=lambda info: info.get("JobState") in ENDED, timeout_s: float = 900) -> dict:
+    def wait(self, job_id: str, until=lambda info: info.get("JobState") in ENDED, timeout_s: float = 1800) -> dict:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             info = self.job(job_id)
@@ -68,6 +70,15 @@ class SlurmCluster:
             time.sleep(2)
         subprocess.run(["scancel", job_id], timeout=30, check=False)
         raise AssertionError(f"job {job_id} not done within {timeout_s} s: {self.job(job_id)}")
+
+    @contextlib.contextmanager
+    def cancelled_on_failure(self, job_id: str) -> Iterator[None]:
+        """A failed check inside the block cancels the job (no test leaves a job running)."""
+        try:
+            yield
+        except BaseException:
+            subprocess.run(["scancel", job_id], timeout=30, check=False)
+            raise
 
     def signal_batch(self, job_id: str, sig: str) -> None:
         """What ``#SBATCH --signal=B:<sig>@<s>`` does at <s> seconds before the time limit."""
