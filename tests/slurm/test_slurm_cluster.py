@@ -21,6 +21,7 @@ from moe_rl.learner.dist import free_port
 from moe_rl.train.metrics_log import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 pytestmark = [pytest.mark.slurm, pytest.mark.sglang, pytest.mark.distributed, pytest.mark.timeout(3600)]
 TWIN = REPO / "configs" / "cpu" / "qwen3_30b_a3b.yaml"
 RUN = Path("runs") / "qwen3_30b_a3b_cpu"
@@ -41,10 +42,16 @@ def _steady(metrics: list[dict]) -> list[dict]:
     return [{k: v for k, v in m.items() if not k.startswith(VOLATILE)} for m in metrics]
 
 
-def _wait_for(predicate, what: str, timeout_s: float = 1800, poll_s: float = 1.0) -> None:
-    deadline = time.monotonic() + timeout_s
+def _wait_for(predicate, what: str, cluster, job: str, cwd: Path, timeout_s: float = 1800, poll_s: float = 1.0) -> None:
+    """Poll ``predicate`` while ``job`` runs; a job that ended first fails the test with its output."""
+    deadline, looked = time.monotonic() + timeout_s, 0.0
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        if time.monotonic() - looked > 5:
+            looked = time.monotonic()
+            info = cluster.job(job)
+            assert info.get("JobState") not in ENDED, f"job {job} ended ({info.get('JobState')}) before {what}:\n" + \
+                _job_log(cwd, job)[-3000:] + _learner_logs(cwd, job)[-3000:]  # fmt: skip
         time.sleep(poll_s)
 
 
@@ -76,7 +83,7 @@ def test_warned_twin_job_on_three_nodes_checkpoints_requeues_itself_and_complete
     job = slurm_cluster.submit(TWIN, tmp_path)
     records = tmp_path / RUN / "rollouts" / "step_000000.safetensors"
     with slurm_cluster.cancelled_on_failure(job):
-        _wait_for(records.exists, "step 1's rollout records", poll_s=0.1)  # step 1 trains for seconds: signal now
+        _wait_for(records.exists, "step 1's rollout records", slurm_cluster, job, tmp_path, poll_s=0.1)  # signal now
         slurm_cluster.signal_batch(job, "USR1")
         info = slurm_cluster.wait(job, timeout_s=3000)
     out, logs = _job_log(tmp_path, job), _learner_logs(tmp_path, job)
@@ -101,7 +108,8 @@ def test_scancel_stops_every_step_and_leaves_no_process(slurm_cluster, tmp_path)
     job = slurm_cluster.submit(TWIN, tmp_path)
     logs = tmp_path / RUN / "launch" / f"logs-{job}"
     with slurm_cluster.cancelled_on_failure(job):
-        _wait_for(lambda: all((logs / f"learner-{n}.log").exists() for n in ("node2", "node3")), "both learner nodes")
+        _wait_for(lambda: all((logs / f"learner-{n}.log").exists() for n in ("node2", "node3")), "both learner nodes",
+                  slurm_cluster, job, tmp_path)  # fmt: skip
         assert slurm_cluster.job_processes(job)  # the check below can see the job's processes
     subprocess.run(["scancel", job], check=True, timeout=30)
     info = slurm_cluster.wait(job)
