@@ -107,11 +107,22 @@ def _records_inspect(args) -> int:
 
 
 def _train(args) -> int:
-    cfg = _checked_config(args, env=True)
-    from moe_rl.train.loop import train
-    from moe_rl.train.summary import print_closing_summary
+    from moe_rl.train.stop_signal import REQUEUE_EXIT_CODE, StopRequest
 
-    print_closing_summary(train(cfg))
+    cfg = load_config(args.config, _overrides(args))
+    stop = StopRequest.for_config(cfg)
+    with stop.installed():  # armed before the heavy imports: SLURM's warning may come at any time
+        cfg = _checked_config(args, env=True)
+        from moe_rl.train.loop import train
+        from moe_rl.train.summary import print_closing_summary
+
+        run_dir = train(cfg, stop)
+    if stop.stopped_after is not None:
+        print(f"moe_rl: stopped after step {stop.stopped_after} of {cfg.train.steps} on SLURM's warning signal "
+              f"(launch.signal={cfg.launch.signal}); checkpoint written; exit {REQUEUE_EXIT_CODE}: requeue to resume",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return REQUEUE_EXIT_CODE
+    print_closing_summary(run_dir)
     return 0
 
 

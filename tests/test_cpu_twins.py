@@ -27,8 +27,9 @@ GPU_ENGINE = {"rollout.device", "rollout.extra_server_args", "rollout.mem_fracti
 # optimizer_cpu_offload moves GPU state to the host, which moe_rl.learner.optimizer refuses without CUDA.
 NEEDS_TE = {"optim.use_precision_aware_optimizer", "optim.optimizer_cpu_offload"}
 STEPS = {"train.steps", "checkpoint.save_interval"}
+CPU_MACHINE = {"rollout.startup_timeout_s"}  # issue 39: a CPU server on 2 loaded cores (a SLURM job) starts slowly
 IDENTITY = {"name", "train.output_dir", "checkpoint.init_from_hf"}
-ALLOWED = MODEL_SIZES | BATCH_SIZES | PARALLEL | PRECISION | GPU_ENGINE | NEEDS_TE | STEPS | IDENTITY
+ALLOWED = MODEL_SIZES | BATCH_SIZES | PARALLEL | PRECISION | GPU_ENGINE | NEEDS_TE | STEPS | IDENTITY | CPU_MACHINE
 
 
 def allowed_key(key: str) -> str | None:
@@ -82,3 +83,20 @@ def test_the_twin_diff_catches_a_feature_change(tmp_path):
     changed.write_text(text.replace("replay:", "replay_unused:") + "replay:\n  routing: r2\n")
     diffs = twin_differences(changed, CONFIGS / twin.name)
     assert diffs["replay.routing"] == ("r3", "r2") and allowed_key("replay.routing") is None
+
+
+@pytest.mark.parametrize("twin", TWINS, ids=lambda p: p.stem)
+def test_twin_launch_fits_the_local_slurm_cluster_as_shipped(twin):
+    """Issue 39: node1..node3 with CPUs=1 RealMemory=7000 Gres=gpu:8 each (scripts/slurm_local.sh): the twin's job
+    asks for 3 nodes, a GPU count a node has, no CPUs per task and no memory, and runs its 2 learner ranks one per
+    learner node (the model parallelism of test_cpu_twin_runs: ep=2, or pp=2 for the 235B twin)."""
+    from moe_rl.launch import build_launch_plan, sbatch_args
+
+    cfg = load_config(twin)
+    args = sbatch_args(cfg)
+    assert "--nodes=3" in args and "--gpus-per-node=1" in args and "--ntasks-per-node=1" in args
+    assert not [a for a in args if a.startswith(("--mem", "--cpus-per-task", "--gres"))]
+    plan = build_launch_plan(cfg, {"SLURM_JOB_NODELIST": "node[1-3]", "SLURM_JOB_ID": "1", "SLURM_GPUS_ON_NODE": "1"})
+    assert [s.nodes for s in plan.rollout_steps] == [("node1",)] and plan.learner_step.nodes == ("node2", "node3")
+    assert "--nproc-per-node=1" in plan.learner_step.command
+    assert cfg.parallel.ep * cfg.parallel.pp == 2 and plan.init_hf  # no HF checkpoint: the job writes one

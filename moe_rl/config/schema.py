@@ -345,6 +345,12 @@ class SlurmConfig(Section):
         80.0, gt=0, description="memory of one learner GPU (GB = 1e9 bytes): the memory plan refuses a layout whose "
         "weights, gradients and optimizer state alone exceed it (moe_rl.config.memory_plan)"
     )
+    signal: Literal["USR1", "USR2"] | None = Field(
+        "USR1", description="the warning SLURM sends signal_lead_s before the time limit (sbatch --signal=B:SIG@s); "
+        "the learner finishes its step, checkpoints and the job requeues itself; None = no warning (SIGTERM is "
+        "not one: scancel sends it too, to every process at once)")
+    signal_lead_s: int = Field(300, ge=10, description="seconds between the warning and the time limit: one step, "
+                               "a checkpoint and stopping the servers must fit")
 
 
 class ExperimentConfig(Section):

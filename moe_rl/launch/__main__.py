@@ -1,15 +1,37 @@
-"""Helpers for the shell launchers in ``launch/``: ``python -m moe_rl.launch {sbatch-args,check-world}``.
+"""Helpers for the shell launchers in ``launch/``: ``python -m moe_rl.launch {sbatch-args,check-world,init-hf}``.
 
-Owns nothing but argument plumbing; the rules live in ``plan.py``.
+Owns argument plumbing and writing a job's initial HF checkpoint; the rules live in ``plan.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
+import tempfile
+from pathlib import Path
 
 from moe_rl.config import ConfigError, load_config
 from moe_rl.launch.plan import check_learner_world, sbatch_args
+
+
+def write_initial_hf(cfg, out: Path) -> str:
+    """A random-init HF checkpoint of ``cfg.model`` at ``out`` (seed ``train.seed``), written to a temporary
+    directory and renamed into place; an existing one is kept (a requeued job serves the same files)."""
+    if (out / "config.json").is_file():
+        return f"kept {out}"
+    from moe_rl.learner.hf_init import write_random_hf_checkpoint
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out, ignore_errors=True)  # an incomplete one (no config.json)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    try:
+        write_random_hf_checkpoint(cfg.model, tmp, seed=cfg.train.seed)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return f"wrote {out}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,10 +44,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, required=True)
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", metavar="a.b=value")
+    p = sub.add_parser("init-hf", help="write the random-init HF checkpoint a job's servers start from (kept if present)")
+    p.add_argument("config")
+    p.add_argument("out")
     args = parser.parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
-        if args.action == "sbatch-args":
+        cfg = load_config(args.config, getattr(args, "overrides", []))
+        if args.action == "init-hf":
+            print(write_initial_hf(cfg, Path(args.out)))
+        elif args.action == "sbatch-args":
             print(" ".join(sbatch_args(cfg)))
         else:
             dp, edp = check_learner_world(cfg, args.nproc, f"NPROC={args.nproc}")

@@ -24,6 +24,8 @@ from moe_rl.rollout.launcher import ServerSpec, server_command, server_env
 
 logger = logging.getLogger(__name__)
 PYTHON = "python"  # interpreter on the compute nodes: whatever `python` the job's environment puts first
+# `bash -c LOG_PER_NODE LOG_DIR CMD...`: CMD's output to LOG_DIR/learner-<SLURM node name>.log
+LOG_PER_NODE = 'exec "$@" >>"$0/learner-${SLURMD_NODENAME:-$(hostname -s)}.log" 2>&1'
 CONFIG_HEREDOC_END = "MOE_RL_CONFIG_EOF"
 _OVERRIDE = re.compile(r"^\w+(\.\w+)+=")  # a dotted config override token: one per line when rendered
 # Flags the launcher sets from the config; a copy in rollout.extra_server_args would silently win.
@@ -69,6 +71,9 @@ class LaunchPlan:
     notes: tuple[str, ...] = ()
     generated_key_env: str | None = None  # the script exports a fresh random admin key under this name
     memory: tuple[str, ...] = ()  # the memory plan's lines (moe_rl.config.memory_plan), per GPU and per node
+    log_dir: str = ""  # rollout-<node>.log and learner-<node>.log (named by SLURM node name)
+    init_hf: tuple[str, ...] = ()  # command writing the HF dir the servers start from (no HF checkpoint configured)
+    stop_signal: str | None = None  # launch.signal: forwarded to the learner, then the job requeues itself
 
 
 def sbatch_args(cfg: ExperimentConfig) -> list[str]:
@@ -82,6 +87,8 @@ def sbatch_args(cfg: ExperimentConfig) -> list[str]:
         "--exclusive",
         f"--time={ln.time}",
     ]
+    if ln.signal:  # SLURM's warning to the batch shell before the time limit; the job then requeues itself
+        args += [f"--signal=B:{ln.signal}@{ln.signal_lead_s}", "--requeue"]
     if ln.partition:
         args.append(f"--partition={ln.partition}")
     return args
@@ -175,18 +182,25 @@ def _check_gpus_on_node(cfg: ExperimentConfig, env: Mapping[str, str]) -> None:
         )
 
 
+def initial_served_dir(cfg: ExperimentConfig) -> tuple[str, bool]:
+    """``(dir, generated)``: the HF checkpoint the servers start from. Without ``checkpoint.init_from_hf`` /
+    ``model.hf_path`` the job writes a random-init one (the model section's architecture) to
+    ``<train.output_dir>/hf/initial`` first; the learner pushes its own weights before the first rollout."""
+    from moe_rl.config.hf_model import initial_weights_dir
+
+    given = initial_weights_dir(cfg)
+    return (given, False) if given else (str(PurePosixPath(cfg.train.output_dir) / "hf" / "initial"), True)
+
+
 def _rollout_steps(
-    cfg: ExperimentConfig, nodes: list[str], log_dir: str
+    cfg: ExperimentConfig, nodes: list[str], log_dir: str, job_env: Mapping[str, str]
 ) -> tuple[list[SrunStep], list[str], list[str]]:
     """One SGLang server per rollout node, listening on all interfaces at ``launch.rollout_port``."""
     ln, notes = cfg.launch, []
-    from moe_rl.config.hf_model import initial_weights_dir
-
-    if initial_weights_dir(cfg) is None:
-        raise LaunchError(
-            "rollout servers need a HF checkpoint to serve: set model.hf_path or checkpoint.init_from_hf "
-            "(the learner initialises from the same directory)"
-        )
+    served, generated = initial_served_dir(cfg)
+    if generated:
+        notes.append(f"no HF checkpoint configured: the job writes a random-init one to {served} for the servers "
+                     "to start from; the learner pushes its weights before the first rollout")  # fmt: skip
     per_server = rollout_gpus_per_server(cfg)
     if cfg.rollout.device == "cuda":
         if per_server > ln.gpus_per_node:
@@ -202,7 +216,7 @@ def _rollout_steps(
     # 0.0.0.0: the learner nodes connect from outside; same flags as the local launcher otherwise.
     # No key configured: the script draws a fresh admin key at run time (generated_key_env), never in a file.
     keys = {} if _configured_keys(cfg) else {"admin_api_key_env": RUN_ADMIN_KEY_ENV}
-    spec = ServerSpec.from_rollout_config(cfg.rollout, initial_weights_dir(cfg), host="0.0.0.0",
+    spec = ServerSpec.from_rollout_config(cfg.rollout, served, host="0.0.0.0",
                                           port=ln.rollout_port, **keys)  # fmt: skip
     if keys:
         notes.append(f"no rollout.api_key_env: a fresh random admin key for this job is exported as "
@@ -213,7 +227,8 @@ def _rollout_steps(
         if cfg.rollout.device == "cuda":
             srun.append(f"--gpus-per-node={ln.gpus_per_node}")
         srun += ["--kill-on-bad-exit=1", f"--output={log_dir}/rollout-{node}.log"]
-        env = tuple(server_env(spec, base={}).items())  # CPU engine switch + stand-ins; PYTHONUNBUFFERED
+        # CPU engine switch + stand-ins (ahead of the job's own PYTHONPATH, if any); PYTHONUNBUFFERED
+        env = tuple(server_env(spec, base={k: v for k, v in job_env.items() if k == "PYTHONPATH"}).items())
         command = tuple(server_command(spec, ln.rollout_port, PYTHON))
         steps.append(SrunStep("rollout", (node,), tuple(srun), command, env))
         urls.append(f"http://{node}:{ln.rollout_port}")
@@ -245,7 +260,7 @@ def _learner_step(cfg: ExperimentConfig, nodes: list[str], addresses: list[str],
         f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}", "--ntasks-per-node=1", f"--nodelist={','.join(nodes)}",
         # parallel.backend=gloo: a CPU learner, launch.gpus_per_node is then processes per node
         *(() if p.backend == "gloo" else (f"--gpus-per-node={ln.gpus_per_node}",)),
-        "--kill-on-bad-exit=1", f"--output={log_dir}/learner-%N.log",
+        "--kill-on-bad-exit=1",
     )  # fmt: skip
     # Parallel sizes are repeated as overrides so the reviewed command shows the learner layout.
     addr_yaml = "[" + ",".join(f'"{a}"' for a in addresses) + "]"
@@ -254,9 +269,15 @@ def _learner_step(cfg: ExperimentConfig, nodes: list[str], addresses: list[str],
         f"parallel.etp={'null' if p.etp is None else p.etp}", f"rollout.addresses={addr_yaml}",
         *((f"rollout.admin_api_key_env={key_env}",) if key_env else ()),  # the job's generated key, by name
     )  # fmt: skip
+    # torchrun passes launch.signal on to the ranks (its default set lacks USR1/USR2) and gives them
+    # launch.signal_lead_s to finish the step and checkpoint before it kills them.
+    signals = (f"--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIG{ln.signal}",
+               f"--shutdown-timeout={ln.signal_lead_s}") if ln.signal else ()  # fmt: skip
     command = (
+        # one log per node, named by SLURM node name (srun's %N is the host name: several slurmd share a host)
+        "bash", "-c", LOG_PER_NODE, log_dir,
         "torchrun", f"--nnodes={len(nodes)}", f"--nproc-per-node={ln.gpus_per_node}",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint={nodes[0]}:{ln.master_port}", f"--rdzv-id={job_id}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint={nodes[0]}:{ln.master_port}", f"--rdzv-id={job_id}", *signals,
         "-m", "moe_rl.cli", "train", config_path, *overrides,
     )  # fmt: skip
     return SrunStep("learner", tuple(nodes), srun, command)
@@ -289,7 +310,7 @@ def build_launch_plan(cfg: ExperimentConfig, env: Mapping[str, str]) -> LaunchPl
         notes.append(f"{len(nodes) - needed} allocated node(s) stay idle: {' '.join(nodes[needed:])}")
     rollout_nodes, learner_nodes = nodes[: ln.rollout_nodes], nodes[ln.rollout_nodes : needed]
     rollout_steps, urls, rollout_notes = (
-        _rollout_steps(cfg, rollout_nodes, log_dir) if ln.rollout_nodes else ([], [], [])
+        _rollout_steps(cfg, rollout_nodes, log_dir, env) if ln.rollout_nodes else ([], [], [])
     )
     addresses = urls or list(cfg.rollout.addresses)
     generated = RUN_ADMIN_KEY_ENV if rollout_steps and not _configured_keys(cfg) else None
@@ -314,6 +335,10 @@ def build_launch_plan(cfg: ExperimentConfig, env: Mapping[str, str]) -> LaunchPl
         notes=tuple(notes + rollout_notes),
         generated_key_env=generated,
         memory=tuple(memory_plan(cfg).lines()),  # world = launch.learner_nodes * launch.gpus_per_node
+        log_dir=log_dir,
+        init_hf=(PYTHON, "-m", "moe_rl.launch", "init-hf", config_path, initial_served_dir(cfg)[0])
+        if rollout_steps and initial_served_dir(cfg)[1] else (),
+        stop_signal=ln.signal,
     )
 
 

@@ -1,8 +1,10 @@
 """Render a ``LaunchPlan`` as one bash script, and run it: the reviewed text is the executed text.
 
-Owns the script's control flow: write the resolved config, start the rollout servers in the
-background, wait for every ``/health``, run the learner in the foreground, and stop the servers on
-any exit. ``moe-rl launch --dry-run`` prints this script; without ``--dry-run`` it is written to the
+Owns the script's control flow: write the resolved config (and, with no HF checkpoint configured, the
+one the servers start from), start the rollout servers in the background, wait for every ``/health``,
+run the learner while watching the servers (one that exits stops the job, naming its node), pass
+SLURM's warning (``launch.signal``) to the learner and requeue the job once it has checkpointed, and
+stop the servers on any exit. ``moe-rl launch --dry-run`` prints this script; without ``--dry-run`` it is written to the
 run directory and ``exec``-ed, so SLURM's signals reach the script's cleanup trap directly.
 """
 
@@ -19,9 +21,10 @@ from moe_rl.config import ExperimentConfig
 from moe_rl.launch.plan import CONFIG_HEREDOC_END, LaunchPlan, build_launch_plan, quote_argv
 
 _HELPERS = """\
-rollout_pids=()
+rollout_pids=() rollout_nodes=() learner_pid="" stop_signal=""
 cleanup() {
-  for pid in "${rollout_pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+  trap - TERM INT USR1 USR2
+  for pid in "${rollout_pids[@]}" $learner_pid; do kill "$pid" 2>/dev/null || true; done
   wait 2>/dev/null || true
 }
 trap cleanup EXIT
@@ -42,12 +45,47 @@ wait_healthy() {  # wait_healthy URL TIMEOUT_S: poll URL/health while every roll
 }
 """
 
+# launch.signal: SLURM's warning reaches this shell only (sbatch --signal=B:...). It is passed to the
+# learner step (srun forwards it to torchrun, which forwards it to the ranks); the learner finishes its
+# step, checkpoints and exits; then the servers stop and the job requeues itself. A warning that comes
+# before the learner started requeues at once (nothing to save).
+_STOP_HELPERS = """\
+on_stop() {
+  stop_signal=$1
+  echo "moe_rl: got SIG$1 (launch.signal): the learner finishes its step and checkpoints; then the job requeues" >&2
+  if [[ -n $learner_pid ]]; then kill -"$1" "$learner_pid" 2>/dev/null || true; else requeue_now; fi
+}
+requeue_now() {
+  cleanup
+  echo "moe_rl: requeueing job JOB_ID (scontrol requeue); it resumes from the last checkpoint" >&2
+  scontrol requeue JOB_ID
+  exit 0
+}
+"""
+
+# Wait for the learner while watching the servers; the learner's exit code is the script's.
+_WAIT_LEARNER = """\
+learner_rc=""
+while [[ -z $learner_rc ]]; do
+  wait -n -p done_pid "$learner_pid" "${rollout_pids[@]}" && rc=0 || rc=$?
+  if [[ -z ${done_pid:-} ]]; then continue; fi  # a trapped signal interrupted the wait
+  if [[ $done_pid == "$learner_pid" ]]; then learner_rc=$rc; break; fi
+  for i in "${!rollout_pids[@]}"; do
+    if [[ ${rollout_pids[$i]} == "$done_pid" ]]; then
+      echo "moe_rl: the rollout server on ${rollout_nodes[$i]} exited (code $rc) while the learner ran; stopping the job" \\
+        "(servers on other nodes are not restarted by the learner; log: LOG_DIR/rollout-${rollout_nodes[$i]}.log)" >&2
+      exit 1
+    fi
+  done
+  done_pid=""
+done
+"""
+
 
 def render_script(plan: LaunchPlan) -> str:
     """The bash text that performs ``plan``; every command appears literally (no loops over nodes)."""
     q = shlex.quote
     launch_dir = str(Path(plan.config_path).parent)
-    log_dir = _log_dir(plan)
     lines = [
         "#!/usr/bin/env bash",
         f"# moe_rl launch plan for experiment {plan.name!r}, SLURM job {plan.job_id} (rendered by `moe-rl launch`).",
@@ -57,36 +95,46 @@ def render_script(plan: LaunchPlan) -> str:
         *(f"# note: {note}" for note in plan.notes),
         *(f"# {line}" for line in plan.memory),
         "set -eo pipefail",
-        f"mkdir -p {q(launch_dir)} {q(log_dir)}",
+        f"mkdir -p {q(launch_dir)} {q(plan.log_dir)}",
         f"cat > {q(plan.config_path)} <<'{CONFIG_HEREDOC_END}'",
         plan.config_yaml.rstrip("\n"),
         CONFIG_HEREDOC_END,
         "",
         _HELPERS,
     ]
+    if plan.stop_signal:
+        lines += [_STOP_HELPERS.replace("JOB_ID", q(plan.job_id)),
+                  f"trap 'on_stop {plan.stop_signal}' {plan.stop_signal}", ""]  # fmt: skip
     if plan.generated_key_env:  # drawn when the job runs: in no file, on no command line
         lines += ["# a fresh random admin key for this job's rollout servers (srun --export=ALL hands it on)",
                   f"export {plan.generated_key_env}=\"$(head -c 32 /dev/urandom | od -An -tx1 -v | tr -d ' \\n')\"",
                   ""]  # fmt: skip
+    if plan.init_hf:
+        lines += ["# the HF checkpoint the servers start from (random init of the model section; kept on requeue)",
+                  quote_argv(list(plan.init_hf)), ""]  # fmt: skip
     for i, step in enumerate(plan.rollout_steps, 1):
         lines += [f"# rollout server {i}/{len(plan.rollout_steps)} on {step.nodes[0]}",
-                  quote_argv(step.argv) + " &", "rollout_pids+=($!)", ""]  # fmt: skip
+                  quote_argv(step.argv) + " &", f"rollout_pids+=($!) rollout_nodes+=({q(step.nodes[0])})", ""]  # fmt: skip
     for url in plan.rollout_urls:
         lines.append(f"wait_healthy {q(url)} {int(plan.startup_timeout_s)}")
     lines += [
         "",
-        f"# learner: {len(plan.learner_step.nodes)} node(s), rendezvous at {plan.learner_step.nodes[0]}",
-        quote_argv(plan.learner_step.argv),
+        (f"# learner: {len(plan.learner_step.nodes)} node(s), rendezvous at {plan.learner_step.nodes[0]}, "
+         f"logs {plan.log_dir}/learner-<node>.log"),
+        quote_argv(plan.learner_step.argv) + " &",
+        "learner_pid=$!",
+        _WAIT_LEARNER.replace("LOG_DIR", plan.log_dir),
+    ]
+    if plan.stop_signal:
+        lines += ['if [[ -n $stop_signal ]]; then requeue_now; fi']
+    lines += [
+        'if ((learner_rc != 0)); then',
+        f'  echo "moe_rl: the learner step failed with exit code $learner_rc; its logs: {plan.log_dir}/learner-*.log" >&2',
+        "fi",
+        "exit $learner_rc",
         "",
     ]
     return "\n".join(lines)
-
-
-def _log_dir(plan: LaunchPlan) -> str:
-    for arg in plan.learner_step.srun_args:
-        if arg.startswith("--output="):
-            return str(Path(arg.removeprefix("--output=")).parent)
-    raise AssertionError("learner step has no --output")  # build_launch_plan always sets it
 
 
 def _write_atomic(path: Path, text: str) -> Path:

@@ -45,6 +45,7 @@ from moe_rl.train.run_identity import resolve_run_id, version_nonce, write_check
 from moe_rl.train.staleness import StepStaleness
 from moe_rl.train.step_records import StepRecords
 from moe_rl.train.step_samples import StepSamples
+from moe_rl.train.stop_signal import StopRequest
 from moe_rl.train.update import StepInputs, old_logprob_rows, reference_rows, step_advantages, update_minibatch
 
 __all__ = ["RLTrainer", "train", "check_supported", "ROLLOUTS_DIR"]
@@ -90,6 +91,7 @@ class RLTrainer:
             save_config(cfg, self.run_dir / "config.yaml")
             write_run_id(self.run_dir, self.run_id)
             write_checkpoint_identity(self.ckpt_dir, self.run_id, self.run_dir)  # whose checkpoints these are
+        self.stop = StopRequest(None)  # train() arms launch.signal's handler (moe_rl.train.stop_signal)
         self.server_keys, self.server_pool = None, None  # set by run(): auth (a generated key by default), restarts
         self.weight_sync = None  # created at the first sync (its mode depends on the servers' hosts)
         if meta is None:  # a fresh run starts from the cached supervised warm start (train.warm_start)
@@ -343,13 +345,17 @@ class RLTrainer:
                     # log before checkpointing: a kill in between resumes from the older checkpoint,
                     # which cuts this line again, so no step's metrics can go missing
                     logger.log(step + 1, metrics)
+                    stopping = self.stop.agreed() and step + 1 < cfg.train.steps  # SLURM's warning (launch.signal)
                     if cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0 \
-                            or step + 1 == cfg.train.steps:  # fmt: skip
+                            or step + 1 == cfg.train.steps or stopping:  # fmt: skip
                         self._save_reference()  # first: no checkpoint exists without its reference
                         extra, files = self._checkpoint_contents(step + 1)
                         save_checkpoint(self.learner, self.ckpt_dir, cfg.checkpoint.keep_last, extra=extra,
                                         step=step + 1, files=files)  # dirs named by RL step
-                if self.weight_sync is not None and self.weight_sync.mode != "disk":
+                    if stopping:
+                        self.stop.stopped_after = step + 1
+                        break
+                if self.weight_sync is not None and self.weight_sync.mode != "disk" and self.stop.stopped_after is None:
                     self.export_weights()  # <run>/hf/current holds the final weights whatever the sync path
         finally:
             logger.close()
@@ -405,6 +411,13 @@ def _mean(records: list[dict]) -> dict[str, float]:
     return {k: float(np.mean([r[k] for r in records if k in r])) for k in keys}
 
 
-def train(cfg: ExperimentConfig) -> Path:
-    """Run RL training for ``cfg``; returns the run directory (metrics.jsonl, rollouts/, checkpoints/)."""
-    return RLTrainer(cfg).run()
+def train(cfg: ExperimentConfig, stop: StopRequest | None = None) -> Path:
+    """Run RL training for ``cfg``; returns the run directory (metrics.jsonl, rollouts/, checkpoints/).
+
+    ``stop`` (default: ``launch.signal``'s, armed here): its signal ends the run after the step in progress,
+    with a checkpoint; ``stop.stopped_after`` then names that step."""
+    stop = StopRequest.for_config(cfg) if stop is None else stop
+    with stop.installed():
+        trainer = RLTrainer(cfg)
+        trainer.stop = stop
+        return trainer.run()

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 import yaml
@@ -32,7 +34,15 @@ done
 # the learner step (and any server) must find the generated key it is handed by name in its environment
 for a in "$@"; do [[ $a == rollout.admin_api_key_env=* ]] && keyvar=${a#rollout.admin_api_key_env=}; done
 [[ -z $keyvar || -n ${!keyvar:-} ]] || exit 4
+if [[ -n "${FAKE_LEARNER_RUNS:-}" ]]; then  # a learner that runs until the forwarded warning, then stops
+  trap 'echo "learner got USR1" >> "$FAKE_LOG.signals"; exit 75' USR1
+  touch "$FAKE_LOG.learner"
+  while :; do sleep 0.1; done
+fi
 exit "${FAKE_LEARNER_RC:-0}"
+"""
+FAKE_SCONTROL = r"""#!/usr/bin/env bash
+echo "scontrol $*" >> "$FAKE_LOG.signals"
 """
 # Fake curl: /health answers once the fake server step on that host is running.
 FAKE_CURL = r"""#!/usr/bin/env bash
@@ -45,7 +55,7 @@ grep -qs " $host\$" "$FAKE_PIDS"
 def _bin(tmp_path: Path) -> Path:
     d = tmp_path / "bin"
     d.mkdir()
-    for name, text in (("srun", FAKE_SRUN), ("curl", FAKE_CURL)):
+    for name, text in (("srun", FAKE_SRUN), ("curl", FAKE_CURL), ("scontrol", FAKE_SCONTROL)):
         (d / name).write_text(text)
         (d / name).chmod(stat.S_IRWXU)
     return d
@@ -100,6 +110,7 @@ def test_script_with_fake_srun_starts_servers_then_learner_and_stops_the_servers
 def test_script_propagates_the_learner_exit_code(tmp_path):
     result = _run(tmp_path, _script(tmp_path), FAKE_LEARNER_RC="7")
     assert result.returncode == 7
+    assert f"the learner step failed with exit code 7; its logs: {tmp_path}/run/launch/logs-55/learner-*.log" in result.stderr
 
 
 def test_script_never_starts_the_learner_when_a_server_dies_during_startup(tmp_path):
@@ -117,3 +128,48 @@ def test_cli_dry_run_prints_the_plan_and_reports_config_errors(monkeypatch, caps
     assert sum(1 for c in rendered_commands(out) if "torchrun" in c) == 1
     assert cli.main(["launch", str(QWEN3), "launch.learner_nodes=1", "launch.gpus_per_node=2", "--dry-run"]) == 2
     assert "parallel.tp*parallel.pp*parallel.cp" in capsys.readouterr().err
+
+
+def test_warning_signal_reaches_the_learner_then_the_job_requeues_itself(tmp_path):
+    """Issue 39: SLURM's USR1 (--signal=B:USR1@s) goes to the learner step; after it exits, servers stop and
+    the script runs `scontrol requeue <job>` (not while the learner still runs) and exits 0."""
+    script = _script(tmp_path)
+    assert "--signal=B:USR1@300 --requeue" in script
+    (learner,) = [c for c in rendered_commands(script) if "torchrun" in c]
+    assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in learner and "--shutdown-timeout=300" in learner
+    path = tmp_path / "launch.sh"
+    path.write_text(script)
+    env = {**os.environ, "PATH": f"{_bin(tmp_path)}:{os.environ['PATH']}", "FAKE_LOG": str(tmp_path / "srun.log"),
+           "FAKE_PIDS": str(tmp_path / "pids"), "FAKE_LEARNER_RUNS": "1"}  # fmt: skip
+    proc = subprocess.Popen(["bash", str(path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "srun.log.learner").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    assert not (tmp_path / "srun.log.signals").exists()
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert (tmp_path / "srun.log.signals").read_text().splitlines() == ["learner got USR1", "scontrol requeue 55"]
+    assert "requeueing job 55" in err
+    for pid in (int(line.split()[0]) for line in (tmp_path / "pids").read_text().splitlines()):
+        assert not Path(f"/proc/{pid}").exists(), f"rollout server step {pid} outlived the script"
+
+
+def test_a_server_that_dies_while_the_learner_runs_stops_the_job_naming_its_node(tmp_path):
+    script = _script(tmp_path)
+    path = tmp_path / "launch.sh"
+    path.write_text(script)
+    env = {**os.environ, "PATH": f"{_bin(tmp_path)}:{os.environ['PATH']}", "FAKE_LOG": str(tmp_path / "srun.log"),
+           "FAKE_PIDS": str(tmp_path / "pids"), "FAKE_LEARNER_RUNS": "1"}  # fmt: skip
+    proc = subprocess.Popen(["bash", str(path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "srun.log.learner").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    pid, node = (tmp_path / "pids").read_text().splitlines()[1].split()
+    os.kill(int(pid), signal.SIGKILL)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1
+    assert f"the rollout server on {node} exited (code 137) while the learner ran" in err
+    assert not (tmp_path / "srun.log.signals").exists()  # no requeue: a failure, not a warning

@@ -27,6 +27,7 @@ LOCAL_SRUN = r"""#!/usr/bin/env bash
 out=/dev/stdout
 while [[ $# -gt 0 && $1 == --* ]]; do
   [[ $1 == --output=* ]] && out=${1#--output=}
+  [[ $1 == --nodelist=* ]] && { n=${1#--nodelist=}; export SLURMD_NODENAME=${n%%,*}; }  # as srun does per task
   shift
 done
 echo "$@" >> "$SRUN_CALLS"
@@ -61,12 +62,13 @@ def test_rendered_script_trains_one_step_with_a_local_srun_stand_in(tmp_path):
            "PATH": os.pathsep.join([str(shim), str(Path(sys.executable).parent), os.environ["PATH"]])}  # fmt: skip
     result = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=540)
     logs = run_dir / "launch" / "logs-77"
-    learner_log = (logs / "learner-local.log").read_text()[-3000:] if (logs / "learner-local.log").exists() else ""
+    learner_log = (logs / "learner-localhost.log").read_text()[-3000:] if (logs / "learner-localhost.log").exists() else ""
     assert result.returncode == 0, f"{result.stderr}\n--- learner log tail ---\n{learner_log}"
 
     calls = (tmp_path / "calls").read_text().splitlines()
-    assert [c.split()[:3] for c in calls] == [["python", "-m", "moe_rl.rollout.sglang_entry"], ["torchrun", "--nnodes=1",
-                                              "--nproc-per-node=1"]]  # fmt: skip
+    assert [c.split()[:3] for c in calls] == [["python", "-m", "moe_rl.rollout.sglang_entry"], ["bash", "-c", "exec"]]
+    assert "torchrun --nnodes=1 --nproc-per-node=1" in calls[1]  # writing learner-<node>.log (issue 39)
+    assert learner_log, "no learner-localhost.log: the learner step's output is not named by node"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1]
     assert "reward/mean" in records[0] and "replay/rollout_vs_natural/response/flip_rate" in records[0]

@@ -84,9 +84,16 @@ def test_deepseek_plan_uses_mixed_hostlists_and_its_own_sizes(slurm_env):
     assert apply_overrides({}, [addr])["rollout"]["addresses"] == [f"http://dgx-a{i}:31000" for i in range(1, 5)]
 
 
-def test_a_cluster_run_without_a_checkpoint_to_serve_is_refused_naming_the_key(slurm_env):
-    with pytest.raises(LaunchError, match="checkpoint.init_from_hf"):
-        build_launch_plan(load_config(DSV3, ["checkpoint.init_from_hf=null"]), slurm_env("node[01-20]"))
+def test_a_cluster_run_without_a_checkpoint_writes_the_dir_its_servers_serve_first(slurm_env):
+    """Issue 39: no HF checkpoint configured -> the job writes a random-init one before any server starts."""
+    cfg = load_config(DSV3, ["checkpoint.init_from_hf=null", "train.output_dir=/shared/run"])
+    script = render_launch(cfg, dry_run=True, env=slurm_env("node[01-20]"))
+    rollout, _ = _split(script)
+    assert {flag_value(argv, "--model-path") for argv in rollout} == {"/shared/run/hf/initial"}
+    init = "python -m moe_rl.launch init-hf /shared/run/launch/config-4242.yaml /shared/run/hf/initial"
+    assert init in script and script.index(init) < script.index("moe_rl.rollout.sglang_entry")
+    plan = build_launch_plan(load_config(DSV3), slurm_env("node[01-20]"))  # a configured checkpoint: served as is
+    assert plan.init_hf == () and "init-hf" not in render_launch(load_config(DSV3), True, slurm_env("node[01-20]"))
 
 
 def test_dense_world_not_divisible_by_tp_pp_cp_names_the_keys(slurm_env):
