@@ -88,6 +88,7 @@ def measure_distributed(cfg) -> dict:
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     from moe_rl.learner.dist import init_distributed
+    from moe_rl.learner.optimizer import megatron_step
     from moe_rl.learner.train_step import Learner
 
     init_distributed(cfg.parallel)
@@ -98,7 +99,7 @@ def measure_distributed(cfg) -> dict:
     for p in learner.model.parameters():
         if p.requires_grad:
             p.main_grad.fill_(1e-3)
-    learner.optimizer.step()
+    megatron_step(learner.optimizer)  # the learner's own step (Megatron's optimizer under the CPU device context)
     return {"built": "DistributedOptimizer", "optimizer_bytes": optimizer_state_bytes(learner.optimizer)}
 
 
