@@ -232,7 +232,7 @@ def adam_state(name: str, slot: Slot) -> dict[str, torch.Tensor]:
         raise GlobalStateError(f"optimizer state of {name} has {sorted(unknown)}; only Adam's "
                                f"{list(ADAM_KEYS)} can be checkpointed")  # fmt: skip
     out = {k: state[k] if k in state else torch.zeros_like(slot.main) for k in ("exp_avg", "exp_avg_sq")}
-    out["step"] = torch.as_tensor(state.get("step", 0.0), dtype=torch.float32).detach().to("cpu").reshape(1)
+    out["step"] = torch.as_tensor(state.get("step", 0.0), dtype=torch.float32, device="cpu").detach().reshape(1)
     return out
 
 
