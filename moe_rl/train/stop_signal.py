@@ -1,8 +1,10 @@
 """Stop at a step boundary on SLURM's advance warning (``launch.signal``), so a requeued job loses no step.
 
 Owns the handler of the warning signal (``#SBATCH --signal=B:USR1@<launch.signal_lead_s>`` reaches the
-learner through the launch script, ``srun`` and ``torchrun --signals-to-handle``): the first signal
-only sets a flag, a second one exits at once. At the end of every step the ranks agree whether any
+learner through the launch script, ``srun`` and ``torchrun --signals-to-handle``): it only sets a flag.
+A rank gets the warning more than once -- ``srun`` has slurmstepd signal every process of the step, and
+``torchrun`` forwards the same signal to its workers again -- so a repeat is the same warning, not a
+request to exit at once (the hard stop is torchrun's ``--shutdown-timeout``, then SLURM's own kill). At the end of every step the ranks agree whether any
 of them was signalled (one all-reduce of a 0/1 flag, so every rank stops after the same step); the
 loop then writes a checkpoint and ``moe-rl train`` exits with ``REQUEUE_EXIT_CODE``, which the launch
 script (and a user's own sbatch script) turns into ``scontrol requeue``. Megatron-LM's
@@ -33,8 +35,8 @@ class StopRequest:
         return cls(cfg.launch.signal)
 
     def _handler(self, signum, _frame) -> None:
-        if self.received is not None:  # asked twice: do not wait for the step boundary
-            raise SystemExit(128 + signum)
+        if self.received is not None:  # the same warning again (slurmstepd's copy and torchrun's forward)
+            return
         self.received = signum
         print(f"moe_rl: got {signal.Signals(signum).name}: finishing the step in progress, then checkpoint and stop",
               file=sys.stderr, flush=True)  # fmt: skip

@@ -19,16 +19,18 @@ def _deliver(sig: int) -> None:
     time.sleep(0.05)  # Python runs the handler between bytecodes of the main thread
 
 
-def test_first_warning_sets_the_flag_and_a_second_exits_at_once():
+def test_the_warning_sets_the_flag_and_a_repeat_of_it_changes_nothing():
+    """Under srun + torchrun every rank gets the warning twice (slurmstepd signals every process of the step, then
+    torchrun forwards it): the second copy must not end the rank mid-step (CI run of stop 41: it did, the other
+    rank died on a closed gloo pair and no checkpoint was written)."""
     before = signal.getsignal(signal.SIGUSR1)
     stop = StopRequest("USR1")
     with stop.installed():
         assert not stop.agreed()
         _deliver(signal.SIGUSR1)
         assert stop.received == signal.SIGUSR1 and stop.agreed()
-        with pytest.raises(SystemExit) as exc:
-            _deliver(signal.SIGUSR1)
-        assert exc.value.code == 128 + signal.SIGUSR1
+        _deliver(signal.SIGUSR1)  # raised SystemExit(138) before
+        assert stop.received == signal.SIGUSR1 and stop.agreed()
     assert signal.getsignal(signal.SIGUSR1) == before  # the previous handler is back
 
 
