@@ -9,6 +9,11 @@ the threshold (measured normal ranges in docs/operations.md) the step is skipped
 Rollouts from weights the learner does not hold (foreign weights, a half-applied update, another model) look like
 this; the served-weights fingerprint (``moe_rl.rollout.served_weights``) catches them before, this is the net behind.
 
+Only tokens made by the weights the learner holds count (staleness 0, from the records' ``token_versions``): a
+token ``n`` versions old also carries the policy's own ``n`` updates (measured: ``offpolicy/kl_k3`` 1.1e-2 … 1.4e-2
+at staleness 1 in the tiny async run, 3e-7 at staleness 0), which the alarm cannot tell from foreign weights. An
+async step with no fresh token is not checked (``alarm/unchecked = 1``; the fingerprint still is).
+
 Rank 0 decides and broadcasts the value, so every rank skips (or trains) the same step.
 """
 
@@ -41,16 +46,30 @@ class KLAlarm:
         return self.threshold is not None
 
     @staticmethod
-    def batch_kl_k3(batch, rows: torch.Tensor, width: int, kept_logp: bool) -> float:
-        """``offpolicy/kl_k3`` of the whole batch: ``rows[N, R]`` (π_old) against the rollout log-probs, rank 0's
-        value on every rank."""
+    def batch_kl_k3(batch, rows: torch.Tensor, width: int, kept_logp: bool,
+                    staleness: torch.Tensor | None = None) -> float | None:
+        """``offpolicy/kl_k3`` of the batch's fresh tokens: ``rows[N, R]`` (π_old) against the rollout log-probs,
+        over the response tokens whose ``staleness[N, R]`` is 0 (all of them when None); None when there is no such
+        token. Rank 0's value on every rank."""
         ids = list(range(len(batch)))
         mu = response_rows(batch, ids, width, kept_logp=kept_logp).to(rows.device)
         mask = response_row_mask(batch, ids, width).to(rows.device)
-        value = [float(offpolicy_metrics(rows.float(), mu.float(), mask)["offpolicy/kl_k3"])]
+        if staleness is not None:
+            mask = mask & (staleness.to(rows.device) == 0)
+        value = [float(offpolicy_metrics(rows.float(), mu.float(), mask)["offpolicy/kl_k3"]) if mask.any() else None]
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.broadcast_object_list(value, src=0)  # gloo or NCCL alike
         return value[0]
+
+    def verdict(self, step: int, batch, rows: torch.Tensor, width: int, kept_logp: bool,
+                staleness: torch.Tensor | None) -> tuple[bool, dict[str, float]]:
+        """(skip this step?, its row's ``alarm/*`` metrics): ``batch_kl_k3`` then ``check``."""
+        kl = self.batch_kl_k3(batch, rows, width, kept_logp, staleness)
+        if kl is None:  # async, every token stale: its KL holds the policy's own updates (module docstring)
+            return False, {"alarm/unchecked": 1.0}
+        if self.check(step, kl):
+            return True, {"alarm/kl_k3": kl, "alarm/skipped": 1.0}
+        return False, {}
 
     def check(self, step: int, kl: float) -> bool:
         """True: do not train on ``step`` (logged once); KLAlarmStop after ``max_in_row`` such steps in a row."""

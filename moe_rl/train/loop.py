@@ -245,15 +245,15 @@ class RLTrainer:
         self.driver.begin_step()
         t1 = time.perf_counter()
         old = ref = None
+        alarm_row: dict = {}
         if cfg.correction.mode == "decoupled":
             old = old_logprob_rows(cfg, self.learner, self.driver, self.logprob_fn, plan, inputs)
         if self.kl_alarm.enabled:  # bypass mode: one forward pass at the current weights to measure it
             pi = old if old is not None else old_logprob_rows(cfg, self.learner, self.driver, self.logprob_fn, plan,
                                                               inputs)  # fmt: skip
-            kl = self.kl_alarm.batch_kl_k3(batch, pi, width, ksm_active(cfg))
-            if self.kl_alarm.check(step, kl):  # not trained on: the row says why (alarm/*), not offpolicy/kl_k3
-                return {"alarm/kl_k3": kl, "alarm/skipped": 1.0, "reward/mean": float(rewards.mean()),
-                        "time/rollout_s": t_rollout}  # fmt: skip
+            skip, alarm_row = self.kl_alarm.verdict(step, batch, pi, width, ksm_active(cfg), inputs.staleness)
+            if skip:  # not trained on: the row says why (alarm/*), not offpolicy/kl_k3
+                return alarm_row | {"reward/mean": float(rewards.mean()), "time/rollout_s": t_rollout}
         if self.reference is not None:
             ref = reference_rows(cfg, self.reference, self.driver, self.logprob_fn, plan, inputs)
         t_old = time.perf_counter() - t1
@@ -273,7 +273,7 @@ class RLTrainer:
             "response/truncated_frac": float(truncated.double().mean()),
             "response/masked_truncated": float(truncated.sum()) if cfg.train.mask_truncated else 0.0,
             "ksm/outside_mask_frac": kept_set_outside_fraction(batch) if ksm_active(cfg) else 0.0,
-            **self.records.step_metrics(batch), **stale.metrics(),
+            **self.records.step_metrics(batch), **stale.metrics(), **alarm_row,
             "time/rollout_s": t_rollout, "time/old_logp_s": t_old, "time/train_s": t_train,
             "rollout/tokens_per_s": float(batch.response_lens.sum()) / max(t_rollout, 1e-9),
         }  # fmt: skip

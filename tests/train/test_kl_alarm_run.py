@@ -55,3 +55,25 @@ def test_the_normal_mismatch_trains_and_logs_offpolicy_kl(tmp_path, device):
     assert [r["step"] for r in rows] == [1, 2] and all("alarm/kl_k3" not in r for r in rows), rows
     assert all(0 <= r["offpolicy/kl_k3"] < load_config(CONFIG).correction.kl_alarm for r in rows), rows
     print("\nown weights: offpolicy/kl_k3 = " + ", ".join(f"{r['offpolicy/kl_k3']:.3g}" for r in rows))
+
+
+def test_only_tokens_from_the_weights_the_learner_holds_are_checked():
+    """Async staleness: a token n versions old carries the policy's own n updates (kl_k3 ~1e-2 at staleness 1 in the
+    tiny async run), so the alarm counts fresh tokens only and says when a step had none."""
+    import torch
+
+    from moe_rl.records import RolloutBatch
+    from moe_rl.train.batching import response_rows
+    from moe_rl.train.kl_alarm import KLAlarm
+
+    batch = RolloutBatch.load(sorted(RECORDS.glob("*.safetensors"))[0])
+    width = int(batch.response_lens.max())
+    mu = response_rows(batch, list(range(len(batch))), width, kept_logp=False)
+    stale = torch.zeros(mu.shape, dtype=torch.int64)
+    stale[: len(batch) // 2] = 1
+    moved = torch.where(stale == 1, mu + 0.5, mu)  # the policy moved since the stale rows were made, not before
+    alarm = KLAlarm(1e-2, 3)
+    assert alarm.verdict(1, batch, moved, width, False, stale) == (False, {})
+    skip, row = alarm.verdict(1, batch, moved, width, False, None)  # every token counted: over the alarm
+    assert skip and row["alarm/kl_k3"] > 1e-2
+    assert alarm.verdict(2, batch, moved, width, False, torch.ones_like(stale)) == (False, {"alarm/unchecked": 1.0})
