@@ -29,9 +29,10 @@ if [ -z "$DEVICE" ]; then
 fi
 case "$DEVICE" in cpu|cuda) ;; *) die "MOE_RL_SGLANG_DEVICE=$DEVICE; expected cpu or cuda" ;; esac
 
-# What an installation depends on: the version, the device, and the dependency lists.
+# What an installation depends on: the version, the device, the dependency lists and the patch texts.
 WANT="$(cat "$REPO/requirements/sglang-cpu.txt" "$REPO/requirements/sglang-constraints.txt" \
-  "$REPO/scripts/constraints.txt" | sha256sum | cut -c1-16) sglang==$SGLANG_VERSION device=$DEVICE"
+  "$REPO/scripts/constraints.txt" "$REPO/patches/sglang/$SGLANG_VERSION"/*.patch | sha256sum | cut -c1-16) \
+sglang==$SGLANG_VERSION device=$DEVICE"
 
 installed_version() { "$PY" -c "import importlib.metadata as m; print(m.version('sglang'))" 2>/dev/null || true; }
 
@@ -39,6 +40,12 @@ if [ "$(cat "$STAMP" 2>/dev/null || true)" = "$WANT" ] && [ "$(installed_version
   echo "install_sglang.sh: sglang $SGLANG_VERSION ($DEVICE) already installed in $VENV"
 else
   PIP=("$PY" -m pip install --quiet --disable-pip-version-check)
+  if [ "$(installed_version)" = "$SGLANG_VERSION" ]; then
+    # Installed and patched with other patch texts: patches apply to the wheel's own files only, so
+    # put those back first (a changed patch would otherwise apply neither way and fail the install).
+    echo "install_sglang.sh: the patches changed; reinstalling sglang $SGLANG_VERSION's files before patching"
+    "${PIP[@]}" --no-deps --force-reinstall -c "$REPO/requirements/sglang-constraints.txt" "sglang==$SGLANG_VERSION"
+  fi
   if [ "$DEVICE" = cpu ]; then
     "${PIP[@]}" -c "$REPO/scripts/constraints.txt" -c "$REPO/requirements/sglang-constraints.txt" \
       -r "$REPO/requirements/sglang-cpu.txt"
