@@ -42,20 +42,12 @@ def buffers(ddp) -> list:
 
 def measure(cfg) -> dict:
     from megatron.core import parallel_state as ps
-    from megatron.core.transformer.moe.router_replay import RouterReplay
 
     from moe_rl.learner.dist import init_distributed
-    from moe_rl.learner.train_step import Learner
+    from tests.learner.stepped_state import stepped_learner
 
     init_distributed(cfg.parallel)
-    RouterReplay.clear_global_router_replay_instances()
-    learner = Learner(cfg)
-    params = [p for p in learner.model.parameters() if p.requires_grad]
-    for p in params:
-        p.main_grad.fill_(1e-3)
-        p.grad = p.main_grad.to(p.dtype)
-    learner.optimizer.step()
-    state = [t for s in learner.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+    learner, params, state = stepped_learner(cfg)
     return {
         "stage": ps.get_pipeline_model_parallel_rank(),
         "dense": sum(p.numel() for p in params if not is_expert_param(p)),

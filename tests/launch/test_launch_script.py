@@ -130,13 +130,8 @@ def test_cli_dry_run_prints_the_plan_and_reports_config_errors(monkeypatch, caps
     assert "parallel.tp*parallel.pp*parallel.cp" in capsys.readouterr().err
 
 
-def test_warning_signal_reaches_the_learner_then_the_job_requeues_itself(tmp_path):
-    """Issue 39: SLURM's USR1 (--signal=B:USR1@s) goes to the learner step; after it exits, servers stop and
-    the script runs `scontrol requeue <job>` (not while the learner still runs) and exits 0."""
-    script = _script(tmp_path)
-    assert "--signal=B:USR1@300 --requeue" in script
-    (learner,) = [c for c in rendered_commands(script) if "torchrun" in c]
-    assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in learner and "--shutdown-timeout=300" in learner
+def _run_until_the_learner_starts(script: str, tmp_path: Path) -> subprocess.Popen:
+    """Run the rendered script with the fake srun/scontrol of ``_bin``; return once its learner step started."""
     path = tmp_path / "launch.sh"
     path.write_text(script)
     env = {**os.environ, "PATH": f"{_bin(tmp_path)}:{os.environ['PATH']}", "FAKE_LOG": str(tmp_path / "srun.log"),
@@ -146,6 +141,17 @@ def test_warning_signal_reaches_the_learner_then_the_job_requeues_itself(tmp_pat
     while not (tmp_path / "srun.log.learner").exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.1)
+    return proc
+
+
+def test_warning_signal_reaches_the_learner_then_the_job_requeues_itself(tmp_path):
+    """Issue 39: SLURM's USR1 (--signal=B:USR1@s) goes to the learner step; after it exits, servers stop and
+    the script runs `scontrol requeue <job>` (not while the learner still runs) and exits 0."""
+    script = _script(tmp_path)
+    assert "--signal=B:USR1@300 --requeue" in script
+    (learner,) = [c for c in rendered_commands(script) if "torchrun" in c]
+    assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in learner and "--shutdown-timeout=300" in learner
+    proc = _run_until_the_learner_starts(script, tmp_path)
     assert not (tmp_path / "srun.log.signals").exists()
     proc.send_signal(signal.SIGUSR1)
     _, err = proc.communicate(timeout=30)
@@ -158,15 +164,7 @@ def test_warning_signal_reaches_the_learner_then_the_job_requeues_itself(tmp_pat
 
 def test_a_server_that_dies_while_the_learner_runs_stops_the_job_naming_its_node(tmp_path):
     script = _script(tmp_path)
-    path = tmp_path / "launch.sh"
-    path.write_text(script)
-    env = {**os.environ, "PATH": f"{_bin(tmp_path)}:{os.environ['PATH']}", "FAKE_LOG": str(tmp_path / "srun.log"),
-           "FAKE_PIDS": str(tmp_path / "pids"), "FAKE_LEARNER_RUNS": "1"}  # fmt: skip
-    proc = subprocess.Popen(["bash", str(path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 30
-    while not (tmp_path / "srun.log.learner").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.1)
+    proc = _run_until_the_learner_starts(script, tmp_path)
     pid, node = (tmp_path / "pids").read_text().splitlines()[1].split()
     os.kill(int(pid), signal.SIGKILL)
     _, err = proc.communicate(timeout=30)

@@ -11,12 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from moe_rl.config import load_config
 from moe_rl.config.memory_plan import rank_memory
 from moe_rl.learner.optimizer import is_expert_param
 from tests.learner.conftest import make_cfg
+from tests.learner.stepped_state import stepped_learner
 
 REPO = Path(__file__).resolve().parents[2]
 ONE_RANK = ["parallel.tp=1", "parallel.ep=1", "parallel.pp=1", "parallel.etp=null", "optim.use_distributed_optimizer=false",
@@ -30,18 +30,7 @@ CONFIGS = {
 
 
 def measured(cfg) -> dict:
-    from megatron.core.transformer.moe.router_replay import RouterReplay
-
-    from moe_rl.learner.train_step import Learner
-
-    RouterReplay.clear_global_router_replay_instances()
-    learner = Learner(cfg)
-    params = [p for p in learner.model.parameters() if p.requires_grad]
-    for p in params:
-        p.main_grad.fill_(1e-3)
-        p.grad = p.main_grad.to(p.dtype)
-    learner.optimizer.step()
-    state = [t for s in learner.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+    learner, params, state = stepped_learner(cfg)
     bufs = [*learner.model.buffers, *learner.model.expert_parallel_buffers]
     return {
         "params": sum(p.numel() for p in params), "expert": sum(p.numel() for p in params if is_expert_param(p)),

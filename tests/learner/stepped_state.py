@@ -1,0 +1,26 @@
+"""One optimizer step on constant gradients, so a learner's Adam state exists to be counted (the memory-plan tests).
+
+Shared by ``tests/learner/test_memory_plan_real.py`` (1 rank) and ``tests/distributed/memory_plan_worker.py``
+(torchrun ranks); it computes nothing the tests expect, it only makes the real objects whose bytes they count.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def stepped_learner(cfg):
+    """(learner, its trainable parameters, its optimizer's state tensors) after one ``optimizer.step()``."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    from moe_rl.learner.train_step import Learner
+
+    RouterReplay.clear_global_router_replay_instances()
+    learner = Learner(cfg)
+    params = [p for p in learner.model.parameters() if p.requires_grad]
+    for p in params:
+        p.main_grad.fill_(1e-3)
+        p.grad = p.main_grad.to(p.dtype)
+    learner.optimizer.step()
+    state = [t for s in learner.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+    return learner, params, state
