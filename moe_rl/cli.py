@@ -236,7 +236,8 @@ USER_ERRORS = (
     ("moe_rl.learner.checkpoint", "CheckpointError"), ("moe_rl.train.run_dir", "RunDirError"),
     ("moe_rl.rollout.auth", "ServerKeyError"), ("moe_rl.rollout.integrity", "WeightVersionError"),
     ("moe_rl.data.loaders", "DataError"), ("moe_rl.reward.scorer", "RewardError"),
-    ("moe_rl.train.kl_alarm", "KLAlarmStop"),
+    ("moe_rl.train.kl_alarm", "KLAlarmStop"), ("moe_rl.rollout.launcher", "ServerStartError"),
+    ("moe_rl.rollout.weight_checks", "WeightSyncError"),
 )  # fmt: skip
 
 

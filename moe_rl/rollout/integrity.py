@@ -97,6 +97,20 @@ def generate_checked(
     from moe_rl.rollout.health import ServerHungError
 
     resyncs = 0
+
+    def resync_or_stop(err: WeightVersionError) -> None:
+        nonlocal resyncs
+        if isinstance(err, ForeignWeightsStop):
+            raise err
+        if resyncs >= max_foreign_syncs:
+            again = "once" if resyncs == 1 else f"{resyncs} times in a row (rollout.max_foreign_syncs)"
+            raise ForeignWeightsStop(f"{err} (still after re-syncing and regenerating {again}); stopping: "
+                                     "the batch is not trained on") from None  # fmt: skip
+        resyncs += 1
+        logger.warning("%s; the batch is not trained on: re-syncing the weights and regenerating (%d/%d)",
+                       err, resyncs, max_foreign_syncs)  # fmt: skip
+        resync()
+
     while True:
         try:
             samples = generate()
@@ -105,17 +119,13 @@ def generate_checked(
                 check_served()
             return samples
         except WeightVersionError as err:
-            if isinstance(err, ForeignWeightsStop):
-                raise
-            if resyncs >= max_foreign_syncs:
-                again = "once" if resyncs == 1 else f"{resyncs} times in a row (rollout.max_foreign_syncs)"
-                raise ForeignWeightsStop(f"{err} (still after re-syncing and regenerating {again}); stopping: "
-                                         "the batch is not trained on") from None  # fmt: skip
-            resyncs += 1
-            logger.warning("%s; the batch is not trained on: re-syncing the weights and regenerating (%d/%d)",
-                           err, resyncs, max_foreign_syncs)  # fmt: skip
-            resync()
+            resync_or_stop(err)
         except (RolloutError, ServerHungError) as err:
+            foreign = None if isinstance(err, ServerHungError) else _foreign_now(check_served)
+            if foreign is not None:  # weights changed under the batch (an update aborts generation): not a dead server
+                logger.warning("rollout failed (%s) while the server held other weights than the trainer's", err)
+                resync_or_stop(foreign)
+                continue
             hung = [err.address] if isinstance(err, ServerHungError) else None
             restarted = restart(hung) if restart is not None else []
             if not restarted:
@@ -123,3 +133,17 @@ def generate_checked(
             logger.warning("rollout failed (%s); restarted %s, re-syncing %r and retrying", err, restarted,
                            expected_version)  # fmt: skip
             resync()
+
+
+def _foreign_now(check_served: Callable[[], None] | None) -> ForeignWeightsError | None:
+    """After a failed generation: the fingerprint check's verdict if it finds foreign weights, else None (a server
+    that cannot answer is left to the restart path)."""
+    if check_served is None:
+        return None
+    try:
+        check_served()
+    except ForeignWeightsError as err:
+        return err
+    except Exception:  # noqa: BLE001 -- unreachable or dead: the caller restarts it
+        return None
+    return None

@@ -57,3 +57,29 @@ def test_expected_fingerprint_is_taken_in_the_served_dtype():
     pushed.remember(LABEL, {"model.norm.weight": torch.ones(4), "model.layers.0.mlp.experts.0.up_proj.weight": router})
     assert list(pushed.by_label[LABEL]) == ["model.norm.weight"]  # only the fingerprinted names are kept
     assert digest({"a": "x"}) != digest({"a": "y"})
+
+
+def test_a_generation_that_fails_under_foreign_weights_resyncs_instead_of_restarting_the_server(caplog):
+    """Issue 38's walk-through: a foreign update aborts the batch in flight. The failure is the weights, not the server:
+    a re-sync (counted like any foreign batch), never a restart (which spent the restart budget before)."""
+    from moe_rl.rollout.client import RolloutError
+
+    calls, resyncs, restarts = {"generate": 0, "check": 0}, [], []
+
+    def generate():
+        calls["generate"] += 1
+        if calls["generate"] == 1:
+            raise RolloutError("http://h:1: generation aborted")
+        return [SimpleNamespace(weight_version=LABEL)]
+
+    def check_served():
+        calls["check"] += 1
+        if calls["check"] == 1:  # asked right after the failure: the server holds another model
+            raise ForeignWeightsError(f"foreign weights on http://h:1 (rank 0): label {LABEL!r} serves fingerprint "
+                                      "aaaa, the trainer pushed bbbb")  # fmt: skip
+
+    with caplog.at_level(logging.WARNING):
+        samples = generate_checked(generate, LABEL, lambda: resyncs.append(1), restart=lambda urls: restarts.append(urls)
+                                   or ["http://h:1"], check_served=check_served, max_foreign_syncs=2)  # fmt: skip
+    assert len(samples) == 1 and resyncs == [1] and restarts == []
+    assert any("foreign weights" in r.getMessage() and "(1/2)" in r.getMessage() for r in caplog.records)
