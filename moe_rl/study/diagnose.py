@@ -39,11 +39,11 @@ def generate(trainer, num_prompts: int) -> RolloutBatch:
     from moe_rl.rollout.weights import update_weights_from_disk
 
     cfg = trainer.cfg
-    hf_dir = trainer.export_weights()  # applies rollout.weight_quantization (mismatch injection)
+    hf_dir = trainer.weights.export()  # applies rollout.weight_quantization (mismatch injection)
     with rollout_server_pool(cfg.rollout, hf_dir, trainer.run_dir / "logs") as pool:
         addresses, trainer.server_keys = pool.addresses, pool.keys  # a generated admin key unless configured
         # labelled as the trainer's step 0, which trainer.rollout checks every sample against (issue 16)
-        update_weights_from_disk(addresses, hf_dir, trainer.version(0), keys=pool.keys)
+        update_weights_from_disk(addresses, hf_dir, trainer.weights.version(0), keys=pool.keys)
         client = RolloutClient.from_config(
             cfg, addresses, route_spec=RouteSpec.from_model_config(cfg.model), return_sampling_mask=True,
             headers=pool.keys.headers(),

@@ -16,7 +16,7 @@ run repeats an uninterrupted one):
    instead (no server);
 2. GRPO/RLOO advantages; the step plan; in decoupled mode the old-log-prob pass;
 3. ``minibatches_per_step`` optimizer steps (times ``epochs_per_step``) under the replay driver;
-4. export HF weights, push them to every server (in async mode once the batch in flight is done),
+4. export HF weights, push them to every server (``moe_rl.train.weight_push``; in async mode once the batch in flight is done),
    checkpoint every K steps (with the producer's finished-but-untrained records).
 """
 
@@ -30,16 +30,15 @@ import numpy as np
 import torch
 
 from moe_rl.config import ExperimentConfig, save_config
-from moe_rl.config.hf_model import side_files_dir
 from moe_rl.config.preflight import ksm_active
 from moe_rl.records import RecordError, RolloutBatch
+from moe_rl.train.batch_maker import records_path
 from moe_rl.train.batching import check_ksm_records, kept_set_outside_fraction
 from moe_rl.train.collectives import barrier, dp_group, dp_rank_and_size, is_main_process
 from moe_rl.train.kl_alarm import KLAlarm
 from moe_rl.train.logprob import make_logprob_fn
 from moe_rl.train.metrics_log import MetricsLogger
 from moe_rl.train.plan import plan_step
-from moe_rl.train.batch_maker import records_path
 from moe_rl.train.run_dir import reference_policy
 from moe_rl.train.run_identity import resolve_run_id, version_nonce, write_checkpoint_identity, write_run_id
 from moe_rl.train.staleness import StepStaleness
@@ -47,8 +46,9 @@ from moe_rl.train.step_records import StepRecords
 from moe_rl.train.step_samples import StepSamples
 from moe_rl.train.stop_signal import StopRequest
 from moe_rl.train.update import StepInputs, old_logprob_rows, reference_rows, step_advantages, update_minibatch
+from moe_rl.train.weight_push import WeightPusher
 
-__all__ = ["RLTrainer", "train", "check_supported", "ROLLOUTS_DIR"]
+__all__ = ["ROLLOUTS_DIR", "RLTrainer", "check_supported", "train"]
 
 ROLLOUTS_DIR = "rollouts"
 
@@ -86,14 +86,14 @@ class RLTrainer:
         self.source = None  # rank 0's batch source (moe_rl.train.producer), set by run()
         self.start_step = int(meta["extra"]["rl_step"]) if meta else 0
         self.run_id = resolve_run_id(self.run_dir, resumed=meta is not None)  # same id on every rank
-        self.version_nonce = version_nonce(self.run_id)  # weight-version labels step-<s>-<nonce>
+        # the learner's exports, version labels step-<s>-<nonce> and pushes to the servers
+        self.weights = WeightPusher(cfg, self.learner, self.run_dir, version_nonce(self.run_id), self.is_main)
         if self.is_main:  # only now is the run known to start (a model-shape change failed above)
             save_config(cfg, self.run_dir / "config.yaml")
             write_run_id(self.run_dir, self.run_id)
             write_checkpoint_identity(self.ckpt_dir, self.run_id, self.run_dir)  # whose checkpoints these are
         self.stop = StopRequest(None)  # train() arms launch.signal's handler (moe_rl.train.stop_signal)
         self.server_keys, self.server_pool = None, None  # set by run(): auth (a generated key by default), restarts
-        self.weight_sync = None  # created at the first sync (its mode depends on the servers' hosts)
         if meta is None:  # a fresh run starts from the cached supervised warm start (train.warm_start)
             from moe_rl.train.warm_start import apply_warm_start
 
@@ -146,60 +146,6 @@ class RLTrainer:
 
         return {"stop_token_ids": stop_token_ids(self.tokenizer, self.cfg.model.hf_path)} if self.tokenizer else {}
 
-    # ------------------------------------------------------------------ weights
-    def export_weights(self) -> Path:
-        """Export the learner as an HF dir for SGLang (collective); path of the live copy."""
-        from moe_rl.learner.hf_convert import export_hf_checkpoint
-        from moe_rl.rollout.quantize import quantize_hf_dir
-
-        out = self.run_dir / "hf" / "current"
-        export_hf_checkpoint(self.learner.module, self.cfg.model, out, template_dir=side_files_dir(self.cfg))
-        if self.is_main and self.cfg.rollout.weight_quantization != "none":
-            quantize_hf_dir(out, self.cfg.rollout.weight_quantization)
-        barrier()
-        return out
-
-    def version(self, step: int) -> str:
-        """The weight-version label of ``step``: ``step-<step>-<nonce>`` (the nonce derived from the run id)."""
-        from moe_rl.rollout.integrity import version_label
-
-        return version_label(step, self.version_nonce)
-
-    def sync_weights(self, addresses: list[str], step: int) -> float:
-        """Export (collective) and load the learner into every server as ``version(step)``: tensors through
-        shared memory for servers on this host, an HF checkpoint on disk otherwise (``rollout.weight_sync``)."""
-        if self.from_records:
-            return 0.0
-        around = contextlib.nullcontext
-        if self.source is not None:  # async: the batch in flight finishes first, or is paused (rollout.partial)
-            from moe_rl.train.producer import push_section
-
-            around = lambda: push_section(self.source, self.cfg.rollout, addresses, self.server_keys)  # noqa: E731
-        seconds = self._weight_sync(addresses).sync(self.learner.module, addresses if self.is_main else [],
-                                                    self.version(step), around_push=around)  # fmt: skip
-        if self.source is not None:
-            self.source.weights_pushed(step)
-        return seconds
-
-    def _weight_sync(self, addresses: list[str]):
-        """The run's ``WeightSync`` (created at first use: its mode depends on the servers' hosts)."""
-        from moe_rl.rollout.weights import WeightSync
-
-        if self.weight_sync is None:
-            self.weight_sync = WeightSync.from_config(self.cfg, addresses, export_dir=self.run_dir / "hf" / "current",
-                                                      keys=self.server_keys)  # fmt: skip
-        return self.weight_sync
-
-    def resync(self, addresses: list[str], step: int) -> None:
-        """Push the served weights again as ``version(step)`` (rank 0: at the start, after a restart, a version
-        mismatch or foreign weights); remembered with its fingerprint like every push."""
-        ws = self._weight_sync(addresses)
-        if ws.last_state is not None:
-            ws.close()  # distributed: a restarted server lost its group; the full sync rendezvouses again
-            ws.push(ws.last_state, addresses, self.version(step))  # a full sync: clears any half-updated state
-            return
-        ws.load_dir(self.run_dir / "hf" / "current", addresses, self.version(step))
-
     # ------------------------------------------------------------------ one step
     def rollout(self, client, step: int) -> RolloutBatch:
         """This step's batch: made on rank 0 by the batch source (or read from saved records), loaded everywhere."""
@@ -220,8 +166,8 @@ class RLTrainer:
     def _batch_maker(self, client):
         from moe_rl.train.batch_maker import BatchMaker
 
-        return BatchMaker(self.cfg, self.samples, self.records, self.records_dir, client, self.version,
-                          resync=lambda v: self.resync(client.addresses, v), weight_sync=lambda: self.weight_sync,
+        return BatchMaker(self.cfg, self.samples, self.records, self.records_dir, client, self.weights.version,
+                          resync=lambda v: self.weights.resync(client.addresses, v), weight_sync=lambda: self.weights.sync,
                           restart=self.server_pool.restart if self.server_pool else None)  # fmt: skip
 
     def step(self, client, step: int) -> dict:
@@ -294,7 +240,7 @@ class RLTrainer:
 
         if self.from_records or not self.is_main:
             return contextlib.nullcontext(ServerPool())
-        return rollout_server_pool(self.cfg.rollout, self.export_weights(), self.run_dir / "logs", keys=self.server_keys)
+        return rollout_server_pool(self.cfg.rollout, self.weights.export(), self.run_dir / "logs", keys=self.server_keys)
 
     def run(self) -> Path:
         from moe_rl.learner.checkpoint import save_checkpoint
@@ -312,33 +258,34 @@ class RLTrainer:
                                run_id=self.run_id)  # fmt: skip
         # the configured key variables (an unset one fails before any server), else a fresh admin key for the
         # servers this run launches (docs/operations.md); held in memory, handed to the servers' environment
-        self.server_keys = ServerKeys.for_run(cfg.rollout)
+        self.server_keys = self.weights.keys = ServerKeys.for_run(cfg.rollout)
         if not self.from_records and not self.is_main:
-            self.export_weights()  # the export is collective; rank 0 runs it inside _servers()
+            self.weights.export()  # the export is collective; rank 0 runs it inside _servers()
         try:
             with self._servers() as self.server_pool, self._source_scope():  # the producer stops before the servers
                 addresses = self.server_pool.addresses
                 if self.is_main and not self.from_records:  # label the served weights with our version
-                    self.resync(addresses, self.start_step)
+                    self.weights.resync(addresses, self.start_step)
                 client = None
                 if self.is_main and not self.from_records:
                     # the API key (a generated one by default); dataset prompts stop at the tokenizer's EOS
                     client = RolloutClient.from_config(cfg, addresses, headers=self.server_keys.headers(),
                                                        **self._stop_tokens())  # fmt: skip
                     self.source = self._batch_source(client)  # sync: inline; async: the producer thread
+                    self.weights.source = self.source  # a push waits for (or pauses) the batch in flight
                 if self.start_step == 0 and self._eval_due(0):  # before the first step: a line of its own
-                    logger.log(0, self.evaluator.run(client, 0, self.version(0)), progress=False)
+                    logger.log(0, self.evaluator.run(client, 0, self.weights.version(0)), progress=False)
                 if self.source is not None:
                     self.source.start()
                 for step in range(self.start_step, cfg.train.steps):
                     t0 = time.perf_counter()
                     metrics = self.step(client, step)
-                    metrics["time/sync_s"] = self.sync_weights(addresses, step + 1)
+                    metrics["time/sync_s"] = 0.0 if self.from_records else self.weights.push(addresses, step + 1)
                     metrics["time/step_s"] = time.perf_counter() - t0
                     if self._eval_due(step + 1):  # at the weights just synced; never writes training records
                         t1 = time.perf_counter()
                         with self.source.exclusive():  # async: the producer waits; eval sees version step + 1
-                            metrics |= self.evaluator.run(client, step + 1, self.version(step + 1))
+                            metrics |= self.evaluator.run(client, step + 1, self.weights.version(step + 1))
                         metrics["time/eval_s"] = time.perf_counter() - t1
                     if self.source is not None:
                         metrics |= self.source.take_times()  # time/learner_wait_s, time/rollout_idle_s
@@ -355,8 +302,8 @@ class RLTrainer:
                     if stopping:
                         self.stop.stopped_after = step + 1
                         break
-                if self.weight_sync is not None and self.weight_sync.mode != "disk" and self.stop.stopped_after is None:
-                    self.export_weights()  # <run>/hf/current holds the final weights whatever the sync path
+                if self.stop.stopped_after is None:
+                    self.weights.export_final()
         finally:
             logger.close()
             self.close()
@@ -398,8 +345,7 @@ class RLTrainer:
         ``run`` does it itself; callers driving the trainer by hand (``moe-rl diagnose``) call it.
         """
         self.driver.close()
-        if self.weight_sync is not None:
-            self.weight_sync.close()  # distributed: the weight-update group, on the servers and here
+        self.weights.close()
         if self.rewarder is not None:
             self.rewarder.close()
         if self.run_lock is not None:

@@ -1,0 +1,88 @@
+"""The trainer's weight pushes: one owner for exporting the learner, labelling versions and syncing the servers.
+
+Owns ``<run>/hf/current`` (the HF export the servers start from, and what a disk sync reads), the version label
+``step-<s>-<nonce>`` (``moe_rl.rollout.integrity.version_label``), the run's ``WeightSync`` (created at the first push:
+its mode depends on the servers' hosts) and, in async mode, the handshake around a push with the batch source
+(``push_section`` while it runs, ``weights_pushed`` after). Every rank takes part in the export and in the collective
+parts of a sync; rank 0 talks to the servers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+from moe_rl.config.hf_model import side_files_dir
+from moe_rl.train.collectives import barrier
+
+__all__ = ["WeightPusher"]
+
+
+class WeightPusher:
+    """``export()``, ``version(step)``, ``push(addresses, step)``, ``resync(addresses, step)``, ``close()``."""
+
+    def __init__(self, cfg, learner, run_dir: Path, nonce: str, is_main: bool):
+        self.cfg, self.learner, self.nonce, self.is_main = cfg, learner, nonce, is_main
+        self.export_dir = Path(run_dir) / "hf" / "current"
+        self.keys = None  # the run's server keys (the trainer sets them before any server starts)
+        self.source = None  # async: rank 0's producer, told of every push (the trainer sets it)
+        self.sync = None  # the WeightSync, created at the first push
+
+    def export(self) -> Path:
+        """Export the learner as an HF dir for SGLang (collective); the path of the live copy."""
+        from moe_rl.learner.hf_convert import export_hf_checkpoint
+        from moe_rl.rollout.quantize import quantize_hf_dir
+
+        export_hf_checkpoint(self.learner.module, self.cfg.model, self.export_dir,
+                             template_dir=side_files_dir(self.cfg))  # fmt: skip
+        if self.is_main and self.cfg.rollout.weight_quantization != "none":
+            quantize_hf_dir(self.export_dir, self.cfg.rollout.weight_quantization)
+        barrier()
+        return self.export_dir
+
+    def version(self, step: int) -> str:
+        """The weight-version label of ``step``: ``step-<step>-<nonce>`` (the nonce derived from the run id)."""
+        from moe_rl.rollout.integrity import version_label
+
+        return version_label(step, self.nonce)
+
+    def weight_sync(self, addresses: list[str]):
+        """The run's ``WeightSync`` (created at first use)."""
+        from moe_rl.rollout.weights import WeightSync
+
+        if self.sync is None:
+            self.sync = WeightSync.from_config(self.cfg, addresses, export_dir=self.export_dir, keys=self.keys)
+        return self.sync
+
+    def push(self, addresses: list[str], step: int) -> float:
+        """Load the learner into every server as ``version(step)`` (collective): tensors through shared memory for
+        servers on this host, an HF checkpoint on disk otherwise (``rollout.weight_sync``); seconds taken."""
+        around = contextlib.nullcontext
+        if self.source is not None:  # async: the batch in flight finishes first, or is paused (rollout.partial)
+            from moe_rl.train.producer import push_section
+
+            around = lambda: push_section(self.source, self.cfg.rollout, addresses, self.keys)
+        seconds = self.weight_sync(addresses).sync(self.learner.module, addresses if self.is_main else [],
+                                                   self.version(step), around_push=around)  # fmt: skip
+        if self.source is not None:
+            self.source.weights_pushed(step)
+        return seconds
+
+    def resync(self, addresses: list[str], step: int) -> None:
+        """Push the served weights again as ``version(step)`` (rank 0: at the start, after a restart, a version
+        mismatch or foreign weights); remembered with its fingerprint like every push."""
+        ws = self.weight_sync(addresses)
+        if ws.last_state is not None:
+            ws.close()  # distributed: a restarted server lost its group; the full sync rendezvouses again
+            ws.push(ws.last_state, addresses, self.version(step))  # a full sync: clears any half-updated state
+            return
+        ws.load_dir(self.export_dir, addresses, self.version(step))
+
+    def export_final(self) -> None:
+        """``<run>/hf/current`` holds the final weights whatever the sync path (a disk sync wrote them already)."""
+        if self.sync is not None and self.sync.mode != "disk":
+            self.export()
+
+    def close(self) -> None:
+        if self.sync is not None:
+            self.sync.close()  # distributed: the weight-update group, on the servers and here
