@@ -138,6 +138,10 @@ def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str
         del env[key]
     if spec.device == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"  # otherwise is_cpu() is false and CUDA paths are taken
+        # Our SIGTERM of the group reaches the scheduler first; SGLang's parent takes that for a crash and sleeps
+        # 5 s "to let GPU activity settle" before py-spy / CUDA core dumps: on CPU every stop paid it, for nothing
+        for var in ("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH"):
+            env.setdefault(var, "0")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(STUBS_DIR), env.get("PYTHONPATH", "")) if p)
         if spec.cpu_threads is not None:
             env["OMP_NUM_THREADS"] = str(spec.cpu_threads)
