@@ -4,6 +4,10 @@ The rollout engine runs in bf16 and the learner in fp32, so routers really disag
 R3 has something to fix. Each run is a `moe-rl train` subprocess (as a user runs it), on the path
 users take: responses of different lengths (up to 12 tokens, EOS-terminated), several
 microbatches per minibatch (micro_batch_size 2 of 8), two minibatches per step.
+
+The runs share one server of the module (``rollout.addresses``: a user's own server), as the
+trainer's own server would serve them: every run pushes its own weights under its own labels at its
+start (a full sync), and a run killed mid-push leaves the server to the next run's full sync.
 """
 
 from __future__ import annotations
@@ -42,21 +46,46 @@ DOCUMENTED_KEYS = {
 }  # fmt: skip
 
 
-def train_cmd(out_dir: Path, *overrides: str) -> list[str]:
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> str:
+    """The module's SGLang server (tiny_cpu's model and rollout settings, bf16); its URL."""
+    from moe_rl.config import load_config
+    from moe_rl.learner.hf_init import write_random_hf_checkpoint
+    from moe_rl.rollout.launcher import ServerSpec, SGLangServer
+
+    cfg = load_config(ROOT / "configs/tiny_cpu.yaml", BASE)
+    root = tmp_path_factory.mktemp("e2e_server")
+    model = write_random_hf_checkpoint(cfg.model, root / "model", seed=0)
+    spec = ServerSpec.from_rollout_config(cfg.rollout, model, startup_timeout_s=600)
+    with SGLangServer(spec, root / "server.log") as running:
+        yield running.url
+
+
+def train_cmd(out_dir: Path, server: str, *overrides: str) -> list[str]:
     return [sys.executable, "-m", "moe_rl.cli", "train", str(ROOT / "configs/tiny_cpu.yaml"),
-            *BASE, f"train.output_dir={out_dir}", *overrides]  # fmt: skip
+            *BASE, f"train.output_dir={out_dir}", f"rollout.addresses=[{server}]", *overrides]  # fmt: skip
 
 
-def run_train(out_dir: Path, *overrides: str, timeout: float = 600) -> list[dict]:
-    proc = subprocess.run(train_cmd(out_dir, *overrides), capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"moe-rl train failed:\n{proc.stderr[-4000:]}"
+def _console(out_dir: Path) -> Path:
+    """Where a run's output goes: a file, not a pipe (the trainer's torch_shm_manager outlives it while the shared
+    server still maps the synced tensors, and would hold a pipe open)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return out_dir.parent / f"{out_dir.name}.console.txt"
+
+
+def run_train(out_dir: Path, server: str, *overrides: str, timeout: float = 600) -> list[dict]:
+    console = _console(out_dir)
+    with open(console, "w") as fh:
+        proc = subprocess.run(train_cmd(out_dir, server, *overrides), stdout=fh, stderr=subprocess.STDOUT,
+                              timeout=timeout)  # fmt: skip
+    assert proc.returncode == 0, f"moe-rl train failed:\n{console.read_text()[-4000:]}"
     return read_metrics(out_dir / "metrics.jsonl")
 
 
 @pytest.fixture(scope="module")
-def r3_run(tmp_path_factory):
+def r3_run(tmp_path_factory, server):
     out = tmp_path_factory.mktemp("r3")
-    return out, run_train(out, "replay.routing=r3")
+    return out, run_train(out, server, "replay.routing=r3")
 
 
 def test_r3_run_logs_every_documented_metric_each_step(r3_run):
@@ -94,9 +123,9 @@ def test_rollouts_are_persisted_with_routes_masks_and_versions(r3_run):
     assert batch.fingerprint["model.num_moe_experts"] == 8 and "tokenizer.vocab" in batch.fingerprint
 
 
-def test_routing_none_on_the_same_data_reports_natural_flips(tmp_path, r3_run):
+def test_routing_none_on_the_same_data_reports_natural_flips(tmp_path, r3_run, server):
     _, r3_metrics = r3_run
-    metrics = run_train(tmp_path, "replay.routing=none", "train.steps=1")
+    metrics = run_train(tmp_path, server, "replay.routing=none", "train.steps=1")
     # step 1 generates the same rollout (same seeds, same initial weights) as the R3 run
     assert metrics[0]["reward/mean"] == r3_metrics[0]["reward/mean"]
     assert metrics[0]["replay/rollout_vs_natural/response/flip_rate"] > 0.0
@@ -105,28 +134,30 @@ def test_routing_none_on_the_same_data_reports_natural_flips(tmp_path, r3_run):
         "replay/rollout_vs_natural/response/flip_rate"]
 
 
-def test_killed_run_resumes_from_checkpoint_with_identical_next_step(tmp_path, r3_run):
+def test_killed_run_resumes_from_checkpoint_with_identical_next_step(tmp_path, r3_run, server):
     _, uninterrupted = r3_run
     latest = tmp_path / "checkpoints" / "latest"
-    kill_train_when(tmp_path, ["replay.routing=r3"], signal.SIGTERM, poll_s=0.5, ready=lambda: latest.exists()
+    kill_train_when(tmp_path, server, ["replay.routing=r3"], signal.SIGTERM, poll_s=0.5, ready=lambda: latest.exists()
                     and json.loads((_step_dir(latest) / "meta.json").read_text())["extra"]["rl_step"] >= 1)  # fmt: skip
-    resumed = run_train(tmp_path, "replay.routing=r3")
+    resumed = run_train(tmp_path, server, "replay.routing=r3")
     assert [m["step"] for m in resumed] == [1, 2, 3]
     for before, after in zip(uninterrupted, resumed, strict=True):
         same = {k: v for k, v in before.items() if not k.startswith(("time/", "rollout/tokens_per_s"))}
         assert same == {k: after[k] for k in same}, f"step {before['step']} differs after resume"
 
 
-def kill_train_when(out_dir: Path, overrides, sig: int, poll_s: float, ready) -> None:
+def kill_train_when(out_dir: Path, server: str, overrides, sig: int, poll_s: float, ready) -> None:
     """Start ``moe-rl train`` in its own process group and send ``sig`` to the group once ``ready()``
     (failing if the run ends first); the group is SIGKILLed whatever happens."""
-    proc = subprocess.Popen(train_cmd(out_dir, *overrides), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)  # fmt: skip
+    console = _console(out_dir).with_suffix(".killed.txt")
+    with open(console, "w") as fh:
+        proc = subprocess.Popen(train_cmd(out_dir, server, *overrides), stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
     deadline = time.time() + 400
     try:
         while time.time() < deadline and proc.poll() is None and not ready():
             time.sleep(poll_s)
-        assert proc.poll() is None, f"run ended before it could be killed:\n{proc.stderr.read()[-3000:]}"
+        assert proc.poll() is None, f"run ended before it could be killed:\n{console.read_text()[-3000:]}"
         os.killpg(proc.pid, sig)
         proc.wait(timeout=60)
     finally:
@@ -145,11 +176,11 @@ def _records_arrays(path: Path) -> dict:
     return load_file(str(path))
 
 
-def test_async_with_zero_staleness_equals_sync_step_for_step(tmp_path, r3_run):
+def test_async_with_zero_staleness_equals_sync_step_for_step(tmp_path, r3_run, server):
     """train.max_staleness=0: the producer makes step s only after version s is pushed, so the records,
     rewards, losses and grad norms are the sync run's, bitwise."""
     sync_dir, sync_metrics = r3_run
-    metrics = run_train(tmp_path, "replay.routing=r3", "train.rollout_mode=async", "train.max_staleness=0")
+    metrics = run_train(tmp_path, server, "replay.routing=r3", "train.rollout_mode=async", "train.max_staleness=0")
     for before, after in zip(sync_metrics, metrics, strict=True):
         same = {k: v for k, v in before.items() if not k.startswith(("time/", "rollout/tokens_per_s"))}
         assert same == {k: after[k] for k in same}, f"step {before['step']} differs from the sync run"
@@ -160,7 +191,7 @@ def test_async_with_zero_staleness_equals_sync_step_for_step(tmp_path, r3_run):
         assert set(b["token_versions"].tolist()) == {s}
 
 
-def test_async_run_killed_and_resumed_trains_every_step_once_within_the_staleness_bound(tmp_path):
+def test_async_run_killed_and_resumed_trains_every_step_once_within_the_staleness_bound(tmp_path, server):
     """k = 1, checkpoints every 2 steps, SIGKILL after the first: the resumed run trains the batch the
     checkpoint carried (not a new one), every step once, and no token is more than 1 version old."""
     # the default correction.kl_alarm stays on: every token from step 2 on is one version old, so its KL holds
@@ -168,11 +199,11 @@ def test_async_run_killed_and_resumed_trains_every_step_once_within_the_stalenes
     args = ("replay.routing=r3", "train.rollout_mode=async", "train.max_staleness=1", "train.steps=4",
             "checkpoint.save_interval=2")  # fmt: skip
     meta = tmp_path / "checkpoints" / "step_00000002" / "meta.json"
-    kill_train_when(tmp_path, args, signal.SIGKILL, poll_s=0.02, ready=meta.exists)
+    kill_train_when(tmp_path, server, args, signal.SIGKILL, poll_s=0.02, ready=meta.exists)
     carried = json.loads(meta.read_text())["extra"]["async"]
     assert carried["ready_steps"] == [2], "pushing version 2 waits for step 2's batch, so the checkpoint holds it"
     saved = (meta.parent / "files" / "step_000002.safetensors").read_bytes()
-    metrics = run_train(tmp_path, *args)
+    metrics = run_train(tmp_path, server, *args)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4], "a step is missing or was logged twice"
     assert (tmp_path / "rollouts" / "step_000002.safetensors").read_bytes() == saved, "step 2 was generated again"
     for s in range(4):

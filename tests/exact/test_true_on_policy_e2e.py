@@ -5,7 +5,8 @@ log-probs must equal the server's recorded ones exactly: ``offpolicy/log_ratio_a
 ``offpolicy/kl_k3 == 0.0`` (no tolerance), and the learner's natural top-k must equal the recorded
 routes at every layer and position: both ``replay/rollout_vs_natural/{prompt,response}/flip_rate``
 are 0.0 at every step. Step 2's rollouts come from weights pushed through the weight sync. Each run
-is a ``moe-rl train`` subprocess as a user runs it.
+is a ``moe-rl train`` subprocess as a user runs it; the two tiny runs (1 and 2 ranks) share one
+true-on-policy server of the module (``rollout.addresses``), each pushing its own weights at its start.
 
 The check can fail: ``test_one_stock_kernel_breaks_equality`` recomputes step 0's saved records with
 the exact learner (bit-equal) and with one kernel swapped back to Megatron's stock one (non-zero).
@@ -38,6 +39,22 @@ EXACT_KEYS = ("offpolicy/log_ratio_abs_max", "offpolicy/kl_k3",
               "replay/rollout_vs_natural/prompt/flip_rate", "replay/rollout_vs_natural/response/flip_rate")
 
 
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory) -> str:
+    """A true-on-policy SGLang server for configs/tiny_cpu.yaml under GATE (patch 0013's kernels); its URL."""
+    from moe_rl.config import load_config
+    from moe_rl.learner.hf_init import write_random_hf_checkpoint
+    from moe_rl.rollout.launcher import ServerSpec, SGLangServer
+
+    cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml", GATE)
+    root = tmp_path_factory.mktemp("exact_server")
+    model = write_random_hf_checkpoint(cfg.model, root / "model", seed=0, dtype="float32")
+    spec = ServerSpec.from_rollout_config(cfg.rollout, model, startup_timeout_s=600)
+    assert spec.true_on_policy and spec.dtype == "float32"
+    with SGLangServer(spec, root / "server.log") as running:
+        yield running.url
+
+
 def _train(out_dir: Path, config: str, *overrides: str, nproc: int = 1) -> list[dict]:
     args = [str(ROOT / "configs" / config), *GATE, f"train.output_dir={out_dir}", *overrides]
     if nproc == 1:
@@ -46,8 +63,10 @@ def _train(out_dir: Path, config: str, *overrides: str, nproc: int = 1) -> list[
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
                f"--nproc-per-node={nproc}", "-m", "moe_rl.cli", "train", *args]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, check=False)
-    assert proc.returncode == 0, f"moe-rl train failed:\n{proc.stderr[-4000:]}"
+    console = out_dir.parent / f"{out_dir.name}.console.txt"  # a file: with a shared server the trainer's
+    with open(console, "w") as fh:  # torch_shm_manager outlives it and would hold a pipe open
+        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=600, env=env, check=False)
+    assert proc.returncode == 0, f"moe-rl train failed:\n{console.read_text()[-4000:]}"
     return read_metrics(out_dir / "metrics.jsonl")
 
 
@@ -59,9 +78,9 @@ def _assert_exact(metrics: list[dict]) -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
+def tiny_run(tmp_path_factory, tiny_server):
     out = tmp_path_factory.mktemp("tiny_exact")
-    return out, _train(out, "tiny_cpu.yaml", "replay.routing=none")
+    return out, _train(out, "tiny_cpu.yaml", "replay.routing=none", f"rollout.addresses=[{tiny_server}]")
 
 
 def test_tiny_fp32_ep1_is_exact(tiny_run):
@@ -75,9 +94,10 @@ def test_midsize_fp32_top8_is_exact(tmp_path):
 
 
 @pytest.mark.distributed
-def test_tiny_fp32_ep2_with_r3_is_exact(tmp_path):
+def test_tiny_fp32_ep2_with_r3_is_exact(tmp_path, tiny_server):
     """Two learner ranks, experts split over them (all-to-all dispatch), R3 replaying the recorded routes."""
-    _assert_exact(_train(tmp_path, "tiny_cpu.yaml", "replay.routing=r3", "parallel.ep=2", nproc=2))
+    _assert_exact(_train(tmp_path, "tiny_cpu.yaml", "replay.routing=r3", "parallel.ep=2",
+                         f"rollout.addresses=[{tiny_server}]", nproc=2))  # fmt: skip
 
 
 def test_one_stock_kernel_breaks_equality(tiny_run, megatron_world):
