@@ -62,3 +62,22 @@ def tiny_hf_dir(tmp_path_factory, tiny_model_cfg):
     from moe_rl.learner.hf_init import write_random_hf_checkpoint
 
     return write_random_hf_checkpoint(tiny_model_cfg, tmp_path_factory.mktemp("tiny_hf"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_cpu_server(tmp_path_factory) -> str:
+    """One SGLang server with configs/tiny_cpu.yaml's model and rollout settings (bf16, deterministic) for the
+    end-to-end runs that are not about the server: they pass ``rollout.addresses=[<url>]`` and push their own weights
+    at their start (a full sync), as with a server of their own. Its URL."""
+    from pathlib import Path
+
+    from moe_rl.config import load_config
+    from moe_rl.learner.hf_init import write_random_hf_checkpoint
+    from moe_rl.rollout.launcher import ServerSpec, SGLangServer
+
+    cfg = load_config(Path(__file__).parents[1] / "configs" / "tiny_cpu.yaml")
+    root = tmp_path_factory.mktemp("tiny_cpu_server")
+    model = write_random_hf_checkpoint(cfg.model, root / "model", seed=0)
+    spec = ServerSpec.from_rollout_config(cfg.rollout, model, startup_timeout_s=600)
+    with SGLangServer(spec, root / "server.log") as running:
+        yield running.url

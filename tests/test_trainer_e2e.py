@@ -5,7 +5,7 @@ R3 has something to fix. Each run is a `moe-rl train` subprocess (as a user runs
 users take: responses of different lengths (up to 12 tokens, EOS-terminated), several
 microbatches per minibatch (micro_batch_size 2 of 8), two minibatches per step.
 
-The runs share one server of the module (``rollout.addresses``: a user's own server), as the
+The runs share the session's tiny_cpu server (``rollout.addresses``: a user's own server), as the
 trainer's own server would serve them: every run pushes its own weights under its own labels at its
 start (a full sync), and a run killed mid-push leaves the server to the next run's full sync.
 """
@@ -47,18 +47,8 @@ DOCUMENTED_KEYS = {
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory) -> str:
-    """The module's SGLang server (tiny_cpu's model and rollout settings, bf16); its URL."""
-    from moe_rl.config import load_config
-    from moe_rl.learner.hf_init import write_random_hf_checkpoint
-    from moe_rl.rollout.launcher import ServerSpec, SGLangServer
-
-    cfg = load_config(ROOT / "configs/tiny_cpu.yaml", BASE)
-    root = tmp_path_factory.mktemp("e2e_server")
-    model = write_random_hf_checkpoint(cfg.model, root / "model", seed=0)
-    spec = ServerSpec.from_rollout_config(cfg.rollout, model, startup_timeout_s=600)
-    with SGLangServer(spec, root / "server.log") as running:
-        yield running.url
+def server(tiny_cpu_server) -> str:
+    return tiny_cpu_server
 
 
 def train_cmd(out_dir: Path, server: str, *overrides: str) -> list[str]:

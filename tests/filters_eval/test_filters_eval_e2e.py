@@ -22,7 +22,7 @@ pytestmark = pytest.mark.sglang
 ROOT = Path(__file__).parents[2]
 
 
-def test_filters_and_eval_through_the_trainer(tmp_path, device):
+def test_filters_and_eval_through_the_trainer(tmp_path, device, tiny_cpu_server):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", str(ROOT / "configs/tiny_cpu.yaml"), "train.steps=2",
            "train.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8",
@@ -30,12 +30,15 @@ def test_filters_and_eval_through_the_trainer(tmp_path, device):
            "train.filter_groups=true", "train.max_generation_rounds=3", "train.filter_groups_fallback=true",
            "reward.overlong_buffer.length=2", "reward.overlong_buffer.penalty=0.5", "train.mask_truncated=true",
            "eval.interval=1", "eval.task_prompts=4", "eval.samples_per_prompt=3", "eval.temperature=0",
-           f"train.output_dir={out}"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+           f"train.output_dir={out}", f"rollout.addresses=[{tiny_cpu_server}]"]  # fmt: skip
+    console = tmp_path / "console.txt"  # a file: the trainer's torch_shm_manager outlives it (the shared server)
+    with open(console, "w") as fh:
+        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=900, check=False)
+    output = console.read_text()
+    assert proc.returncode == 0, output[-4000:]
     metrics = read_metrics(out / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [0, 1, 2]
-    assert "eval task/pass@1" in proc.stdout and "eval task/pass@3" in proc.stdout  # the closing summary
+    assert "eval task/pass@1" in output and "eval task/pass@3" in output  # the closing summary
     for m in metrics:  # before step 1, after each step
         assert {"eval/task/reward_mean", "eval/task/pass@1", "eval/task/pass@3"} <= m.keys(), m.keys()
         assert 0 <= m["eval/task/pass@1"] <= m["eval/task/pass@3"] <= 1
