@@ -19,19 +19,23 @@ ARGS = ["rollout.dtype=bfloat16", "rollout.samples_per_prompt=4", "rollout.max_n
         "train.micro_batch_size=16"]  # fmt: skip
 
 
-def diagnose(out: Path, *overrides: str) -> dict:
+def diagnose(out: Path, server: str, *overrides: str) -> dict:
+    """``moe-rl diagnose`` on the session's tiny_cpu server (it loads the learner's export into it first)."""
     cmd = [sys.executable, "-m", "moe_rl.cli", "diagnose", str(ROOT / "configs/tiny_cpu.yaml"), *ARGS, *overrides,
-           "--prompts", "6", "--out", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+           f"rollout.addresses=[{server}]", "--prompts", "6", "--out", str(out)]  # fmt: skip
+    console = out.parent / f"{out.name}.console.txt"  # a file: a shared server can outlive a pipe's reader
+    with open(console, "w") as fh:
+        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=600, check=False)
+    assert proc.returncode == 0, console.read_text()[-4000:]
     return json.loads((out / "numbers.json").read_text())
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory):
+def reports(tmp_path_factory, tiny_cpu_server):
     bf16 = tmp_path_factory.mktemp("bf16")
     fp8 = tmp_path_factory.mktemp("fp8")
-    return (bf16, diagnose(bf16)), (fp8, diagnose(fp8, "rollout.weight_quantization=fp8_e4m3"))
+    return (bf16, diagnose(bf16, tiny_cpu_server)), \
+        (fp8, diagnose(fp8, tiny_cpu_server, "rollout.weight_quantization=fp8_e4m3"))  # fmt: skip
 
 
 @pytest.mark.sglang
