@@ -16,8 +16,8 @@ run repeats an uninterrupted one):
    instead (no server);
 2. GRPO/RLOO advantages; the step plan; in decoupled mode the old-log-prob pass;
 3. ``minibatches_per_step`` optimizer steps (times ``epochs_per_step``) under the replay driver;
-4. export HF weights, push them to every server (``moe_rl.train.weight_push``; in async mode once the batch in flight is done),
-   checkpoint every K steps (with the producer's finished-but-untrained records).
+4. export HF weights, push them to every server (``moe_rl.train.weight_push``; in async mode once the
+   batch in flight is done), checkpoint every K steps (with the producer's finished-but-untrained records).
 """
 
 from __future__ import annotations
@@ -167,7 +167,8 @@ class RLTrainer:
         from moe_rl.train.batch_maker import BatchMaker
 
         return BatchMaker(self.cfg, self.samples, self.records, self.records_dir, client, self.weights.version,
-                          resync=lambda v: self.weights.resync(client.addresses, v), weight_sync=lambda: self.weights.sync,
+                          resync=lambda v: self.weights.resync(client.addresses, v),
+                          weight_sync=lambda: self.weights.sync,
                           restart=self.server_pool.restart if self.server_pool else None)  # fmt: skip
 
     def step(self, client, step: int) -> dict:
