@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,6 +44,15 @@ def one_gpu_per_rank(ranks: int):
     )
 
 
+def run_to_file(cmd: list[str], console: Path, **kwargs) -> tuple[subprocess.CompletedProcess, str]:
+    """Run ``cmd`` with its stdout and stderr written to ``console``; (the process, its output). A file, not a pipe:
+    against a shared server the trainer's torch_shm_manager outlives the trainer while the server still maps the
+    synced tensors, and would hold a pipe open."""
+    with open(console, "w") as fh:
+        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, check=False, **kwargs)
+    return proc, console.read_text()
+
+
 @pytest.fixture(scope="session")
 def device() -> torch.device:
     """``cuda:0`` when a CUDA GPU is present, else ``cpu``: tests build their inputs on it."""
@@ -69,8 +80,6 @@ def tiny_cpu_server(tmp_path_factory) -> str:
     """One SGLang server with configs/tiny_cpu.yaml's model and rollout settings (bf16, deterministic) for the
     end-to-end runs that are not about the server: they pass ``rollout.addresses=[<url>]`` and push their own weights
     at their start (a full sync), as with a server of their own. Its URL."""
-    from pathlib import Path
-
     from moe_rl.config import load_config
     from moe_rl.learner.hf_init import write_random_hf_checkpoint
     from moe_rl.rollout.launcher import ServerSpec, SGLangServer

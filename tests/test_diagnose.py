@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import torch
 
 from moe_rl.study.diagnose_report import verdict
 from moe_rl.rollout.quantize import fake_quantize
+from tests.conftest import run_to_file
 
 ROOT = Path(__file__).parents[1]
 ARGS = ["rollout.dtype=bfloat16", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=6",
@@ -23,10 +23,8 @@ def diagnose(out: Path, server: str, *overrides: str) -> dict:
     """``moe-rl diagnose`` on the session's tiny_cpu server (it loads the learner's export into it first)."""
     cmd = [sys.executable, "-m", "moe_rl.cli", "diagnose", str(ROOT / "configs/tiny_cpu.yaml"), *ARGS, *overrides,
            f"rollout.addresses=[{server}]", "--prompts", "6", "--out", str(out)]  # fmt: skip
-    console = out.parent / f"{out.name}.console.txt"  # a file: a shared server can outlive a pipe's reader
-    with open(console, "w") as fh:
-        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=600, check=False)
-    assert proc.returncode == 0, console.read_text()[-4000:]
+    proc, output = run_to_file(cmd, out.parent / f"{out.name}.console.txt", timeout=600)
+    assert proc.returncode == 0, output[-4000:]
     return json.loads((out / "numbers.json").read_text())
 
 

@@ -27,6 +27,7 @@ from moe_rl.train.metrics_log import read_metrics
 from moe_rl.records import RolloutBatch
 from moe_rl.rollout.integrity import version_label
 from moe_rl.train.run_identity import version_nonce
+from tests.conftest import run_to_file
 
 pytestmark = pytest.mark.sglang
 
@@ -57,18 +58,14 @@ def train_cmd(out_dir: Path, server: str, *overrides: str) -> list[str]:
 
 
 def _console(out_dir: Path) -> Path:
-    """Where a run's output goes: a file, not a pipe (the trainer's torch_shm_manager outlives it while the shared
-    server still maps the synced tensors, and would hold a pipe open)."""
+    """Where a run's output goes (a file: ``tests.conftest.run_to_file`` says why)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     return out_dir.parent / f"{out_dir.name}.console.txt"
 
 
 def run_train(out_dir: Path, server: str, *overrides: str, timeout: float = 600) -> list[dict]:
-    console = _console(out_dir)
-    with open(console, "w") as fh:
-        proc = subprocess.run(train_cmd(out_dir, server, *overrides), stdout=fh, stderr=subprocess.STDOUT,
-                              timeout=timeout)  # fmt: skip
-    assert proc.returncode == 0, f"moe-rl train failed:\n{console.read_text()[-4000:]}"
+    proc, output = run_to_file(train_cmd(out_dir, server, *overrides), _console(out_dir), timeout=timeout)
+    assert proc.returncode == 0, f"moe-rl train failed:\n{output[-4000:]}"
     return read_metrics(out_dir / "metrics.jsonl")
 
 

@@ -15,7 +15,6 @@ the exact learner (bit-equal) and with one kernel swapped back to Megatron's sto
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import torch
 
 from moe_rl.records import RolloutBatch
 from moe_rl.train.metrics_log import read_metrics
+from tests.conftest import run_to_file
 
 pytestmark = pytest.mark.sglang
 
@@ -63,10 +63,8 @@ def _train(out_dir: Path, config: str, *overrides: str, nproc: int = 1) -> list[
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
                f"--nproc-per-node={nproc}", "-m", "moe_rl.cli", "train", *args]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    console = out_dir.parent / f"{out_dir.name}.console.txt"  # a file: with a shared server the trainer's
-    with open(console, "w") as fh:  # torch_shm_manager outlives it and would hold a pipe open
-        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=600, env=env, check=False)
-    assert proc.returncode == 0, f"moe-rl train failed:\n{console.read_text()[-4000:]}"
+    proc, output = run_to_file(cmd, out_dir.parent / f"{out_dir.name}.console.txt", timeout=600, env=env)
+    assert proc.returncode == 0, f"moe-rl train failed:\n{output[-4000:]}"
     return read_metrics(out_dir / "metrics.jsonl")
 
 

@@ -7,7 +7,6 @@ step at the synced weights, and writes no training records.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 
 from moe_rl.records import RolloutBatch
 from moe_rl.train.metrics_log import read_metrics
+from tests.conftest import run_to_file
 
 pytestmark = pytest.mark.sglang
 
@@ -31,10 +31,7 @@ def test_filters_and_eval_through_the_trainer(tmp_path, device, tiny_cpu_server)
            "reward.overlong_buffer.length=2", "reward.overlong_buffer.penalty=0.5", "train.mask_truncated=true",
            "eval.interval=1", "eval.task_prompts=4", "eval.samples_per_prompt=3", "eval.temperature=0",
            f"train.output_dir={out}", f"rollout.addresses=[{tiny_cpu_server}]"]  # fmt: skip
-    console = tmp_path / "console.txt"  # a file: the trainer's torch_shm_manager outlives it (the shared server)
-    with open(console, "w") as fh:
-        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=900, check=False)
-    output = console.read_text()
+    proc, output = run_to_file(cmd, tmp_path / "console.txt", timeout=900)
     assert proc.returncode == 0, output[-4000:]
     metrics = read_metrics(out / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [0, 1, 2]
