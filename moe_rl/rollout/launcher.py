@@ -142,6 +142,8 @@ def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str
         # 5 s "to let GPU activity settle" before py-spy / CUDA core dumps: on CPU every stop paid it, for nothing
         for var in ("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH"):
             env.setdefault(var, "0")
+        env.setdefault("MOE_RL_SGLANG_START_METHOD", "fork")  # children inherit the imports (sglang_entry)
+        env.setdefault("SGLANG_EXTERNAL_MODEL_PACKAGE", "moe_rl.rollout.sglang_models")  # others load on demand
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(STUBS_DIR), env.get("PYTHONPATH", "")) if p)
         if spec.cpu_threads is not None:
             env["OMP_NUM_THREADS"] = str(spec.cpu_threads)

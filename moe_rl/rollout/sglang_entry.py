@@ -11,6 +11,12 @@ imports this module as ``__mp_main__``, and tqdm's default write lock there is a
 under the spawn start method a named POSIX semaphore ``/dev/shm/sem.mp-*`` that only a finalizer removes,
 and a stopped server's processes are killed (SGLang even SIGKILLs its own resource tracker), so one
 ``sem.mp-*`` outlived every run. A thread lock is all tqdm needs in a server log.
+
+On CPU (``MOE_RL_SGLANG_START_METHOD=fork``, set by the launcher's ``server_env``) SGLang's scheduler and
+detokenizer are forked, not spawned: they inherit the ~13 s of imports the parent has already done instead of
+repeating them on the same cores (a tiny server's start 38 s -> 23 s on the 2-core CI machine). At that point
+the parent has only imported modules and parsed its arguments. On GPUs SGLang's ``spawn`` stays: CUDA cannot
+be used in a forked child.
 """
 
 from __future__ import annotations
@@ -30,6 +36,18 @@ def _tqdm_without_a_semaphore() -> None:
 
 
 _tqdm_without_a_semaphore()
+
+def _keep_start_method(method: str) -> None:
+    """Make SGLang's ``mp.set_start_method("spawn", force=True)`` set ``method`` instead."""
+    import multiprocessing
+
+    real = multiprocessing.set_start_method
+
+    def set_start_method(_requested: str, force: bool = False) -> None:
+        real(method, force=True)
+
+    multiprocessing.set_start_method = set_start_method
+
 
 KEY_FLAGS = {"--api-key-env": "api_key", "--admin-api-key-env": "admin_api_key"}
 REDACTED = "<redacted>"
@@ -73,6 +91,8 @@ def main(argv: list[str] | None = None) -> None:
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.utils import kill_process_tree
 
+    if method := os.environ.get("MOE_RL_SGLANG_START_METHOD"):
+        _keep_start_method(method)
     engine._server_args_for_logging = _redacting(engine._server_args_for_logging, tuple(keys.values()))
     load_plugins()
     server_args = prepare_server_args(sglang_argv)
