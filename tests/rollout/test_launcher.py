@@ -69,6 +69,31 @@ def test_stand_ins_go_on_the_cpu_server_path_only():
     assert str(STUBS_DIR) not in os.environ.get("PYTHONPATH", "")
 
 
+def test_cpu_servers_fork_their_children_and_defer_other_model_modules():
+    cpu = server_env(ServerSpec("/m", device="cpu"), base={})
+    assert cpu["MOE_RL_SGLANG_START_METHOD"] == "fork"
+    assert cpu["SGLANG_EXTERNAL_MODEL_PACKAGE"] == "moe_rl.rollout.sglang_models"
+    assert server_env(ServerSpec("/m", device="cpu"), base={"MOE_RL_SGLANG_START_METHOD": "spawn"})[
+        "MOE_RL_SGLANG_START_METHOD"] == "spawn"  # an operator's choice stands
+    gpu = server_env(ServerSpec("/m", device="cuda"), base={})  # CUDA cannot be used in a forked child
+    assert "MOE_RL_SGLANG_START_METHOD" not in gpu and "SGLANG_EXTERNAL_MODEL_PACKAGE" not in gpu
+
+
+def test_the_entry_point_makes_sglangs_spawn_request_the_chosen_method():
+    import multiprocessing
+
+    from moe_rl.rollout.sglang_entry import _keep_start_method
+
+    real, before = multiprocessing.set_start_method, multiprocessing.get_start_method(allow_none=True)
+    try:
+        _keep_start_method("fork")
+        multiprocessing.set_start_method("spawn", force=True)  # what SGLang's engine calls
+        assert multiprocessing.get_start_method() == "fork"
+    finally:
+        multiprocessing.set_start_method = real
+        real(before, force=True)
+
+
 def test_startup_timeout_raises_with_log_and_leaves_no_process(tmp_path):
     marker = str(tmp_path / "timeout-model")
     server = SGLangServer(ServerSpec(marker, startup_timeout_s=3.0), tmp_path / "server.log")
