@@ -1,10 +1,13 @@
 """Subprocess probe for the CPU shim tests: apply all CPU shims but one, then exercise its code path.
 
-``python shim_probe.py <left_out|none>`` prints ``PROBE-OK`` or ``PROBE-FAIL <Type>: <message>``.
+``python shim_probe.py <left_out|none> [...]`` prints ``<name> PROBE-OK`` or ``<name> PROBE-FAIL <Type>: <message>``
+for each name. The imports are done once; each probe then runs in its own forked child (shims are process-wide
+patches), two at a time (the CI machine's 2 cores).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -41,10 +44,9 @@ def exercise() -> None:
         None, None, False, False)
 
 
-def main() -> None:
+def probe(left_out: str) -> None:
     from moe_rl.learner import cpu_shims
 
-    left_out = sys.argv[1]
     names = tuple(n for n in cpu_shims.CPU_SHIMS if n != left_out)
     original_apply = cpu_shims.apply_cpu_shims
     original_apply(only=names)
@@ -62,10 +64,34 @@ def main() -> None:
     except Exception as exc:  # noqa: BLE001 - report whatever broke
         frames = [f for f in traceback.extract_tb(exc.__traceback__) if "megatron" in f.filename]
         where = f"{Path(frames[-1].filename).stem}.{frames[-1].name}" if frames else "?"
-        print(f"PROBE-FAIL at {where} {type(exc).__name__}: {exc}".splitlines()[0])
+        print(f"{left_out} PROBE-FAIL at {where} {type(exc).__name__}: {exc}".splitlines()[0], flush=True)
         return
-    print("PROBE-OK applied=" + ",".join(cpu_shims.applied_shims()))
+    print(f"{left_out} PROBE-OK applied=" + ",".join(cpu_shims.applied_shims()), flush=True)
+
+
+def main(names: list[str], parallel: int = 2) -> None:
+    """Import what every probe imports, then fork one child per name, `parallel` at a time."""
+    import megatron.core.models.gpt  # noqa: F401 - imported once, before the fork
+    import megatron.core.pipeline_parallel.p2p_communication  # noqa: F401
+    import megatron.core.transformer.moe.token_dispatcher  # noqa: F401
+
+    import moe_rl.learner.model  # noqa: F401
+    import tests.learner.conftest  # noqa: F401
+
+    running: set[int] = set()
+    for name in names:
+        if len(running) >= parallel:
+            running.discard(os.wait()[0])
+        pid = os.fork()
+        if pid == 0:  # the child: one probe, then leave without the parent's exit handlers
+            try:
+                probe(name)
+            finally:
+                os._exit(0)
+        running.add(pid)
+    while running:
+        running.discard(os.wait()[0])
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

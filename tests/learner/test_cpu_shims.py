@@ -36,19 +36,12 @@ EXPECTED_FAILURES = {
 
 @pytest.fixture(scope="module")
 def probe_results():
-    """Launch all probes at once (each ~5 s, mostly imports) and collect their verdict lines."""
-    env = repo_env(REPO, OMP_NUM_THREADS="1")
-    procs = {
-        name: subprocess.Popen([sys.executable, str(PROBE), name], cwd=REPO, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        for name in ["none", *EXPECTED_FAILURES]
-    }
-    out = {}
-    for name, proc in procs.items():
-        stdout, _ = proc.communicate(timeout=240)
-        lines = [ln for ln in stdout.splitlines() if ln.startswith("PROBE-")]
-        out[name] = lines[-1] if lines else f"no verdict (rc={proc.returncode})"
-    return out
+    """Run every probe (one import, a forked child per probe) and collect their verdict lines."""
+    names = ["none", *EXPECTED_FAILURES]
+    proc = subprocess.run([sys.executable, str(PROBE), *names], cwd=REPO, env=repo_env(REPO, OMP_NUM_THREADS="1"),
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, timeout=240)  # fmt: skip
+    verdicts = dict(ln.split(" ", 1) for ln in proc.stdout.splitlines() if " PROBE-" in ln)
+    return {name: verdicts.get(name, f"no verdict (rc={proc.returncode})") for name in names}
 
 
 @pytest.mark.timeout(300)
