@@ -17,8 +17,10 @@ in tiny_cpu (``moe_aux_loss_coeff: 0``), the one documented exception to microba
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -46,7 +48,9 @@ def run(out, hf_dir, *overrides, nproc=1):
         launcher = ["-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
                     f"--master-port={free_port()}"]  # fmt: skip
         args = launcher + args
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600)
+    # one thread, as torchrun gives each of its ranks: two 1-rank runs share the machine's 2 cores
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
     assert proc.returncode == 0, f"run {overrides} x{nproc} failed:\n{proc.stderr[-4000:]}"
     return read_metrics(out / "metrics.jsonl")
 
@@ -61,9 +65,21 @@ def assert_same_steps(expected, got, what):
         assert not bad, f"{what}, step {a['step']}: {bad}"
 
 
+# The 1-rank runs: the baselines (micro_batch_size 2) and the microbatch variants of the R3 run.
+ONE_RANK = {
+    "r3": ("replay.routing=r3", "train.micro_batch_size=2"),
+    "r2": ("replay.routing=r2", "train.micro_batch_size=2"),
+    "r3_micro1": ("replay.routing=r3", "train.micro_batch_size=1"),
+    "r3_micro_whole": ("replay.routing=r3", "train.micro_batch_size=8"),  # the whole minibatch in one microbatch
+}
+
+
 @pytest.fixture(scope="module")
-def r3_ksm_one_rank(tmp_path_factory, hf_dir):
-    return run(tmp_path_factory.mktemp("r3_1"), hf_dir, "replay.routing=r3", "train.micro_batch_size=2")
+def one_rank(tmp_path_factory, hf_dir):
+    """Every 1-rank run's metrics, two runs at a time (each is one process on one thread; the machine has 2 cores)."""
+    with ThreadPoolExecutor(2) as pool:
+        futures = {k: pool.submit(run, tmp_path_factory.mktemp(k), hf_dir, *o) for k, o in ONE_RANK.items()}
+    return {k: f.result() for k, f in futures.items()}
 
 
 def test_records_have_ragged_responses_and_several_microbatches():
@@ -74,32 +90,26 @@ def test_records_have_ragged_responses_and_several_microbatches():
 
 
 @pytest.mark.parametrize(
-    "overrides, nproc",
+    "layout",
     [
-        (("train.micro_batch_size=2",), 2),  # dp=2 (each rank: 4 of each minibatch's 8, 2 microbatches)
-        (("train.micro_batch_size=2", "parallel.ep=2"), 2),  # ep=2 over the same 2 data-parallel ranks
-        (("train.micro_batch_size=2", "parallel.pp=2"), 2),  # pp=2: one layer per stage, Megatron's 1F1B schedule
-        (("train.micro_batch_size=1",), 1),
-        (("train.micro_batch_size=8",), 1),  # the whole minibatch in one microbatch
+        ("train.micro_batch_size=2",),  # dp=2 (each rank: 4 of each minibatch's 8, 2 microbatches)
+        ("train.micro_batch_size=2", "parallel.ep=2"),  # ep=2 over the same 2 data-parallel ranks
+        ("train.micro_batch_size=2", "parallel.pp=2"),  # pp=2: one layer per stage, Megatron's 1F1B schedule
+        "r3_micro1",
+        "r3_micro_whole",
     ],
     ids=["dp2", "ep2", "pp2", "micro1", "micro_whole"],
 )
 @one_gpu_per_rank(2)
-def test_decoupled_r3_ksm_step_is_independent_of_ranks_and_microbatches(tmp_path, hf_dir, r3_ksm_one_rank, overrides,
-                                                                        nproc):  # fmt: skip
-    got = run(tmp_path, hf_dir, "replay.routing=r3", *overrides, nproc=nproc)
-    assert_same_steps(r3_ksm_one_rank, got, f"{overrides} x{nproc}")
+def test_decoupled_r3_ksm_step_is_independent_of_ranks_and_microbatches(tmp_path, hf_dir, one_rank, layout):
+    got = one_rank[layout] if isinstance(layout, str) else run(tmp_path, hf_dir, "replay.routing=r3", *layout, nproc=2)
+    assert_same_steps(one_rank["r3"], got, f"{layout}")
     assert all(m["replay/rollout_vs_dispatched/response/flip_rate"] == 0.0 for m in got)
-
-
-@pytest.fixture(scope="module")
-def r2_one_rank(tmp_path_factory, hf_dir):
-    return run(tmp_path_factory.mktemp("r2_1"), hf_dir, "replay.routing=r2", "train.micro_batch_size=2")
 
 
 @one_gpu_per_rank(2)
 @pytest.mark.parametrize("layout", [(), ("parallel.ep=2",)], ids=["dp2", "ep2"])
-def test_decoupled_r2_step_on_two_ranks_equals_one_rank(tmp_path, hf_dir, r2_one_rank, layout):
+def test_decoupled_r2_step_on_two_ranks_equals_one_rank(tmp_path, hf_dir, one_rank, layout):
     two = run(tmp_path, hf_dir, "replay.routing=r2", "train.micro_batch_size=2", *layout, nproc=2)
-    assert_same_steps(r2_one_rank, two, f"r2 {layout or 'dp=2'}")
+    assert_same_steps(one_rank["r2"], two, f"r2 {layout or 'dp=2'}")
     assert all(m["replay/r2_vs_dispatched/response/flip_rate"] == 0.0 for m in two)
