@@ -73,6 +73,9 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 ReturnToService=2
 SchedulerType=sched/backfill
+# the main scheduling pass every 5 s (default 60): a requeued job starts once cred_expire has passed, not up to
+# a minute later (nothing else of SLURM's is timed by it; 3 nodes make each pass trivial)
+SchedulerParameters=sched_interval=5
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 GresTypes=gpu
