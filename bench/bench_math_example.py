@@ -42,8 +42,10 @@ def main(overrides: list[str]) -> None:
         evals = [{"step": m["step"], "pass@1": m["eval/test/pass@1"], "pass@4": m.get("eval/test/pass@4")}
                  for m in lines if "eval/test/pass@1" in m]  # fmt: skip
         rewards = [m["reward/mean"] for m in lines if "reward/mean" in m]
+        truncated = [m["response/truncated_frac"] for m in lines if "response/truncated_frac" in m]
     result = {"build_s": round(t1 - t0, 1), "rl_s": round(t2 - t1, 1), "rl_steps": len(rewards), "evals": evals,
               "reward_first3": sum(rewards[:3]) / 3, "reward_last3": sum(rewards[-3:]) / 3,
+              "truncated_first3": sum(truncated[:3]) / 3, "truncated_last3": sum(truncated[-3:]) / 3,
               "load_before": load_before, "load_after": os.getloadavg()}  # fmt: skip
     print(json.dumps(result))
     print(f"math_pass1_gain={evals[-1]['pass@1'] - evals[0]['pass@1']:.3f}")
