@@ -37,6 +37,7 @@ def _tqdm_without_a_semaphore() -> None:
 
 _tqdm_without_a_semaphore()
 
+
 def _keep_start_method(method: str) -> None:
     """Make SGLang's ``mp.set_start_method("spawn", force=True)`` set ``method`` instead."""
     import multiprocessing

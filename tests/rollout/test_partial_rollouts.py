@@ -93,7 +93,8 @@ def _teacher_forced(url, route_spec, prompt, response) -> dict:
     routes = decode_routes(meta, len(tokens), 1, route_spec)  # P + R rows
     return {
         "logp": np.array([r[0] for r in rows], np.float64),
-        "top": [sorted(((int(x[1]), float(x[0])) for x in top), key=lambda e: -e[1]) for top in meta["input_top_logprobs"][1:]],
+        "top": [sorted(((int(x[1]), float(x[0])) for x in top), key=lambda e: -e[1])
+                for top in meta["input_top_logprobs"][1:]],
         "routes": np.sort(routes[: len(tokens) - 1], axis=-1),
     }
 
