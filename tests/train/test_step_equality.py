@@ -17,16 +17,16 @@ in tiny_cpu (``moe_aux_loss_coeff: 0``), the one documented exception to microba
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
 from moe_rl.learner.dist import free_port
 from moe_rl.train.metrics_log import read_metrics
-from tests.conftest import one_gpu_per_rank
+from tests.conftest import one_gpu_per_rank, repo_env
 from tests.train.records_fixture import CONFIG, RECORDS, SHAPE, initial_hf_dir
 
 pytestmark = pytest.mark.distributed
@@ -50,7 +50,7 @@ def run(out, hf_dir, *overrides, nproc=1):
         args = launcher + args
     # one thread, as torchrun gives each of its ranks: two 1-rank runs share the machine's 2 cores
     proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+                          env=repo_env(Path(__file__).parents[2], OMP_NUM_THREADS="1"))  # fmt: skip
     assert proc.returncode == 0, f"run {overrides} x{nproc} failed:\n{proc.stderr[-4000:]}"
     return read_metrics(out / "metrics.jsonl")
 
