@@ -25,7 +25,8 @@ How each op is made row-invariant (torch 2.13 CPU):
   logits then ``softmax`` over the k selected (Megatron's ``pre_softmax=False`` order).
 * expert combine (``moe_experts``): the routing weight scales the activation inside each expert
   (Megatron 0.16's ``per_token_scale``), and each token's expert outputs are added to zero in ascending
-  expert id, the order of Megatron's unpermute (``scatter_add_`` over expert-sorted rows).
+  expert id, the order of Megatron's unpermute (``scatter_add_`` over expert-sorted rows), in fp32 with
+  one rounding at the end: torch's CPU ``scatter_add_``/``index_add_`` accumulate bf16 in fp32.
 * RMSNorm, rotary (rotate-half) and the log-softmax with temperature (``token_logprobs``):
   fixed formulas on top of the above; ``token_logprobs`` is SGLang's deterministic-sampler
   ``log_softmax(logits / t)``.
@@ -191,7 +192,8 @@ def moe_experts(
     """SwiGLU experts ``w13[E, 2I, H]`` (gate | up), ``w2[E, H, I]`` for ``x[M, H]`` routed to ``ids[M, k]``
     with ``weights[M, k]``. As Megatron-Core 0.16's experts: the routing weight scales the activation
     (``w2 @ (swiglu(w13 @ x) * weight)``, cast back to ``x.dtype``); each token's expert outputs are
-    then added to zero in ascending expert id. Output in ``x.dtype``."""
+    then added to zero in ascending expert id, accumulated in fp32 (as torch's CPU ``scatter_add_`` does for
+    bf16) and rounded once to ``x.dtype``."""
     M, k = ids.shape
     y = torch.zeros(M, k, x.shape[-1], dtype=x.dtype)
     for e in torch.unique(ids).tolist():
@@ -201,7 +203,9 @@ def moe_experts(
         y[rows, slots] = linear(a, w2[e])
     order = torch.argsort(ids, dim=-1, stable=True)
     ordered = torch.gather(y, 1, order[:, :, None].expand_as(y))
-    out = torch.zeros(M, x.shape[-1], dtype=y.dtype)
+    # torch's CPU scatter_add_/index_add_ (Megatron's unpermute) accumulate a bf16 output in fp32, in row
+    # order, and round once: a bf16 running sum differs from top-3 on
+    out = torch.zeros(M, x.shape[-1], dtype=torch.promote_types(y.dtype, torch.float32))
     for j in range(k):
         out = out + ordered[:, j]
     return out.to(x.dtype)

@@ -161,7 +161,9 @@ def install_exact_hooks(model, rotary_base: float, rotary_dim: int) -> None:
         out = gpt.output_layer
 
         def output_forward(input_, weight=None, runtime_gather_output=None):
-            return K.linear(input_, out.weight if weight is None else weight), None
+            # fp32 logits, as the server's LM head (sglang_hooks._lm_head): in bf16 a bf16 cast here
+            # alone moves a log-prob by up to ~1e-3
+            return K.linear(input_, out.weight if weight is None else weight, out_dtype=torch.float32), None
 
         out.forward = output_forward
 

@@ -91,3 +91,29 @@ def test_blocked_matches_stock_up_to_ulps_and_linear_has_gradients():
     K.linear(x, w).sum().backward()
     assert torch.allclose(x.grad, w.detach().sum(0).expand(5, 64)) and torch.allclose(w.grad, x.detach().sum(0).expand(8, 64))
     assert torch.allclose(K.silu(x.detach()), F.silu(x.detach()), rtol=1e-6, atol=1e-7)
+
+
+def test_bf16_top8_combine_equals_megatron_unpermute():
+    """The combine against Megatron-Core's own ``permute``/``unpermute`` (the learner's dispatcher path): in bf16
+    with top-8, torch's CPU ``scatter_add_`` accumulates in fp32 and rounds once, so a bf16 running sum would
+    differ (cpu_midsize in bf16 flipped 2.5% of prompt routes that way before the kernel accumulated in fp32)."""
+    from megatron.core.transformer.moe.moe_utils import permute, unpermute
+
+    g = torch.Generator().manual_seed(5)
+    E, H, I, M, k = 16, 64, 32, 40, 8
+    x = torch.randn(M, H, generator=g).to(torch.bfloat16)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) * 0.1).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, generator=g) * 0.1).to(torch.bfloat16)
+    weights, ids = K.router_topk(K.router_logits(x, torch.randn(E, H, generator=g)), k)
+    routing_map = torch.zeros(M, E, dtype=torch.bool).scatter_(1, ids, True)
+    probs = torch.zeros(M, E).scatter_(1, ids, weights)
+    permuted, _, sorted_indices = permute(x, routing_map)  # rows grouped by expert, ascending
+    counts = routing_map.sum(0).tolist()
+    rows, start = [], 0
+    for e, n in enumerate(counts):
+        t = sorted_indices[start : start + n]
+        a = (K.swiglu(K.linear(permuted[start : start + n], w13[e])) * probs[t, e, None]).to(torch.bfloat16)
+        rows.append(K.linear(a, w2[e]))
+        start += n
+    megatron = unpermute(torch.cat(rows), sorted_indices, restore_shape=x.shape)
+    assert torch.equal(K.moe_experts(x, weights, ids, w13, w2), megatron)

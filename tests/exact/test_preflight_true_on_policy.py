@@ -16,6 +16,8 @@ OK = ["rollout.true_on_policy=true", "rollout.dtype=float32", "replay.keep_sampl
 def test_the_gate_settings_pass():
     assert config_problems(load_config(TINY, OK)).problems == []
     assert config_problems(load_config(TINY, [*OK, "parallel.ep=2"])).problems == []
+    bf16 = ["rollout.dtype=bfloat16", "precision.params_dtype=bfloat16"]
+    assert config_problems(load_config(TINY, [*OK, *bf16, "rollout.weight_sync=disk"])).problems == []
 
 
 @pytest.mark.parametrize("override, named", [

@@ -4,7 +4,8 @@ With ``train.minibatches_per_step: 1`` π_old is the rollout's policy, so the le
 log-probs must equal the server's recorded ones exactly: ``offpolicy/log_ratio_abs_max == 0.0`` and
 ``offpolicy/kl_k3 == 0.0`` (no tolerance), and the learner's natural top-k must equal the recorded
 routes at every layer and position: both ``replay/rollout_vs_natural/{prompt,response}/flip_rate``
-are 0.0 at every step. Step 2's rollouts come from weights pushed through the weight sync. Each run
+are 0.0 at every step. Step 2's rollouts come from weights pushed through the weight sync: tensor (tiny,
+ep=1), distributed (tiny, ep=2) and disk (cpu_midsize in bf16) -- one transport per run. Each run
 is a ``moe-rl train`` subprocess as a user runs it; the two tiny runs (1 and 2 ranks) share one
 true-on-policy server of the module (``rollout.addresses``), each pushing its own weights at its start.
 
@@ -85,17 +86,20 @@ def test_tiny_fp32_ep1_is_exact(tiny_run):
     _assert_exact(tiny_run[1])
 
 
-def test_midsize_fp32_top8_is_exact(tmp_path):
-    """configs/cpu_midsize.yaml (6 layers, 64 experts, top-8: the combine order matters) with replay.routing=none,
-    which still logs the flip metrics; no warm start (the gate is about the kernels, not the policy)."""
-    _assert_exact(_train(tmp_path, "cpu_midsize.yaml", "train.warm_start=null"))
+def test_midsize_bf16_top8_disk_sync_is_exact(tmp_path):
+    """configs/cpu_midsize.yaml (6 layers, 64 experts, top-8: the combine order and its fp32 accumulation
+    matter) in its shipped bf16 on both sides, weights synced through files, with replay.routing=none, which
+    still logs the flip metrics; no warm start (the gate is about the kernels, not the policy)."""
+    _assert_exact(_train(tmp_path, "cpu_midsize.yaml", "train.warm_start=null", "rollout.dtype=bfloat16",
+                         "precision.params_dtype=bfloat16", "rollout.weight_sync=disk"))  # fmt: skip
 
 
 @pytest.mark.distributed
-def test_tiny_fp32_ep2_with_r3_is_exact(tmp_path, tiny_server):
-    """Two learner ranks, experts split over them (all-to-all dispatch), R3 replaying the recorded routes."""
+def test_tiny_fp32_ep2_with_r3_distributed_sync_is_exact(tmp_path, tiny_server):
+    """Two learner ranks, experts split over them (all-to-all dispatch), R3 replaying the recorded routes,
+    weights broadcast to the server through a weight-update group (gloo)."""
     _assert_exact(_train(tmp_path, "tiny_cpu.yaml", "replay.routing=r3", "parallel.ep=2",
-                         f"rollout.addresses=[{tiny_server}]", nproc=2))  # fmt: skip
+                         "rollout.weight_sync=distributed", f"rollout.addresses=[{tiny_server}]", nproc=2))  # fmt: skip
 
 
 def test_one_stock_kernel_breaks_equality(tiny_run, megatron_world):
