@@ -4,8 +4,10 @@ With ``train.minibatches_per_step: 1`` π_old is the rollout's policy, so the le
 log-probs must equal the server's recorded ones exactly: ``offpolicy/log_ratio_abs_max == 0.0`` and
 ``offpolicy/kl_k3 == 0.0`` (no tolerance), and the learner's natural top-k must equal the recorded
 routes at every layer and position: both ``replay/rollout_vs_natural/{prompt,response}/flip_rate``
-are 0.0 at every step. Step 2's rollouts come from weights pushed through the weight sync: tensor (tiny,
-ep=1), distributed (tiny, ep=2) and disk (cpu_midsize in bf16) -- one transport per run. Each run
+are 0.0 at every step. Later rollouts come from weights pushed through the weight sync: tensor (tiny,
+ep=1, async), distributed (tiny, ep=2) and disk (cpu_midsize in bf16) -- one transport per run. In the
+async run a batch may be one version stale, so its tokens are checked against the version that generated
+them (the learner at that version recomputes them offline). Each run
 is a ``moe-rl train`` subprocess as a user runs it; the two tiny runs (1 and 2 ranks) share one
 true-on-policy server of the module (``rollout.addresses``), each pushing its own weights at its start.
 
@@ -69,21 +71,85 @@ def _train(out_dir: Path, config: str, *overrides: str, nproc: int = 1) -> list[
     return read_metrics(out_dir / "metrics.jsonl")
 
 
-def _assert_exact(metrics: list[dict]) -> None:
-    assert [m["step"] for m in metrics] == [1, 2]
+def _assert_exact(metrics: list[dict], steps=(1, 2)) -> None:
+    assert [m["step"] for m in metrics] == list(steps)
     for m in metrics:
         got = {k: m[k] for k in EXACT_KEYS}
         assert all(v == 0.0 for v in got.values()), f"step {m['step']}: not exact: {got}"
 
 
+ASYNC = ["train.rollout_mode=async", "train.max_staleness=1", "train.steps=3", "checkpoint.save_interval=1",
+         "checkpoint.keep_last=3"]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory, tiny_server):
+    """tiny, ep=1, async (max_staleness 1), tensor sync, 3 steps: batches of versions 0, 0 and 1."""
     out = tmp_path_factory.mktemp("tiny_exact")
-    return out, _train(out, "tiny_cpu.yaml", "replay.routing=none", f"rollout.addresses=[{tiny_server}]")
+    return out, _train(out, "tiny_cpu.yaml", "replay.routing=none", f"rollout.addresses=[{tiny_server}]", *ASYNC)
 
 
-def test_tiny_fp32_ep1_is_exact(tiny_run):
-    _assert_exact(tiny_run[1])
+def _policy(out: Path, version: int):
+    """The learner at weight version ``version``: the initial model (same seed) or the step-``version``
+    checkpoint (one rank: whole tensors, Megatron names)."""
+    from safetensors import safe_open
+
+    from moe_rl.config.loader import load_config
+    from moe_rl.learner.model import build_model
+
+    cfg = load_config(ROOT / "configs/tiny_cpu.yaml", overrides=GATE[:4])
+    model = build_model(cfg).eval()
+    if version:
+        with safe_open(out / "checkpoints" / f"step_{version:08d}" / "model-r00000.safetensors", "pt") as f:
+            state = {key.split("@")[0]: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 (safe_open)
+        missing, _ = model.load_state_dict(state, strict=False)
+        assert not [m for m in missing if not m.endswith("_extra_state")], missing
+    return model, cfg.rollout.temperature
+
+
+def _recompute(model, sample, temperature: float):
+    """The learner's log-prob of every response token and its natural top-k (sorted) per MoE layer at every
+    input position of ``sample``."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from moe_rl.learner.logprobs import response_logprobs
+
+    tokens = torch.as_tensor(list(sample.prompt_ids) + list(sample.response_ids), dtype=torch.long)[None]
+    routes = []
+    hooks = [m.register_forward_hook(lambda _m, _i, out: routes.append(out[1])) for m in model.modules()
+             if isinstance(m, TopKRouter)]  # fmt: skip
+    try:
+        with torch.no_grad():
+            logp, _ = response_logprobs(model, tokens[:, :-1], tokens[:, 1:], temperature=temperature,
+                                        with_entropy=False)  # fmt: skip
+    finally:
+        for h in hooks:
+            h.remove()
+    top = torch.stack([m.nonzero()[:, 1].view(m.shape[0], -1) for m in routes], dim=1)  # [positions, L, k]
+    return logp[0, len(sample.prompt_ids) - 1 :], top
+
+
+def test_tiny_fp32_ep1_async_is_exact_against_each_version(tiny_run, megatron_world):
+    """Async: step 1 trains a fresh batch, so the logged metrics are exactly 0.0; later batches are one version
+    stale, so the learner's metrics (its current policy against the stale one) are not, and each token is
+    checked against the weights that generated it: the learner at that version recomputes every log-prob
+    and every layer's top-k at every position bit for bit (the version-1 weights reached the server through
+    the tensor sync)."""
+    out, metrics = tiny_run
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    _assert_exact(metrics[:1], steps=[1])
+    seen = set()
+    for step in (1, 2):
+        samples = RolloutBatch.load(out / "rollouts" / f"step_{step:06d}.safetensors").samples()
+        versions = {int(v) for s in samples for v in s.token_versions}
+        assert len(versions) == 1, versions  # partial rollouts off: one version per batch
+        seen |= versions
+        model, temperature = _policy(out, versions.pop())
+        for s in samples:
+            logp, top = _recompute(model, s, temperature)
+            assert torch.equal(logp, torch.as_tensor(s.rollout_logp, dtype=torch.float32)), (step, s.group_id)
+            assert torch.equal(top, torch.as_tensor(s.routes.astype("int64")).sort(-1).values), (step, s.group_id)
+    assert seen == {0, 1}
 
 
 def test_midsize_bf16_top8_disk_sync_is_exact(tmp_path):
