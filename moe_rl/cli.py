@@ -151,6 +151,14 @@ def _diagnose(args) -> int:
 
     cfg = _checked_config(args, env=True)
     out = args.out or f"{cfg.train.output_dir}/diagnose"
+    if args.attribute:
+        from moe_rl.study.attribute import run_attribute
+
+        kernels = [k for k in args.kernels.split(",") if k] if args.kernels else None
+        run_attribute(cfg, args.prompts, out, kernels=kernels)
+        with open(f"{out}/attribution.md") as table:
+            print(f"{table.read()}report: {out}/attribution.md")
+        return 0
     numbers = run_diagnose(cfg, args.prompts, out)
     print(f"{numbers['verdict']['summary']}\nreport: {out}/report.md")
     return 0
@@ -222,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_set_alias(p)
     p.add_argument("--prompts", type=int, default=8, help="prompts to generate (x rollout.samples_per_prompt)")
     p.add_argument("--out", default=None, help="report directory (default: <train.output_dir>/diagnose)")
+    p.add_argument("--attribute", action="store_true", help="the true-on-policy kernel contract item by item: "
+                   "how much mismatch each item removes when turned on alone (docs/true_on_policy.md)")
+    p.add_argument("--kernels", default=None, help="--attribute: comma-separated items (default: all of them)")
     p.set_defaults(func=_diagnose)
     return parser
 

@@ -25,6 +25,9 @@ from moe_rl.config.algo_sections import (  # noqa: F401  (re-exported: the schem
 from moe_rl.config.data_sections import DataConfig, RewardConfig  # noqa: F401  (re-exported)
 from moe_rl.config.eval_section import EvalConfig  # noqa: F401  (re-exported)
 from moe_rl.config.section import Section
+from moe_rl.exact.contract import KERNELS
+
+ExactKernel = Literal[tuple(KERNELS)]  # the items of the true-on-policy kernel contract
 
 
 class FP8Config(Section):
@@ -218,6 +221,10 @@ class RolloutConfig(Section):
         False, description="exact-zero mismatch (miles' --true-on-policy-mode): the SGLang CPU server and the "
         "learner compute every forward with the shared row-invariant kernels of moe_rl.exact, so the learner "
         "recomputes each rollout log-prob and router top-k bit for bit (docs/true_on_policy.md); slow"
+    )
+    true_on_policy_kernels: list[ExactKernel] | None = Field(
+        None, description="with true_on_policy: the items of the kernel contract to share (moe_rl.exact.contract; "
+        "default all). A subset is not exact: `moe-rl diagnose --attribute` uses it to measure each item alone"
     )
     seed: int = 0
     sampling_mask_max_tokens: int = Field(4096, ge=1)

@@ -22,6 +22,9 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.transformer.module import MegatronModule
 
 from moe_rl.exact import kernels as K
+from moe_rl.exact.contract import KERNELS
+
+ALL = frozenset(KERNELS)
 
 __all__ = [
     "ExactColumnParallelLinear",
@@ -123,25 +126,32 @@ def _swap(obj, table):
                 _swap(val, table)
 
 
-def exact_layer_spec(spec):
-    """The local (non-TE) block ``spec`` with kernels-backed linears, norms and core attention."""
+def exact_layer_spec(spec, kernels: frozenset[str] = ALL):
+    """The local (non-TE) block ``spec`` with kernels-backed linears, norms and core attention (those of
+    them among the contract's ``kernels``)."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    table = {ColumnParallelLinear: ExactColumnParallelLinear, RowParallelLinear: ExactRowParallelLinear,
-             WrappedTorchNorm: ExactRMSNorm, DotProductAttention: ExactCoreAttention}
-    try:
-        from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
-        table[FusedLayerNorm] = ExactRMSNorm
-    except ImportError:  # pragma: no cover - depends on the Megatron build
-        pass
+    table = {}
+    if "linear" in kernels:
+        table |= {ColumnParallelLinear: ExactColumnParallelLinear, RowParallelLinear: ExactRowParallelLinear}
+    if "attention" in kernels:
+        table[DotProductAttention] = ExactCoreAttention
+    if "rmsnorm" in kernels:
+        table[WrappedTorchNorm] = ExactRMSNorm
+        try:
+            from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+            table[FusedLayerNorm] = ExactRMSNorm
+        except ImportError:  # pragma: no cover - depends on the Megatron build
+            pass
     _swap(spec, table)
     return spec
 
 
-def install_exact_hooks(model, rotary_base: float, rotary_dim: int) -> None:
-    """Per-instance hooks on a built ``GPTModel``: routers' gating and the output layer use ``kernels``;
-    every ``ExactCoreAttention`` gets the rotary base. Refuses a model the spec did not cover."""
+def install_exact_hooks(model, rotary_base: float, rotary_dim: int, kernels: frozenset[str] = ALL) -> None:
+    """Per-instance hooks on a built ``GPTModel``: routers' gating (``router``) and the output layer
+    (``lm_head``) use ``kernels``; every ``ExactCoreAttention`` gets the rotary base. With the whole
+    contract, refuses a model the spec did not cover."""
     from megatron.core.transformer.moe.router import TopKRouter
 
     from moe_rl.learner.model import unwrap
@@ -152,12 +162,13 @@ def install_exact_hooks(model, rotary_base: float, rotary_dim: int) -> None:
         if isinstance(mod, ExactCoreAttention):
             mod.rotary_base, mod.rot_dim = float(rotary_base), int(rotary_dim)
         elif isinstance(mod, TopKRouter):
-            mod.gating = _gating(mod)
+            if "router" in kernels:
+                mod.gating = _gating(mod)
         elif type(mod) in (ColumnParallelLinear, RowParallelLinear) and name != "output_layer" or type(mod).__name__ in ("DotProductAttention", "RMSNorm", "LayerNorm"):
             leftovers.append(name)
-    if leftovers:
+    if leftovers and kernels == ALL:
         raise ValueError(f"true-on-policy: modules outside the exact kernels: {leftovers}")
-    if getattr(gpt, "output_layer", None) is not None:
+    if getattr(gpt, "output_layer", None) is not None and "lm_head" in kernels:
         out = gpt.output_layer
 
         def output_forward(input_, weight=None, runtime_gather_output=None):

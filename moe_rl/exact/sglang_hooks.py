@@ -26,10 +26,12 @@ import os
 import torch
 
 from moe_rl.exact import kernels as K
+from moe_rl.exact.contract import SERVER_ENV, kernels_from_env
 
 __all__ = ["ENV", "TrueOnPolicyError", "enabled", "install"]
 
 ENV = "MOE_RL_TRUE_ON_POLICY"
+MOE = frozenset({"router", "experts"})  # the items a MoE block's forward_normal carries
 
 
 class TrueOnPolicyError(RuntimeError):
@@ -40,9 +42,11 @@ def enabled() -> bool:
     return os.environ.get(ENV, "0") == "1"
 
 
-def install(runner) -> list[str]:
+def install(runner, kernels: frozenset[str] | None = None) -> list[str]:
     """Install the exact forwards on ``runner.model`` and its attention backends; returns what was
-    hooked (one line per kind). Idempotent."""
+    hooked (one line per kind). Idempotent. ``kernels``: the contract's items to install (default
+    ``MOE_RL_TRUE_ON_POLICY_KERNELS``, unset = all; a subset is for ``moe-rl diagnose --attribute``)."""
+    on = kernels_from_env(os.environ.get(SERVER_ENV)) if kernels is None else kernels
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
     from sglang.srt.layers.layernorm import RMSNorm
     from sglang.srt.layers.logits_processor import LogitsProcessor
@@ -56,28 +60,35 @@ def install(runner) -> list[str]:
 
     for name, mod in runner.model.named_modules():
         qm = getattr(mod, "quant_method", None)
-        if isinstance(qm, UnquantizedLinearMethod) and hasattr(mod, "weight") and mod.weight.dim() == 2:
+        linear = isinstance(qm, UnquantizedLinearMethod) and hasattr(mod, "weight") and mod.weight.dim() == 2
+        if linear and "linear" in on:
             if getattr(mod, "bias", None) is not None:
                 raise TrueOnPolicyError(f"{name}: linear with a bias is not covered by the exact kernels")
             qm.apply = _exact_linear_apply
             hooked("linear")
         if isinstance(mod, RMSNorm):
-            mod.forward = _rms_forward(mod, name)
-            hooked("rmsnorm")
+            if "rmsnorm" in on:
+                mod.forward = _rms_forward(mod, name)
+                hooked("rmsnorm")
         elif isinstance(mod, RotaryEmbedding):
             if type(mod) is not RotaryEmbedding or not mod.is_neox_style:
                 raise TrueOnPolicyError(f"{name}: {type(mod).__name__} (neox={mod.is_neox_style}) is not covered")
-            mod.forward = _rope_forward(mod)
-            hooked("rope")
+            if "attention" in on:
+                mod.forward = _rope_forward(mod)
+                hooked("rope")
         elif isinstance(mod, LogitsProcessor):
-            mod._compute_lm_head = _lm_head
-            hooked("lm_head")
+            if "lm_head" in on:
+                mod._compute_lm_head = _lm_head
+                hooked("lm_head")
         elif type(mod).__name__ == "SiluAndMul":
-            mod.forward = K.swiglu
-            hooked("swiglu")
-        elif hasattr(mod, "forward_normal") and hasattr(mod, "gate") and hasattr(mod, "experts"):
-            mod.forward_normal = _moe_forward(mod, name)
+            if "activation" in on:
+                mod.forward = K.swiglu
+                hooked("swiglu")
+        elif hasattr(mod, "forward_normal") and hasattr(mod, "gate") and hasattr(mod, "experts") and on & MOE:
+            mod.forward_normal = _moe_forward(mod, name, router="router" in on, experts="experts" in on)
             hooked("moe")
+    if "attention" not in on:
+        return [f"{k}: {v}" for k, v in sorted(counts.items())]
     backends = [runner.attn_backend, getattr(runner, "decode_attn_backend", None)]
     backends += list(getattr(runner, "decode_attn_backend_group", None) or [])
     for backend in {id(b): b for b in backends if b is not None}.values():
@@ -132,8 +143,10 @@ def _rope_forward(mod):
     return forward
 
 
-def _moe_forward(block, name):
-    from sglang.srt.layers.moe.topk import capture_routed_experts_if_allowed
+def _moe_forward(block, name, router: bool = True, experts: bool = True):
+    """``forward_normal`` of a MoE block: the shared router (``router``) and / or the shared experts and
+    combine (``experts``); the other part stays SGLang's own (only ``moe-rl diagnose --attribute`` splits them)."""
+    from sglang.srt.layers.moe.topk import StandardTopKOutput, capture_routed_experts_if_allowed
 
     cfg = block.topk.topk_config
     if cfg.use_grouped_topk or not cfg.renormalize or cfg.correction_bias is not None or cfg.scoring_func != "softmax":
@@ -142,17 +155,24 @@ def _moe_forward(block, name):
             f"renormalize={cfg.renormalize}, correction_bias={cfg.correction_bias is not None}, "
             f"scoring={cfg.scoring_func})"
         )
-    experts = block.experts
-    if getattr(experts, "w13_weight_bias", None) is not None or experts.num_local_experts != experts.num_experts:
+    moe = block.experts
+    if getattr(moe, "w13_weight_bias", None) is not None or moe.num_local_experts != moe.num_experts:
         raise TrueOnPolicyError(f"{name}: expert biases or expert parallelism inside SGLang are not covered")
 
     def forward_normal(hidden_states):
         if hidden_states.shape[0] == 0:
             return hidden_states
-        logits = K.router_logits(hidden_states, block.gate.weight)
-        weights, ids = K.router_topk(logits, cfg.top_k)
-        capture_routed_experts_if_allowed(cfg, block.topk.layer_id, ids.to(torch.int32))
-        return K.moe_experts(hidden_states, weights, ids, experts.w13_weight, experts.w2_weight)
+        if router:
+            logits = K.router_logits(hidden_states, block.gate.weight)
+            weights, ids = K.router_topk(logits, cfg.top_k)
+            capture_routed_experts_if_allowed(cfg, block.topk.layer_id, ids.to(torch.int32))
+            topk = StandardTopKOutput(weights, ids.to(torch.int32), logits)
+        else:  # SGLang's gate and top-k (which capture the routes themselves)
+            topk = block.topk(hidden_states, block.gate(hidden_states)[0])
+            weights, ids = topk.topk_weights, topk.topk_ids.long()
+        if experts:
+            return K.moe_experts(hidden_states, weights, ids, moe.w13_weight, moe.w2_weight)
+        return moe(hidden_states, topk)
 
     return forward_normal
 

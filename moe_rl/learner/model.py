@@ -88,7 +88,7 @@ def transformer_config_kwargs(cfg) -> dict:
         init_method_std=m.init_method_std,
         normalization="RMSNorm",
         gated_linear_unit=True,
-        activation_func=_exact_silu() if exact else F.silu,
+        activation_func=_exact_silu() if "activation" in exact else F.silu,
         add_bias_linear=False,  # also avoids an in-place-on-view error on CPU
         add_qkv_bias=m.add_qkv_bias,
         bias_activation_fusion=False,
@@ -140,8 +140,11 @@ def transformer_config_kwargs(cfg) -> dict:
     )
 
 
-def _true_on_policy(cfg) -> bool:
-    return bool(getattr(cfg.rollout, "true_on_policy", False))
+def _true_on_policy(cfg) -> frozenset[str]:
+    """The items of the true-on-policy kernel contract ``cfg`` turns on (none, all, or a subset)."""
+    from moe_rl.exact.contract import kernels_of
+
+    return kernels_of(cfg.rollout)
 
 
 def _exact_silu():
@@ -159,14 +162,14 @@ def _pipeline_fields(pp: int, params_dtype: torch.dtype, on_gpu: bool) -> dict:
     return dict(pipeline_dtype=params_dtype, variable_seq_lengths=True, batch_p2p_sync=on_gpu)
 
 
-def _layer_spec(tcfg, use_te: bool, exact: bool = False):
+def _layer_spec(tcfg, use_te: bool, exact: frozenset[str] = frozenset()):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=use_te, normalization="RMSNorm")
     if exact:  # rollout.true_on_policy: the shared row-invariant kernels (moe_rl.exact)
         from moe_rl.exact.megatron_spec import exact_layer_spec
 
-        spec = exact_layer_spec(spec)
+        spec = exact_layer_spec(spec, exact)
     return spec
 
 
@@ -202,15 +205,16 @@ def build_model(cfg, seed: int | None = None):
         pre_process=ps.is_pipeline_first_stage(),  # pp > 1: this stage's layers only (global layer numbers)
         post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=False,
-        position_embedding_type="none" if exact else "rope",  # exact: rope inside ExactCoreAttention
+        position_embedding_type="none" if "attention" in exact else "rope",  # rope inside ExactCoreAttention
         rotary_base=int(cfg.model.rotary_base),
         rotary_percent=cfg.model.rotary_percent,
     )
     if exact:
         from moe_rl.exact.megatron_spec import install_exact_hooks
 
-        install_exact_hooks(model, cfg.model.rotary_base, int(cfg.model.kv_channels * cfg.model.rotary_percent))
-        model.moe_rl_exact = True  # read by the log-prob functions (moe_rl.learner.logprobs.uses_exact)
+        rot_dim = int(cfg.model.kv_channels * cfg.model.rotary_percent)
+        install_exact_hooks(model, cfg.model.rotary_base, rot_dim, exact)
+        model.moe_rl_exact = "log_softmax" in exact  # read by moe_rl.learner.logprobs.uses_exact
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import httpx
 
+from moe_rl.exact.contract import SERVER_ENV as KERNELS_ENV
+from moe_rl.exact.contract import kernels_of, server_env_value
 from moe_rl.rollout.auth import RUN_ADMIN_KEY_ENV, ServerKeys
 from moe_rl.rollout.shm import group_shm_files, remove_shm_files
 
@@ -52,6 +54,7 @@ class ServerSpec:
     dtype: str = "float32"
     deterministic: bool = True
     true_on_policy: bool = False  # MOE_RL_TRUE_ON_POLICY=1: patch 0013 routes the forward through moe_rl.exact
+    true_on_policy_kernels: str | None = None  # a subset of the contract's items (diagnose --attribute); None = all
     seed: int = 0
     sampling_mask_max_tokens: int = 4096
     mem_fraction_static: float = 0.05
@@ -75,6 +78,7 @@ class ServerSpec:
             dtype=rollout.dtype,
             deterministic=rollout.deterministic,
             true_on_policy=rollout.true_on_policy,
+            true_on_policy_kernels=server_env_value(kernels_of(rollout)) if rollout.true_on_policy else None,
             seed=rollout.seed,
             sampling_mask_max_tokens=rollout.sampling_mask_max_tokens,
             mem_fraction_static=rollout.mem_fraction_static,
@@ -148,8 +152,11 @@ def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str
         if spec.cpu_threads is not None:
             env["OMP_NUM_THREADS"] = str(spec.cpu_threads)
     env.pop("MOE_RL_TRUE_ON_POLICY", None)
+    env.pop(KERNELS_ENV, None)
     if spec.true_on_policy:
         env["MOE_RL_TRUE_ON_POLICY"] = "1"  # read by moe_rl.exact.sglang_hooks (patch 0013)
+        if spec.true_on_policy_kernels is not None:
+            env[KERNELS_ENV] = spec.true_on_policy_kernels
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
