@@ -230,11 +230,40 @@ def partial_rollout_notes(cfg: ExperimentConfig) -> Iterable[str]:
 
 
 def weight_sync_group(cfg: ExperimentConfig) -> Iterable[str]:
-    """``rollout.weight_sync: distributed``: NCCL moves CUDA tensors only (a CPU server cannot join)."""
+    """``rollout.weight_sync: distributed``: NCCL moves CUDA tensors only (a CPU server cannot join), and
+    SGLang's group update serves one data-parallel replica whose ranks are its tp ranks."""
     r = cfg.rollout
-    if r.weight_sync == "distributed" and r.weight_sync_backend == "nccl" and r.device != "cuda":
+    if r.weight_sync != "distributed":
+        return
+    if r.weight_sync_backend == "nccl" and r.device != "cuda":
         yield (f"rollout.weight_sync_backend='nccl' with rollout.device={r.device!r}: a CPU SGLang server receives "
                "weights over gloo only; expected rollout.weight_sync_backend='gloo' (or 'auto')")  # fmt: skip
+    for option, value in _server_options(r.extra_server_args, _GROUP_UNSUPPORTED):
+        yield (f"rollout.extra_server_args {option}{'' if value is None else ' ' + value} with "
+               "rollout.weight_sync='distributed': SGLang 0.5.23's weight-update group asserts one data-parallel "
+               "replica and ranks the server's processes by tp rank only (pipeline stages would collide); "
+               "expected that option left out (or at 1), or rollout.weight_sync='disk'")  # fmt: skip
+
+
+# SGLang server options the distributed weight update cannot serve: name -> (takes a value, refused unless == "1")
+_GROUP_UNSUPPORTED = {
+    "--dp-size": True, "--data-parallel-size": True, "--attn-dp-size": True, "--attention-data-parallel-size": True,
+    "--pp-size": True, "--pipeline-parallel-size": True, "--enable-dp-attention": False,
+}  # fmt: skip
+
+
+def _server_options(args: list[str], table: dict[str, bool]) -> Iterable[tuple[str, str | None]]:
+    """``(option, value)`` of each option of ``table`` set in ``args`` to something other than 1."""
+    for i, arg in enumerate(args):
+        name, eq, inline = arg.partition("=")
+        if name not in table:
+            continue
+        if not table[name]:
+            yield name, None
+            continue
+        value = inline if eq else (args[i + 1] if i + 1 < len(args) else "")
+        if value.strip() != "1":
+            yield name, value
 
 
 CONFIG_RULES: tuple[ConfigRule, ...] = (

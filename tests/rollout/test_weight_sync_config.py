@@ -28,6 +28,23 @@ def test_nccl_with_cpu_servers_is_refused_by_the_config_rules():
     ]
 
 
+@pytest.mark.parametrize("args, named", [
+    (["--dp-size", "2"], "--dp-size 2"), (["--data-parallel-size=4"], "--data-parallel-size 4"),
+    (["--pp-size", "2"], "--pp-size 2"), (["--enable-dp-attention"], "--enable-dp-attention"),
+    (["--attn-dp-size", "2"], "--attn-dp-size 2"),
+])  # fmt: skip
+def test_server_options_the_group_update_cannot_serve_are_refused_naming_the_option(args, named):
+    """SGLang 0.5.23's init_weights_update_group asserts dp_size == 1 and ranks processes as rank_offset + tp_rank."""
+    cfg = load_config(overrides=["rollout.weight_sync=distributed", f"rollout.extra_server_args={args}"])
+    (problem,) = config_problems(cfg).problems
+    assert problem.startswith(f"rollout.extra_server_args {named} with rollout.weight_sync='distributed': ")
+    assert config_problems(load_config(overrides=["rollout.weight_sync=disk", f"rollout.extra_server_args={args}"])
+                           ).problems == []  # fmt: skip
+    ok = ["--dp-size", "1", "--tp-size", "2", "--pp-size=1"]
+    assert config_problems(load_config(overrides=["rollout.weight_sync=distributed", f"rollout.extra_server_args={ok}"])
+                           ).problems == []  # fmt: skip
+
+
 def test_a_rendezvous_port_in_use_is_refused_by_the_environment_rules():
     with socket.socket() as busy:
         busy.bind(("", 0))
