@@ -59,14 +59,23 @@ class WeightPusher:
         servers on this host, an HF checkpoint on disk otherwise (``rollout.weight_sync``); seconds taken."""
         around = contextlib.nullcontext
         if self.source is not None:  # async: the batch in flight finishes first, or is paused (rollout.partial)
-            from moe_rl.train.producer import push_section
-
-            around = lambda: push_section(self.source, self.cfg.rollout, addresses, self.keys)
+            around = lambda: self._push_section(addresses, step)
         seconds = self.weight_sync(addresses).sync(self.learner.module, addresses if self.is_main else [],
                                                    self.version(step), around_push=around)  # fmt: skip
         if self.source is not None:
-            self.source.weights_pushed(step)
+            self.source.weights_pushed(step)  # (already, unless the sync pushed nothing)
         return seconds
+
+    @contextlib.contextmanager
+    def _push_section(self, addresses: list[str], step: int):
+        """pause (or wait) -> update -> publish ``step`` -> continue: the new version is published before the
+        producer may admit a batch or a paused request continues, so nothing made by the new weights is
+        labelled with the old version (with max_staleness >= 2 a batch admitted in between was)."""
+        from moe_rl.train.producer import push_section
+
+        with push_section(self.source, self.cfg.rollout, addresses, self.keys) as push_kwargs:
+            yield push_kwargs
+            self.source.weights_pushed(step)
 
     def resync(self, addresses: list[str], step: int) -> None:
         """Push the served weights again as ``version(step)`` (rank 0: at the start, after a restart, a version

@@ -150,3 +150,44 @@ def test_a_checkpoint_listing_records_it_does_not_hold_is_refused(tmp_path):
     meta = {"extra": {"async": {"ready_steps": [4]}}, "files_dir": str(tmp_path / "files")}
     with pytest.raises(FileNotFoundError, match="step 4's finished records"):
         pending_records(meta, tmp_path / "rollouts")
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_a_push_publishes_its_version_before_the_producer_may_admit_a_batch(tmp_path, k):
+    """Issue 36's version slip, through the trainer's own push (WeightPusher.push): the servers (a stand-in
+    holding a version number, no GPU or server needed for the ordering) take the new weights inside the push
+    section, and the sync then lingers 2 ms after the section, where the old code published the version. Every
+    batch must be made with the version the servers actually serve (it was mislabelled from step 2 on)."""
+    import contextlib
+    import time
+    from types import SimpleNamespace
+
+    from moe_rl.train.weight_push import WeightPusher
+
+    servers = {"version": 0}
+    made: list[tuple[int, int, int]] = []  # (step, served as the producer saw it, served by the servers)
+    maker = Maker(tmp_path, ListStream())
+
+    def make(step, served):
+        made.append((step, served, servers["version"]))
+        return maker(step, served)
+
+    class ServersSync:  # the WeightSync stand-in: a push sets the servers' version inside around_push()
+        def sync(self, module, addresses, version, around_push=contextlib.nullcontext):
+            with around_push():
+                servers["version"] = int(version.split("-")[1])
+            time.sleep(0.002)  # the gap: the section has ended, the sync has not returned
+            return 0.0
+
+    cfg = SimpleNamespace(rollout=SimpleNamespace(partial=False))
+    pusher = WeightPusher(cfg, SimpleNamespace(module=None), tmp_path, nonce="n", is_main=True)
+    pusher.sync = ServersSync()
+    producer = AsyncProducer(make, 0, 8, k, served_version=0)
+    pusher.source = producer
+    producer.start()
+    for s in range(8):
+        producer.batch(s)
+        pusher.push(["http://server"], s + 1)
+    producer.close()
+    assert [m[0] for m in made] == list(range(8))
+    assert [m for m in made if m[1] != m[2]] == []
