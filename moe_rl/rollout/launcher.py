@@ -31,6 +31,7 @@ import httpx
 from moe_rl.exact.contract import SERVER_ENV as KERNELS_ENV
 from moe_rl.exact.contract import kernels_of, server_env_value
 from moe_rl.rollout.auth import RUN_ADMIN_KEY_ENV, ServerKeys
+from moe_rl.rollout.orphan_guard import ENV as ORPHAN_ENV
 from moe_rl.rollout.shm import group_shm_files, remove_shm_files
 
 logger = logging.getLogger(__name__)
@@ -211,7 +212,7 @@ class SGLangServer:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 server_command(self.spec, port),
-                env={**server_env(self.spec), **self.secret_env},
+                env={**server_env(self.spec), **self.secret_env, ORPHAN_ENV: str(os.getpid())},  # orphan_guard
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

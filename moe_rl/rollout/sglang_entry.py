@@ -17,12 +17,18 @@ detokenizer are forked, not spawned: they inherit the ~13 s of imports the paren
 repeating them on the same cores (a tiny server's start 38 s -> 23 s on the 2-core CI machine). At that point
 the parent has only imported modules and parsed its arguments. On GPUs SGLang's ``spawn`` stays: CUDA cannot
 be used in a forked child.
+
+A server whose launcher is gone stops itself and its children (``moe_rl.rollout.orphan_guard``, started
+first thing in ``main`` when ``MOE_RL_PARENT_PID`` is set).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+
+from moe_rl.rollout.orphan_guard import ENV as ORPHAN_ENV
+from moe_rl.rollout.orphan_guard import watch_parent
 
 
 def _tqdm_without_a_semaphore() -> None:
@@ -79,6 +85,8 @@ def _redacting(log_view, secrets: tuple[str, ...]):
 
 
 def main(argv: list[str] | None = None) -> None:
+    if parent := os.environ.get(ORPHAN_ENV):  # set by the launcher: go down with it (moe_rl.rollout.orphan_guard)
+        watch_parent(int(parent))
     names, sglang_argv = split_key_flags(list(sys.argv[1:] if argv is None else argv))
     keys = {}
     for field, name in names.items():

@@ -34,6 +34,15 @@ def _pids_mentioning(marker: str) -> list[int]:
     return pids
 
 
+def _real_model(path: Path) -> str:
+    """A tiny real HF model: a server started on it loads it and serves, so it never ends by itself."""
+    from moe_rl.config import load_config
+    from moe_rl.learner.hf_init import write_random_hf_checkpoint
+
+    write_random_hf_checkpoint(load_config(REPO / "configs" / "tiny_cpu.yaml").model, path, seed=0, dtype="float32")
+    return str(path)
+
+
 def _wait_gone(marker: str, timeout_s: float = 30.0) -> list[int]:
     deadline = time.monotonic() + timeout_s
     while (left := _pids_mentioning(marker)) and time.monotonic() < deadline:
@@ -121,8 +130,9 @@ def test_sigterm_to_the_launching_process_stops_its_servers(tmp_path):
 
 
 def test_sigkill_of_the_launching_process_still_stops_its_server(tmp_path):
-    """No handler runs on SIGKILL; the kernel's parent-death signal must take the server down."""
-    marker = str(tmp_path / "sigkill-model")
+    """No handler runs on SIGKILL. A server started on the main thread gets the kernel's parent-death signal;
+    the model is real, so the server would otherwise live on: it must be gone within 10 s."""
+    marker = _real_model(tmp_path / "sigkill-model")
     script = textwrap.dedent(f"""
         from pathlib import Path
         from moe_rl.rollout.launcher import ServerSpec, SGLangServer
@@ -134,4 +144,38 @@ def test_sigkill_of_the_launching_process_still_stops_its_server(tmp_path):
         time.sleep(0.2)
     parent.kill()
     parent.wait(timeout=30)
-    assert _wait_gone(marker) == [], "server processes outlived a SIGKILL'd launcher"
+    assert _wait_gone(marker, timeout_s=10) == [], "server processes outlived a SIGKILL'd launcher"
+
+
+def test_a_server_started_by_a_finished_thread_goes_down_with_a_sigkilled_launcher(tmp_path):
+    """Issue 36: a server (re)started by another thread (the async producer) had no parent-death signal, so a
+    kill -9 of the trainer left it running, and its /dev/shm files behind. The server's own guard
+    (moe_rl.rollout.orphan_guard) stops its group and removes the files it held within 10 s."""
+    from moe_rl.rollout.shm import group_shm_files
+
+    marker = _real_model(tmp_path / "thread-model")
+    ready = tmp_path / "ready"
+    script = textwrap.dedent(f"""
+        import threading, time
+        from pathlib import Path
+        from moe_rl.rollout.launcher import ServerSpec, SGLangServer
+        box = []
+        t = threading.Thread(target=lambda: box.append(
+            SGLangServer(ServerSpec({marker!r}, startup_timeout_s=300), Path({str(tmp_path)!r}) / "s.log").start()))
+        t.start(); t.join()  # healthy, and the thread that started it has ended
+        Path({str(ready)!r}).write_text(str(box[0].process.pid))
+        time.sleep(600)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=REPO)
+    try:
+        deadline = time.monotonic() + 300
+        while not ready.exists() and parent.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert ready.exists(), "the server never became healthy"
+        files = group_shm_files(int(ready.read_text()))
+        assert any(path.name.startswith("sglang_loads") for path in files), files
+    finally:
+        parent.kill()
+        parent.wait(timeout=30)
+    assert _wait_gone(marker, timeout_s=10) == [], "server processes outlived a SIGKILL'd launcher"
+    assert [path for path in files if path.exists()] == []
