@@ -10,6 +10,7 @@ parts of a sync; rank 0 talks to the servers.
 from __future__ import annotations
 
 import contextlib
+import threading
 from pathlib import Path
 
 from moe_rl.config.hf_model import side_files_dir
@@ -27,6 +28,7 @@ class WeightPusher:
         self.keys = None  # the run's server keys (the trainer sets them before any server starts)
         self.source = None  # async: rank 0's producer, told of every push (the trainer sets it)
         self.sync = None  # the WeightSync, created at the first push
+        self._lock = threading.RLock()  # one push at a time: the step's push, a re-sync (any thread)
 
     def export(self) -> Path:
         """Export the learner as an HF dir for SGLang (collective); the path of the live copy."""
@@ -57,9 +59,7 @@ class WeightPusher:
     def push(self, addresses: list[str], step: int) -> float:
         """Load the learner into every server as ``version(step)`` (collective): tensors through shared memory for
         servers on this host, an HF checkpoint on disk otherwise (``rollout.weight_sync``); seconds taken."""
-        around = contextlib.nullcontext
-        if self.source is not None:  # async: the batch in flight finishes first, or is paused (rollout.partial)
-            around = lambda: self._push_section(addresses, step)
+        around = lambda: self._push_section(addresses, step)
         seconds = self.weight_sync(addresses).sync(self.learner.module, addresses if self.is_main else [],
                                                    self.version(step), around_push=around)  # fmt: skip
         if self.source is not None:
@@ -68,24 +68,34 @@ class WeightPusher:
 
     @contextlib.contextmanager
     def _push_section(self, addresses: list[str], step: int):
-        """pause (or wait) -> update -> publish ``step`` -> continue: the new version is published before the
-        producer may admit a batch or a paused request continues, so nothing made by the new weights is
-        labelled with the old version (with max_staleness >= 2 a batch admitted in between was)."""
+        """pause (or wait) -> update -> publish ``step`` -> continue. Async: the new version is published before
+        the producer may admit a batch or a paused request continues, so nothing made by the new weights is
+        labelled with the old version (with max_staleness >= 2 a batch admitted in between was). The push lock
+        is taken inside the section, once the batch in flight has finished (its own re-sync needs the lock)."""
+        if self.source is None:
+            with self._lock:
+                yield {}
+            return
         from moe_rl.train.producer import push_section
 
-        with push_section(self.source, self.cfg.rollout, addresses, self.keys) as push_kwargs:
+        with push_section(self.source, self.cfg.rollout, addresses, self.keys) as push_kwargs, self._lock:
             yield push_kwargs
             self.source.weights_pushed(step)
 
     def resync(self, addresses: list[str], step: int) -> None:
-        """Push the served weights again as ``version(step)`` (rank 0: at the start, after a restart, a version
-        mismatch or foreign weights); remembered with its fingerprint like every push."""
-        ws = self.weight_sync(addresses)
-        if ws.last_state is not None:
-            ws.close()  # distributed: a restarted server lost its group; the full sync rendezvouses again
-            ws.push(ws.last_state, addresses, self.version(step))  # a full sync: clears any half-updated state
-            return
-        ws.load_dir(self.export_dir, addresses, self.version(step))
+        """Push the served weights again (rank 0: at the start, after a restart, a version mismatch or foreign
+        weights), labelled with the version they are: the last one pushed, or ``version(step)`` before any push
+        (a paused push may have moved past the batch's own version). Under the push lock: never inside another
+        push (a restart on the producer thread used to end the main thread's update session, or destroy the
+        group it broadcast on). Remembered with its fingerprint like every push."""
+        with self._lock:
+            ws = self.weight_sync(addresses)
+            label = ws.version or self.version(step)
+            if ws.last_state is not None:
+                ws.close()  # distributed: a restarted server lost its group; the full sync rendezvouses again
+                ws.push(ws.last_state, addresses, label)  # a full sync: clears any half-updated state
+                return
+            ws.load_dir(self.export_dir, addresses, label)
 
     def export_final(self) -> None:
         """``<run>/hf/current`` holds the final weights whatever the sync path (a disk sync wrote them already)."""

@@ -1,0 +1,62 @@
+"""One push at a time, labelled with the version it is (issue 36: pushes could overlap).
+
+With ``rollout.partial: true`` the step's push pauses generation on the servers (here the session's real
+SGLang server) and updates; a server restart noticed meanwhile on the producer thread re-syncs. The re-sync
+must wait for the push and carry the version the servers then hold. The transfers themselves are a recording
+stand-in for ``WeightSync`` (what is tested is their order; the weight paths have their own tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from moe_rl.train.producer import AsyncProducer
+from moe_rl.train.weight_push import WeightPusher
+
+pytestmark = pytest.mark.sglang
+
+
+class RecordingSync:
+    """``WeightSync``'s surface as ``WeightPusher`` uses it; a push holds its section until ``release``."""
+
+    def __init__(self):
+        self.version, self.last_state = "step-1-n", {"w": 1}
+        self.events: list[tuple] = []
+        self.inside, self.release = threading.Event(), threading.Event()
+
+    def sync(self, module, addresses, version, around_push=contextlib.nullcontext):
+        with around_push():
+            self.events.append(("push", version))
+            self.inside.set()
+            assert self.release.wait(10)
+            self.version, self.last_state = version, {"w": 2}
+            self.events.append(("pushed", version))
+        return 0.0
+
+    def close(self):
+        self.events.append(("close",))
+
+    def push(self, state, addresses, version):
+        self.events.append(("resync", version, state["w"]))
+
+
+def test_a_resync_during_a_paused_push_waits_for_it_and_carries_the_pushed_version(sglang_server, tmp_path):
+    cfg = SimpleNamespace(rollout=SimpleNamespace(partial=True, pause_mode="retract"))
+    pusher = WeightPusher(cfg, SimpleNamespace(module=None), tmp_path, nonce="n", is_main=True)
+    pusher.sync = sync = RecordingSync()
+    pusher.source = AsyncProducer(lambda step, served: None, 0, 0, 1, served_version=1)  # no batch in flight
+    push = threading.Thread(target=pusher.push, args=([sglang_server.url], 2))
+    push.start()
+    assert sync.inside.wait(30)  # generation paused on the server, the update under way
+    resync = threading.Thread(target=pusher.resync, args=([sglang_server.url], 1))  # the batch's own version: 1
+    resync.start()
+    resync.join(timeout=0.5)
+    assert resync.is_alive(), "the re-sync ran inside the push"
+    sync.release.set()
+    push.join(timeout=30)
+    resync.join(timeout=30)
+    assert sync.events == [("push", "step-2-n"), ("pushed", "step-2-n"), ("close",), ("resync", "step-2-n", 2)]
