@@ -327,16 +327,32 @@ class ServerPool:
     max_restarts: int = 0
     restarts: int = 0
     keys: ServerKeys = field(default_factory=lambda: ServerKeys(), repr=False)  # what every call must carry
+    closing: bool = False  # set by close(): no server is (re)started after it
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # restart() vs close(), any thread
 
     @property
     def addresses(self) -> list[str]:
         return [s.url for s in self.servers] if self.servers else list(self.external)
 
+    def close(self) -> None:
+        """Stop every local server; a restart under way (another thread) finishes first, none starts after."""
+        with self._lock:
+            self.closing = True
+        for s in self.servers:
+            s.stop()
+
     def restart(self, urls: Sequence[str] | None = None) -> list[str]:
         """Restart the local servers in `urls` (default: those whose process exited); returns their URLs.
 
-        [] when none qualifies (e.g. external servers). ServerStartError once `max_restarts` are used up.
+        [] when none qualifies (e.g. external servers) or the pool is closing. ServerStartError once
+        `max_restarts` are used up.
         """
+        with self._lock:
+            if self.closing:
+                return []
+            return self._restart(urls)
+
+    def _restart(self, urls: Sequence[str] | None) -> list[str]:
         chosen = [s for s in self.servers if (s.url in urls if urls is not None else not s.alive())]
         for s in chosen:
             code = s.process.poll() if s.process is not None else None
@@ -383,8 +399,7 @@ def rollout_server_pool(
                 pool.servers[-1].start()
             yield pool
         finally:
-            for s in pool.servers:
-                s.stop()
+            pool.close()
 
 
 @contextlib.contextmanager

@@ -179,3 +179,16 @@ def test_a_server_started_by_a_finished_thread_goes_down_with_a_sigkilled_launch
         parent.wait(timeout=30)
     assert _wait_gone(marker, timeout_s=10) == [], "server processes outlived a SIGKILL'd launcher"
     assert [path for path in files if path.exists()] == []
+
+
+def test_a_closing_pool_restarts_nothing(tmp_path):
+    """Issue 36: the pool could restart a server it was tearing down (the producer thread noticing the servers
+    go away at shutdown); once close() has begun, restart() starts nothing and returns []."""
+    from moe_rl.rollout.launcher import ServerPool
+
+    marker = str(tmp_path / "closing-model")
+    server = SGLangServer(ServerSpec(marker, startup_timeout_s=3.0), tmp_path / "server.log")
+    pool = ServerPool(servers=[server], max_restarts=5)
+    pool.close()
+    assert pool.restart() == [] and pool.restart([server.url]) == []
+    assert server.process is None and pool.restarts == 0 and _pids_mentioning(marker) == []
