@@ -76,21 +76,26 @@ def _measure_row(cfg: ExperimentConfig, num_prompts: int) -> dict:
     }
 
 
-def _check_exact_settings(cfg: ExperimentConfig) -> None:
+def _check_exact_settings(cfg: ExperimentConfig, kernels: list[str] | None = None) -> None:
+    """ConfigError (one message, the CLI prints it) for unknown ``kernels`` or a config that cannot be exact."""
+    from moe_rl.config import ConfigError
     from moe_rl.exact.preflight import true_on_policy_settings
 
+    unknown = sorted(set(kernels or ()) - KERNELS.keys())
+    if unknown:
+        raise ConfigError(f"diagnose --kernels: unknown item(s) {unknown}; expected some of {sorted(KERNELS)}")
     full = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"true_on_policy": True})})
     problems = list(true_on_policy_settings(full))
     if problems:
-        raise ValueError("diagnose --attribute turns the true-on-policy kernels on, and this config cannot be exact:\n"
-                         + "\n".join(f"  - {p}" for p in problems))  # fmt: skip
+        raise ConfigError("diagnose --attribute turns the true-on-policy kernels on, and this config cannot be exact:\n"
+                          + "\n".join(f"  - {p}" for p in problems))  # fmt: skip
 
 
 def run_attribute(cfg: ExperimentConfig, num_prompts: int, out_dir: str | Path,
                   kernels: list[str] | None = None) -> dict:  # fmt: skip
     """Measure every row of ``attribution_rows(kernels)`` (2 x items + 2 server starts); writes ``attribution.json`` and ``attribution.md``
     in ``out_dir`` and returns ``{"rows": {name: numbers}, ...}``."""
-    _check_exact_settings(cfg)
+    _check_exact_settings(cfg, kernels)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = {}

@@ -51,7 +51,10 @@ def test_the_learner_shares_exactly_the_named_items(megatron_world, kernels):
     from megatron.core.transformer.moe.router import TopKRouter
 
     from moe_rl.exact.megatron_spec import (
-        ExactColumnParallelLinear, ExactCoreAttention, ExactRMSNorm, ExactRowParallelLinear,
+        ExactColumnParallelLinear,
+        ExactCoreAttention,
+        ExactRMSNorm,
+        ExactRowParallelLinear,
     )  # fmt: skip
     from moe_rl.learner.logprobs import uses_exact
     from moe_rl.learner.model import build_model
@@ -70,12 +73,15 @@ def test_the_learner_shares_exactly_the_named_items(megatron_world, kernels):
 
 
 def test_attribute_refuses_a_config_that_cannot_be_exact():
+    from moe_rl.config import ConfigError
     from moe_rl.study.attribute import _check_exact_settings
 
     cfg = _cfg(on=False)
     cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"dtype": "bfloat16"})})
-    with pytest.raises(ValueError, match="rollout.dtype='bfloat16' with precision.params_dtype='float32'"):
+    with pytest.raises(ConfigError, match="rollout.dtype='bfloat16' with precision.params_dtype='float32'"):
         _check_exact_settings(cfg)
+    with pytest.raises(ConfigError, match=r"diagnose --kernels: unknown item\(s\) \['lmhead'\]"):
+        _check_exact_settings(_cfg(on=False), ["lm_head", "lmhead"])
 
 
 def test_the_table_gives_each_rows_share_of_the_stock_mismatch():
