@@ -204,7 +204,7 @@ def moe_experts(
     order = torch.argsort(ids, dim=-1, stable=True)
     ordered = torch.gather(y, 1, order[:, :, None].expand_as(y))
     # torch's CPU scatter_add_/index_add_ (Megatron's unpermute) accumulate a bf16 output in fp32, in row
-    # order, and round once: a bf16 running sum differs from top-3 on
+    # order, and round once; a bf16 running sum agrees for top-2 only
     out = torch.zeros(M, x.shape[-1], dtype=torch.promote_types(y.dtype, torch.float32))
     for j in range(k):
         out = out + ordered[:, j]

@@ -32,6 +32,7 @@ from moe_rl.exact.contract import SERVER_ENV as KERNELS_ENV
 from moe_rl.exact.contract import kernels_of, server_env_value
 from moe_rl.rollout.auth import RUN_ADMIN_KEY_ENV, ServerKeys
 from moe_rl.rollout.orphan_guard import ENV as ORPHAN_ENV
+from moe_rl.rollout.orphan_guard import group_pids
 from moe_rl.rollout.shm import group_shm_files, remove_shm_files
 
 logger = logging.getLogger(__name__)
@@ -292,12 +293,7 @@ def _group_alive(pgid: int) -> bool:
         return False
     except PermissionError:
         return True
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            state, _ppid, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
-            if int(pgrp) == pgid and state not in "ZX":
-                return True
-    return False
+    return bool(group_pids(pgid))
 
 
 @contextlib.contextmanager

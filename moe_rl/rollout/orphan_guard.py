@@ -21,7 +21,7 @@ from pathlib import Path
 
 from moe_rl.rollout.shm import group_shm_files, remove_shm_files
 
-__all__ = ["ENV", "GRACE_S", "POLL_S", "watch_parent"]
+__all__ = ["ENV", "GRACE_S", "POLL_S", "group_pids", "watch_parent"]
 
 ENV = "MOE_RL_PARENT_PID"
 POLL_S = 0.5
@@ -41,8 +41,8 @@ def _watch(parent_pid: int) -> None:
     _stop_group_and_exit()
 
 
-def _group_pids(pgid: int) -> list[int]:
-    """Live (not zombie) processes of group ``pgid``."""
+def group_pids(pgid: int) -> list[int]:
+    """Live processes of group ``pgid``; zombies (dead, waiting to be reaped) do not count."""
     pids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError, IndexError):
@@ -57,7 +57,7 @@ def _stop_group_and_exit() -> None:
     files = group_shm_files(pgid)
 
     def others() -> list[int]:
-        return [p for p in _group_pids(pgid) if p != me]
+        return [p for p in group_pids(pgid) if p != me]
 
     for sig, wait_s in ((signal.SIGTERM, GRACE_S), (signal.SIGKILL, 2.0)):
         for pid in others():

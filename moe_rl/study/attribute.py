@@ -6,8 +6,8 @@ configuration -- the stock kernels; each item of the true-on-policy kernel contr
 (``moe_rl.exact.contract.KERNELS``) turned on alone on both sides; the whole contract but that item;
 the whole contract -- and the table of how much of the KL (k3), of |Δlogp| and of the router flips
 each row removes. "Alone" says what an item fixes by itself; "all but" says what mismatch is left when
-only that item is not shared. A new server
-and learner are built per row (the contract's items are chosen at server start), from the same weights.
+only that item is not shared. A new server and learner are built per row (the contract's items are
+chosen at server start), from the same weights.
 """
 
 from __future__ import annotations
@@ -93,8 +93,8 @@ def _check_exact_settings(cfg: ExperimentConfig, kernels: list[str] | None = Non
 
 def run_attribute(cfg: ExperimentConfig, num_prompts: int, out_dir: str | Path,
                   kernels: list[str] | None = None) -> dict:  # fmt: skip
-    """Measure every row of ``attribution_rows(kernels)`` (2 x items + 2 server starts); writes ``attribution.json`` and ``attribution.md``
-    in ``out_dir`` and returns ``{"rows": {name: numbers}, ...}``."""
+    """Measure every row of ``attribution_rows(kernels)`` (2 x items + 2 server starts); writes
+    ``attribution.json`` and ``attribution.md`` in ``out_dir`` and returns ``{"rows": {name: numbers}, ...}``."""
     _check_exact_settings(cfg, kernels)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
