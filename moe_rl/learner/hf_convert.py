@@ -13,21 +13,20 @@ Layout facts that a parity test catches when broken:
 Both Megatron specs are handled: TE-spec names are mapped to local-spec names first
 (``canonical_name``). tp, etp and ep shards are gathered on export and sliced on import
 (``moe_rl.learner.tp_shards``); under pipeline parallelism each stage's local layer numbers are
-made global (``decoder.layers.<local>`` -> ``<offset + local>``), each stage imports its own layers,
-and the export gathers every stage's layers to rank 0 (one HF checkpoint).
+made global (``decoder.layers.<local>`` -> ``<offset + local>``) and each stage imports its own layers.
+The per-tensor conversion (``megatron_tensor_to_hf``) is what the streaming export and weight sync use
+(``hf_stream``, ``hf_export``); ``export_hf_state_dict`` gathers the whole model (an oracle for tests).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from moe_rl.learner.global_state import gather_global, gather_stages
 from moe_rl.learner.model import unwrap
@@ -48,9 +47,10 @@ __all__ = [
     "load_hf_weights",
     "full_megatron_state_dict",
     "canonical_name",
-    "export_hf_checkpoint",
     "export_hf_state_dict",
-    "write_hf_checkpoint",
+    "hf_name_map",
+    "megatron_tensor_to_hf",
+    "write_side_files",
 ]
 
 # weights are written by the exporter; every other file of the template dir (config, generation config,
@@ -150,24 +150,41 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], model_cfg) -> dict[str, torch
     return out
 
 
+def hf_name_map(model_cfg) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """``{Megatron global name: (kind, HF names)}`` of the whole model (kind: ``copy``, ``qkv`` or ``fc1``)."""
+    out = {mg: (kind, names) for kind, names, mg in _all_names(model_cfg)}
+    out.update({mg: ("copy", (hf,)) for hf, mg in _expert_bias_names(model_cfg)})
+    return out
+
+
+def megatron_tensor_to_hf(mg_name: str, t: torch.Tensor, model_cfg,
+                          names: dict | None = None) -> list[tuple[str, torch.Tensor]]:  # fmt: skip
+    """One full Megatron tensor (global name, tp=1) -> its HF ``(name, tensor)`` pieces (``names``: ``hf_name_map``).
+
+    A ``copy`` tensor is returned as it is (a view of the caller's tensor when that is one)."""
+    kind, hf = (names if names is not None else hf_name_map(model_cfg)).get(mg_name, (None, ()))
+    if kind is None:
+        raise KeyError(f"{mg_name!r} has no Hugging Face name for this model config (model.* differs from the model)")
+    if kind == "qkv":
+        parts = _unpack_qkv(t, model_cfg)
+    elif kind == "fc1":
+        parts = t.chunk(2, dim=0)  # gate first: Megatron's SwiGLU chunks [gate, up]
+    else:
+        parts = (t,)
+    return [(n, p if p.is_contiguous() else p.contiguous()) for n, p in zip(hf, parts, strict=True)]
+
+
 def megatron_to_hf(mg: Mapping[str, torch.Tensor], model_cfg) -> dict[str, torch.Tensor]:
     """Full Megatron state (global expert ids, tp=1) -> HF on-disk ``{name: tensor}``."""
+    names = hf_name_map(model_cfg)
     out: dict[str, torch.Tensor] = {}
-    for kind, names, mg_name in _all_names(model_cfg):
+    for kind, _, mg_name in _all_names(model_cfg):
         if mg_name not in mg:
             raise KeyError(f"Megatron state lacks {mg_name!r} (expected a full, tp- and ep-gathered state)")
-        t = mg[mg_name]
-        if kind == "qkv":
-            parts = _unpack_qkv(t, model_cfg)
-        elif kind == "fc1":
-            parts = t.chunk(2, dim=0)
-        else:
-            parts = (t,)
-        for n, p in zip(names, parts):
-            out[n] = p.contiguous()
-    for hf_name, mg_name in _expert_bias_names(model_cfg):
+        out.update(megatron_tensor_to_hf(mg_name, mg[mg_name], model_cfg, names))
+    for _, mg_name in _expert_bias_names(model_cfg):
         if mg_name in mg:
-            out[hf_name] = mg[mg_name].contiguous()
+            out.update(megatron_tensor_to_hf(mg_name, mg[mg_name], model_cfg, names))
     return out
 
 
@@ -231,7 +248,8 @@ def full_megatron_state_dict(model, grads: bool = False) -> dict[str, torch.Tens
     return gather_global(model, local)
 
 
-def _write_side_files(out: Path, model_cfg, template_dir: Path | None) -> None:
+def write_side_files(out: Path, model_cfg, template_dir: Path | None) -> None:
+    """config.json, tokenizer and the rest of an HF dir but its weights: copied from ``template_dir``, else made."""
     if template_dir is not None:
         for f in _side_files(template_dir):
             shutil.copy2(f, out / f.name)
@@ -242,9 +260,10 @@ def _write_side_files(out: Path, model_cfg, template_dir: Path | None) -> None:
 
 
 def export_hf_state_dict(model, model_cfg, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
-    """The model as HF Qwen3-MoE ``{name: tensor}`` in memory (CPU), for weight sync without disk.
+    """The whole model as HF ``{name: tensor}`` in rank 0's memory (CPU): an oracle for tests and small models.
 
-    Collective over the tp / ep / pp groups; returns the dict on rank 0, None elsewhere.
+    Collective over the tp / ep / pp groups; returns the dict on rank 0, None elsewhere. The trainer never
+    calls it: its syncs and exports stream bucket by bucket from the owning ranks (``hf_stream``, ``hf_export``).
     """
     import torch.distributed as dist
 
@@ -253,37 +272,3 @@ def export_hf_state_dict(model, model_cfg, dtype: torch.dtype | None = None) -> 
         return None
     hf = megatron_to_hf(state, model_cfg)
     return hf if dtype is None else {k: v.to(dtype) for k, v in hf.items()}
-
-
-def write_hf_checkpoint(hf: Mapping[str, torch.Tensor], model_cfg, out_dir: str | Path,
-                        template_dir: str | Path | None = None) -> Path:
-    """Write an HF state dict + side files to ``out_dir`` atomically (temp dir, then rename)."""
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    save_file(dict(hf), tmp / "model.safetensors", metadata={"format": "pt"})
-    _write_side_files(tmp, model_cfg, Path(template_dir) if template_dir is not None else None)
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, out)
-    return out
-
-
-def export_hf_checkpoint(model, model_cfg, out_dir: str | Path, template_dir: str | Path | None = None,
-                         dtype: torch.dtype | None = None) -> Path | None:
-    """Write the model as an HF Qwen3-MoE checkpoint dir (for SGLang ``update_weights_from_disk``).
-
-    Collective over the tp/etp/ep/pp groups; rank 0 writes. ``config.json`` / tokenizer files
-    come from ``template_dir`` (e.g. the dir the learner was initialised from),
-    else from ``hf_init``. The directory appears atomically (written under a temp
-    name, then renamed); an existing ``out_dir`` is replaced. Returns the path on
-    the writing rank, None elsewhere.
-    """
-    hf = export_hf_state_dict(model, model_cfg, dtype)
-    if hf is None:
-        return None
-    return write_hf_checkpoint(hf, model_cfg, out_dir, template_dir)

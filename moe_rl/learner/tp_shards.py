@@ -22,7 +22,7 @@ from collections.abc import Mapping
 
 import torch
 
-__all__ = ["tp_split_dim", "gather_tp_shards", "tp_slice"]
+__all__ = ["tp_split_dim", "gather_tp_shards", "merge_tp_shards", "tp_slice"]
 
 _COLUMN = (".linear_qkv.weight", ".linear_qkv.bias", "embedding.word_embeddings.weight", "output_layer.weight")
 _ROW = (".linear_proj.weight", ".linear_fc2.weight")
@@ -40,7 +40,8 @@ def tp_split_dim(name: str) -> tuple[int | None, bool]:
     return None, False
 
 
-def _merge(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+def merge_tp_shards(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    """The full tensor ``name`` from its tp/etp shards in rank order."""
     dim, swiglu = tp_split_dim(name)
     if swiglu:
         gates, ups = zip(*(s.chunk(2, dim=0) for s in shards), strict=True)
@@ -68,7 +69,7 @@ def gather_tp_shards(local: Mapping[str, torch.Tensor], tp_group=None, etp_group
             continue
         shards = [torch.empty_like(t) for _ in range(size(group))]
         dist.all_gather(shards, t.detach().contiguous(), group=group)
-        out[name] = _merge(name, shards)
+        out[name] = merge_tp_shards(name, shards)
     return out
 
 

@@ -18,7 +18,8 @@ import torch
 
 from moe_rl.config.hf_model import initial_weights_dir, side_files_dir
 from moe_rl.learner.device import model_device, to_device
-from moe_rl.learner.hf_convert import export_hf_checkpoint, load_hf_weights
+from moe_rl.learner.hf_convert import load_hf_weights
+from moe_rl.learner.hf_export import export_hf_checkpoint
 from moe_rl.learner.logprobs import response_logprobs
 from moe_rl.learner.model import build_model, unwrap
 from moe_rl.learner.optimizer import (
@@ -102,12 +103,13 @@ class Learner:
         return unwrap(self.model)
 
     def export_hf(self, out_dir, template_dir=None):
-        """Write the current weights as an HF checkpoint dir (collective; rank 0 writes).
+        """Write the current weights as an HF checkpoint dir (collective; the owning ranks write, bucket by bucket).
 
         ``template_dir`` (default ``model.hf_path``, else ``checkpoint.init_from_hf``) supplies config/tokenizer files.
         """
         template = template_dir if template_dir is not None else side_files_dir(self.cfg)
-        return export_hf_checkpoint(self.model, self.cfg.model, out_dir, template_dir=template)
+        return export_hf_checkpoint(self.model, self.cfg.model, out_dir, template_dir=template,
+                                    bucket_bytes=self.cfg.rollout.weight_sync_bucket_mb << 20)
 
     def _set_aux_loss_scale(self, num_microbatches: int) -> None:
         from megatron.core import parallel_state as ps

@@ -32,13 +32,13 @@ class WeightPusher:
 
     def export(self) -> Path:
         """Export the learner as an HF dir for SGLang (collective); the path of the live copy."""
-        from moe_rl.learner.hf_convert import export_hf_checkpoint
-        from moe_rl.rollout.quantize import quantize_hf_dir
+        from moe_rl.learner.hf_export import export_hf_checkpoint
+        from moe_rl.rollout.weight_checks import quantize_state_dict
 
-        export_hf_checkpoint(self.learner.module, self.cfg.model, self.export_dir,
-                             template_dir=side_files_dir(self.cfg))  # fmt: skip
-        if self.is_main and self.cfg.rollout.weight_quantization != "none":
-            quantize_hf_dir(self.export_dir, self.cfg.rollout.weight_quantization)
+        fmt = self.cfg.rollout.weight_quantization
+        export_hf_checkpoint(self.learner.module, self.cfg.model, self.export_dir, template_dir=side_files_dir(self.cfg),
+                             bucket_bytes=self.cfg.rollout.weight_sync_bucket_mb << 20,
+                             transform=None if fmt == "none" else lambda named: quantize_state_dict(named, fmt))  # fmt: skip
         barrier()
         return self.export_dir
 

@@ -1,0 +1,156 @@
+"""The learner's weights as HF-named buckets, streamed from the ranks that own them (no whole-model copy).
+
+Owns who sends which HF tensor and the collectives that assemble each one, one bucket of
+``bucket_bytes`` at a time (``HFStream.buckets``), for the weight sync and the HF export:
+
+* every rank walks its own tensors in name order (the same order on every rank of a stage);
+* a tensor replicated over data parallelism is taken from data-parallel replica 0 only (expert-data-parallel
+  replica 0 for experts); a tp/etp-split tensor is gathered to tp/etp rank 0 of that replica
+  (``dist.gather``: one tensor at a time, nothing lands on the other ranks);
+* experts stay with their expert-parallel owner (``gather_experts=False``: the disk and tensor transports,
+  each owner sends its own) or are gathered, expert by expert, to the stage's first rank (``True``: the
+  distributed transport, one source rank per pipeline stage, as slime's ``update_weight_from_distributed``);
+* each pipeline stage streams its own layers; the caller lets stages take turns (``stage``, ``stages``).
+
+Megatron -> HF conversion is per tensor (``hf_convert.megatron_tensor_to_hf``); a tensor that needs no
+gather and no conversion is a view of the live parameter (no copy). ``plan()`` says, without any data,
+which HF names and shapes this rank will send; ``all_finite()`` checks this rank's own tensors on their
+device. The ownership of global slices is ``ownership``'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from moe_rl.learner.hf_convert import hf_name_map, megatron_tensor_to_hf
+from moe_rl.learner.model import unwrap
+from moe_rl.learner.ownership import expert_slot, local_slices, tp_rank_and_size
+from moe_rl.learner.tp_shards import merge_tp_shards
+
+__all__ = ["HFStream", "Bucket"]
+
+Bucket = list[tuple[str, torch.Tensor]]
+
+
+def _ps():
+    from megatron.core import parallel_state as ps
+
+    return ps
+
+
+def _gather_to_first(t: torch.Tensor, group) -> list[torch.Tensor] | None:
+    """Every group member's ``t`` on the group's first rank (in group-rank order), None on the others."""
+    first = dist.get_global_rank(group, 0)
+    t = t.detach().contiguous()
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))] if dist.get_rank() == first else None
+    dist.gather(t, parts, dst=first, group=group)
+    return parts
+
+
+class HFStream:
+    """``buckets()`` (collective over this rank's stage), ``plan()``, ``all_finite()``, ``sender``, ``stage``."""
+
+    def __init__(self, model, model_cfg, bucket_bytes: int, gather_experts: bool = True):
+        self.model, self.model_cfg, self.bucket_bytes = model, model_cfg, int(bucket_bytes)
+        self.gather_experts = gather_experts
+        m = unwrap(model)  # parameters and the expert-bias buffers: what the HF layout has
+        self.tensors = {n: p for n, p in m.named_parameters()}
+        self.tensors.update({n: b for n, b in m.named_buffers() if n.endswith("router.expert_bias")})
+        self.slices = local_slices(model, self.tensors)
+        self.names = hf_name_map(model_cfg)
+        ps = _ps()
+        self.distributed = dist.is_initialized()
+        self.ep = ps.get_expert_model_parallel_world_size() if self.distributed else 1
+        self.ep_rank = ps.get_expert_model_parallel_rank() if self.distributed else 0
+        self.num_local = model_cfg.num_moe_experts // self.ep if model_cfg.num_moe_experts else 0
+        self.stage = ps.get_pipeline_model_parallel_rank() if self.distributed else 0
+        self.stages = ps.get_pipeline_model_parallel_world_size() if self.distributed else 1
+
+    # ------------------------------------------------------------------ roles
+    def _replica0(self, expert: bool) -> bool:
+        if not self.distributed:
+            return True
+        ps = _ps()
+        return (ps.get_expert_data_parallel_rank() if expert
+                else ps.get_data_parallel_rank(with_context_parallel=True)) == 0  # fmt: skip
+
+    def _units(self) -> Iterator[tuple[str, str, bool, int, int, bool]]:
+        """``(local name, global name, expert, tp rank, tp size, split)`` of every tensor this rank helps send."""
+        for local in sorted(self.tensors):
+            s = self.slices[local]
+            expert = expert_slot(s.global_name) is not None
+            if not self._replica0(expert):
+                continue
+            rank, size = tp_rank_and_size(s.global_name) if self.distributed else (0, 1)
+            yield local, s.global_name, expert, rank, size, s.split and size > 1
+
+    def _expert_names(self, g: str) -> list[str]:
+        """The global names the stage's first rank receives for expert tensor ``g`` (every ep rank's)."""
+        prefix, idx, suffix = expert_slot(g)
+        local = idx - self.ep_rank * self.num_local
+        return [f"{prefix}{r * self.num_local + local}.{suffix}" for r in range(self.ep)]
+
+    @property
+    def sender(self) -> bool:
+        """True when this rank sends anything (tp/etp rank 0 of replica 0; the stage's first rank under
+        ``gather_experts`` for the experts)."""
+        return bool(self.plan())
+
+    # ------------------------------------------------------------------ without data
+    def plan(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """``{HF name: (shape, dtype)}`` this rank will send (meta tensors: no data, no communication)."""
+        out: dict[str, tuple[tuple[int, ...], str]] = {}
+        for local, g, expert, rank, _, _ in self._units():
+            if rank != 0:
+                continue
+            gathered = expert and self.gather_experts and self.ep > 1
+            if gathered and self.ep_rank != 0:
+                continue
+            t = self.tensors[local]
+            meta = torch.empty(self.slices[local].global_shape, dtype=t.dtype, device="meta")
+            for mg in self._expert_names(g) if gathered else [g]:
+                for name, part in megatron_tensor_to_hf(mg, meta, self.model_cfg, self.names):
+                    out[name] = (tuple(part.shape), str(part.dtype).removeprefix("torch."))
+        return out
+
+    def all_finite(self) -> bool:
+        """This rank's own tensors hold no NaN/Inf (checked on their device; the caller all-reduces)."""
+        return all(bool(torch.isfinite(t).all()) for t in self.tensors.values() if t.is_floating_point())
+
+    # ------------------------------------------------------------------ the stream
+    def buckets(self) -> Iterator[Bucket]:
+        """HF ``(name, tensor)`` lists of about ``bucket_bytes`` (a bigger tensor goes alone), on the ranks that
+        send them; collective over this rank's stage (every rank of the stage must drain it)."""
+        ps = _ps() if self.distributed else None
+        bucket: Bucket = []
+        size = 0
+        for local, g, expert, rank, _, split in self._units():
+            t = self.tensors[local].detach()
+            if split:  # tp/etp shards -> the full tensor on tp/etp rank 0
+                group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
+                shards = _gather_to_first(t, group)
+                if shards is None:
+                    continue
+                t = merge_tp_shards(g, shards)
+            elif rank != 0:
+                continue
+            items = [(g, t)]
+            if expert and self.gather_experts and self.ep > 1:
+                parts = _gather_to_first(t, ps.get_expert_model_parallel_group())
+                if parts is None:
+                    continue
+                items = list(zip(self._expert_names(g), parts))
+            for mg, full in items:
+                for name, part in megatron_tensor_to_hf(mg, full, self.model_cfg, self.names):
+                    nbytes = part.numel() * part.element_size()
+                    if bucket and size + nbytes > self.bucket_bytes:
+                        yield bucket
+                        bucket, size = [], 0
+                    bucket.append((name, part))
+                    size += nbytes
+            del items, t
+        if bucket:
+            yield bucket
