@@ -14,7 +14,7 @@ Owns who sends which HF tensor and the collectives that assemble each one, one b
 
 Megatron -> HF conversion is per tensor (``hf_convert.megatron_tensor_to_hf``); a tensor that needs no
 gather and no conversion is a view of the live parameter (no copy). ``plan()`` says, without any data,
-which HF names and shapes this rank will send; ``all_finite()`` checks this rank's own tensors on their
+which HF names and shapes this rank will send; ``nonfinite()`` checks this rank's own tensors on their
 device. The ownership of global slices is ``ownership``'s.
 """
 
@@ -30,7 +30,7 @@ from moe_rl.learner.model import unwrap
 from moe_rl.learner.ownership import expert_slot, local_slices, tp_rank_and_size
 from moe_rl.learner.tp_shards import merge_tp_shards
 
-__all__ = ["HFStream", "Bucket"]
+__all__ = ["Bucket", "HFStream"]
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -116,9 +116,12 @@ class HFStream:
                     out[name] = (tuple(part.shape), str(part.dtype).removeprefix("torch."))
         return out
 
-    def all_finite(self) -> bool:
-        """This rank's own tensors hold no NaN/Inf (checked on their device; the caller all-reduces)."""
-        return all(bool(torch.isfinite(t).all()) for t in self.tensors.values() if t.is_floating_point())
+    def nonfinite(self) -> str | None:
+        """The global name of this rank's first tensor holding NaN/Inf (checked on its device), else None."""
+        for local, t in self.tensors.items():
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                return self.slices[local].global_name
+        return None
 
     # ------------------------------------------------------------------ the stream
     def buckets(self) -> Iterator[Bucket]:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 __all__ = [
-    "WeightSyncError", "ServerInvalidError", "reference_from_hf_dir", "check_weights", "is_local_address",
+    "WeightSyncError", "ServerInvalidError", "reference_from_hf_dir", "check_shapes", "check_weights", "is_local_address",
     "quantize_state_dict",
 ]  # fmt: skip
 
@@ -47,25 +47,31 @@ def reference_from_hf_dir(hf_dir: str | Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(named: Mapping[str, torch.Tensor], reference: Mapping[str, tuple[int, ...]] | None) -> None:
-    """Same names and shapes as `reference` (when given) and all values finite; else WeightSyncError.
+def check_shapes(shapes: Mapping[str, tuple[int, ...]], reference: Mapping[str, tuple[int, ...]] | None) -> None:
+    """The same names and shapes as ``reference`` (when given); else WeightSyncError.
 
     SGLang ignores unknown names silently and crashes its scheduler on a wrong shape, so this is
     the only place such an export is caught before it reaches a server.
     """
-    if reference is not None:
-        missing, extra = sorted(set(reference) - set(named)), sorted(set(named) - set(reference))
-        if missing or extra:
+    if reference is None:
+        return
+    missing, extra = sorted(set(reference) - set(shapes)), sorted(set(shapes) - set(reference))
+    if missing or extra:
+        raise WeightSyncError(
+            f"weights to sync do not match the served model: {len(missing)} missing (e.g. {missing[:3]}), "
+            f"{len(extra)} unknown (e.g. {extra[:3]}); nothing was sent"
+        )
+    for name, shape in shapes.items():
+        if tuple(shape) != tuple(reference[name]):
             raise WeightSyncError(
-                f"weights to sync do not match the served model: {len(missing)} missing (e.g. {missing[:3]}), "
-                f"{len(extra)} unknown (e.g. {extra[:3]}); nothing was sent"
+                f"weights to sync: {name} has shape {tuple(shape)}, the served model has "
+                f"{tuple(reference[name])}; nothing was sent"
             )
-        for name, tensor in named.items():
-            if tuple(tensor.shape) != tuple(reference[name]):
-                raise WeightSyncError(
-                    f"weights to sync: {name} has shape {tuple(tensor.shape)}, the served model has "
-                    f"{tuple(reference[name])}; nothing was sent"
-                )
+
+
+def check_weights(named: Mapping[str, torch.Tensor], reference: Mapping[str, tuple[int, ...]] | None) -> None:
+    """Same names and shapes as `reference` (when given) and all values finite; else WeightSyncError."""
+    check_shapes({n: tuple(t.shape) for n, t in named.items()}, reference)
     for name, tensor in named.items():
         if tensor.is_floating_point() and not _all_finite(tensor):
             raise WeightSyncError(f"weights to sync: {name} holds NaN or Inf values; nothing was sent")

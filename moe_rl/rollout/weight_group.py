@@ -1,12 +1,11 @@
-"""The weight-update process group of ``rollout.weight_sync: distributed``: learner rank 0 -> SGLang servers.
+"""The weight-update process group of ``rollout.weight_sync: distributed``: one learner source rank -> SGLang servers.
 
 Owns the group's life and its wire: the rendezvous (a TCPStore this process hosts on
 ``rollout.weight_sync_master_port`` at ``rollout.weight_sync_master_address``; every server joins through
 SGLang's ``/init_weights_update_group``, which returns only after all ranks joined, so this side joins
-from a thread while those HTTP calls are in flight, else both wait for each other), one sync (inside the
-``/begin_weight_update`` ... ``/end_weight_update`` session: per bucket of ``rollout.weight_sync_bucket_mb``
-the names, dtypes and shapes go to ``/update_weights_from_distributed`` on every server while rank 0
-broadcasts the same tensors in the same order), and teardown (``/destroy_weights_update_group`` on every
+from a thread while those HTTP calls are in flight, else both wait for each other), one bucket (inside the
+session rank 0 opened: the names, dtypes and shapes go to ``/update_weights_from_distributed`` on every server
+while this rank broadcasts the same tensors in the same order), and teardown (``/destroy_weights_update_group`` on every
 server, the local group destroyed, no thread left). Backend gloo for CPU servers, NCCL for GPU servers (the
 NCCL path is the same code with CUDA tensors; it has not been run on this CPU-only project host).
 
@@ -31,7 +30,7 @@ import torch
 
 from moe_rl.rollout.auth import ServerKeys
 from moe_rl.rollout import weights
-from moe_rl.rollout.weights import WeightSyncError, _failed, buckets, is_local_address
+from moe_rl.rollout.weights import WeightSyncError, is_local_address
 
 logger = logging.getLogger(__name__)
 
@@ -93,13 +92,15 @@ class WeightGroup:
     _names = itertools.count()  # group names unique within this process
 
     def __init__(self, addresses: Sequence[str], *, backend: str = "gloo", master_address: str | None = None,
-                 master_port: int | None = None, timeout_s: float = 600.0, keys: ServerKeys | None = None):  # fmt: skip
+                 master_port: int | None = None, timeout_s: float = 600.0, keys: ServerKeys | None = None,
+                 headers: dict | None = None):  # fmt: skip
         self.addresses = [a.rstrip("/") for a in addresses]
         self.backend = backend
         self.master_address = master_address_for(self.addresses, master_address)
         self.master_port = master_port or 0  # 0: the store picks a free port
         self.timeout_s = timeout_s
-        self.headers = keys.headers(admin=True) if keys else {}  # every call below is an admin call
+        # every call below is an admin call: rank 0's keys (``headers``: as rank 0 handed them to a source rank)
+        self.headers = dict(headers) if headers is not None else keys.headers(admin=True) if keys else {}
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self.group = self.store = self.group_name = None
 
@@ -164,54 +165,21 @@ class WeightGroup:
             torch.distributed.destroy_process_group(self.group)
         self.group = self.store = None
 
-    # ------------------------------------------------------------------ one sync
-    def push(self, named: Mapping[str, torch.Tensor], weight_version: str, bucket_bytes: int,
-             flush_cache: bool = True) -> dict:  # fmt: skip
-        """Load ``named`` into every server; ``{address: None | WeightSyncError}`` (``buckets_loaded`` on the error).
+    # ------------------------------------------------------------------ one bucket
+    def send(self, bucket: list[tuple[str, torch.Tensor]], label: str) -> dict[str, str]:
+        """One bucket to every server of the open group, labelled ``label``; ``{address: message}`` of refusals.
 
-        Intermediate buckets label the servers ``<version>.partial``. Any failure ends the sync for every
-        server and closes the group (a broadcast may be half-consumed); the next push opens a new one.
-        """
-        try:
-            self.open()
-        except WeightSyncError as err:
-            return {a: _failed(str(err), 0) for a in self.addresses}
-        groups = buckets(named, bucket_bytes)
-        loaded = dict.fromkeys(self.addresses, 0)
-        errors: dict = dict.fromkeys(self.addresses)
-        begun = self._on_every_server("begin_weight_update", {a: {} for a in self.addresses})
-        if begun and all("already open" in m for m in begun.values()):  # left open by a learner that died
-            self._on_every_server("end_weight_update", {a: {} for a in begun})
-            begun = self._on_every_server("begin_weight_update", {a: {} for a in begun})
-        try:
-            if begun:
-                return {a: _failed(f"{a}/begin_weight_update refused ({begun.get(a)})", 0) if a in begun else
-                        _failed(f"another server refused to begin: {'; '.join(begun.values())}", 0)
-                        for a in self.addresses}  # fmt: skip
-            for i, group in enumerate(groups):
-                body = {
-                    "names": [n for n, _ in group],
-                    "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in group],
-                    "shapes": [list(t.shape) for _, t in group],
-                    "group_name": self.group_name,
-                    "weight_version": str(weight_version) if i == len(groups) - 1 else f"{weight_version}.partial",
-                    "flush_cache": flush_cache and i == len(groups) - 1,
-                }
-                refused = self._bucket(group, body)
-                for a in self.addresses:
-                    if a in refused:
-                        errors[a] = _failed(f"{a} refused bucket {i + 1}/{len(groups)} ({refused[a]})", loaded[a] + 1)
-                    else:
-                        loaded[a] += 1
-                if refused:
-                    for a in self.addresses:
-                        errors[a] = errors[a] or _failed(f"the sync stopped at bucket {i + 1}/{len(groups)}: "
-                                                         f"{'; '.join(refused.values())}", loaded[a])  # fmt: skip
-                    self.close()
-                    return errors
-            return errors
-        finally:
-            self._on_every_server("end_weight_update", {a: {} for a in self.addresses})
+        Runs inside a weight-update session rank 0 opened (``weight_senders.begin``); a caller that sees a
+        refusal closes the group (a broadcast may be half-consumed) and the next sync opens a new one."""
+        body = {
+            "names": [n for n, _ in bucket],
+            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+            "shapes": [list(t.shape) for _, t in bucket],
+            "group_name": self.group_name,
+            "weight_version": label,
+            "flush_cache": False,
+        }
+        return self._bucket(bucket, body)
 
     def _bucket(self, group: list[tuple[str, torch.Tensor]], body: dict) -> dict[str, str]:
         """One bucket: the request to every server and, meanwhile, rank 0's broadcasts; refusals by address."""

@@ -1,39 +1,40 @@
 """Push learner weights to SGLang servers, verify the version they report, track servers left invalid.
 
-Owns ``rollout.weight_sync``:
+Owns ``rollout.weight_sync`` and the sync's protocol. A sync is collective over the learner ranks and
+streams: the ranks that own tensors send them bucket by bucket (``rollout.weight_sync_bucket_mb``,
+``learner.hf_stream``; ``rollout.weight_senders`` sends), no rank holds the whole model, and a re-sync of a
+restarted server is the same collective call from the live weights. Transports:
 
-* ``tensor``: the HF-named state dict goes to ``/update_weights_from_tensor`` in buckets of
-  ``rollout.weight_sync_bucket_mb`` between ``/begin_weight_update`` and ``/end_weight_update``.
-  Tensors travel as shared-memory handles (torch's ``file_system`` sharing: ``/dev/shm``, no disk
-  and no copy through HTTP), so the servers must run on this host; a GPU server copies them to
-  its device.
-* ``disk``: the state dict is written as an HF checkpoint dir and loaded with
-  ``/update_weights_from_disk`` (any host that sees the path; SGLang rolls back on failure).
-* ``distributed``: a broadcast from the learner's rank 0 into a process group with the servers
-  (``/update_weights_from_distributed``, gloo for CPU servers, NCCL for GPU servers), in the same
-  buckets and session as ``tensor``; the group is ``weight_group.WeightGroup``'s.
+* ``tensor``: each sending rank posts its buckets to ``/update_weights_from_tensor`` as shared-memory
+  handles (``/dev/shm``, no disk, no copy through HTTP), so the servers must run on this host;
+* ``disk``: each sending rank writes its buckets as safetensors files of one HF directory, rank 0 the
+  index and side files; the servers load it with ``/update_weights_from_disk`` (any host that sees the
+  path; SGLang rolls back on failure);
+* ``distributed``: one source rank per pipeline stage (experts gathered to it tensor by tensor) broadcasts
+  into its own weight-update group with the servers (``/update_weights_from_distributed``, gloo for CPU
+  servers, NCCL for GPU servers; ``weight_group.WeightGroup``); the stages take turns;
 * ``auto``: tensor when every server address is on this host, else disk.
 
-FP8 rollout weights (``rollout.weight_quantization``) are applied to the in-memory tensors with the
-same function the disk path uses, so both paths serve identical weights. Before anything is sent
-the weights are checked against the previous sync (or the server's checkpoint): same names, same
-shapes, all finite; a failure there sends nothing, so the previous weights keep serving. A tensor
-or distributed sync that fails after some buckets were loaded leaves that server half-updated (no
-rollback): it is marked invalid, ``check_servable`` refuses rollouts from it, and the next
-``sync`` (always a full one) makes it valid again. After every sync ``GET /model_info`` on every
-server must report the new ``weight_version``; samples carry the version of the reply.
+Rank 0 opens the session (``/begin_weight_update``) on every server, the senders label every bucket
+``<version>.partial``, then rank 0 ends the session and labels the servers that loaded everything with the
+version (``/update_weight_version``) and flushes their cache. FP8 rollout weights
+(``rollout.weight_quantization``) are applied per bucket with the function the disk export uses. Before
+anything is sent the weights are checked: the names and shapes every rank will send (meta tensors, gathered
+to rank 0) against the previous sync (or the server's checkpoint), every rank's own tensors finite on their
+device; a failure there sends nothing and raises on every rank. A sync that fails after some buckets were
+loaded leaves that server half-updated (no rollback): it is marked invalid, ``check_servable`` refuses
+rollouts from it, and the next (always full) sync makes it valid again. After every sync ``GET /model_info``
+on every server must report the new ``weight_version``; samples carry the version of the reply.
 
 Every successful push is remembered by label in ``WeightSync.pushed`` (``served_weights.PushedWeights``: the
-fingerprinted tensors of what was sent), so each generation batch can be checked against what the servers
-really hold. A push whose label is overwritten behind it, or that fails, is pushed again at most
-``rollout.max_foreign_syncs`` times in a row, then the run stops (``ForeignWeightsStop``, one line).
+fingerprinted tensors of what was sent, taken by the ranks that sent them), so each generation batch can be
+checked against what the servers really hold. A push whose label is overwritten behind it, or that fails,
+is pushed again at most ``rollout.max_foreign_syncs`` times in a row, then the run stops
+(``ForeignWeightsStop``, one line).
 """
 
 from __future__ import annotations
 
-import base64
-import contextlib
-import io
 import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -46,7 +47,7 @@ WEIGHT_SYNC_MODES = ("tensor", "disk", "distributed")
 
 from moe_rl.rollout.auth import ServerKeys
 from moe_rl.rollout.integrity import ForeignWeightsStop
-from moe_rl.rollout.served_weights import PushedWeights
+from moe_rl.rollout.served_weights import PushedWeights, fingerprint_tensors
 from moe_rl.rollout.weight_checks import (  # noqa: F401 (re-exported: the sync's public names)
     ServerInvalidError,
     WeightSyncError,
@@ -119,45 +120,6 @@ def update_weights_from_disk(
         _check_version([address], weight_version, keys)
 
 
-# ----------------------------------------------------------------------------------- tensor transport
-@contextlib.contextmanager
-def _file_system_sharing():
-    """torch shares CPU tensors by /dev/shm file name (openable by an unrelated process) inside."""
-    import torch.multiprocessing as mp
-
-    old = mp.get_sharing_strategy()
-    mp.set_sharing_strategy("file_system")
-    try:
-        yield
-    finally:
-        mp.set_sharing_strategy(old)
-
-
-def _serialize_bucket(named: list[tuple[str, torch.Tensor]]) -> tuple[str, torch.Tensor]:
-    """Base64 ForkingPickler payload of one bucket; returns it with the buffer that must outlive the request.
-
-    The bucket's tensors are copied into ONE shared-memory buffer (64-byte aligned views), so the
-    payload names a single /dev/shm file that the server opens once (torch caches the storage).
-    """
-    from multiprocessing.reduction import ForkingPickler
-
-    offsets, total = [], 0
-    for _, tensor in named:
-        offsets.append(total)
-        total += -(-tensor.numel() * tensor.element_size() // 64) * 64
-    buf = io.BytesIO()
-    with _file_system_sharing():  # allocate by file name directly: no second copy when pickling
-        flat = torch.empty(total, dtype=torch.uint8).share_memory_()
-        views = []
-        for (name, tensor), start in zip(named, offsets):
-            nbytes = tensor.numel() * tensor.element_size()
-            view = flat[start : start + nbytes].view(tensor.dtype).view(tensor.shape)
-            view.copy_(tensor.detach())
-            views.append((name, view))
-        ForkingPickler(buf, 4).dump(views)
-    return base64.b64encode(buf.getvalue()).decode(), flat
-
-
 def buckets(named: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
     """Consecutive groups of tensors of at most `bucket_bytes` each (a bigger tensor goes alone)."""
     out: list[list[tuple[str, torch.Tensor]]] = [[]]
@@ -170,53 +132,6 @@ def buckets(named: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[list[t
         out[-1].append((name, tensor))
         size += nbytes
     return [b for b in out if b]
-
-
-def push_tensors(
-    address: str, named: Mapping[str, torch.Tensor], weight_version: str, bucket_bytes: int, timeout_s: float = 600.0,
-    headers: dict | None = None, flush_cache: bool = True,
-) -> int:
-    """Load `named` into one server in buckets; returns the number of buckets.
-
-    Raises WeightSyncError; its ``buckets_loaded`` attribute says how many buckets the server had
-    already loaded (0 = the server still serves its previous weights). Intermediate buckets label
-    the server ``<version>.partial`` so a half-updated server can never pass for either version.
-    """
-    groups = buckets(named, bucket_bytes)
-    ok, message = _post(address, "begin_weight_update", {}, timeout_s, headers)
-    if not ok and "already open" in message:  # a session left open by an earlier failed sync
-        _post(address, "end_weight_update", {}, timeout_s, headers)
-        ok, message = _post(address, "begin_weight_update", {}, timeout_s, headers)
-    if not ok:
-        raise _failed(f"{address}/begin_weight_update refused ({message})", 0)
-    loaded = 0
-    try:
-        for i, group in enumerate(groups):
-            last = i == len(groups) - 1
-            payload, keep_alive = _serialize_bucket(group)
-            body = {
-                "serialized_named_tensors": [payload],
-                "weight_version": str(weight_version) if last else f"{weight_version}.partial",
-                "flush_cache": last and flush_cache,
-            }
-            try:
-                ok, message = _post(address, "update_weights_from_tensor", body, timeout_s, headers)
-            except WeightSyncError as err:
-                raise _failed(str(err), loaded + 1) from err  # the server may have loaded it before failing
-            del keep_alive
-            if not ok:
-                raise _failed(f"{address} refused bucket {i + 1}/{len(groups)} ({message})", loaded + 1)
-            loaded += 1
-    finally:
-        with contextlib.suppress(WeightSyncError):
-            _post(address, "end_weight_update", {}, timeout_s, headers)
-    return len(groups)
-
-
-def _failed(message: str, buckets_loaded: int) -> WeightSyncError:
-    err = WeightSyncError(message)
-    err.buckets_loaded = buckets_loaded
-    return err
 
 
 # ----------------------------------------------------------------------------------- the entry point
@@ -261,9 +176,9 @@ class WeightSync:
         self.invalid: dict[str, str] = {}  # address -> why
         self.version: str | None = None
         self.keys = keys
-        self.last_state: Mapping[str, torch.Tensor] | None = None  # what the servers should hold (rank 0)
+        self._planned: dict[str, tuple[int, ...]] = {}  # the names and shapes of the sync under way (rank 0)
         self.group_options = dict(group_options or {})  # distributed: WeightGroup's backend / master address, port
-        self.group = None  # distributed: the open WeightGroup (rank 0)
+        self.group = None  # distributed: this rank's open WeightGroup (a pipeline stage's source)
         self.pushed = PushedWeights(keys, timeout_s, max(4, keep_pushes))  # fingerprints of the last pushes
         self.max_foreign_syncs = max_foreign_syncs  # None: a failed push raises its WeightSyncError at once
 
@@ -305,37 +220,38 @@ class WeightSync:
                 f"({'; '.join(bad.values())}); run a full sync first"
             )
 
-    def sync(self, model_module, addresses: Sequence[str], version: str, around_push=contextlib.nullcontext) -> float:
-        """Export the learner (collective) and push it to every server inside ``around_push()`` (the async
-        producer's exclusive section); seconds taken (rank 0)."""
-        from moe_rl.learner.hf_convert import export_hf_state_dict
+    def sync(self, model_module, addresses: Sequence[str], version: str, flush_cache: bool = True) -> float:
+        """Push the learner's live weights to every server as ``version``; seconds taken.
 
-        t0 = time.perf_counter()
-        hf_state = export_hf_state_dict(model_module, self.model_cfg)
-        if hf_state is not None:
-            with around_push() as push_kwargs:  # e.g. {"flush_cache": False} inside an in_place pause
-                self.push(hf_state, addresses, version, **(push_kwargs or {}))
+        **Collective over every learner rank**, a re-sync included: rank 0 names the servers (``addresses``;
+        the other ranks pass ``[]``), opens and closes the session and labels the servers; the ranks that own
+        tensors stream them bucket by bucket (``learner.hf_stream``). Checked first (names and shapes against
+        the served model, every rank's tensors finite on their device): a failure there sends nothing and
+        raises WeightSyncError on every rank. ``flush_cache=False`` only inside an ``in_place`` pause."""
+        from moe_rl.learner.hf_stream import HFStream
+        from moe_rl.rollout.weight_senders import RankComm
+
+        t0, comm = time.perf_counter(), RankComm(collective=True)
+        header = comm.bcast(self._header(addresses, version) if comm.rank0 else None)
+        stream = HFStream(model_module, self.model_cfg, self.bucket_bytes, gather_experts=header["mode"] == "distributed")
+        plan, bad = stream.plan(), stream.nonfinite()
+        checked = comm.gather((plan, bad))
+        verdict = self._check_plans(checked) if comm.rank0 else None
+        if (verdict := comm.bcast(verdict)) is not None:
+            raise WeightSyncError(verdict)
+        self._stream(stream, comm, header, flush_cache)
         return time.perf_counter() - t0
 
     def push(self, hf_state: Mapping[str, torch.Tensor], addresses: Sequence[str], version: str,
              flush_cache: bool = True) -> None:  # fmt: skip
-        """Check, (quantise,) and load `hf_state` into every server as `version`; verify the version.
-
-        ``flush_cache=False`` only inside ``partial.paused_generation`` in ``in_place`` mode
-        (``PauseWindow.flush_cache``): SGLang refuses a flush while paused requests hold KV."""
-        if not version:
-            raise ValueError("weight version is empty; expected a label such as 'step-12'")
-        addresses = [a.rstrip("/") for a in addresses]
+        """Check, (quantise,) and load a ready HF state dict into every server as ``version`` from this process
+        alone (tests, benchmarks, tools; the trainer streams with ``sync``). ``flush_cache`` as in ``sync``."""
         check_weights(hf_state, self.reference)  # raises before anything is sent
-        named = quantize_state_dict(hf_state, self.weight_quantization)
-        path = self._again(version, lambda: self._send(named, addresses, version, flush_cache))
-        self.reference = {k: tuple(v.shape) for k, v in hf_state.items()}
-        self.version = str(version)
-        self.last_state = hf_state
-        if path is not None:  # the disk path: what the servers read is the file (its dtype), not the tensors
-            self.pushed.remember_hf_dir(version, path)
-        else:
-            self.pushed.remember(version, named)
+        from moe_rl.rollout.weight_senders import DictStream, RankComm
+
+        self._planned = {k: tuple(v.shape) for k, v in hf_state.items()}
+        comm = RankComm(collective=False)
+        self._stream(DictStream(hf_state, self.bucket_bytes), comm, self._header(addresses, version), flush_cache)
 
     def load_dir(self, hf_dir: str | Path, addresses: Sequence[str], version: str) -> None:
         """Load an HF checkpoint dir (the run's export) into every server as ``version``, remembered like a push."""
@@ -343,6 +259,147 @@ class WeightSync:
         self._again(version, lambda: update_weights_from_disk(addresses, hf_dir, version, self.timeout_s, keys=self.keys))
         self.version = str(version)
         self.pushed.remember_hf_dir(version, hf_dir)
+
+    # ------------------------------------------------------------------ inside a sync
+    def _header(self, addresses: Sequence[str], version: str) -> dict:
+        """What rank 0 tells every rank at the start of a sync."""
+        if not version:
+            raise ValueError("weight version is empty; expected a label such as 'step-12'")
+        return {"mode": self.mode, "addresses": [a.rstrip("/") for a in addresses], "version": str(version),
+                "headers": self.keys.headers(admin=True) if self.keys else {}}  # fmt: skip
+
+    def _check_plans(self, checked: list) -> str | None:
+        """Rank 0: every rank's ``(plan, first non-finite tensor)`` -> None, or why nothing may be sent."""
+        from moe_rl.rollout.weight_checks import check_shapes
+
+        shapes = {n: shape for plan, _ in checked for n, (shape, _) in plan.items()}
+        try:
+            check_shapes(shapes, self.reference)
+        except WeightSyncError as err:
+            return str(err)
+        bad = [(r, name) for r, (_, name) in enumerate(checked) if name is not None]
+        if bad:
+            return f"weights to sync: {bad[0][1]} (rank {bad[0][0]}) holds NaN or Inf values; nothing was sent"
+        self._planned = shapes
+        return None
+
+    def _stream(self, stream, comm, header: dict, flush_cache: bool) -> None:
+        """Attempts (collective) until one succeeds; a failed one again at most ``max_foreign_syncs`` times in a
+        row, then ForeignWeightsStop; every rank gets the same outcome."""
+        version = header["version"]
+        for attempt in range(1 + (self.max_foreign_syncs or 0)):
+            outcome = self._attempt(stream, comm, header, flush_cache)
+            if outcome is None:
+                return
+            foreign, message = outcome
+            if self.max_foreign_syncs is None:
+                err = WeightSyncError(message)
+                err.foreign_label = foreign
+                raise err
+            what = "foreign weights: " if foreign else ""
+            if attempt == self.max_foreign_syncs:
+                raise ForeignWeightsStop(f"{what}the push of {version!r} failed {attempt + 1} time(s) in a row "
+                                         f"(rollout.max_foreign_syncs={self.max_foreign_syncs}): {message}") from None  # fmt: skip
+            logger.warning("%s%s; pushing %r again (%d/%d)", what, message, version, attempt + 1, self.max_foreign_syncs)
+
+    def _attempt(self, stream, comm, header: dict, flush_cache: bool) -> tuple[bool, str] | None:
+        """One push over ``header['mode']``'s transport (collective): None, or ``(foreign, message)``."""
+        from moe_rl.rollout import weight_senders as ws
+
+        mode, addresses, version, headers = header["mode"], header["addresses"], header["version"], header["headers"]
+        start = None
+        if comm.rank0:
+            if mode == "disk":
+                from moe_rl.learner.hf_export import begin_dir
+
+                start = {"tmp": str(begin_dir(self.export_dir)), "refused": {}}
+            else:
+                start = {"tmp": None, "refused": ws.begin(addresses, headers, self.timeout_s)}
+        start = comm.bcast(start)
+        if start["refused"]:  # nothing was sent: every server keeps its previous weights
+            if comm.rank0:
+                ws.end([a for a in addresses if a not in start["refused"]], headers, self.timeout_s)
+            return False, f"weight sync to version {version!r} failed: " + "; ".join(
+                f"{a} keeps its previous weights: {m}" for a, m in start["refused"].items())
+        sender = self._sender(mode, stream, start, header) if stream.sender else None
+        fingerprints: dict = {}
+        for stage in range(stream.stages):  # pipeline stages take turns (one source and group each)
+            if stage == stream.stage:
+                for bucket in stream.buckets():
+                    named = quantize_state_dict(dict(bucket), self.weight_quantization)
+                    if mode != "disk":
+                        fingerprints.update(fingerprint_tensors(named))
+                    sender.send(list(named.items()))
+                    del named, bucket
+            comm.barrier_if(stream.stages > 1)
+        reports = comm.gather((sender.report() if sender else None, fingerprints))
+        outcome = self._finish(header, start, reports, flush_cache) if comm.rank0 else None
+        return comm.bcast(outcome)
+
+    def _sender(self, mode: str, stream, start: dict, header: dict):
+        from moe_rl.rollout import weight_senders as ws
+
+        if mode == "disk":
+            return ws.DiskSender(start["tmp"], ws.RankComm(collective=True).rank)
+        args = (header["addresses"], header["version"], header["headers"], self.timeout_s)
+        if mode == "tensor":
+            return ws.TensorSender(*args)
+        from moe_rl.rollout.weight_group import WeightGroup
+
+        options = dict(self.group_options)
+        if options.get("master_port"):
+            options["master_port"] += stream.stage  # one rendezvous port per pipeline stage's source
+        self.group = WeightGroup.reuse(self.group, header["addresses"], timeout_s=self.timeout_s,
+                                       headers=header["headers"], **options)  # fmt: skip
+        return ws.GroupSender(self.group, *args)
+
+    def _finish(self, header: dict, start: dict, reports: list, flush_cache: bool) -> tuple[bool, str] | None:
+        """Rank 0 after every rank streamed: end the session, label, verify; remember the push."""
+        from moe_rl.rollout import weight_senders as ws
+
+        mode, addresses, version, headers = header["mode"], header["addresses"], header["version"], header["headers"]
+        sent = [r for r, _ in reports if r is not None]
+        if mode == "disk":
+            from moe_rl.learner.hf_export import finish_dir
+
+            path = finish_dir(Path(start["tmp"]), self.export_dir, [(r["weight_map"], r["total_size"]) for r in sent],
+                              self.model_cfg, self.template_dir)  # fmt: skip
+            try:
+                update_weights_from_disk(addresses, path, version, self.timeout_s, keys=self.keys, flush_cache=flush_cache)
+            except WeightSyncError as err:
+                return bool(getattr(err, "foreign_label", False)), str(err)
+            self._done(version)
+            self.pushed.remember_hf_dir(version, path)
+            return None
+        loaded = {a: sum(r["loaded"][a] for r in sent) for a in addresses}
+        errors = {a: next((r["errors"][a] for r in sent if r["errors"][a]), None) for a in addresses}
+        ws.end(addresses, headers, self.timeout_s)
+        ok = [a for a in addresses if errors[a] is None]
+        errors |= ws.publish(ok, version, flush_cache, headers, self.timeout_s)
+        failures, foreign = [], False
+        for address in addresses:
+            try:
+                if errors[address] is not None:
+                    raise WeightSyncError(errors[address])
+                _check_version([address], version, self.keys)
+            except WeightSyncError as err:
+                foreign = foreign or bool(getattr(err, "foreign_label", False))
+                if loaded[address] > 0:
+                    self.invalid[address] = f"{address}: {err}"
+                    failures.append(f"{address} is left half-updated and marked invalid: {err}")
+                else:
+                    failures.append(f"{address} keeps its previous weights: {err}")
+                continue
+            self.invalid.pop(address, None)
+        if failures:
+            return foreign, f"weight sync to version {version!r} failed: " + "; ".join(failures)
+        self._done(version)
+        self.pushed.remember(version, {n: t for _, fp in reports for n, t in fp.items()})
+        return None
+
+    def _done(self, version: str) -> None:
+        self.reference = dict(self._planned)
+        self.version = str(version)
 
     def _again(self, version: str, send) -> None:
         """``send()``, again after a failed push (its label overwritten behind it: foreign weights) at most
@@ -359,57 +416,8 @@ class WeightSync:
                                              f"(rollout.max_foreign_syncs={self.max_foreign_syncs}): {err}") from None  # fmt: skip
                 logger.warning("%s%s; pushing %r again (%d/%d)", what, err, version, attempt + 1, self.max_foreign_syncs)
 
-    def _send(self, named, addresses: list[str], version: str, flush_cache: bool) -> Path | None:
-        """One push of the (checked, quantised) ``named`` over this sync's transport (the disk path returns the
-        directory it wrote); WeightSyncError on failure."""
-        if self.mode == "disk":
-            from moe_rl.learner.hf_convert import write_hf_checkpoint
-
-            path = write_hf_checkpoint(named, self.model_cfg, self.export_dir, self.template_dir)
-            update_weights_from_disk(addresses, path, version, self.timeout_s, keys=self.keys, flush_cache=flush_cache)
-            return Path(path)
-        else:
-            failures, foreign, errors = [], [], self._push_buckets(named, addresses, version, flush_cache)
-            for address, err in errors.items():
-                try:
-                    if err is not None:
-                        raise err
-                    _check_version([address], version, self.keys)
-                except WeightSyncError as err:
-                    foreign.append(err)
-                    if getattr(err, "buckets_loaded", 1) > 0:
-                        self.invalid[address] = f"{address}: {err}"
-                        failures.append(f"{address} is left half-updated and marked invalid: {err}")
-                    else:
-                        failures.append(f"{address} keeps its previous weights: {err}")
-                    continue
-                self.invalid.pop(address, None)
-            if failures:
-                err = WeightSyncError(f"weight sync to version {version!r} failed: " + "; ".join(failures))
-                err.foreign_label = any(getattr(e, "foreign_label", False) for e in foreign)
-                raise err
-        return None
-
-    def _push_buckets(self, named, addresses: list[str], version: str,
-                      flush_cache: bool = True) -> dict[str, WeightSyncError | None]:  # fmt: skip
-        """The tensor or distributed transport; ``{address: None | error with buckets_loaded}``."""
-        if self.mode == "distributed":
-            from moe_rl.rollout.weight_group import WeightGroup
-
-            self.group = WeightGroup.reuse(self.group, addresses, timeout_s=self.timeout_s, keys=self.keys,
-                                           **self.group_options)  # fmt: skip
-            return self.group.push(named, version, self.bucket_bytes, flush_cache)
-        errors: dict[str, WeightSyncError | None] = dict.fromkeys(addresses)
-        for address in addresses:
-            try:
-                push_tensors(address, named, version, self.bucket_bytes, self.timeout_s,
-                             self.keys.headers(admin=True) if self.keys else None, flush_cache)  # fmt: skip
-            except WeightSyncError as err:
-                errors[address] = err
-        return errors
-
     def close(self) -> None:
-        """Tear down the distributed weight-update group (servers and here); a later sync opens a new one."""
+        """Tear down this rank's distributed weight-update group (servers and here); a later sync opens a new one."""
         if self.group is not None:
             self.group.close()
             self.group = None

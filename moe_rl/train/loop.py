@@ -34,7 +34,7 @@ from moe_rl.config.preflight import ksm_active
 from moe_rl.records import RecordError, RolloutBatch
 from moe_rl.train.batch_maker import records_path
 from moe_rl.train.batching import check_ksm_records, kept_set_outside_fraction
-from moe_rl.train.collectives import barrier, dp_group, dp_rank_and_size, is_main_process
+from moe_rl.train.collectives import dp_group, dp_rank_and_size, is_main_process
 from moe_rl.train.kl_alarm import KLAlarm
 from moe_rl.train.logprob import make_logprob_fn
 from moe_rl.train.metrics_log import MetricsLogger
@@ -160,7 +160,9 @@ class RLTrainer:
 
             source = self.source or InlineBatches(self._batch_maker(client), step)
             path = source.batch(step)
-        barrier()
+            self.weights.calls.release()  # the other ranks waited in follow(): a re-sync on the way ran on all
+        else:
+            self.weights.calls.follow()
         return self.records.load(path)  # every rank: the bytes rank 0 wrote, checked against the model
 
     def _batch_maker(self, client):
@@ -273,6 +275,7 @@ class RLTrainer:
                     client = RolloutClient.from_config(cfg, addresses, headers=self.server_keys.headers(),
                                                        **self._stop_tokens())  # fmt: skip
                     self.source = self._batch_source(client)  # sync: inline; async: the producer thread
+                    self.source.calls = self.weights.calls  # its re-syncs run on the main thread, on every rank
                     self.weights.source = self.source  # a push waits for (or pauses) the batch in flight
                 if self.start_step == 0 and self._eval_due(0):  # before the first step: a line of its own
                     logger.log(0, self.evaluator.run(client, 0, self.weights.version(0)), progress=False)

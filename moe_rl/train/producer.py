@@ -14,7 +14,8 @@ filters, ``rollouts/step_<s>.safetensors`` written before it is trained on); the
   ``k = 0`` step ``t`` starts only after version ``t`` is pushed: the same batches as sync, bitwise.
 
 The producer never talks to other ranks (only rank 0 runs it; the learner's collectives stay on the main
-thread). Its failure is re-raised in the main thread at the next ``batch()``. ``checkpoint_state(c)``
+thread: a re-sync it needs is requested from the main thread, which runs it while waiting for a batch or for
+the batch in flight, ``rank0_calls``). Its failure is re-raised in the main thread at the next ``batch()``. ``checkpoint_state(c)``
 is what a checkpoint taken before step ``c`` must carry so a killed run loses no prompt and trains no
 step twice: the finished-but-untrained records of steps ``c, c+1, …`` (the files themselves) and the
 prompt-stream position before the first unfinished step (its prompts are taken again from there).
@@ -101,6 +102,7 @@ class AsyncProducer:
         self._idle_s = 0.0  # producer time spent not making a batch, since the last take_times()
         self._wait_s = 0.0  # learner time spent waiting for a batch, since the last take_times()
         self._thread = threading.Thread(target=self._run, name="moe_rl-rollout-producer", daemon=True)
+        self.calls = None  # rank 0's Rank0Calls: collectives this thread requests run while the learner waits
 
     # ------------------------------------------------------------------ producer thread
     def start(self) -> None:
@@ -138,7 +140,7 @@ class AsyncProducer:
         """Step ``step``'s records, once made (waiting is ``time/learner_wait_s``)."""
         t0 = time.perf_counter()
         with self._cond:
-            self._cond.wait_for(lambda: step in self.ready or self._error is not None)
+            self._wait_serving(lambda: step in self.ready or self._error is not None)
             self._wait_s += time.perf_counter() - t0
             if step not in self.ready:
                 if isinstance(self._error, _user_errors()):  # a bad dataset row or reward: its one-line message
@@ -147,6 +149,19 @@ class AsyncProducer:
                                    f"{type(self._error).__name__}: {self._error}") from self._error  # fmt: skip
             self.data_before.pop(step, None)
             return self.ready.pop(step)
+
+    def _wait_serving(self, done: Callable[[], bool]) -> None:
+        """``self._cond.wait_for(done)`` (lock held) that meanwhile runs the collectives the producer thread requested
+        (``rank0_calls``: a re-sync of a restarted server), outside the lock."""
+        while not done():
+            if self.calls is not None and self.calls.pending:
+                self._cond.release()
+                try:
+                    self.calls.serve()
+                finally:
+                    self._cond.acquire()
+                continue
+            self._cond.wait(timeout=None if self.calls is None else 0.05)
 
     def weights_pushed(self, version: int) -> None:
         """The servers now hold ``version``: steps up to ``version + k`` may start."""
@@ -161,7 +176,7 @@ class AsyncProducer:
         with self._cond:
             self._held += 1
             try:
-                self._cond.wait_for(lambda: self._making is None or not wait_for_batch)
+                self._wait_serving(lambda: self._making is None or not wait_for_batch)
             except BaseException:
                 self._held -= 1
                 raise

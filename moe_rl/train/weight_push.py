@@ -3,8 +3,9 @@
 Owns ``<run>/hf/current`` (the HF export the servers start from, and what a disk sync reads), the version label
 ``step-<s>-<nonce>`` (``moe_rl.rollout.integrity.version_label``), the run's ``WeightSync`` (created at the first push:
 its mode depends on the servers' hosts) and, in async mode, the handshake around a push with the batch source
-(``push_section`` while it runs, ``weights_pushed`` after). Every rank takes part in the export and in the collective
-parts of a sync; rank 0 talks to the servers.
+(``push_section`` while it runs, ``weights_pushed`` after). Every rank takes part in the export and in every sync
+(a re-sync included: rank 0 starts it on every rank through ``rank0_calls``); rank 0 talks to the servers about the
+session, the ranks that own tensors stream them.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from moe_rl.config.hf_model import side_files_dir
 from moe_rl.train.collectives import barrier
+from moe_rl.train.rank0_calls import Rank0Calls
 
 __all__ = ["WeightPusher"]
 
@@ -29,6 +31,8 @@ class WeightPusher:
         self.source = None  # async: rank 0's producer, told of every push (the trainer sets it)
         self.sync = None  # the WeightSync, created at the first push
         self._lock = threading.RLock()  # one push at a time: the step's push, a re-sync (any thread)
+        self._addresses: list[str] = []  # rank 0: the servers of the re-sync under way
+        self.calls = Rank0Calls({"resync": self._resync_all})  # collectives rank 0 starts while the others wait
 
     def export(self) -> Path:
         """Export the learner as an HF dir for SGLang (collective); the path of the live copy."""
@@ -57,11 +61,17 @@ class WeightPusher:
         return self.sync
 
     def push(self, addresses: list[str], step: int) -> float:
-        """Load the learner into every server as ``version(step)`` (collective): tensors through shared memory for
-        servers on this host, an HF checkpoint on disk otherwise (``rollout.weight_sync``); seconds taken."""
-        around = lambda: self._push_section(addresses, step)
-        seconds = self.weight_sync(addresses).sync(self.learner.module, addresses if self.is_main else [],
-                                                   self.version(step), around_push=around)  # fmt: skip
+        """Load the learner into every server as ``version(step)`` (collective: every rank streams what it owns;
+        ``rollout.weight_sync``); seconds taken. The other ranks wait in ``calls.follow()`` until rank 0 is inside
+        its push section (where it may first run a re-sync the producer asked for)."""
+        version = self.version(step)
+        ws = self.weight_sync(addresses)
+        if not self.is_main:
+            self.calls.follow()
+            return ws.sync(self.learner.module, [], version)
+        with self._push_section(addresses, step) as push_kwargs:
+            self.calls.release()
+            seconds = ws.sync(self.learner.module, addresses, version, **(push_kwargs or {}))
         if self.source is not None:
             self.source.weights_pushed(step)  # (already, unless the sync pushed nothing)
         return seconds
@@ -71,7 +81,7 @@ class WeightPusher:
         """pause (or wait) -> update -> publish ``step`` -> continue. Async: the new version is published before
         the producer may admit a batch or a paused request continues, so nothing made by the new weights is
         labelled with the old version (with max_staleness >= 2 a batch admitted in between was). The push lock
-        is taken inside the section, once the batch in flight has finished (its own re-sync needs the lock)."""
+        is taken inside the section, once the batch in flight has finished (its own re-sync runs first)."""
         if self.source is None:
             with self._lock:
                 yield {}
@@ -84,18 +94,29 @@ class WeightPusher:
 
     def resync(self, addresses: list[str], step: int) -> None:
         """Push the served weights again (rank 0: at the start, after a restart, a version mismatch or foreign
-        weights), labelled with the version they are: the last one pushed, or ``version(step)`` before any push
-        (a paused push may have moved past the batch's own version). Under the push lock: never inside another
-        push (a restart on the producer thread used to end the main thread's update session, or destroy the
-        group it broadcast on). Remembered with its fingerprint like every push."""
+        weights), labelled with the version they are: the last one pushed, or ``version(step)`` before any push.
+
+        Before any push the servers' own export (``<run>/hf/current``, the live weights) is loaded (rank 0 alone).
+        After one it is a sync from the live weights, **collective over every learner rank** (no rank keeps a copy
+        of the model): rank 0 calls it on every rank (``rank0_calls``; from the producer thread it is run by the
+        main thread at its next wait), never inside another push."""
+        ws = self.weight_sync(addresses)
+        if ws.version is None:
+            with self._lock:
+                ws.load_dir(self.export_dir, addresses, self.version(step))
+            return
+        self._addresses = list(addresses)
+        self.calls.call("resync")
+
+    def _resync_all(self, _=None) -> None:
+        """Every rank: the collective re-sync ``resync`` calls, labelled with the version last pushed when it runs
+        (rank 0's label reaches the others in the sync's header); a new group under ``distributed`` (a restarted
+        server lost its own)."""
         with self._lock:
+            addresses = self._addresses if self.is_main else []
             ws = self.weight_sync(addresses)
-            label = ws.version or self.version(step)
-            if ws.last_state is not None:
-                ws.close()  # distributed: a restarted server lost its group; the full sync rendezvouses again
-                ws.push(ws.last_state, addresses, label)  # a full sync: clears any half-updated state
-                return
-            ws.load_dir(self.export_dir, addresses, label)
+            ws.close()
+            ws.sync(self.learner.module, addresses, ws.version if self.is_main else "")
 
     def export_final(self) -> None:
         """``<run>/hf/current`` holds the final weights whatever the sync path (a disk sync wrote them already)."""

@@ -8,7 +8,6 @@ stand-in for ``WeightSync`` (what is tested is their order; the weight paths hav
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from types import SimpleNamespace
 
@@ -24,27 +23,26 @@ class RecordingSync:
     """``WeightSync``'s surface as ``WeightPusher`` uses it; a push holds its section until ``release``."""
 
     def __init__(self):
-        self.version, self.last_state = "step-1-n", {"w": 1}
+        self.version = "step-1-n"
         self.events: list[tuple] = []
         self.inside, self.release = threading.Event(), threading.Event()
 
-    def sync(self, module, addresses, version, around_push=contextlib.nullcontext):
-        with around_push():
-            self.events.append(("push", version))
+    def sync(self, module, addresses, version, flush_cache=True):
+        self.events.append(("push", version))
+        if not self.inside.is_set():  # the step's push: held until released
             self.inside.set()
             assert self.release.wait(10)
-            self.version, self.last_state = version, {"w": 2}
-            self.events.append(("pushed", version))
+        self.version = version
+        self.events.append(("pushed", version))
         return 0.0
 
     def close(self):
         self.events.append(("close",))
 
-    def push(self, state, addresses, version):
-        self.events.append(("resync", version, state["w"]))
-
 
 def test_a_resync_during_a_paused_push_waits_for_it_and_carries_the_pushed_version(sglang_server, tmp_path):
+    """The re-sync, asked for on the producer thread, is run by the main thread (where the collectives live) at its
+    next wait, after the push, labelled with the version the push left."""
     cfg = SimpleNamespace(rollout=SimpleNamespace(partial=True, pause_mode="retract"))
     pusher = WeightPusher(cfg, SimpleNamespace(module=None), tmp_path, nonce="n", is_main=True)
     pusher.sync = sync = RecordingSync()
@@ -58,5 +56,8 @@ def test_a_resync_during_a_paused_push_waits_for_it_and_carries_the_pushed_versi
     assert resync.is_alive(), "the re-sync ran inside the push"
     sync.release.set()
     push.join(timeout=30)
+    assert pusher.calls.pending, "the re-sync waits for the main thread"
+    pusher.calls.serve()  # what the main thread does at its next wait (AsyncProducer._wait_serving)
     resync.join(timeout=30)
-    assert sync.events == [("push", "step-2-n"), ("pushed", "step-2-n"), ("close",), ("resync", "step-2-n", 2)]
+    assert sync.events == [("push", "step-2-n"), ("pushed", "step-2-n"), ("close",), ("push", "step-2-n"),
+                           ("pushed", "step-2-n")]  # fmt: skip

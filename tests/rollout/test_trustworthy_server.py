@@ -97,7 +97,7 @@ def test_unauthenticated_weight_update_and_generate_are_refused_and_the_key_stay
 # the partial-rollout work adds pause_generation / continue_generation here when the trainer starts calling them.
 TRAINER_ADMIN_ENDPOINTS = ("update_weights_from_disk", "begin_weight_update", "update_weights_from_tensor",
                            "end_weight_update", "init_weights_update_group", "update_weights_from_distributed",
-                           "destroy_weights_update_group")  # fmt: skip
+                           "destroy_weights_update_group", "update_weight_version")  # fmt: skip
 
 
 def test_every_admin_endpoint_the_trainer_calls_refuses_a_call_without_the_admin_key(keyed, model_dir):
@@ -108,6 +108,8 @@ def test_every_admin_endpoint_the_trainer_calls_refuses_a_call_without_the_admin
     for endpoint in TRAINER_ADMIN_ENDPOINTS:
         for headers in ({}, {"Authorization": f"Bearer {API_KEY}"}):
             assert httpx.post(f"{url}/{endpoint}", json={}, headers=headers, timeout=60).status_code == 401, endpoint
+        # the cache flush after a sync (weight_senders.publish posts it with the admin key, outside _post)
+        assert httpx.post(f"{url}/flush_cache", headers=headers, timeout=60).status_code == 401
     # ... and moe_rl sends the admin key on each of them: record what the weight-sync functions post
     sent = []
     real_post = weights._post

@@ -158,7 +158,6 @@ def test_a_push_publishes_its_version_before_the_producer_may_admit_a_batch(tmp_
     holding a version number, no GPU or server needed for the ordering) take the new weights inside the push
     section, and the sync then lingers 2 ms after the section, where the old code published the version. Every
     batch must be made with the version the servers actually serve (it was mislabelled from step 2 on)."""
-    import contextlib
     import time
     from types import SimpleNamespace
 
@@ -172,11 +171,10 @@ def test_a_push_publishes_its_version_before_the_producer_may_admit_a_batch(tmp_
         made.append((step, served, servers["version"]))
         return maker(step, served)
 
-    class ServersSync:  # the WeightSync stand-in: a push sets the servers' version inside around_push()
-        def sync(self, module, addresses, version, around_push=contextlib.nullcontext):
-            with around_push():
-                servers["version"] = int(version.split("-")[1])
-            time.sleep(0.002)  # the gap: the section has ended, the sync has not returned
+    class ServersSync:  # the WeightSync stand-in: a push sets the servers' version (inside the push section)
+        def sync(self, module, addresses, version, flush_cache=True):
+            servers["version"] = int(version.split("-")[1])
+            time.sleep(0.002)  # the gap where the old code left the section before publishing the version
             return 0.0
 
     cfg = SimpleNamespace(rollout=SimpleNamespace(partial=False))

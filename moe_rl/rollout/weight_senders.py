@@ -1,0 +1,250 @@
+"""How one learner rank sends its buckets of a weight sync, and the session calls rank 0 makes around them.
+
+Owns the per-rank senders of ``weights.WeightSync`` (every rank that owns tensors sends its own buckets, as
+``learner.hf_stream`` yields them; no rank holds more than a bucket or two):
+
+* ``TensorSender`` (``tensor``): each bucket copied once into one shared-memory buffer (torch's
+  ``file_system`` sharing: a ``/dev/shm`` file the server opens by name) and posted to
+  ``/update_weights_from_tensor`` on every server (same host only);
+* ``GroupSender`` (``distributed``): this rank's own weight-update group with the servers
+  (``weight_group.WeightGroup``: the rank is rank 0 of it, one group per pipeline stage's source);
+* ``DiskSender`` (``disk``): each bucket a safetensors file of the shared HF directory (``learner.hf_export``).
+
+Every bucket is labelled ``<version>.partial``; a sender records per server the buckets loaded and the first
+failure, and stops sending to a server that failed. Rank 0 opens the session (``/begin_weight_update``), ends
+it, then labels the servers that loaded everything with the version and flushes their cache (``publish``).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from moe_rl.rollout import weights
+
+__all__ = ["DictStream", "DiskSender", "GroupSender", "RankComm", "TensorSender", "begin", "end", "publish"]
+
+
+@contextlib.contextmanager
+def _file_system_sharing():
+    """torch shares CPU tensors by /dev/shm file name (openable by an unrelated process) inside."""
+    import torch.multiprocessing as mp
+
+    old = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("file_system")
+    try:
+        yield
+    finally:
+        mp.set_sharing_strategy(old)
+
+
+def serialize_bucket(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, torch.Tensor]:
+    """Base64 ForkingPickler payload of one bucket; returns it with the buffer that must outlive the request.
+
+    The bucket's tensors are copied into ONE shared-memory buffer (64-byte aligned views), so the
+    payload names a single /dev/shm file that the server opens once (torch caches the storage).
+    """
+    from multiprocessing.reduction import ForkingPickler
+
+    offsets, total = [], 0
+    for _, tensor in named:
+        offsets.append(total)
+        total += -(-tensor.numel() * tensor.element_size() // 64) * 64
+    buf = io.BytesIO()
+    with _file_system_sharing():  # allocate by file name directly: no second copy when pickling
+        flat = torch.empty(total, dtype=torch.uint8).share_memory_()
+        views = []
+        for (name, tensor), start in zip(named, offsets):
+            nbytes = tensor.numel() * tensor.element_size()
+            view = flat[start : start + nbytes].view(tensor.dtype).view(tensor.shape)
+            view.copy_(tensor.detach())
+            views.append((name, view))
+        ForkingPickler(buf, 4).dump(views)
+    return base64.b64encode(buf.getvalue()).decode(), flat
+
+
+# ----------------------------------------------------------------------------------- ranks
+class RankComm:
+    """The learner ranks' side of a sync: rank 0 broadcasts, gathers (``collective=False``: this process alone)."""
+
+    def __init__(self, collective: bool):
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.on = collective and dist.is_initialized() and dist.get_world_size() > 1
+        self.rank = dist.get_rank() if self.on else 0
+        self.rank0 = self.rank == 0
+
+    def bcast(self, obj):
+        if not self.on:
+            return obj
+        box = [obj]
+        self.dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather(self, obj) -> list | None:
+        """Every rank's ``obj`` in rank order on rank 0, None elsewhere."""
+        if not self.on:
+            return [obj]
+        out = [None] * self.dist.get_world_size() if self.rank0 else None
+        self.dist.gather_object(obj, out, dst=0)
+        return out
+
+    def barrier_if(self, needed: bool) -> None:
+        if self.on and needed:
+            self.dist.barrier()
+
+
+class DictStream:
+    """A ready HF state dict as ``HFStream``'s surface: this process sends it all, one stage."""
+
+    stage, stages, sender = 0, 1, True
+
+    def __init__(self, named: Mapping[str, torch.Tensor], bucket_bytes: int):
+        self.named, self.bucket_bytes = named, bucket_bytes
+
+    def buckets(self):
+        yield from weights.buckets(self.named, self.bucket_bytes)
+
+
+# ----------------------------------------------------------------------------------- senders
+class _Sender:
+    def __init__(self, addresses: Sequence[str], version: str, headers: dict, timeout_s: float):
+        self.addresses = [a.rstrip("/") for a in addresses]
+        self.label, self.headers, self.timeout_s = f"{version}.partial", headers, timeout_s
+        self.loaded = dict.fromkeys(self.addresses, 0)
+        self.errors: dict[str, str | None] = dict.fromkeys(self.addresses)
+        self.count = 0  # buckets this rank sent
+
+    def live(self) -> list[str]:
+        return [a for a in self.addresses if self.errors[a] is None]
+
+    def _fail(self, address: str, message: str, reached: bool) -> None:
+        """``reached``: the server may have loaded the bucket before failing (counts as loaded)."""
+        self.errors[address] = message
+        self.loaded[address] += int(reached)
+
+    def report(self) -> dict:
+        return {"loaded": self.loaded, "errors": self.errors}
+
+
+class TensorSender(_Sender):
+    def send(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
+        self.count += 1
+        live = self.live()
+        if not live:
+            return
+        payload, keep_alive = serialize_bucket(bucket)
+        body = {"serialized_named_tensors": [payload], "weight_version": self.label, "flush_cache": False}
+        for address in live:
+            try:
+                ok, message = weights._post(address, "update_weights_from_tensor", body, self.timeout_s, self.headers)
+            except weights.WeightSyncError as err:
+                self._fail(address, str(err), True)
+                continue
+            if ok:
+                self.loaded[address] += 1
+            else:
+                self._fail(address, f"{address} refused bucket {self.count} ({message})", True)
+        del keep_alive
+
+
+class GroupSender(_Sender):
+    """Sends over ``group`` (a ``WeightGroup`` of this rank, opened on the first bucket)."""
+
+    def __init__(self, group, *args):
+        super().__init__(*args)
+        self.group = group
+
+    def send(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
+        self.count += 1
+        live = self.live()
+        if not live:
+            return
+        if self.group.group is None:
+            try:
+                self.group.open()
+            except weights.WeightSyncError as err:
+                for address in live:
+                    self._fail(address, str(err), False)
+                return
+        refused = self.group.send(bucket, self.label)
+        for address in live:
+            if address in refused:
+                self._fail(address, f"{address} refused bucket {self.count} ({refused[address]})", True)
+            else:
+                self.loaded[address] += 1
+        if refused:  # a broadcast may be half-consumed: the group is closed, the sync stops for every server
+            self.group.close()
+            for address in self.live():
+                self._fail(address, f"the sync stopped at bucket {self.count}: {'; '.join(refused.values())}", False)
+
+
+class DiskSender:
+    """Writes this rank's buckets into the shared temporary HF directory ``tmp`` (rank 0 finishes it)."""
+
+    def __init__(self, tmp: str | Path, rank: int):
+        from moe_rl.learner.hf_export import ShardWriter
+
+        self.writer = ShardWriter(tmp, f"model-r{rank:05d}")
+
+    def send(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
+        self.writer.write(dict(bucket))
+
+    def report(self) -> dict:
+        return {"weight_map": self.writer.weight_map, "total_size": self.writer.total_size}
+
+
+# ----------------------------------------------------------------------------------- rank 0's session
+def _each(addresses: Sequence[str], endpoint: str, body: dict, headers: dict, timeout_s: float) -> dict[str, str]:
+    """POST to every server; ``{address: message}`` of those that refused (transport errors included)."""
+    refused = {}
+    for address in addresses:
+        try:
+            ok, message = weights._post(address, endpoint, body, timeout_s, headers)
+        except weights.WeightSyncError as err:
+            ok, message = False, str(err)
+        if not ok:
+            hint = " (a weight sync needs the servers' admin key: rollout.admin_api_key_env, or the run's own)"
+            refused[address] = f"{address}/{endpoint}: {message}" + (hint if message.startswith(("HTTP 401", "HTTP 403")) else "")
+    return refused
+
+
+def begin(addresses: Sequence[str], headers: dict, timeout_s: float) -> dict[str, str]:
+    """Open a weight-update session on every server (one left open by a learner that died is closed first)."""
+    refused = _each(addresses, "begin_weight_update", {}, headers, timeout_s)
+    stale = [a for a, m in refused.items() if "already open" in m]
+    if stale:
+        _each(stale, "end_weight_update", {}, headers, timeout_s)
+        refused = {a: m for a, m in refused.items() if a not in stale} | _each(stale, "begin_weight_update", {},
+                                                                               headers, timeout_s)  # fmt: skip
+    return refused
+
+
+def end(addresses: Sequence[str], headers: dict, timeout_s: float) -> dict[str, str]:
+    return _each(addresses, "end_weight_update", {}, headers, timeout_s)
+
+
+def publish(addresses: Sequence[str], version: str, flush_cache: bool, headers: dict, timeout_s: float) -> dict[str, str]:
+    """Label every server ``version`` (no request aborted) and, unless paused in place, flush its cache."""
+    refused = _each(addresses, "update_weight_version", {"new_version": str(version), "abort_all_requests": False},
+                    headers, timeout_s)  # fmt: skip
+    if flush_cache:
+        for address in [a for a in addresses if a not in refused]:
+            refused |= _flush(address, headers, timeout_s)
+    return refused
+
+
+def _flush(address: str, headers: dict, timeout_s: float) -> dict[str, str]:
+    import httpx
+
+    try:
+        resp = httpx.post(f"{address}/flush_cache", timeout=timeout_s, headers=headers)
+    except httpx.HTTPError as err:
+        return {address: f"{address}/flush_cache failed: {type(err).__name__}: {err}"}
+    return {} if resp.status_code == 200 else {address: f"{address}/flush_cache: HTTP {resp.status_code}: {resp.text[:300]}"}

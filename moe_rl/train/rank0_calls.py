@@ -1,0 +1,92 @@
+"""Collectives that rank 0 starts while the other learner ranks wait for it: the re-sync of a restarted server.
+
+Owns a small protocol between the learner ranks. Where the other ranks wait for rank 0 (its step's batch,
+the start of a weight push) they wait in ``follow()`` instead of a barrier; rank 0 ``call(name, arg)``s the
+collective it needs there (``handlers[name](arg)`` on every rank: today ``resync``, a weight sync of the
+servers from the live weights, collective since no rank keeps a host copy of the model) and ``release()``s
+them when its wait is over. With one rank ``call`` runs the handler directly.
+
+A call is made by rank 0's main thread (the one that also releases). A thread of rank 0 that is not the
+main one (the async producer) ``request()``s instead and blocks until the main thread has ``serve()``d it at
+its next wait (``AsyncProducer`` serves while the learner waits for a batch or for the batch in flight
+before a push): no collective ever runs on two threads at once.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+__all__ = ["Rank0Calls"]
+
+
+class Rank0Calls:
+    """``call`` / ``request`` / ``serve`` / ``release`` (rank 0), ``follow`` (the other ranks)."""
+
+    def __init__(self, handlers: dict[str, Callable[[object], None]]):
+        self.handlers = handlers
+        self.main = threading.main_thread()
+        self._requests: queue.Queue = queue.Queue()
+
+    @property
+    def on(self) -> bool:
+        return dist.is_initialized() and dist.get_world_size() > 1
+
+    def _bcast(self, obj):
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    # ------------------------------------------------------------------ rank 0
+    def call(self, name: str, arg=None) -> None:
+        """Run handler ``name`` on every rank now (rank 0's main thread; the others are in ``follow``), or
+        from another thread of rank 0 ``request`` it."""
+        if threading.current_thread() is not self.main:
+            return self.request(name, arg)
+        if self.on:
+            self._bcast((name, arg))
+        self.handlers[name](arg)
+
+    def request(self, name: str, arg=None) -> None:
+        """From a thread that is not the main one: wait until the main thread has run ``name`` everywhere."""
+        done: dict = {"event": threading.Event()}
+        self._requests.put((name, arg, done))
+        done["event"].wait()
+        if "error" in done:
+            raise done["error"]
+
+    @property
+    def pending(self) -> bool:
+        return not self._requests.empty()
+
+    def serve(self) -> None:
+        """Rank 0's main thread: run every requested call (each on every rank) and wake its requester."""
+        while True:
+            try:
+                name, arg, done = self._requests.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self.call(name, arg)
+            except BaseException as err:  # handed to the requesting thread
+                done["error"] = err
+                raise
+            finally:
+                done["event"].set()
+
+    def release(self) -> None:
+        """Rank 0: the other ranks leave ``follow``."""
+        if self.on:
+            self._bcast(None)
+
+    # ------------------------------------------------------------------ the other ranks
+    def follow(self) -> None:
+        """Run every collective rank 0 calls until it releases (a barrier that can do work)."""
+        if not self.on:
+            return
+        while (msg := self._bcast(None)) is not None:
+            name, arg = msg
+            self.handlers[name](arg)
