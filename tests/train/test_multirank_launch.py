@@ -8,8 +8,10 @@ rollouts with expert parallelism, ragged responses and several microbatches per 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,18 +24,48 @@ pytestmark = [pytest.mark.sglang, pytest.mark.distributed]
 REPO = Path(__file__).parents[2]
 
 
+def _server_pid(model_path: Path) -> int | None:
+    """The pid of the SGLang server launched for ``model_path`` (its ``sglang_entry`` process), if running."""
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if b"moe_rl.rollout.sglang_entry" in argv and str(model_path).encode() in argv:
+            return int(proc.name)
+    return None
+
+
 @one_gpu_per_rank(2)
 def test_two_rank_expert_parallel_async_run_starts_its_own_server_from_rank_0(tmp_path):
-    """Also the asynchronous mode on two ranks: rank 0's producer runs one step ahead (max_staleness=1)."""
+    """Also the asynchronous mode on two ranks: rank 0's producer runs one step ahead (max_staleness=1); and its
+    server, killed while the producer generates step 2's batch, is restarted and re-synced from the live weights
+    of both ranks (issue 35: a collective re-sync, no host copy; the producer thread asks, the main thread runs it)."""
     env = {**os.environ, "NPROC": "2", "MOE_RL_PYTHON": sys.executable}
     cmd = ["bash", str(REPO / "launch/local.sh"), str(REPO / "configs/tiny_cpu.yaml"), "parallel.ep=2", "train.steps=3",
            "train.rollout_mode=async", "train.max_staleness=1",
-           "train.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=12",
+           "train.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=48",
            "train.micro_batch_size=2", "logging.tensorboard=false", "logging.progress=false",
-           "rollout.startup_timeout_s=600",
+           "rollout.startup_timeout_s=600", "rollout.max_server_restarts=1",
            f"train.output_dir={tmp_path}"]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"NPROC=2 launch/local.sh ... parallel.ep=2 failed:\n{proc.stderr[-4000:]}"
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    killed = None
+    try:
+        deadline = time.monotonic() + 600
+        while killed is None and proc.poll() is None and time.monotonic() < deadline:
+            # version 1 is pushed (step 1's line follows it) and step 2's batch not yet written: it is generating
+            if (tmp_path / "metrics.jsonl").is_file() and read_metrics(tmp_path / "metrics.jsonl") \
+                    and not (tmp_path / "rollouts" / "step_000002.safetensors").exists():  # fmt: skip
+                killed = _server_pid(tmp_path / "hf" / "current")
+                os.kill(killed, signal.SIGKILL)
+            time.sleep(0.02)
+        _, stderr = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, f"NPROC=2 launch/local.sh ... parallel.ep=2 failed:\n{stderr[-4000:]}"
+    assert killed is not None, "the server was not killed while step 2's batch was being made"
+    assert "restart 1/1" in stderr and "re-syncing" in stderr, stderr[-3000:]
     metrics = read_metrics(tmp_path / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert [m["async/staleness_mean"] for m in metrics] == [0.0, 1.0, 1.0]
