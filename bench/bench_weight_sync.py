@@ -12,6 +12,11 @@ the per-pair ratios disk/tensor. Last line: `weight_sync_speedup_<model>=...` pe
 
   python bench/bench_weight_sync.py [--pairs 5] [--models tiny,100m] [--bucket-mb 256]
                                     [--modes disk,tensor[,distributed]]
+
+``--learner-ranks 1,2 --modes streamed-tensor,gathered-tensor,...`` times the trainer's own sync instead (issue 35):
+the 300m expert-heavy model loaded by 1 and 2 learner ranks (ep = ranks, torchrun, ``weight_sync_ranks.py``),
+``WeightSync.sync`` streaming from the owners vs the previous release's whole-model gather into rank 0, with every
+rank's peak resident-set increase during a sync (sampled from /proc every millisecond).
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ MODELS = {
     # Qwen3-MoE-shaped: GQA attention with qk-norm, 16 experts top-2 in every layer; ~103M parameters
     "100m": ModelConfig(num_layers=8, hidden_size=512, num_attention_heads=8, num_query_groups=4, kv_channels=64,
                         vocab_size=32768, num_moe_experts=16, moe_router_topk=2, moe_ffn_hidden_size=320),
+    # expert-heavy (issue 35): 6 layers, hidden 256, 64 experts of 1024; ~306M parameters, 302M of them experts
+    "300m": ModelConfig(num_layers=6, hidden_size=256, num_moe_experts=64, moe_router_topk=2, moe_ffn_hidden_size=1024,
+                        vocab_size=8192),
 }  # fmt: skip
 
 
@@ -79,6 +87,43 @@ def bench_model(name: str, cfg: ModelConfig, pairs: int, bucket_mb: int, tmp: Pa
     return statistics.median(ratios)
 
 
+def bench_learner_ranks(ranks: list[int], modes: list[str], repeats: int, bucket_mb: int, tmp: Path) -> dict:
+    """The trainer's sync from 1..N learner ranks (``weight_sync_ranks.py`` under torchrun, ep = N) to one server:
+    seconds and every rank's peak resident-set increase per mode (streamed vs the previous release's gather)."""
+    import json
+    import subprocess
+    import sys
+
+    from moe_rl.learner.dist import free_port
+
+    cfg = MODELS["300m"]
+    dir_a = write_random_hf_checkpoint(cfg, tmp / "300m_a", seed=0)
+    dir_b = write_random_hf_checkpoint(cfg, tmp / "300m_b", seed=1)
+    params = sum(t.numel() for t in read_hf_state_dict(dir_b).values())
+    spec = ServerSpec(str(dir_a), dtype="float32", deterministic=False, mem_fraction_static=0.3, startup_timeout_s=900)
+    worker = Path(__file__).with_name("weight_sync_ranks.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(1 << 20),  # big frees go back at once
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
+    out: dict = {}
+    with SGLangServer(spec, tmp / "300m_server.log") as server:
+        print(f"[300m] {params / 1e6:.1f}M parameters, {params * 4 / 2**20:.0f} MiB fp32, bucket {bucket_mb} MiB")
+        for n in ranks:
+            result = tmp / f"ranks_{n}.json"
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", f"--master_port={free_port()}",
+                   str(worker), server.url, str(dir_a), str(dir_b), str(result), ",".join(modes), str(repeats),
+                   str(bucket_mb)]  # fmt: skip
+            subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+            for row in json.loads(result.read_text()):
+                out.setdefault((n, row["mode"]), []).append(row)
+            for mode in modes:
+                rows = out[(n, mode)]
+                secs = statistics.median(r["seconds"] for r in rows if r["rank"] == 0)
+                peaks = {r["rank"]: max(x["rss_increase"] for x in rows if x["rank"] == r["rank"]) for r in rows}
+                print(f"[300m] {n} rank(s) {mode:22s} median {secs:6.2f} s; peak RSS increase per rank: "
+                      + ", ".join(f"rank {k} {v / 2**20:.0f} MiB" for k, v in sorted(peaks.items())))
+    return out
+
+
 def main() -> None:
     # The trainer side uses one thread: on this 2-core host the server needs the other, and torch's
     # OpenMP copies/reductions slow down by 10-100x when the machine is oversubscribed.
@@ -88,7 +133,17 @@ def main() -> None:
     ap.add_argument("--models", default="tiny,100m")
     ap.add_argument("--bucket-mb", type=int, default=256)
     ap.add_argument("--modes", default="disk,tensor", help="add ',distributed' for the gloo group")
+    ap.add_argument("--learner-ranks", default="", help="e.g. 1,2: the trainer's sync from that many learner ranks "
+                    "(300m model; --modes are then streamed-<t>/gathered-<t>)")
+    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
+    if args.learner_ranks:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = bench_learner_ranks([int(n) for n in args.learner_ranks.split(",")], args.modes.split(","),
+                                      args.repeats, args.bucket_mb, Path(tmp))  # fmt: skip
+        for (n, mode), rows in out.items():
+            print(f"weight_sync_peak_rss_mib_{mode}_{n}ranks={max(r['rss_increase'] for r in rows) / 2**20:.0f}")
+        return
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):

@@ -284,23 +284,15 @@ class WeightSync:
         return None
 
     def _stream(self, stream, comm, header: dict, flush_cache: bool) -> None:
-        """Attempts (collective) until one succeeds; a failed one again at most ``max_foreign_syncs`` times in a
-        row, then ForeignWeightsStop; every rank gets the same outcome."""
-        version = header["version"]
-        for attempt in range(1 + (self.max_foreign_syncs or 0)):
-            outcome = self._attempt(stream, comm, header, flush_cache)
-            if outcome is None:
-                return
-            foreign, message = outcome
-            if self.max_foreign_syncs is None:
-                err = WeightSyncError(message)
-                err.foreign_label = foreign
+        """Attempts (collective) until one succeeds, through ``_again``; every rank gets the same outcome."""
+
+        def attempt():
+            if (outcome := self._attempt(stream, comm, header, flush_cache)) is not None:
+                err = WeightSyncError(outcome[1])
+                err.foreign_label = outcome[0]
                 raise err
-            what = "foreign weights: " if foreign else ""
-            if attempt == self.max_foreign_syncs:
-                raise ForeignWeightsStop(f"{what}the push of {version!r} failed {attempt + 1} time(s) in a row "
-                                         f"(rollout.max_foreign_syncs={self.max_foreign_syncs}): {message}") from None  # fmt: skip
-            logger.warning("%s%s; pushing %r again (%d/%d)", what, message, version, attempt + 1, self.max_foreign_syncs)
+
+        self._again(header["version"], attempt)
 
     def _attempt(self, stream, comm, header: dict, flush_cache: bool) -> tuple[bool, str] | None:
         """One push over ``header['mode']``'s transport (collective): None, or ``(foreign, message)``."""

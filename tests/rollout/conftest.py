@@ -1,6 +1,7 @@
 """Session fixtures for the rollout tests: one tiny Qwen3-MoE checkpoint and one real SGLang CPU server.
 
-The model has a dense first layer (first_k_dense_layers=1) so route decoding must drop it. The server
+The model has a dense first layer (first_k_dense_layers=1) so route decoding must drop it, and 4 layers so
+that it splits into 2 pipeline stages. The server
 runs in fp32 with deterministic inference; tests that need another server (bf16, killed mid-batch)
 start their own in tests/rollout/test_bf16_server.py.
 """
@@ -16,8 +17,9 @@ from moe_rl.rollout.launcher import ServerSpec, SGLangServer
 
 @pytest.fixture(scope="session")
 def rollout_model_cfg() -> ModelConfig:
-    """3 layers, the first dense: route decoding must drop its all-zero rows."""
-    return ModelConfig(num_layers=3, first_k_dense_layers=1, vocab_size=512)
+    """4 layers, the first dense: route decoding must drop its all-zero rows; a MoE layer on each of 2 pipeline
+    stages (the 2-rank sync test loads it at pp=2)."""
+    return ModelConfig(num_layers=4, first_k_dense_layers=1, vocab_size=512)
 
 
 @pytest.fixture(scope="session")

@@ -68,7 +68,7 @@ def test_batch_is_whole_and_in_request_order(batch, prompts):
         assert s.weight_version and s.finish_reason in ("length", "stop")
 
 
-def test_server_sends_no_route_row_for_last_token_and_zeros_for_dense_layer(sglang_server, prompts):
+def test_server_sends_no_route_row_for_last_token_and_zeros_for_dense_layer(sglang_server, prompts, rollout_model_cfg):
     """The raw wire format the decoder relies on: [P + R - 1, num_hidden_layers, K], dense = 0."""
     body = client_for([sglang_server.url], None).request_body(prompts[0], seed=5)
     body["return_routed_experts"] = True
@@ -76,8 +76,9 @@ def test_server_sends_no_route_row_for_last_token_and_zeros_for_dense_layer(sgla
     wire_dtype = reply["meta_info"].get("routed_experts_dtype", "int32")  # patched server: uint8
     raw = np.frombuffer(base64.b64decode(reply["meta_info"]["routed_experts"]), dtype=wire_dtype)
     rows = len(prompts[0]) + len(reply["output_ids"]) - 1
-    assert raw.size == rows * 3 * 2, f"{raw.size} {wire_dtype} values; expected {rows} rows x 3 layers x top-2"
-    raw = raw.reshape(rows, 3, 2)
+    layers = rollout_model_cfg.num_layers
+    assert raw.size == rows * layers * 2, f"{raw.size} {wire_dtype} values; expected {rows} rows x {layers} layers x top-2"
+    raw = raw.reshape(rows, layers, 2)
     assert (raw[:, 0] == 0).all(), "the dense layer 0 should carry all-zero routes"
     assert (raw[:, 1:, 0] != raw[:, 1:, 1]).all(), "MoE layers must route to two distinct experts"
 

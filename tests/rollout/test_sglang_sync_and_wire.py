@@ -72,15 +72,16 @@ def tensor_sync(rollout_model_cfg, model_dir):
     return WeightSync("tensor", rollout_model_cfg, bucket_bytes=64 << 10, reference=reference_from_hf_dir(model_dir))
 
 
-def test_patched_server_sends_compact_routes_and_kept_sets(sglang_server, route_spec):
+def test_patched_server_sends_compact_routes_and_kept_sets(sglang_server, route_spec, rollout_model_cfg):
     body = RolloutClient([sglang_server.url], route_spec, VOCAB, SAMPLING).request_body(PROMPTS[0], seed=5)
     meta = httpx.post(f"{sglang_server.url}/generate", json=body, timeout=120).json()["meta_info"]
     assert meta["routed_experts_dtype"] == "uint8", "8 experts fit one byte per id"
     raw = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.uint8)
     response_len = meta["completion_tokens"]
     rows = len(PROMPTS[0]) + response_len - 1
-    assert raw.size == rows * 3 * 2, f"{raw.size} bytes; expected {rows} rows x 3 layers x top-2, 1 byte each"
-    assert (raw.reshape(rows, 3, 2)[:, 0] == 0).all(), "the dense layer 0 should carry all-zero routes"
+    layers = rollout_model_cfg.num_layers
+    assert raw.size == rows * layers * 2, f"{raw.size} bytes; expected {rows} rows x {layers} layers x top-2, 1 byte each"
+    assert (raw.reshape(rows, layers, 2)[:, 0] == 0).all(), "the dense layer 0 should carry all-zero routes"
     assert "output_token_sampling_mask" not in meta, "kept sets should travel compactly, not as JSON lists"
     assert meta["output_token_sampling_mask_dtype"] == "uint16"
     lengths = meta["output_token_sampling_mask_lengths"]

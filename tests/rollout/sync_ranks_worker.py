@@ -1,0 +1,109 @@
+"""2-rank worker (torchrun, gloo): the streaming HF export and weight sync at ep=2 and at pp=2, to a real server.
+
+``sync_ranks_worker.py URL V1_DIR V2_DIR ROOT``: for each layout the learner is loaded from the V2 checkpoint and
+
+* ``export_hf_checkpoint`` writes ``ROOT/<layout>`` (experts written by their owners, each stage its layers);
+* the stream the distributed sync uses (experts gathered to one source per stage) is drained, stages taking
+  turns, and every sender's buckets gathered to rank 0 into ``ROOT/<layout>_stream.safetensors``;
+* ``WeightSync.sync`` pushes the live weights to the server over each transport (tensor, distributed, disk),
+  then rank 0 generates and saves the tokens, log-probs and routes to ``ROOT/<layout>-<mode>.npz``
+  (the server is put back on V1 between transports, so each sync is a real change).
+
+``ROOT/report.json``: which ranks sent, the largest bucket of several tensors. The test compares everything.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from moe_rl.config import ExperimentConfig  # noqa: E402
+from moe_rl.learner.dist import destroy_distributed, init_distributed  # noqa: E402
+from moe_rl.learner.hf_export import export_hf_checkpoint  # noqa: E402
+from moe_rl.learner.hf_stream import HFStream  # noqa: E402
+from moe_rl.learner.train_step import Learner  # noqa: E402
+from moe_rl.records import RouteSpec  # noqa: E402
+from moe_rl.rollout.client import RolloutClient, SamplingSettings  # noqa: E402
+from moe_rl.rollout.weights import WeightSync, reference_from_hf_dir, update_weights_from_disk  # noqa: E402
+
+MODEL = dict(num_layers=4, first_k_dense_layers=1, vocab_size=512)  # pp=2: a MoE layer on each stage
+BUCKET = 64 << 10  # small: many buckets, experts of both ep ranks in one bucket
+SAMPLING = SamplingSettings(temperature=0.8, top_p=0.9, top_k=16, max_new_tokens=8)
+PROMPTS = [[5, 17, 99, 250, 7, 31], [400, 12, 3, 88, 91, 64, 23, 9]]
+
+
+def config(hf_dir: str, **parallel) -> ExperimentConfig:
+    return ExperimentConfig(model=MODEL, parallel=parallel, checkpoint={"init_from_hf": hf_dir}, train={"steps": 1})
+
+
+def generate(url: str, cfg) -> dict:
+    client = RolloutClient([url], RouteSpec.from_model_config(cfg.model), 512, SAMPLING, max_concurrency=1)
+    samples = client.generate(PROMPTS, n=1, step=3)
+    out = {"versions": np.array([s.weight_version for s in samples])}
+    for i, s in enumerate(samples):
+        out |= {f"ids{i}": s.response_ids, f"logp{i}": s.rollout_logp, f"routes{i}": s.routes}
+    return out
+
+
+def stream_to_rank0(learner, cfg, root: Path, layout: str) -> dict:
+    stream = HFStream(learner.model, cfg.model, BUCKET, gather_experts=True)
+    sent, sizes, plan = {}, [], stream.plan()
+    for stage in range(stream.stages):  # stages take turns, as the distributed sync does
+        if stage == stream.stage:
+            for bucket in stream.buckets():
+                sizes.append(sum(t.numel() * t.element_size() for _, t in bucket) if len(bucket) > 1 else 0)
+                sent.update({n: t.clone() for n, t in bucket})
+        dist.barrier()
+    assert set(sent) == set(plan) and all(tuple(sent[n].shape) == plan[n][0] for n in sent), "plan() != buckets()"
+    every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object((sent, max(sizes, default=0), stream.sender), every, dst=0)
+    if every is None:
+        return {}
+    merged = {}
+    for part, _, _ in every:
+        assert not set(part) & set(merged), "a tensor was sent twice"
+        merged.update(part)
+    from safetensors.torch import save_file
+
+    save_file(merged, root / f"{layout}_stream.safetensors")
+    return {"senders": [s for _, _, s in every], "max_multi_bucket": max(m for _, m, _ in every)}
+
+
+def run(layout: str, url: str, v1: str, v2: str, root: Path, **parallel) -> dict:
+    cfg = config(v2, **parallel)
+    init_distributed(cfg.parallel)
+    learner = Learner(cfg)
+    rank0 = dist.get_rank() == 0
+    export_hf_checkpoint(learner.model, cfg.model, root / layout, bucket_bytes=BUCKET)
+    report = stream_to_rank0(learner, cfg, root, layout)
+    for mode in ("tensor", "distributed", "disk"):
+        ws = WeightSync(mode, cfg.model, export_dir=root / f"{layout}-{mode}-export", template_dir=v2,
+                        bucket_bytes=BUCKET, reference=reference_from_hf_dir(v1) if rank0 else None, timeout_s=120,
+                        group_options={"backend": "gloo"})  # fmt: skip
+        ws.sync(learner.module, [url] if rank0 else [], f"{layout}-{mode}")
+        ws.close()
+        if rank0:
+            np.savez(root / f"{layout}-{mode}.npz", **generate(url, cfg))
+            update_weights_from_disk([url], v1, "v1")
+        dist.barrier()
+    return report
+
+
+def main() -> None:
+    url, v1, v2, root = sys.argv[1], sys.argv[2], sys.argv[3], Path(sys.argv[4])
+    reports = {"ep2": run("ep2", url, v1, v2, root, ep=2), "pp2": run("pp2", url, v1, v2, root, pp=2)}
+    if dist.get_rank() == 0:
+        (root / "report.json").write_text(json.dumps(reports))
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    main()
