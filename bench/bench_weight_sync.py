@@ -87,7 +87,7 @@ def bench_model(name: str, cfg: ModelConfig, pairs: int, bucket_mb: int, tmp: Pa
     return statistics.median(ratios)
 
 
-def bench_learner_ranks(ranks: list[int], modes: list[str], repeats: int, bucket_mb: int, tmp: Path) -> dict:
+def bench_learner_ranks(name: str, ranks: list[int], modes: list[str], repeats: int, bucket_mb: int, tmp: Path) -> dict:
     """The trainer's sync from 1..N learner ranks (``weight_sync_ranks.py`` under torchrun, ep = N) to one server:
     seconds and every rank's peak resident-set increase per mode (streamed vs the previous release's gather)."""
     import json
@@ -96,22 +96,22 @@ def bench_learner_ranks(ranks: list[int], modes: list[str], repeats: int, bucket
 
     from moe_rl.learner.dist import free_port
 
-    cfg = MODELS["300m"]
-    dir_a = write_random_hf_checkpoint(cfg, tmp / "300m_a", seed=0)
-    dir_b = write_random_hf_checkpoint(cfg, tmp / "300m_b", seed=1)
+    cfg = MODELS[name]
+    dir_a = write_random_hf_checkpoint(cfg, tmp / f"{name}_a", seed=0)
+    dir_b = write_random_hf_checkpoint(cfg, tmp / f"{name}_b", seed=1)
     params = sum(t.numel() for t in read_hf_state_dict(dir_b).values())
     spec = ServerSpec(str(dir_a), dtype="float32", deterministic=False, mem_fraction_static=0.3, startup_timeout_s=900)
     worker = Path(__file__).with_name("weight_sync_ranks.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(1 << 20),  # big frees go back at once
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
     out: dict = {}
-    with SGLangServer(spec, tmp / "300m_server.log") as server:
-        print(f"[300m] {params / 1e6:.1f}M parameters, {params * 4 / 2**20:.0f} MiB fp32, bucket {bucket_mb} MiB")
+    with SGLangServer(spec, tmp / f"{name}_server.log") as server:
+        print(f"[{name}] {params / 1e6:.1f}M parameters, {params * 4 / 2**20:.0f} MiB fp32, bucket {bucket_mb} MiB")
         for n in ranks:
             result = tmp / f"ranks_{n}.json"
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", f"--master_port={free_port()}",
                    str(worker), server.url, str(dir_a), str(dir_b), str(result), ",".join(modes), str(repeats),
-                   str(bucket_mb)]  # fmt: skip
+                   str(bucket_mb), name]  # fmt: skip
             subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
             for row in json.loads(result.read_text()):
                 out.setdefault((n, row["mode"]), []).append(row)
@@ -119,7 +119,7 @@ def bench_learner_ranks(ranks: list[int], modes: list[str], repeats: int, bucket
                 rows = out[(n, mode)]
                 secs = statistics.median(r["seconds"] for r in rows if r["rank"] == 0)
                 peaks = {r["rank"]: max(x["rss_increase"] for x in rows if x["rank"] == r["rank"]) for r in rows}
-                print(f"[300m] {n} rank(s) {mode:22s} median {secs:6.2f} s; peak RSS increase per rank: "
+                print(f"[{name}] {n} rank(s) {mode:22s} median {secs:6.2f} s; peak RSS increase per rank: "
                       + ", ".join(f"rank {k} {v / 2**20:.0f} MiB" for k, v in sorted(peaks.items())))
     return out
 
@@ -130,7 +130,7 @@ def main() -> None:
     torch.set_num_threads(1)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", type=int, default=5)
-    ap.add_argument("--models", default="tiny,100m")
+    ap.add_argument("--models", default=None, help="default tiny,100m; with --learner-ranks one model, default 300m")
     ap.add_argument("--bucket-mb", type=int, default=256)
     ap.add_argument("--modes", default="disk,tensor", help="add ',distributed' for the gloo group")
     ap.add_argument("--learner-ranks", default="", help="e.g. 1,2: the trainer's sync from that many learner ranks "
@@ -139,14 +139,16 @@ def main() -> None:
     args = ap.parse_args()
     if args.learner_ranks:
         with tempfile.TemporaryDirectory() as tmp:
-            out = bench_learner_ranks([int(n) for n in args.learner_ranks.split(",")], args.modes.split(","),
+            name = args.models or "300m"
+            out = bench_learner_ranks(name, [int(n) for n in args.learner_ranks.split(",")], args.modes.split(","),
                                       args.repeats, args.bucket_mb, Path(tmp))  # fmt: skip
         for (n, mode), rows in out.items():
-            print(f"weight_sync_peak_rss_mib_{mode}_{n}ranks={max(r['rss_increase'] for r in rows) / 2**20:.0f}")
+            print(f"weight_sync_{name}_{mode}_{n}ranks: median {statistics.median(r['seconds'] for r in rows):.2f} s, "
+                  f"peak_rss_mib={max(r['rss_increase'] for r in rows) / 2**20:.0f}")
         return
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.models.split(","):
+        for name in (args.models or "tiny,100m").split(","):
             modes = args.modes.split(",")
             results[name] = bench_model(name, MODELS[name], args.pairs, args.bucket_mb, Path(tmp), modes)
     for name, speedup in results.items():

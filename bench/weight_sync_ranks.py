@@ -1,7 +1,7 @@
 """Worker of ``bench/bench_weight_sync.py --learner-ranks``: one learner rank's syncs, timed, with its memory sampled.
 
-``torchrun --nproc_per_node=N bench/weight_sync_ranks.py URL V1 V2 OUT MODES REPEATS BUCKET_MB``. Every rank loads
-the expert-heavy model from V2 (ep = N), then for each mode (``streamed-<transport>``: ``WeightSync.sync``, the
+``torchrun --nproc_per_node=N bench/weight_sync_ranks.py URL V1 V2 OUT MODES REPEATS BUCKET_MB MODEL``. Every rank
+loads the model from V2 (ep = N), then for each mode (``streamed-<transport>``: ``WeightSync.sync``, the
 trainer's path; ``gathered-<transport>``: the previous release's path, every tensor gathered into rank 0's memory
 by ``export_hf_state_dict`` and pushed from there) runs REPEATS syncs to the server at URL. A thread samples this
 process's resident set (``/proc/self/statm``) every millisecond; each sync reports its seconds and the peak
@@ -61,13 +61,13 @@ class Peak:
 
 def main() -> None:
     url, v1, v2, out = sys.argv[1], sys.argv[2], sys.argv[3], Path(sys.argv[4])
-    modes, repeats, bucket_mb = sys.argv[5].split(","), int(sys.argv[6]), int(sys.argv[7])
+    modes, repeats, bucket_mb, name = sys.argv[5].split(","), int(sys.argv[6]), int(sys.argv[7]), sys.argv[8]
     sys.path.insert(0, str(Path(__file__).parent))
     from bench_weight_sync import MODELS
 
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg = ExperimentConfig(model=MODELS["300m"].model_dump(), parallel={"ep": world},
+    cfg = ExperimentConfig(model=MODELS[name].model_dump(), parallel={"ep": world},
                            checkpoint={"init_from_hf": v2}, train={"steps": 1})  # fmt: skip
     init_distributed(cfg.parallel)
     learner = Learner(cfg)

@@ -214,6 +214,8 @@ class AsyncProducer:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
+        if self.calls is not None:  # a re-sync the producer waits for will not run any more
+            self.calls.cancel("the trainer is closing; the re-sync was not run")
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=30)  # a batch in flight ends with its requests (daemon thread otherwise)
 

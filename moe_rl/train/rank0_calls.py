@@ -77,6 +77,16 @@ class Rank0Calls:
             finally:
                 done["event"].set()
 
+    def cancel(self, why: str) -> None:
+        """Fail every request not yet served (the main thread is leaving: nobody will run them)."""
+        while True:
+            try:
+                _, _, done = self._requests.get_nowait()
+            except queue.Empty:
+                return
+            done["error"] = RuntimeError(why)
+            done["event"].set()
+
     def release(self) -> None:
         """Rank 0: the other ranks leave ``follow``."""
         if self.on:
