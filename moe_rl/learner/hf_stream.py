@@ -119,7 +119,10 @@ class HFStream:
     def nonfinite(self) -> str | None:
         """The global name of this rank's first tensor holding NaN/Inf (checked on its device), else None."""
         for local, t in self.tensors.items():
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            if not t.is_floating_point():
+                continue
+            # one pass with no temporary: a NaN/Inf makes the sum non-finite (so can an overflow: then the exact check)
+            if not bool(torch.isfinite(t.detach().sum())) and not bool(torch.isfinite(t).all()):
                 return self.slices[local].global_name
         return None
 

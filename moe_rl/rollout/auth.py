@@ -13,14 +13,23 @@ a config, a log or the run directory. Servers given by ``rollout.addresses`` kee
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
+import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 # The variable that hands a run's generated admin key to the servers it launches (and, under SLURM, to
 # the learner): it holds the key only in those processes' environments, never in a file.
 RUN_ADMIN_KEY_ENV = "MOE_RL_RUN_ADMIN_KEY"
+
+
+@functools.cache
+def tls() -> ssl.SSLContext:
+    """The TLS context of the one-off calls to the servers (``httpx.post(..., verify=tls())``): httpx builds a fresh
+    one per call otherwise, loading the CA store each time (~40 ms a call, measured: half a second of a sync)."""
+    return ssl.create_default_context()
 
 
 class ServerKeyError(RuntimeError):

@@ -31,7 +31,7 @@ import numpy as np
 
 from moe_rl.records import RolloutSample
 from moe_rl.records.versions import parse_version_label
-from moe_rl.rollout.auth import ServerKeys
+from moe_rl.rollout.auth import ServerKeys, tls
 
 PAUSE_MODES = ("retract", "abort", "in_place")
 EXACT_PAUSE_MODES = ("retract", "abort")  # re-prefill under the new weights: every token has one version
@@ -69,7 +69,7 @@ class PauseWindow:
 def _admin_post(address: str, path: str, body: dict, keys: ServerKeys | None, timeout_s: float) -> None:
     headers = keys.headers(admin=True) if keys else {}
     try:
-        resp = httpx.post(f"{address}/{path}", json=body, headers=headers, timeout=timeout_s)
+        resp = httpx.post(f"{address}/{path}", json=body, headers=headers, timeout=timeout_s, verify=tls())
     except httpx.HTTPError as err:
         raise PartialRolloutError(f"{address}/{path} failed: {type(err).__name__}: {err}") from err
     if resp.status_code >= 400:

@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from moe_rl.rollout.auth import ServerKeys
+from moe_rl.rollout.auth import ServerKeys, tls
 from moe_rl.rollout.integrity import ForeignWeightsError, ForeignWeightsStop, parse_version_label
 
 __all__ = [
@@ -78,7 +78,7 @@ def served_entries(address: str, keys: ServerKeys | None, timeout_s: float = 60.
     why = None
     try:
         resp = httpx.post(f"{address}/weights_checker", json={"action": "fingerprint"}, timeout=timeout_s,
-                          headers=keys.headers(admin=True) if keys else {})  # fmt: skip
+                          headers=keys.headers(admin=True) if keys else {}, verify=tls())  # fmt: skip
         ranks = resp.json().get("ranks") if resp.status_code == 200 else None
         if not ranks or not all(isinstance(r.get("checksums"), dict) for r in ranks):
             why = f"HTTP {resp.status_code}: {resp.text[:200]}"

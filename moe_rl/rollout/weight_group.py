@@ -28,7 +28,7 @@ from datetime import timedelta
 import httpx
 import torch
 
-from moe_rl.rollout.auth import ServerKeys
+from moe_rl.rollout.auth import ServerKeys, tls
 from moe_rl.rollout import weights
 from moe_rl.rollout.weights import WeightSyncError, is_local_address
 
@@ -218,7 +218,7 @@ class WeightGroup:
     def _tp_size(self, address: str) -> int:
         """Server ranks that join the group (``tp_size`` in ``/server_info``; one per tensor-parallel rank)."""
         try:
-            resp = httpx.get(f"{address}/server_info", timeout=60, headers=self.headers)  # admin (patch 0009)
+            resp = httpx.get(f"{address}/server_info", timeout=60, headers=self.headers, verify=tls())  # admin (patch 0009)
             resp.raise_for_status()
             return int(resp.json().get("tp_size") or 1)
         except (httpx.HTTPError, ValueError) as err:

@@ -243,8 +243,10 @@ def publish(addresses: Sequence[str], version: str, flush_cache: bool, headers: 
 def _flush(address: str, headers: dict, timeout_s: float) -> dict[str, str]:
     import httpx
 
+    from moe_rl.rollout.auth import tls
+
     try:
-        resp = httpx.post(f"{address}/flush_cache", timeout=timeout_s, headers=headers)
+        resp = httpx.post(f"{address}/flush_cache", timeout=timeout_s, headers=headers, verify=tls())
     except httpx.HTTPError as err:
         return {address: f"{address}/flush_cache failed: {type(err).__name__}: {err}"}
     return {} if resp.status_code == 200 else {address: f"{address}/flush_cache: HTTP {resp.status_code}: {resp.text[:300]}"}

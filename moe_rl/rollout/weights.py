@@ -45,7 +45,7 @@ import torch
 
 WEIGHT_SYNC_MODES = ("tensor", "disk", "distributed")
 
-from moe_rl.rollout.auth import ServerKeys
+from moe_rl.rollout.auth import ServerKeys, tls
 from moe_rl.rollout.integrity import ForeignWeightsStop
 from moe_rl.rollout.served_weights import PushedWeights, fingerprint_tensors
 from moe_rl.rollout.weight_checks import (  # noqa: F401 (re-exported: the sync's public names)
@@ -63,7 +63,7 @@ logger = logging.getLogger(__name__)
 def server_weight_version(address: str, timeout_s: float = 30.0, keys: ServerKeys | None = None) -> str:
     """The `weight_version` a server reports in `/model_info`."""
     headers = keys.headers() if keys else {}
-    resp = httpx.get(f"{address.rstrip('/')}/model_info", timeout=timeout_s, headers=headers)
+    resp = httpx.get(f"{address.rstrip('/')}/model_info", timeout=timeout_s, headers=headers, verify=tls())
     resp.raise_for_status()
     info = resp.json()
     if "weight_version" not in info:
@@ -77,7 +77,7 @@ def _post(address: str, endpoint: str, body: dict, timeout_s: float, headers: di
     ``headers``: the admin (or API) key when the servers have one (``ServerKeys.headers(admin=True)``).
     """
     try:
-        resp = httpx.post(f"{address}/{endpoint}", json=body, timeout=timeout_s, headers=headers or {})
+        resp = httpx.post(f"{address}/{endpoint}", json=body, timeout=timeout_s, headers=headers or {}, verify=tls())
     except httpx.HTTPError as err:
         raise WeightSyncError(f"{address}/{endpoint} failed: {type(err).__name__}: {err}") from err
     reply = resp.json() if resp.headers.get("content-type", "").startswith("application/json") else {}

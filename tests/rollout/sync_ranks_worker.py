@@ -9,7 +9,9 @@
   then rank 0 generates and saves the tokens, log-probs and routes to ``ROOT/<layout>-<mode>.npz``
   (the server is put back on V1 between transports, so each sync is a real change).
 
-``ROOT/report.json``: which ranks sent, the largest bucket of several tensors. The test compares everything.
+Last, a NaN on rank 1 only: the sync must send nothing and raise the same error on both ranks.
+``ROOT/report.json``: which ranks sent, the largest bucket of several tensors, the NaN sync's errors and the
+version the server reports after it. The test compares everything.
 """
 
 from __future__ import annotations
@@ -31,7 +33,13 @@ from moe_rl.learner.hf_stream import HFStream  # noqa: E402
 from moe_rl.learner.train_step import Learner  # noqa: E402
 from moe_rl.records import RouteSpec  # noqa: E402
 from moe_rl.rollout.client import RolloutClient, SamplingSettings  # noqa: E402
-from moe_rl.rollout.weights import WeightSync, reference_from_hf_dir, update_weights_from_disk  # noqa: E402
+from moe_rl.rollout.weights import (  # noqa: E402
+    WeightSync,
+    WeightSyncError,
+    reference_from_hf_dir,
+    server_weight_version,
+    update_weights_from_disk,
+)
 
 MODEL = dict(num_layers=4, first_k_dense_layers=1, vocab_size=512)  # pp=2: a MoE layer on each stage
 BUCKET = 64 << 10  # small: many buckets, experts of both ep ranks in one bucket
@@ -93,6 +101,20 @@ def run(layout: str, url: str, v1: str, v2: str, root: Path, **parallel) -> dict
             np.savez(root / f"{layout}-{mode}.npz", **generate(url, cfg))
             update_weights_from_disk([url], v1, "v1")
         dist.barrier()
+    if layout == "pp2":  # last: a NaN on rank 1 only (stage 1's layers): nothing is sent, every rank raises
+        if dist.get_rank() == 1:
+            with torch.no_grad():
+                next(p for n, p in learner.module.named_parameters() if "experts" in n).view(-1)[0] = float("nan")
+        ws = WeightSync("tensor", cfg.model, bucket_bytes=BUCKET, reference=reference_from_hf_dir(v1) if rank0 else None)
+        try:
+            ws.sync(learner.module, [url] if rank0 else [], "nan")
+            error = None
+        except WeightSyncError as err:
+            error = str(err)
+        errors = [None] * dist.get_world_size() if rank0 else None
+        dist.gather_object(error, errors, dst=0)
+        if rank0:
+            report["nan_errors"], report["after_nan"] = errors, server_weight_version(url)
     return report
 
 

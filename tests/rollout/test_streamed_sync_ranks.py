@@ -84,3 +84,12 @@ def test_the_streamed_export_and_sync_stream_give_back_the_checkpoint_bit_for_bi
         assert report[layout]["max_multi_bucket"] <= worker.BUCKET, "a bucket of several tensors exceeds its size"
     assert report["ep2"]["senders"] == [True, False], "experts are gathered to one source (ep=2, one stage)"
     assert report["pp2"]["senders"] == [True, True], "one source per pipeline stage"
+
+
+@one_gpu_per_rank(2)
+def test_a_nan_on_one_rank_sends_nothing_and_stops_every_rank_with_one_message(synced):
+    report = json.loads((synced[0] / "report.json").read_text())["pp2"]
+    first, second = report["nan_errors"]
+    assert first == second and first is not None, report["nan_errors"]
+    assert "(rank 1) holds NaN or Inf values; nothing was sent" in first and "decoder.layers.2." in first, first  # stage 1: layers 2, 3
+    assert report["after_nan"] == "v1", "the server must keep serving its previous weights"
