@@ -15,7 +15,7 @@ demo: install
 # with its own BPE tokenizer and chat template given a short SFT (built once into examples/math/model),
 # then RL with the math reward and held-out pass@k.
 math-example: install
-	[ -f examples/math/model/model.safetensors ] || $(PY) scripts/make_math_example.py model
+	[ -f examples/math/model/config.json ] || $(PY) scripts/make_math_example.py model
 	$(VENV)/bin/moe-rl train configs/math_cpu.yaml train.output_dir=runs/math_cpu/$$(date +%Y%m%d-%H%M%S)
 
 test: install

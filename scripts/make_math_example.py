@@ -84,7 +84,7 @@ def write_model(data_dir: Path, out: Path, sft_steps: int, seed: int = 0) -> Non
 
     from moe_rl.config import ModelConfig, load_config
     from moe_rl.learner.dist import init_distributed
-    from moe_rl.learner.hf_convert import export_hf_checkpoint
+    from moe_rl.learner.hf_export import export_hf_checkpoint
     from moe_rl.learner.hf_init import write_random_hf_checkpoint
     from moe_rl.learner.train_step import Learner
     from moe_rl.train.warm_start import _nll_loss, teacher_forcing_batch
