@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["pass_at_k", "Evaluator", "EVAL_STEP_BASE", "EVAL_SALT"]
+__all__ = ["pass_at_k", "eval_due", "Evaluator", "EVAL_STEP_BASE", "EVAL_SALT"]
 
 EVAL_STEP_BASE = 1 << 30  # eval sampling seeds: sample_seed(rollout.seed, EVAL_STEP_BASE + step, prompt, sample)
 EVAL_SALT = 0xE7A1  # the built-in tasks' held-out prompt stream: default_rng([train.seed, EVAL_SALT])
@@ -34,6 +34,12 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def eval_due(cfg, step: int) -> bool:
+    """An ``eval`` section evaluates after ``step`` RL steps (0: before the first)?"""
+    interval = cfg.eval.interval
+    return step == 0 or step == cfg.train.steps or bool(interval and step % interval == 0)
 
 
 class Evaluator:
@@ -61,8 +67,7 @@ class Evaluator:
 
     def due(self, step: int) -> bool:
         """Evaluate after ``step`` RL steps (0: before the first)?"""
-        interval = self.cfg.eval.interval
-        return step == 0 or step == self.cfg.train.steps or bool(interval and step % interval == 0)
+        return eval_due(self.cfg, step)
 
     def client(self, train_client):
         """A client for ``train_client``'s servers sampling at ``eval.temperature``, asking for no routes or masks."""

@@ -288,9 +288,14 @@ class RLTrainer:
                     metrics["time/step_s"] = time.perf_counter() - t0
                     if self._eval_due(step + 1):  # at the weights just synced; never writes training records
                         t1 = time.perf_counter()
-                        with self.source.exclusive():  # async: the producer waits; eval sees version step + 1
+                        # async: the producer waits; eval sees version step + 1; a re-sync its batch in flight
+                        # asks for runs first, on every rank (they follow below)
+                        with self.source.exclusive(serve=True):
                             metrics |= self.evaluator.run(client, step + 1, self.weights.version(step + 1))
+                        self.weights.calls.release()
                         metrics["time/eval_s"] = time.perf_counter() - t1
+                    elif self._evaluates_on_rank0(step + 1):
+                        self.weights.calls.follow()
                     if self.source is not None:
                         metrics |= self.source.take_times()  # time/learner_wait_s, time/rollout_idle_s
                     # log before checkpointing: a kill in between resumes from the older checkpoint,
@@ -324,6 +329,12 @@ class RLTrainer:
     def _eval_due(self, step: int) -> bool:
         """Rank 0 evaluates after ``step`` RL steps (``eval`` section; generation needs the servers)."""
         return self.evaluator is not None and self.evaluator.due(step)
+
+    def _evaluates_on_rank0(self, step: int) -> bool:
+        """Another rank: rank 0 evaluates after ``step`` (so this rank waits for it in ``calls.follow()``)."""
+        from moe_rl.train.evaluate import eval_due
+
+        return not self.is_main and not self.from_records and self.cfg.eval is not None and eval_due(self.cfg, step)
 
     def _checkpoint_contents(self, rl_step: int) -> tuple[dict, dict]:
         """``(extra, files)`` a checkpoint carries besides weights (rank 0's): the RL step, the dataset position

@@ -64,7 +64,7 @@ class InlineBatches:
         self.served = version
 
     @contextlib.contextmanager
-    def exclusive(self, wait_for_batch: bool = True):
+    def exclusive(self, wait_for_batch: bool = True, serve: bool = False):
         yield
 
     def take_times(self) -> dict[str, float]:
@@ -150,18 +150,20 @@ class AsyncProducer:
             self.data_before.pop(step, None)
             return self.ready.pop(step)
 
-    def _wait_serving(self, done: Callable[[], bool]) -> None:
+    def _wait_serving(self, done: Callable[[], bool], serve: bool = True) -> None:
         """``self._cond.wait_for(done)`` (lock held) that meanwhile runs the collectives the producer thread requested
-        (``rank0_calls``: a re-sync of a restarted server), outside the lock."""
+        (``rank0_calls``: a re-sync of a restarted server), outside the lock; only where the other ranks wait for
+        rank 0 in ``follow()`` (``serve``)."""
+        serve = serve and self.calls is not None
         while not done():
-            if self.calls is not None and self.calls.pending:
+            if serve and self.calls.pending:
                 self._cond.release()
                 try:
                     self.calls.serve()
                 finally:
                     self._cond.acquire()
                 continue
-            self._cond.wait(timeout=None if self.calls is None else 0.05)
+            self._cond.wait(timeout=0.05 if serve else None)
 
     def weights_pushed(self, version: int) -> None:
         """The servers now hold ``version``: steps up to ``version + k`` may start."""
@@ -170,13 +172,15 @@ class AsyncProducer:
             self._cond.notify_all()
 
     @contextlib.contextmanager
-    def exclusive(self, wait_for_batch: bool = True):
+    def exclusive(self, wait_for_batch: bool = True, serve: bool = False):
         """Wait for the batch in flight (``wait_for_batch``; a partial-rollout push pauses it instead) and keep
-        the producer from starting another while inside."""
+        the producer from starting another while inside. ``serve``: the other ranks wait in ``follow()`` meanwhile,
+        so a re-sync the batch in flight asks for can run (else it would wait for the section, and the section
+        for it)."""
         with self._cond:
             self._held += 1
             try:
-                self._wait_serving(lambda: self._making is None or not wait_for_batch)
+                self._wait_serving(lambda: self._making is None or not wait_for_batch, serve)
             except BaseException:
                 self._held -= 1
                 raise
@@ -226,12 +230,12 @@ def push_section(source, rollout, addresses, keys):
     ``true`` pauses it on the servers (``rollout.pause_mode``, ``moe_rl.rollout.partial``) and continues it
     under the new weights. Either way no new batch starts inside. Yields the push's keyword arguments."""
     if not rollout.partial:
-        with source.exclusive():
+        with source.exclusive(serve=True):  # the other ranks wait in follow() until the push starts
             yield {}
         return
     from moe_rl.rollout.partial import paused_generation
 
-    with source.exclusive(wait_for_batch=False), paused_generation(addresses, rollout.pause_mode, keys) as window:
+    with source.exclusive(wait_for_batch=False, serve=True), paused_generation(addresses, rollout.pause_mode, keys) as window:
         yield {"flush_cache": window.flush_cache}
 
 

@@ -47,6 +47,7 @@ def test_two_rank_expert_parallel_async_run_starts_its_own_server_from_rank_0(tm
            "train.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=48",
            "train.micro_batch_size=2", "logging.tensorboard=false", "logging.progress=false",
            "rollout.startup_timeout_s=600", "rollout.max_server_restarts=1",
+           "eval.interval=2", "eval.task_prompts=2", "eval.samples_per_prompt=2",  # rank 0 evaluates; rank 1 follows
            f"train.output_dir={tmp_path}"]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     killed = None
@@ -54,7 +55,8 @@ def test_two_rank_expert_parallel_async_run_starts_its_own_server_from_rank_0(tm
         deadline = time.monotonic() + 600
         while killed is None and proc.poll() is None and time.monotonic() < deadline:
             # version 1 is pushed (step 1's line follows it) and step 2's batch not yet written: it is generating
-            if (tmp_path / "metrics.jsonl").is_file() and read_metrics(tmp_path / "metrics.jsonl") \
+            if (tmp_path / "metrics.jsonl").is_file() \
+                    and any(m["step"] >= 1 for m in read_metrics(tmp_path / "metrics.jsonl")) \
                     and not (tmp_path / "rollouts" / "step_000002.safetensors").exists():  # fmt: skip
                 killed = _server_pid(tmp_path / "hf" / "current")
                 os.kill(killed, signal.SIGKILL)
@@ -66,8 +68,10 @@ def test_two_rank_expert_parallel_async_run_starts_its_own_server_from_rank_0(tm
     assert proc.returncode == 0, f"NPROC=2 launch/local.sh ... parallel.ep=2 failed:\n{stderr[-4000:]}"
     assert killed is not None, "the server was not killed while step 2's batch was being made"
     assert "restart 1/1" in stderr and "re-syncing" in stderr, stderr[-3000:]
-    metrics = read_metrics(tmp_path / "metrics.jsonl")
+    lines = read_metrics(tmp_path / "metrics.jsonl")
+    metrics = [m for m in lines if "time/rollout_s" in m]  # the RL steps (step 0's line is the first eval's)
     assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert [m["step"] for m in lines if "time/eval_s" in m] == [2, 3], "evaluated after steps 2 and 3"
     assert [m["async/staleness_mean"] for m in metrics] == [0.0, 1.0, 1.0]
     assert all(m["async/staleness_max"] <= 1 and m["async/dropped_stale"] == 0 for m in metrics)
     for s in range(3):
