@@ -59,7 +59,10 @@ def finish_dir(tmp: Path, out_dir: str | Path, writers: list[tuple[dict[str, str
     from moe_rl.learner.hf_convert import write_side_files
 
     weight_map = {n: f for wm, _ in writers for n, f in sorted(wm.items())}
-    index = {"metadata": {"total_size": sum(size for _, size in writers)}, "weight_map": dict(sorted(weight_map.items()))}
+    index = {
+        "metadata": {"total_size": sum(size for _, size in writers)},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
     (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     write_side_files(tmp, model_cfg, Path(template_dir) if template_dir is not None else None)
     out = Path(out_dir)

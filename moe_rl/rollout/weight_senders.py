@@ -211,7 +211,9 @@ def _each(addresses: Sequence[str], endpoint: str, body: dict, headers: dict, ti
             ok, message = False, str(err)
         if not ok:
             hint = " (a weight sync needs the servers' admin key: rollout.admin_api_key_env, or the run's own)"
-            refused[address] = f"{address}/{endpoint}: {message}" + (hint if message.startswith(("HTTP 401", "HTTP 403")) else "")
+            refused[address] = f"{address}/{endpoint}: {message}" + (
+                hint if message.startswith(("HTTP 401", "HTTP 403")) else ""
+            )
     return refused
 
 
@@ -230,7 +232,9 @@ def end(addresses: Sequence[str], headers: dict, timeout_s: float) -> dict[str, 
     return _each(addresses, "end_weight_update", {}, headers, timeout_s)
 
 
-def publish(addresses: Sequence[str], version: str, flush_cache: bool, headers: dict, timeout_s: float) -> dict[str, str]:
+def publish(
+    addresses: Sequence[str], version: str, flush_cache: bool, headers: dict, timeout_s: float
+) -> dict[str, str]:
     """Label every server ``version`` (no request aborted) and, unless paused in place, flush its cache."""
     refused = _each(addresses, "update_weight_version", {"new_version": str(version), "abort_all_requests": False},
                     headers, timeout_s)  # fmt: skip
@@ -249,4 +253,8 @@ def _flush(address: str, headers: dict, timeout_s: float) -> dict[str, str]:
         resp = httpx.post(f"{address}/flush_cache", timeout=timeout_s, headers=headers, verify=tls())
     except httpx.HTTPError as err:
         return {address: f"{address}/flush_cache failed: {type(err).__name__}: {err}"}
-    return {} if resp.status_code == 200 else {address: f"{address}/flush_cache: HTTP {resp.status_code}: {resp.text[:300]}"}
+    return (
+        {}
+        if resp.status_code == 200
+        else {address: f"{address}/flush_cache: HTTP {resp.status_code}: {resp.text[:300]}"}
+    )

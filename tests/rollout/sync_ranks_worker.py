@@ -105,7 +105,9 @@ def run(layout: str, url: str, v1: str, v2: str, root: Path, **parallel) -> dict
         if dist.get_rank() == 1:
             with torch.no_grad():
                 next(p for n, p in learner.module.named_parameters() if "experts" in n).view(-1)[0] = float("nan")
-        ws = WeightSync("tensor", cfg.model, bucket_bytes=BUCKET, reference=reference_from_hf_dir(v1) if rank0 else None)
+        ws = WeightSync(
+            "tensor", cfg.model, bucket_bytes=BUCKET, reference=reference_from_hf_dir(v1) if rank0 else None
+        )
         try:
             ws.sync(learner.module, [url] if rank0 else [], "nan")
             error = None

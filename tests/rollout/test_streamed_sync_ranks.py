@@ -91,5 +91,7 @@ def test_a_nan_on_one_rank_sends_nothing_and_stops_every_rank_with_one_message(s
     report = json.loads((synced[0] / "report.json").read_text())["pp2"]
     first, second = report["nan_errors"]
     assert first == second and first is not None, report["nan_errors"]
-    assert "(rank 1) holds NaN or Inf values; nothing was sent" in first and "decoder.layers.2." in first, first  # stage 1: layers 2, 3
+    assert "(rank 1) holds NaN or Inf values; nothing was sent" in first and "decoder.layers.2." in first, (
+        first
+    )  # stage 1: layers 2, 3
     assert report["after_nan"] == "v1", "the server must keep serving its previous weights"
