@@ -161,3 +161,34 @@ def decided_by_rank0(decide):
     box = [decide() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+class RankComm:
+    """The learner ranks' side of a sync: rank 0 broadcasts, gathers (``collective=False``: this process alone)."""
+
+    def __init__(self, collective: bool):
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.on = collective and dist.is_initialized() and dist.get_world_size() > 1
+        self.rank = dist.get_rank() if self.on else 0
+        self.rank0 = self.rank == 0
+
+    def bcast(self, obj):
+        if not self.on:
+            return obj
+        box = [obj]
+        self.dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather(self, obj) -> list | None:
+        """Every rank's ``obj`` in rank order on rank 0, None elsewhere."""
+        if not self.on:
+            return [obj]
+        out = [None] * self.dist.get_world_size() if self.rank0 else None
+        self.dist.gather_object(obj, out, dst=0)
+        return out
+
+    def barrier_if(self, needed: bool) -> None:
+        if self.on and needed:
+            self.dist.barrier()

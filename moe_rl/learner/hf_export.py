@@ -21,7 +21,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
 
 __all__ = ["ShardWriter", "begin_dir", "finish_dir", "export_hf_checkpoint", "write_hf_checkpoint"]
@@ -88,14 +87,6 @@ def write_hf_checkpoint(hf: Mapping[str, torch.Tensor], model_cfg, out_dir: str 
     return finish_dir(tmp, out_dir, [(writer.weight_map, writer.total_size)], model_cfg, template_dir)
 
 
-def _bcast(obj):
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def export_hf_checkpoint(model, model_cfg, out_dir: str | Path, template_dir: str | Path | None = None,
                          dtype: torch.dtype | None = None, bucket_bytes: int = 256 << 20,
                          transform: Callable[[dict], dict] | None = None) -> Path | None:  # fmt: skip
@@ -106,21 +97,17 @@ def export_hf_checkpoint(model, model_cfg, out_dir: str | Path, template_dir: st
     """
     from moe_rl.learner.hf_stream import HFStream
 
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    tmp = _bcast(str(begin_dir(out_dir)) if rank0 else None)
+    from moe_rl.learner.dist import RankComm
+
+    comm = RankComm(collective=True)
+    tmp = comm.bcast(str(begin_dir(out_dir)) if comm.rank0 else None)
     stream = HFStream(model, model_cfg, bucket_bytes, gather_experts=False)
-    writer = ShardWriter(tmp, f"model-r{dist.get_rank() if dist.is_initialized() else 0:05d}")
+    writer = ShardWriter(tmp, f"model-r{comm.rank:05d}")
     for bucket in stream.buckets():
         named = {n: t if dtype is None else t.to(dtype) for n, t in bucket}
         writer.write(transform(named) if transform is not None else named)
         del named, bucket
-    mine = (writer.weight_map, writer.total_size)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        every = [None] * dist.get_world_size() if rank0 else None
-        dist.gather_object(mine, every, dst=0)
-    else:
-        every = [mine]
-    path = finish_dir(Path(tmp), out_dir, every, model_cfg, template_dir) if rank0 else None
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()  # the directory exists before any rank goes on
+    every = comm.gather((writer.weight_map, writer.total_size))
+    path = finish_dir(Path(tmp), out_dir, every, model_cfg, template_dir) if comm.rank0 else None
+    comm.barrier_if(True)  # the directory exists before any rank goes on
     return path

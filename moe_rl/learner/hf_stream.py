@@ -51,7 +51,7 @@ def _gather_to_first(t: torch.Tensor, group) -> list[torch.Tensor] | None:
 
 
 class HFStream:
-    """``buckets()`` (collective over this rank's stage), ``plan()``, ``all_finite()``, ``sender``, ``stage``."""
+    """``buckets()`` (collective over this rank's stage), ``plan()``, ``nonfinite()``, ``sender``, ``stage``."""
 
     def __init__(self, model, model_cfg, bucket_bytes: int, gather_experts: bool = True):
         self.model, self.model_cfg, self.bucket_bytes = model, model_cfg, int(bucket_bytes)
@@ -68,6 +68,7 @@ class HFStream:
         self.num_local = model_cfg.num_moe_experts // self.ep if model_cfg.num_moe_experts else 0
         self.stage = ps.get_pipeline_model_parallel_rank() if self.distributed else 0
         self.stages = ps.get_pipeline_model_parallel_world_size() if self.distributed else 1
+        self._plan: dict | None = None
 
     # ------------------------------------------------------------------ roles
     def _replica0(self, expert: bool) -> bool:
@@ -101,7 +102,12 @@ class HFStream:
 
     # ------------------------------------------------------------------ without data
     def plan(self) -> dict[str, tuple[tuple[int, ...], str]]:
-        """``{HF name: (shape, dtype)}`` this rank will send (meta tensors: no data, no communication)."""
+        """``{HF name: (shape, dtype)}`` this rank will send (meta tensors: no data, no communication; computed once)."""
+        if self._plan is None:
+            self._plan = self._make_plan()
+        return self._plan
+
+    def _make_plan(self) -> dict[str, tuple[tuple[int, ...], str]]:
         out: dict[str, tuple[tuple[int, ...], str]] = {}
         for local, g, expert, rank, _, _ in self._units():
             if rank != 0:
