@@ -2,7 +2,8 @@
 
 Owns: reading the launcher's environment (torchrun or SLURM), creating the
 default process group (gloo on CPU, nccl on GPU) and Megatron's tp/pp/ep/cp/etp
-groups. It must not build models or touch optimizer state.
+groups, and ``RankComm`` (rank 0 broadcasts and gathers small objects for the streamed weight sync and
+HF export). It must not build models or touch optimizer state.
 """
 
 from __future__ import annotations
