@@ -133,9 +133,12 @@ def test_killed_run_resumes_from_checkpoint_with_identical_next_step(tmp_path, r
         assert same == {k: after[k] for k in same}, f"step {before['step']} differs after resume"
 
 
-def kill_train_when(out_dir: Path, server: str, overrides, sig: int, poll_s: float, ready) -> None:
-    """Start ``moe-rl train`` in its own process group and send ``sig`` to the group once ``ready()``
-    (failing if the run ends first); the group is SIGKILLed whatever happens."""
+def kill_train_when(out_dir: Path, server: str, overrides, sig: int, poll_s: float, ready, group: bool = True) -> float:
+    """Start ``moe-rl train`` in its own process group and send ``sig`` to the group (``group=False``: to the trainer
+    alone) once ``ready()`` (failing if the run ends first); the group is SIGKILLed whatever happens. Returns the
+    seconds until no process of the group was left (at most 30)."""
+    from moe_rl.rollout.orphan_guard import group_pids
+
     console = _console(out_dir).with_suffix(".killed.txt")
     with open(console, "w") as fh:
         proc = subprocess.Popen(train_cmd(out_dir, server, *overrides), stdout=fh, stderr=subprocess.STDOUT,
@@ -145,10 +148,14 @@ def kill_train_when(out_dir: Path, server: str, overrides, sig: int, poll_s: flo
         while time.time() < deadline and proc.poll() is None and not ready():
             time.sleep(poll_s)
         assert proc.poll() is None, f"run ended before it could be killed:\n{console.read_text()[-3000:]}"
-        os.killpg(proc.pid, sig)
+        os.killpg(proc.pid, sig) if group else os.kill(proc.pid, sig)
         proc.wait(timeout=60)
+        t0 = time.monotonic()
+        while group_pids(proc.pid) and time.monotonic() - t0 < 30:
+            time.sleep(0.1)
+        return time.monotonic() - t0
     finally:
-        if proc.poll() is None:
+        if group_pids(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
@@ -178,15 +185,22 @@ def test_async_with_zero_staleness_equals_sync_step_for_step(tmp_path, r3_run, s
         assert set(b["token_versions"].tolist()) == {s}
 
 
+def _shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
 def test_async_run_killed_and_resumed_trains_every_step_once_within_the_staleness_bound(tmp_path, server):
-    """k = 1, checkpoints every 2 steps, SIGKILL after the first: the resumed run trains the batch the
-    checkpoint carried (not a new one), every step once, and no token is more than 1 version old."""
+    """k = 1, checkpoints every 2 steps, SIGKILL of the trainer alone after the first: its rollout process is gone
+    within 10 s; the resumed run trains the batch the checkpoint carried (not a new one), every step once, no token
+    is more than 1 version old, and no /dev/shm entry is left behind."""
     # the default correction.kl_alarm stays on: every token from step 2 on is one version old, so its KL holds
     # the policy's own update (kl_k3 ~1e-2 here) and the alarm leaves such steps unchecked (alarm/unchecked)
     args = ("replay.routing=r3", "train.rollout_mode=async", "train.max_staleness=1", "train.steps=4",
             "checkpoint.save_interval=2")  # fmt: skip
     meta = tmp_path / "checkpoints" / "step_00000002" / "meta.json"
-    kill_train_when(tmp_path, server, args, signal.SIGKILL, poll_s=0.02, ready=meta.exists)
+    shm_before = _shm_entries()
+    left_s = kill_train_when(tmp_path, server, args, signal.SIGKILL, poll_s=0.02, ready=meta.exists, group=False)
+    assert left_s < 10, f"a process of the killed trainer (its rollout process) was still alive after {left_s:.1f} s"
     carried = json.loads(meta.read_text())["extra"]["async"]
     assert carried["ready_steps"] == [2], "pushing version 2 waits for step 2's batch, so the checkpoint holds it"
     saved = (meta.parent / "files" / "step_000002.safetensors").read_bytes()
@@ -202,3 +216,23 @@ def test_async_run_killed_and_resumed_trains_every_step_once_within_the_stalenes
     assert all("alarm/skipped" not in m for m in metrics)
     # unchecked exactly where no token was fresh (staleness mean 1 with max <= 1); step 1 is always fresh
     assert all((m.get("alarm/unchecked") == 1.0) == (m["async/staleness_mean"] == 1.0) for m in metrics), metrics
+    assert _shm_entries() <= shm_before, f"left in /dev/shm: {sorted(_shm_entries() - shm_before)}"
+
+
+def test_partial_rollout_run_killed_mid_step_leaves_nothing_and_reruns_every_step_once(tmp_path, server):
+    """rollout.partial=true (a push pauses the batch in flight and continues it under the new weights), SIGKILL of
+    the trainer alone while a step is under way: no process of it is left within 10 s, the rerun trains every step
+    once within the staleness bound, and nothing is left in /dev/shm."""
+    args = ("train.rollout_mode=async", "train.max_staleness=1", "train.steps=3", "checkpoint.save_interval=1",
+            "rollout.partial=true", "rollout.max_new_tokens=24")  # fmt: skip
+    meta = tmp_path / "checkpoints" / "step_00000001" / "meta.json"
+    shm_before = _shm_entries()
+    left_s = kill_train_when(tmp_path, server, args, signal.SIGKILL, poll_s=0.02, ready=meta.exists, group=False)
+    assert left_s < 10, f"a process of the killed trainer (its rollout process) was still alive after {left_s:.1f} s"
+    metrics = run_train(tmp_path, server, *args)
+    assert [m["step"] for m in metrics] == [1, 2, 3], "a step is missing or was logged twice"
+    assert all(m["async/staleness_max"] <= 1 and m["async/dropped_stale"] == 0 for m in metrics)
+    for s in range(3):
+        batch = RolloutBatch.load(tmp_path / "rollouts" / f"step_{s:06d}.safetensors")
+        assert s - 1 <= batch.token_versions.min() and batch.token_versions.max() <= s, f"step {s}: too stale"
+    assert _shm_entries() <= shm_before, f"left in /dev/shm: {sorted(_shm_entries() - shm_before)}"

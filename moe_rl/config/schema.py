@@ -239,6 +239,11 @@ class RolloutConfig(Section):
         default_factory=list, description="CPU cores the servers this run launches are pinned to "
         "(sched_setaffinity; e.g. the rollout cores of a node shared with the learner); [] = not pinned"
     )
+    process_cpus: list[int] = Field(
+        default_factory=list, description="train.rollout_mode=async: CPU cores of the rollout process (prompts, "
+        "reply decoding, rewards, records); [] = rollout.server_cpus when set, else the trainer's cores but its first "
+        "(the learner's core stays free)"
+    )
     max_retries: int = Field(3, ge=0)
     mem_fraction_static: float = Field(0.05, gt=0, le=1)
     max_total_tokens: int = Field(4096, ge=16)

@@ -22,7 +22,7 @@ import torch
 
 __all__ = [
     "WeightSyncError", "ServerInvalidError", "reference_from_hf_dir", "check_shapes", "check_weights", "is_local_address",
-    "quantize_state_dict",
+    "quantize_state_dict", "check_servable",
 ]  # fmt: skip
 
 
@@ -32,6 +32,16 @@ class WeightSyncError(RuntimeError):
 
 class ServerInvalidError(WeightSyncError):
     """Rollouts were asked of a server whose weights are half-updated; a full sync must come first."""
+
+
+def check_servable(invalid: Mapping[str, str], addresses) -> None:
+    """Raise ServerInvalidError if a failed sync left any of ``addresses`` half-updated (``invalid``: address -> why)."""
+    bad = {a: why for a, why in invalid.items() if a in {x.rstrip("/") for x in addresses}}
+    if bad:
+        raise ServerInvalidError(
+            f"refusing rollouts from {sorted(bad)}: a failed weight sync left them half-updated "
+            f"({'; '.join(bad.values())}); run a full sync first"
+        )
 
 
 def reference_from_hf_dir(hf_dir: str | Path) -> dict[str, tuple[int, ...]]:

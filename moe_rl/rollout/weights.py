@@ -51,6 +51,7 @@ from moe_rl.rollout.served_weights import PushedWeights, fingerprint_tensors
 from moe_rl.rollout.weight_checks import (  # noqa: F401 (re-exported: the sync's public names)
     ServerInvalidError,
     WeightSyncError,
+    check_servable,
     check_weights,
     is_local_address,
     quantize_state_dict,
@@ -213,12 +214,7 @@ class WeightSync:
 
     def check_servable(self, addresses: Sequence[str]) -> None:
         """Raise ServerInvalidError if a failed sync left any of `addresses` half-updated."""
-        bad = {a: why for a, why in self.invalid.items() if a in {x.rstrip("/") for x in addresses}}
-        if bad:
-            raise ServerInvalidError(
-                f"refusing rollouts from {sorted(bad)}: a failed weight sync left them half-updated "
-                f"({'; '.join(bad.values())}); run a full sync first"
-            )
+        check_servable(self.invalid, addresses)
 
     def sync(self, model_module, addresses: Sequence[str], version: str, flush_cache: bool = True) -> float:
         """Push the learner's live weights to every server as ``version``; seconds taken.

@@ -43,7 +43,6 @@ from moe_rl.train.run_dir import reference_policy
 from moe_rl.train.run_identity import resolve_run_id, version_nonce, write_checkpoint_identity, write_run_id
 from moe_rl.train.staleness import StepStaleness
 from moe_rl.train.step_records import StepRecords
-from moe_rl.train.step_samples import StepSamples
 from moe_rl.train.stop_signal import StopRequest
 from moe_rl.train.update import StepInputs, old_logprob_rows, reference_rows, step_advantages, update_minibatch
 from moe_rl.train.weight_push import WeightPusher
@@ -100,9 +99,11 @@ class RLTrainer:
             apply_warm_start(self.learner, cfg)
         self.driver = ReplayDriver.from_config(self.learner.module, cfg)
         self.records = StepRecords.for_trainer(cfg, self.run_id)  # loads check records against the model
-        self.tokenizer = self.prompts = self.rewarder = self.samples = self.evaluator = None  # rank 0's (below)
-        if self.is_main and not self.from_records:
-            self._prompt_data(meta)
+        self.prompt_side = None  # rank 0's prompts, rewards and eval sets (sync; async: the rollout process's)
+        if self.is_main and not self.from_records and cfg.train.rollout_mode == "sync":
+            from moe_rl.train.rollout_worker import PromptSide
+
+            self.prompt_side = PromptSide.build(cfg, (meta or {}).get("extra", {}).get("data"))
         self.logprob_fn = make_logprob_fn(ksm_active(cfg), with_entropy=cfg.loss.entropy_coef > 0)
         self.device = next(self.learner.model.parameters()).device
         self.reference = reference_policy(cfg, self.learner, self.ckpt_dir, self.run_id, meta is not None) \
@@ -110,22 +111,8 @@ class RLTrainer:
         self._reference_saved = False  # save_reference checks the marker itself (rank 0) the first time
         self.kl_alarm = KLAlarm(cfg.correction.kl_alarm, cfg.correction.kl_alarm_max_in_row)
         self.plan(self.start_step)  # an impossible split fails here, before any server starts
-
-    def _prompt_data(self, meta: dict | None) -> None:
-        """The tokenizer, the prompt stream (at the checkpoint's dataset position) and the reward scorer."""
-        from moe_rl.data import build_prompt_stream
-        from moe_rl.data.chat import load_tokenizer
-        from moe_rl.reward import build_rewarder
-
-        self.tokenizer = load_tokenizer(self.cfg) if self.cfg.data is not None else None  # the built-in tasks: task ids
-        self.prompts = build_prompt_stream(self.cfg, self.tokenizer)
-        self.prompts.load_state((meta or {}).get("extra", {}).get("data"))
-        self.rewarder = build_rewarder(self.cfg, self.tokenizer)
-        self.samples = StepSamples(self.cfg, self.prompts, self.rewarder)
-        if self.cfg.eval is not None:
-            from moe_rl.train.evaluate import Evaluator
-
-            self.evaluator = Evaluator(self.cfg, self.tokenizer, self.rewarder, self.prompts)
+        if self.is_main and not self.from_records and cfg.train.rollout_mode == "async":
+            self.source = self._rollout_process(meta)  # its dataset and reward fail here, before any server starts
 
     def plan(self, step: int):
         """This rank's ``StepPlan`` for ``step``."""
@@ -139,12 +126,6 @@ class RLTrainer:
     @property
     def from_records(self) -> bool:
         return bool(self.cfg.train.rollouts_from)
-
-    def _stop_tokens(self) -> dict:
-        """Dataset prompts: responses end at the tokenizer's EOS ids (the built-in tasks: the server's default)."""
-        from moe_rl.data.chat import stop_token_ids
-
-        return {"stop_token_ids": stop_token_ids(self.tokenizer, self.cfg.model.hf_path)} if self.tokenizer else {}
 
     # ------------------------------------------------------------------ one step
     def rollout(self, client, step: int) -> RolloutBatch:
@@ -168,7 +149,7 @@ class RLTrainer:
     def _batch_maker(self, client):
         from moe_rl.train.batch_maker import BatchMaker
 
-        return BatchMaker(self.cfg, self.samples, self.records, self.records_dir, client, self.weights.version,
+        return BatchMaker(self.cfg, self.prompt_side.samples, self.records, self.records_dir, client, self.weights.version,
                           resync=lambda v: self.weights.resync(client.addresses, v),
                           weight_sync=lambda: self.weights.sync,
                           restart=self.server_pool.restart if self.server_pool else None)  # fmt: skip
@@ -248,7 +229,6 @@ class RLTrainer:
     def run(self) -> Path:
         from moe_rl.learner.checkpoint import save_checkpoint
         from moe_rl.rollout.auth import ServerKeys
-        from moe_rl.rollout.client import RolloutClient
         from moe_rl.train.run_dir import run_complete_message
 
         cfg = self.cfg
@@ -271,14 +251,9 @@ class RLTrainer:
                     self.weights.resync(addresses, self.start_step)
                 client = None
                 if self.is_main and not self.from_records:
-                    # the API key (a generated one by default); dataset prompts stop at the tokenizer's EOS
-                    client = RolloutClient.from_config(cfg, addresses, headers=self.server_keys.headers(),
-                                                       **self._stop_tokens())  # fmt: skip
-                    self.source = self._batch_source(client)  # sync: inline; async: the producer thread
-                    self.source.calls = self.weights.calls  # its re-syncs run on the main thread, on every rank
-                    self.weights.source = self.source  # a push waits for (or pauses) the batch in flight
+                    client = self._begin_source(addresses)
                 if self.start_step == 0 and self._eval_due(0):  # before the first step: a line of its own
-                    logger.log(0, self.evaluator.run(client, 0, self.weights.version(0)), progress=False)
+                    logger.log(0, self._evaluate(client, 0), progress=False)
                 if self.source is not None:
                     self.source.start()
                 for step in range(self.start_step, cfg.train.steps):
@@ -291,7 +266,7 @@ class RLTrainer:
                         # async: the producer waits; eval sees version step + 1; a re-sync its batch in flight
                         # asks for runs first, on every rank (they follow below)
                         with self.source.exclusive(serve=True):
-                            metrics |= self.evaluator.run(client, step + 1, self.weights.version(step + 1))
+                            metrics |= self._evaluate(client, step + 1)
                         self.weights.calls.release()
                         metrics["time/eval_s"] = time.perf_counter() - t1
                     elif self._evaluates_on_rank0(step + 1):
@@ -328,7 +303,15 @@ class RLTrainer:
 
     def _eval_due(self, step: int) -> bool:
         """Rank 0 evaluates after ``step`` RL steps (``eval`` section; generation needs the servers)."""
-        return self.evaluator is not None and self.evaluator.due(step)
+        from moe_rl.train.evaluate import eval_due
+
+        return self.is_main and not self.from_records and self.cfg.eval is not None and eval_due(self.cfg, step)
+
+    def _evaluate(self, client, step: int) -> dict[str, float]:
+        """The eval sets at version ``step`` (sync: here; async: by the rollout process)."""
+        if self.prompt_side is None:
+            return self.source.evaluate(step, self.weights.version(step))
+        return self.prompt_side.evaluator.run(client, step, self.weights.version(step))
 
     def _evaluates_on_rank0(self, step: int) -> bool:
         """Another rank: rank 0 evaluates after ``step`` (so this rank waits for it in ``calls.follow()``)."""
@@ -339,20 +322,56 @@ class RLTrainer:
     def _checkpoint_contents(self, rl_step: int) -> tuple[dict, dict]:
         """``(extra, files)`` a checkpoint carries besides weights (rank 0's): the RL step, the dataset position
         and, from the batch source, finished-but-untrained records (async mode: the position before them)."""
-        state = self.prompts.state() if self.prompts is not None else None
+        state = self.prompt_side.prompts.state() if self.prompt_side is not None else None
         extra = {"rl_step": rl_step} | ({"data": state} if state is not None else {})
         if self.source is None:
             return extra, {}
         more, files = self.source.checkpoint_state(rl_step)
         return extra | more, files
 
-    def _batch_source(self, client):
-        """Rank 0's batch source for ``train.rollout_mode`` with a resumed checkpoint's pending records."""
-        from moe_rl.train.producer import batch_source, pending_records
+    def _rollout_process(self, meta: dict | None):
+        """Async mode: rank 0's rollout process (``moe_rl.train.rollout_process``), started with its prompts."""
+        import os
+
+        from moe_rl.train.rollout_process import RolloutProcess, process_cpus
+        from moe_rl.train.rollout_worker import WorkerSpec
+
+        spec = WorkerSpec(self.cfg, self.run_id, self.weights.nonce, str(self.records_dir),
+                          (meta or {}).get("extra", {}).get("data"), process_cpus(self.cfg.rollout), os.getpid())  # fmt: skip
+        source = RolloutProcess(spec)
+        try:
+            source.wait_started()
+        except BaseException:
+            source.close()
+            raise
+        return source
+
+    def _begin_source(self, addresses: list[str]):
+        """Rank 0: the batch source meets the servers (a resumed checkpoint's pending records first); sync: the
+        client, for the inline batches and eval (None in async mode: the rollout process has its own)."""
+        from moe_rl.rollout.client import RolloutClient
+        from moe_rl.train.producer import InlineBatches, pending_records
 
         pending = pending_records(self.resume_meta, self.records_dir)
-        return batch_source(self.cfg, self._batch_maker(client), self.start_step, self.start_step,
-                            stream_state=self.prompts.state, pending=pending)  # fmt: skip
+        client = None
+        if self.source is None:  # sync: the API key (a generated one by default); dataset prompts stop at EOS
+            client = RolloutClient.from_config(self.cfg, addresses, headers=self.server_keys.headers(),
+                                               **self.prompt_side.stop_tokens(self.cfg))  # fmt: skip
+            self.source = InlineBatches(self._batch_maker(client), self.start_step, pending)
+        else:
+            self.source.answers = {"resync": self._resync_for_process, "restart": self.server_pool.restart}
+            self.source.served_state = self.weights.served_state
+            self.source.begin(addresses, self.server_keys, self.start_step, self.start_step, pending)
+        self._addresses = addresses
+        self.source.calls = self.weights.calls  # its re-syncs run on the main thread, on every rank
+        self.weights.source = self.source  # a push waits for (or pauses) the batch in flight
+        return client
+
+    def _resync_for_process(self, served: int) -> dict | None:
+        """The rollout process asked for a re-sync (on the thread answering it): runs at rank 0's next wait; the
+        process gets what the servers now hold (the fingerprints it checks the served weights against)."""
+        self.weights.resync(self._addresses, served)
+        return self.weights.served_state()
 
     def close(self) -> None:
         """Release the routers (nothing stays bound after a run), the reward workers and the run directory's lock.
@@ -360,9 +379,11 @@ class RLTrainer:
         ``run`` does it itself; callers driving the trainer by hand (``moe-rl diagnose``) call it.
         """
         self.driver.close()
+        if self.source is not None:
+            self.source.close()
         self.weights.close()
-        if self.rewarder is not None:
-            self.rewarder.close()
+        if self.prompt_side is not None:
+            self.prompt_side.rewarder.close()
         if self.run_lock is not None:
             self.run_lock.release()
 

@@ -1,11 +1,13 @@
-"""Where rank 0's records for an RL step come from: made inline (sync) or by a producer thread (async).
+"""Where rank 0's records for an RL step come from: made inline (sync) or by a producer thread ahead (async).
 
 Owns ``train.rollout_mode`` and ``train.max_staleness`` (docs/training.md, "sync -> async"). Both
 sources call the same ``make(step, served_version) -> Path`` (the loop's: prompts, generation, rewards,
 filters, ``rollouts/step_<s>.safetensors`` written before it is trained on); they differ only in *when*:
 
 * ``InlineBatches`` (sync): ``batch(s)`` makes step ``s``'s records there and then, on version ``s``.
-* ``AsyncProducer`` (async, k = ``max_staleness``): a thread makes steps ``start, start+1, …`` in order.
+* ``AsyncProducer`` (async, k = ``max_staleness``): a thread makes steps ``start, start+1, …`` in order. The
+  trainer runs it inside its rollout process (``moe_rl.train.rollout_worker``, driven from learner rank 0 by
+  ``moe_rl.train.rollout_process``, which offers the loop the same interface).
   Admission: step ``t`` starts only once the served weights have version ``>= t - k`` (version ``v`` = the
   weights at the start of RL step ``v``), so no token it generates is more than ``k`` versions older than
   the weights that train it. ``exclusive()`` is what a weight push (``rollout.partial: false``) and an
@@ -31,7 +33,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["InlineBatches", "AsyncProducer", "batch_source", "pending_records", "push_section"]
+__all__ = ["InlineBatches", "AsyncProducer", "pending_records", "push_section", "raise_batch_failure"]
 
 MakeBatch = Callable[[int, int], Path]  # (step, served version) -> the records file written for step
 
@@ -43,6 +45,14 @@ def _user_errors() -> tuple[type, ...]:
     from moe_rl.reward.scorer import RewardError
 
     return (DataError, RewardError)
+
+
+def raise_batch_failure(step: int, error: BaseException, who: str):
+    """Re-raise ``error`` (a batch source failed making step ``step``'s batch) in the learner's thread: a bad dataset
+    row or reward as it is (its one-line message), anything else naming the step and ``who`` failed."""
+    if isinstance(error, _user_errors()):
+        raise error
+    raise RuntimeError(f"{who} failed while making step {step}'s batch: {type(error).__name__}: {error}") from error
 
 
 class InlineBatches:
@@ -143,27 +153,17 @@ class AsyncProducer:
             self._wait_serving(lambda: step in self.ready or self._error is not None)
             self._wait_s += time.perf_counter() - t0
             if step not in self.ready:
-                if isinstance(self._error, _user_errors()):  # a bad dataset row or reward: its one-line message
-                    raise self._error
-                raise RuntimeError(f"the rollout producer failed while making step {step}'s batch: "
-                                   f"{type(self._error).__name__}: {self._error}") from self._error  # fmt: skip
+                raise_batch_failure(step, self._error, "the rollout producer")
             self.data_before.pop(step, None)
             return self.ready.pop(step)
 
     def _wait_serving(self, done: Callable[[], bool], serve: bool = True) -> None:
         """``self._cond.wait_for(done)`` (lock held) that meanwhile runs the collectives the producer thread requested
-        (``rank0_calls``: a re-sync of a restarted server), outside the lock; only where the other ranks wait for
-        rank 0 in ``follow()`` (``serve``)."""
-        serve = serve and self.calls is not None
-        while not done():
-            if serve and self.calls.pending:
-                self._cond.release()
-                try:
-                    self.calls.serve()
-                finally:
-                    self._cond.acquire()
-                continue
-            self._cond.wait(timeout=0.05 if serve else None)
+        (``Rank0Calls.wait``: a re-sync of a restarted server), where the other ranks follow (``serve``)."""
+        if self.calls is None:
+            self._cond.wait_for(done)
+        else:
+            self.calls.wait(self._cond, done, serve)
 
     def weights_pushed(self, version: int) -> None:
         """The servers now hold ``version``: steps up to ``version + k`` may start."""
@@ -214,14 +214,16 @@ class AsyncProducer:
         state = {"ready_steps": steps, "unfinished_from": first_unfinished, "served_version": self.served}
         return {"async": state, **({"data": data} if data is not None else {})}, files
 
-    def close(self) -> None:
+    def close(self, join_s: float = 30.0) -> None:
+        """Start nothing more; wait up to ``join_s`` for a batch in flight to end with its requests (the thread is a
+        daemon otherwise)."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
         if self.calls is not None:  # a re-sync the producer waits for will not run any more
             self.calls.cancel("the trainer is closing; the re-sync was not run")
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=30)  # a batch in flight ends with its requests (daemon thread otherwise)
+        if join_s and self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=join_s)
 
 
 @contextlib.contextmanager
@@ -237,16 +239,6 @@ def push_section(source, rollout, addresses, keys):
 
     with source.exclusive(wait_for_batch=False, serve=True), paused_generation(addresses, rollout.pause_mode, keys) as window:
         yield {"flush_cache": window.flush_cache}
-
-
-def batch_source(cfg, make: MakeBatch, start_step: int, served_version: int,
-                 stream_state: Callable[[], dict | None] = lambda: None,
-                 pending: dict[int, Path] | None = None):  # fmt: skip
-    """The source ``train.rollout_mode`` asks for (rank 0 only)."""
-    t = cfg.train
-    if t.rollout_mode == "sync":
-        return InlineBatches(make, start_step, pending)
-    return AsyncProducer(make, start_step, t.steps, t.max_staleness, served_version, stream_state, pending)
 
 
 def pending_records(resume_meta: dict, records_dir: Path) -> dict[int, Path]:

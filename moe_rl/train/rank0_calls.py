@@ -77,6 +77,19 @@ class Rank0Calls:
             finally:
                 done["event"].set()
 
+    def wait(self, cond: threading.Condition, done: Callable[[], bool], serve: bool = True) -> None:
+        """``cond.wait_for(done)`` (``cond`` held) that meanwhile serves the requested calls, outside the lock; only
+        where the other ranks wait for rank 0 in ``follow()`` (``serve``)."""
+        while not done():
+            if serve and self.pending:
+                cond.release()
+                try:
+                    self.serve()
+                finally:
+                    cond.acquire()
+                continue
+            cond.wait(timeout=0.05 if serve else None)
+
     def cancel(self, why: str) -> None:
         """Fail every request not yet served (the main thread is leaving: nobody will run them)."""
         while True:

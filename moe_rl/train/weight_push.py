@@ -118,6 +118,14 @@ class WeightPusher:
             ws.close()
             ws.sync(self.learner.module, addresses, ws.version if self.is_main else "")
 
+    def served_state(self) -> dict | None:
+        """What rank 0 knows the servers hold, for the rollout process's checks: the half-updated servers and the
+        fingerprinted tensors of the version last pushed (None before the first push)."""
+        ws = self.sync
+        if ws is None or ws.version is None:
+            return None
+        return {"invalid": dict(ws.invalid), "label": ws.version, "tensors": ws.pushed.by_label.get(ws.version)}
+
     def export_final(self) -> None:
         """``<run>/hf/current`` holds the final weights whatever the sync path (a disk sync wrote them already)."""
         if self.sync is not None and self.sync.mode != "disk":
