@@ -13,13 +13,16 @@ warm start; the first run builds the cache). Per run one JSON line:
   ``time/rollout_s``; async: ``time/learner_wait_s``);
 * ``server_idle_frac``: the share the server generated nothing (sync: ``1 - rollout_s / step_s``; async:
   the producer's ``time/rollout_idle_s``: waiting for admission or for a weight push);
+* ``gen_tokens_per_s``: response tokens generated per second of generating (the steps' tokens over the time the
+  rollout side was not idle: sync ``time/rollout_s``, async the RL-loop time less ``time/rollout_idle_s``);
 * ``reward_first`` / ``reward_last``: the mean reward of the first and last step.
 
 With ``--partial`` a third mode runs too, ``partial``: async with ``rollout.partial=true`` (a weight push
 pauses the batch in flight with ``rollout.pause_mode`` and continues it under the new weights instead
 of waiting for it; issue 29), reported as ``partial_speedup=<sync / partial>`` and per run the share of
 samples spanning two versions. The last line is ``async_speedup=<sum of sync rl_wall_s / sum of async
-rl_wall_s>`` over the repeats.
+rl_wall_s>`` over the repeats. Before the runs, ``core_interference=<x>``: how much slower the server's core
+computes while the learner's core computes too (1.0: independent cores, what the bound assumes).
 
   .venv/bin/python bench/bench_async.py [--steps 12] [--repeats 2] [--learner-cpus 0] [--server-cpus 1] \
       [--staleness 1] [--partial] [a.b=value ...]
@@ -35,6 +38,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,6 +60,9 @@ def run_once(mode: str, args, overrides: list[str]) -> dict:
         if proc.returncode:
             sys.exit(f"moe-rl train ({mode}) failed:\n{proc.stderr[-3000:]}")
         steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        run_cfg = yaml.safe_load((out / "config.yaml").read_text())
+    samples = run_cfg["train"]["prompts_per_step"] * run_cfg["rollout"]["samples_per_prompt"]
+    tokens = sum(m["response/len_mean"] * samples for m in steps)
     total = sum(m["time/step_s"] for m in steps)
     if mode == "sync":
         learner_idle = sum(m["time/rollout_s"] for m in steps) / total
@@ -62,14 +70,41 @@ def run_once(mode: str, args, overrides: list[str]) -> dict:
     else:
         learner_idle = sum(m["time/learner_wait_s"] for m in steps) / total
         server_idle = sum(m["time/rollout_idle_s"] for m in steps) / total
+    generating_s = total * (1 - server_idle)  # the time the rollout side was making batches
     return {
         "mode": mode, "steps": len(steps), "rl_wall_s": round(total, 2), "process_wall_s": round(wall, 1),
         "learner_idle_frac": round(learner_idle, 3), "server_idle_frac": round(server_idle, 3),
+        "gen_tokens_per_s": round(tokens / max(generating_s, 1e-9), 1),
         "partial_frac": round(sum(m.get("async/partial_frac", 0.0) for m in steps) / len(steps), 3),
         "staleness_mean": round(sum(m.get("async/staleness_mean", 0.0) for m in steps) / len(steps), 3),
         "reward_first": round(steps[0]["reward/mean"], 4), "reward_last": round(steps[-1]["reward/mean"], 4),
         "load_after": [round(x, 2) for x in os.getloadavg()],
     }  # fmt: skip
+
+
+_PROBE = ("import sys, time, torch; torch.set_num_threads(1); a = torch.randn(384, 384); t = time.perf_counter()\n"
+          "for _ in range(600): a @ a\n"
+          "print(time.perf_counter() - t)")
+
+
+def core_interference(learner: str, server: str, repeats: int = 3) -> float:
+    """How much slower a single-threaded matmul loop runs on the server's cores while the learner's cores run one too
+    (median of ``repeats``; 1.0 = independent cores). The async bound (G + T) / max(G, T) assumes 1.0: generation
+    and training overlap only as well as the cores do."""
+    def timed(cpus: str, background: str | None) -> float:
+        other = None
+        if background is not None:
+            other = subprocess.Popen(["taskset", "-c", background, sys.executable, "-c", _PROBE.replace("600", "1200")],
+                                     stdout=subprocess.DEVNULL)  # fmt: skip
+            time.sleep(0.3)
+        out = subprocess.run(["taskset", "-c", cpus, sys.executable, "-c", _PROBE], capture_output=True, text=True)
+        if other is not None:
+            other.kill()
+            other.wait()
+        return float(out.stdout)
+
+    ratios = sorted(timed(server, learner) / timed(server, None) for _ in range(repeats))
+    return ratios[len(ratios) // 2]
 
 
 def main() -> None:
@@ -85,6 +120,7 @@ def main() -> None:
     print(json.dumps({"cpus": sorted(os.sched_getaffinity(0)), "config": args.config, "steps": args.steps,
                       "learner_cpus": args.learner_cpus, "server_cpus": args.server_cpus,
                       "overrides": overrides}), flush=True)  # fmt: skip
+    print(f"core_interference={core_interference(args.learner_cpus, args.server_cpus):.2f}", flush=True)
     modes = ("sync", "async", "partial") if args.partial else ("sync", "async")
     walls = dict.fromkeys(modes, 0.0)
     for _ in range(args.repeats):

@@ -241,8 +241,8 @@ class RolloutConfig(Section):
     )
     process_cpus: list[int] = Field(
         default_factory=list, description="train.rollout_mode=async: CPU cores of the rollout process (prompts, "
-        "reply decoding, rewards, records); [] = rollout.server_cpus when set, else the trainer's cores but its first "
-        "(the learner's core stays free)"
+        "reply decoding, rewards, records); [] = the trainer's cores and rollout.server_cpus together (the OS runs it "
+        "wherever one is free; docs/training.md)"
     )
     max_retries: int = Field(3, ge=0)
     mem_fraction_static: float = Field(0.05, gt=0, le=1)

@@ -19,7 +19,7 @@ import numpy as np
 
 from moe_rl.config.preflight import ksm_active
 from moe_rl.records import RecordError, RolloutSample, RouteSpec, decode_sglang_meta
-from moe_rl.rollout.auth import ServerKeys
+from moe_rl.rollout.auth import ServerKeys, tls
 from moe_rl.rollout.health import run_watched
 from moe_rl.rollout.partial import (
     PartialCounters,
@@ -235,7 +235,8 @@ class RolloutClient:
         ]
         gate = asyncio.Semaphore(self.max_concurrency)
         limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
-        async with httpx.AsyncClient(timeout=self.request_timeout_s, limits=limits, headers=self.headers) as http:
+        async with httpx.AsyncClient(timeout=self.request_timeout_s, limits=limits, headers=self.headers,
+                                     verify=tls()) as http:  # one TLS context: ~40 ms per batch otherwise
 
             async def whole_batch():
                 try:

@@ -1,8 +1,8 @@
 """Async mode's batch source on learner rank 0: a rollout process beside the learner, driven through a pipe.
 
 Owns the learner side of ``moe_rl.train.rollout_worker``: it spawns the rollout process (pinned to
-``rollout.process_cpus``, default: the servers' cores ``rollout.server_cpus`` when set, else the trainer's cores
-but its first, so the learner's core stays free), and offers the loop what ``AsyncProducer`` offered it in a
+``rollout.process_cpus``; default: the trainer's cores and the servers' ``rollout.server_cpus`` together, see
+``process_cpus``), and offers the loop what ``AsyncProducer`` offered it in a
 thread: ``batch(step)`` (the records path, once the process has written it), ``weights_pushed``,
 ``exclusive`` (the process holds its producer: a push waits for or pauses the batch in flight, an eval sees the
 version being trained), ``evaluate``, ``take_times``, ``checkpoint_state`` and ``close``. The learner process
@@ -35,13 +35,14 @@ START_TIMEOUT_S = 600.0  # imports, tokenizer, dataset and reward workers of the
 
 
 def process_cpus(rollout) -> list[int]:
-    """The rollout process's cores (module docstring); [] = the trainer's own."""
+    """The rollout process's cores (module docstring): ``rollout.process_cpus``, else the trainer's cores and the
+    servers' (``rollout.server_cpus``) together, so the scheduler runs it wherever a core is free; [] = the trainer's
+    own (what a spawned child inherits)."""
     if rollout.process_cpus:
         return list(rollout.process_cpus)
     if rollout.server_cpus:
-        return list(rollout.server_cpus)
-    mine = sorted(os.sched_getaffinity(0))
-    return mine[1:] if len(mine) > 1 else []
+        return sorted(os.sched_getaffinity(0) | set(rollout.server_cpus))
+    return []
 
 
 class RolloutProcess:
