@@ -244,6 +244,10 @@ class RolloutConfig(Section):
         "reply decoding, rewards, records); [] = the trainer's cores and rollout.server_cpus together (the OS runs it "
         "wherever one is free; docs/training.md)"
     )
+    load_balance: Literal["least_outstanding", "round_robin"] = Field(
+        "least_outstanding", description="which server a request goes to: the one with the fewest of the client's "
+        "requests in flight (ties: round robin), or plain round robin (bench/bench_load_balance.py)"
+    )
     max_retries: int = Field(3, ge=0)
     mem_fraction_static: float = Field(0.05, gt=0, le=1)
     max_total_tokens: int = Field(4096, ge=16)

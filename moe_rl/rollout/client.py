@@ -1,7 +1,8 @@
 """Generate a batch of rollout records from SGLang servers over HTTP `/generate`.
 
 Owns the request (sampling params, per-sample `sampling_seed`, log-probs, routed experts,
-sampling masks), bounded concurrency, round-robin over servers, retries with backoff on
+sampling masks), bounded concurrency, the server of each request (``rollout.load_balance``: the one with the
+fewest of this client's requests in flight, or round robin), retries with backoff on
 connection errors and 5xx, and the all-or-nothing rule: a batch either comes back whole or the
 call raises RolloutError. Decoding and validating `meta_info` is `moe_rl.records.decode_sglang_meta`;
 per-token weight versions and continuing a reply aborted by a pause are `moe_rl.rollout.partial`.
@@ -73,6 +74,8 @@ def sample_seed(base_seed: int, step: int, group_id: int, sample_index: int) -> 
         raise ValueError(f"seed, step, group_id and sample_index must be >= 0; got {entropy}")
     return int(np.random.SeedSequence(entropy).generate_state(1, np.uint32)[0])
 
+LOAD_BALANCE = ("least_outstanding", "round_robin")
+
 
 class RolloutClient:
     """Sends prompts x n samples to `addresses` and returns `RolloutSample`s in request order.
@@ -102,6 +105,7 @@ class RolloutClient:
         stop_token_ids: Sequence[int] | None = None,
         pause_mode: str | None = None,
         max_continuations: int = 8,
+        load_balance: str = "least_outstanding",
     ):
         if not addresses:
             raise ValueError("addresses is empty; expected at least one http://host:port")
@@ -121,7 +125,11 @@ class RolloutClient:
         self.pause_mode = None if pause_mode is None else check_pause_mode(pause_mode)
         self.max_continuations = max_continuations
         self.partial_counters = PartialCounters()  # drained by the trainer: async/kv_stale_tokens, ...
+        if load_balance not in LOAD_BALANCE:
+            raise ValueError(f"load_balance={load_balance!r}; expected one of {LOAD_BALANCE}")
+        self.load_balance = load_balance
         self._next_server = itertools.count()
+        self._outstanding = [0] * len(self.addresses)  # requests in flight per server (this client's)
         self._top_k = self._wire_top_k(sampling.top_k, sampling_mask_max_tokens)
 
     @classmethod
@@ -142,6 +150,7 @@ class RolloutClient:
             headers=ServerKeys.from_rollout_config(r).headers(),
             health_timeout_s=r.health_timeout_s,
             pause_mode=r.pause_mode if r.partial else None,
+            load_balance=r.load_balance,
         )
         kwargs.update(overrides)
         return cls(addresses, **kwargs)
@@ -282,9 +291,11 @@ class RolloutClient:
         no routes in the reply, nothing to continue from): it is sent again whole."""
         body = self.request_body(prompt, seed, start, max_new_tokens)
         errors = []
-        first = next(self._next_server)  # round-robin per request; a retry moves to the next server
+        order = self._server_order()  # a retry moves to the next server in it
         for attempt in range(self.max_retries + 1):
-            url = self.addresses[(first + attempt) % len(self.addresses)]
+            index = order[attempt % len(order)]
+            url = self.addresses[index]
+            self._outstanding[index] += 1
             try:
                 reply = await self._post(http, url, body)
                 paused = self.pause_mode == "abort" and is_pause_abort(reply["meta_info"])
@@ -293,12 +304,23 @@ class RolloutClient:
                 return self._to_sample(reply, prompt, group_id, url, start), paused
             except _Retryable as err:
                 errors.append(f"attempt {attempt + 1} at {url}: {err}")
+            finally:
+                self._outstanding[index] -= 1
             if attempt < self.max_retries:
                 await asyncio.sleep(self.backoff_s * 2**attempt)
         raise RolloutError(
             f"/generate failed after {self.max_retries + 1} attempts (max_retries={self.max_retries}); "
             + "; ".join(errors)
         )
+
+    def _server_order(self) -> list[int]:
+        """Servers to try for one request: round robin from the next start, or (``least_outstanding``) the ones with
+        the fewest of this client's requests in flight first, round robin among equals."""
+        n, start = len(self.addresses), next(self._next_server)
+        order = [(start + i) % n for i in range(n)]
+        if self.load_balance == "least_outstanding":
+            order.sort(key=lambda i: self._outstanding[i])  # stable: ties keep the round-robin order
+        return order
 
     async def _post(self, http: httpx.AsyncClient, url: str, body: dict) -> dict:
         try:

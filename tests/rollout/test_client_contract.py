@@ -79,3 +79,51 @@ def test_from_config_always_requests_routes_and_masks_only_for_keep_sampling_mas
     )
     r3 = RolloutClient.from_config(cfg, ["http://h:1"])
     assert r3.route_spec == RouteSpec.from_model_config(cfg.model) and r3.return_sampling_mask
+
+
+def _balanced_client(balance: str) -> RolloutClient:
+    return RolloutClient(["http://a", "http://b"], None, 64, max_concurrency=8, return_sampling_mask=False,
+                         load_balance=balance)  # fmt: skip
+
+
+def test_least_outstanding_picks_the_server_with_fewer_requests_in_flight_and_round_robins_ties():
+    client = _balanced_client("least_outstanding")
+    assert [client._server_order()[0] for _ in range(4)] == [0, 1, 0, 1], "ties: round robin"
+    client._outstanding = [3, 1]
+    assert [client._server_order() for _ in range(2)] == [[1, 0], [1, 0]], "the less loaded server first"
+    rr = _balanced_client("round_robin")
+    rr._outstanding = [3, 1]
+    assert [rr._server_order()[0] for _ in range(2)] == [0, 1], "round robin ignores the load"
+    with pytest.raises(ValueError, match="load_balance='busiest'"):
+        _balanced_client("busiest")
+
+
+@pytest.mark.parametrize(("balance", "fast_share"), [("least_outstanding", (0.7, 1.0)), ("round_robin", (0.5, 0.5))])
+def test_a_slow_server_gets_fewer_requests_under_least_outstanding(monkeypatch, balance, fast_share):
+    """A stand-in for two servers (``_post`` and ``_to_sample`` replaced: the point is where requests go, not SGLang):
+    server a answers in 40 ms, b in 5 ms; 8 in flight, 48 requests."""
+    import asyncio
+
+    client, sent = _balanced_client(balance), []
+
+    async def post(http, url, body):
+        sent.append(url)
+        await asyncio.sleep(0.04 if url == "http://a" else 0.005)
+        return {}
+
+    monkeypatch.setattr(client, "_post", post)
+    monkeypatch.setattr(client, "_to_sample", lambda reply, prompt, group_id, url, start=0: object())
+
+    async def run():
+        gate = asyncio.Semaphore(8)
+
+        async def one():
+            async with gate:
+                await client._attempts(None, [1, 2], 0, None, 0, 4)
+
+        await asyncio.gather(*(one() for _ in range(48)))
+
+    asyncio.run(run())
+    share = sent.count("http://b") / len(sent)
+    assert fast_share[0] <= share <= fast_share[1], (balance, share)
+    assert client._outstanding == [0, 0]
