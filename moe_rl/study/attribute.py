@@ -48,7 +48,8 @@ def _row_config(cfg: ExperimentConfig, items: frozenset[str] | None, scratch: Pa
     })  # fmt: skip
     return cfg.model_copy(update={
         "rollout": rollout,
-        "train": cfg.train.model_copy(update={"output_dir": str(scratch)}),
+        # one batch, generated here and now: the sync source (async would start a rollout process)
+        "train": cfg.train.model_copy(update={"output_dir": str(scratch), "rollout_mode": "sync"}),
         "replay": cfg.replay.model_copy(update={"routing": "r3"}),  # binds the routers: flips are measured
         "logging": cfg.logging.model_copy(update={"progress": False, "tensorboard": False}),
     })  # fmt: skip

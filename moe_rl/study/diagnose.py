@@ -129,7 +129,8 @@ def run_diagnose(cfg: ExperimentConfig, num_prompts: int, out_dir: str | Path) -
     # gets the report, the numbers and the rollout records only. Kept (and named) if the diagnosis fails.
     scratch = Path(tempfile.mkdtemp(prefix="moe_rl_diagnose_"))
     cfg = cfg.model_copy(update={
-        "train": cfg.train.model_copy(update={"output_dir": str(scratch)}),
+        # one batch, generated here and now: the sync source (async would start a rollout process)
+        "train": cfg.train.model_copy(update={"output_dir": str(scratch), "rollout_mode": "sync"}),
         "replay": cfg.replay.model_copy(update={"routing": "r3"}),  # bind replay; each setting picks its routing
         "logging": cfg.logging.model_copy(update={"progress": False, "tensorboard": False}),
     })  # fmt: skip
