@@ -74,6 +74,7 @@ def sample_seed(base_seed: int, step: int, group_id: int, sample_index: int) -> 
         raise ValueError(f"seed, step, group_id and sample_index must be >= 0; got {entropy}")
     return int(np.random.SeedSequence(entropy).generate_state(1, np.uint32)[0])
 
+
 LOAD_BALANCE = ("least_outstanding", "round_robin")
 
 

@@ -15,6 +15,8 @@ from typing import TypeVar
 
 import httpx
 
+from moe_rl.rollout.auth import tls
+
 T = TypeVar("T")
 
 
@@ -31,8 +33,6 @@ async def watch_health(addresses: Sequence[str], timeout_s: float, headers: dict
     """Poll every address until one is silent for ``timeout_s``, then raise ServerHungError (never returns)."""
     interval = max(0.5, min(5.0, timeout_s / 3))
     last_ok = {a: time.monotonic() for a in addresses}
-    from moe_rl.rollout.auth import tls
-
     async with httpx.AsyncClient(headers=headers or {}, verify=tls()) as http:
         while True:
             await asyncio.sleep(interval)

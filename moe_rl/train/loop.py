@@ -100,10 +100,11 @@ class RLTrainer:
         self.driver = ReplayDriver.from_config(self.learner.module, cfg)
         self.records = StepRecords.for_trainer(cfg, self.run_id)  # loads check records against the model
         self.prompt_side = None  # rank 0's prompts, rewards and eval sets (sync; async: the rollout process's)
+        data_state = (meta or {}).get("extra", {}).get("data")  # the checkpoint's prompt-stream position
         if self.is_main and not self.from_records and cfg.train.rollout_mode == "sync":
             from moe_rl.train.rollout_worker import PromptSide
 
-            self.prompt_side = PromptSide.build(cfg, (meta or {}).get("extra", {}).get("data"))
+            self.prompt_side = PromptSide.build(cfg, data_state)
         self.logprob_fn = make_logprob_fn(ksm_active(cfg), with_entropy=cfg.loss.entropy_coef > 0)
         self.device = next(self.learner.model.parameters()).device
         self.reference = reference_policy(cfg, self.learner, self.ckpt_dir, self.run_id, meta is not None) \
@@ -112,7 +113,7 @@ class RLTrainer:
         self.kl_alarm = KLAlarm(cfg.correction.kl_alarm, cfg.correction.kl_alarm_max_in_row)
         self.plan(self.start_step)  # an impossible split fails here, before any server starts
         if self.is_main and not self.from_records and cfg.train.rollout_mode == "async":
-            self.source = self._rollout_process(meta)  # its dataset and reward fail here, before any server starts
+            self.source = self._rollout_process(data_state)  # its dataset and reward fail here, before any server starts
 
     def plan(self, step: int):
         """This rank's ``StepPlan`` for ``step``."""
@@ -329,7 +330,7 @@ class RLTrainer:
         more, files = self.source.checkpoint_state(rl_step)
         return extra | more, files
 
-    def _rollout_process(self, meta: dict | None):
+    def _rollout_process(self, data_state: dict | None):
         """Async mode: rank 0's rollout process (``moe_rl.train.rollout_process``), started with its prompts."""
         import os
 
@@ -337,7 +338,7 @@ class RLTrainer:
         from moe_rl.train.rollout_worker import WorkerSpec
 
         spec = WorkerSpec(self.cfg, self.run_id, self.weights.nonce, str(self.records_dir),
-                          (meta or {}).get("extra", {}).get("data"), process_cpus(self.cfg.rollout), os.getpid())  # fmt: skip
+                          data_state, process_cpus(self.cfg.rollout), os.getpid())  # fmt: skip
         source = RolloutProcess(spec)
         try:
             source.wait_started()

@@ -15,9 +15,9 @@ filters, ``rollouts/step_<s>.safetensors`` written before it is trained on); the
   so every sample of a batch comes from one version and an eval sees the version being trained. With
   ``k = 0`` step ``t`` starts only after version ``t`` is pushed: the same batches as sync, bitwise.
 
-The producer never talks to other ranks (only rank 0 runs it; the learner's collectives stay on the main
-thread: a re-sync it needs is requested from the main thread, which runs it while waiting for a batch or for
-the batch in flight, ``rank0_calls``). Its failure is re-raised in the main thread at the next ``batch()``. ``checkpoint_state(c)``
+The producer never talks to other ranks: a re-sync its batch needs goes to learner rank 0 (the rollout
+process asks; rank 0 runs it on every rank at its next wait, ``rank0_calls``). Its failure is re-raised at the
+next ``batch()``. ``checkpoint_state(c)``
 is what a checkpoint taken before step ``c`` must carry so a killed run loses no prompt and trains no
 step twice: the finished-but-untrained records of steps ``c, c+1, …`` (the files themselves) and the
 prompt-stream position before the first unfinished step (its prompts are taken again from there).
@@ -112,7 +112,6 @@ class AsyncProducer:
         self._idle_s = 0.0  # producer time spent not making a batch, since the last take_times()
         self._wait_s = 0.0  # learner time spent waiting for a batch, since the last take_times()
         self._thread = threading.Thread(target=self._run, name="moe_rl-rollout-producer", daemon=True)
-        self.calls = None  # rank 0's Rank0Calls: collectives this thread requests run while the learner waits
 
     # ------------------------------------------------------------------ producer thread
     def start(self) -> None:
@@ -150,20 +149,12 @@ class AsyncProducer:
         """Step ``step``'s records, once made (waiting is ``time/learner_wait_s``)."""
         t0 = time.perf_counter()
         with self._cond:
-            self._wait_serving(lambda: step in self.ready or self._error is not None)
+            self._cond.wait_for(lambda: step in self.ready or self._error is not None)
             self._wait_s += time.perf_counter() - t0
             if step not in self.ready:
                 raise_batch_failure(step, self._error, "the rollout producer")
             self.data_before.pop(step, None)
             return self.ready.pop(step)
-
-    def _wait_serving(self, done: Callable[[], bool], serve: bool = True) -> None:
-        """``self._cond.wait_for(done)`` (lock held) that meanwhile runs the collectives the producer thread requested
-        (``Rank0Calls.wait``: a re-sync of a restarted server), where the other ranks follow (``serve``)."""
-        if self.calls is None:
-            self._cond.wait_for(done)
-        else:
-            self.calls.wait(self._cond, done, serve)
 
     def weights_pushed(self, version: int) -> None:
         """The servers now hold ``version``: steps up to ``version + k`` may start."""
@@ -174,13 +165,13 @@ class AsyncProducer:
     @contextlib.contextmanager
     def exclusive(self, wait_for_batch: bool = True, serve: bool = False):
         """Wait for the batch in flight (``wait_for_batch``; a partial-rollout push pauses it instead) and keep
-        the producer from starting another while inside. ``serve``: the other ranks wait in ``follow()`` meanwhile,
-        so a re-sync the batch in flight asks for can run (else it would wait for the section, and the section
-        for it)."""
+        the producer from starting another while inside. ``serve`` is the batch sources' shared signature
+        (``RolloutProcess`` serves rank 0's requested collectives while it waits); nothing in this producer's
+        process asks for one."""
         with self._cond:
             self._held += 1
             try:
-                self._wait_serving(lambda: self._making is None or not wait_for_batch, serve)
+                self._cond.wait_for(lambda: self._making is None or not wait_for_batch)
             except BaseException:
                 self._held -= 1
                 raise
@@ -220,8 +211,6 @@ class AsyncProducer:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        if self.calls is not None:  # a re-sync the producer waits for will not run any more
-            self.calls.cancel("the trainer is closing; the re-sync was not run")
         if join_s and self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=join_s)
 

@@ -7,9 +7,9 @@ servers from the live weights, collective since no rank keeps a host copy of the
 them when its wait is over. With one rank ``call`` runs the handler directly.
 
 A call is made by rank 0's main thread (the one that also releases). A thread of rank 0 that is not the
-main one (the async producer) ``request()``s instead and blocks until the main thread has ``serve()``d it at
-its next wait (``AsyncProducer`` serves while the learner waits for a batch or for the batch in flight
-before a push): no collective ever runs on two threads at once.
+main one (the thread answering the async rollout process) ``request()``s instead and blocks until the main
+thread has ``serve()``d it at its next wait (``wait``: ``RolloutProcess`` serves while the learner waits for a
+batch, for the batch in flight before a push, or for an eval): no collective ever runs on two threads at once.
 """
 
 from __future__ import annotations

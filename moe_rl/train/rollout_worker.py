@@ -119,7 +119,7 @@ class _Worker:
         self.conn, self.spec, self.cfg = conn, spec, spec.cfg
         self.side = PromptSide.build(spec.cfg, spec.data_state)
         self.records = StepRecords.for_trainer(spec.cfg, spec.run_id)
-        self.client = self.producer = self.view = None
+        self.client = self.maker = self.producer = self.view = None
         self._send_lock, self._asks, self._ids = threading.Lock(), {}, iter(range(1 << 62))
         self._holds: list[contextlib.ExitStack] = []
 
@@ -169,6 +169,8 @@ class _Worker:
 
     def _begin(self, addresses, keys, start: int, served: int, pending: dict, state) -> None:
         from moe_rl.rollout.client import RolloutClient
+        from moe_rl.rollout.integrity import version_label
+        from moe_rl.train.batch_maker import BatchMaker
         from moe_rl.train.producer import AsyncProducer
 
         cfg = self.cfg
@@ -176,19 +178,17 @@ class _Worker:
         if state is not None:
             self.view.update(state)
         self.client = RolloutClient.from_config(cfg, addresses, headers=keys.headers(), **self.side.stop_tokens(cfg))
+        self.maker = BatchMaker(cfg, self.side.samples, self.records, Path(self.spec.records_dir), self.client,
+                                lambda s: version_label(s, self.spec.nonce), resync=self._resync,
+                                weight_sync=lambda: self.view if self.view.pushed.by_label else None,
+                                restart=lambda urls=None: self.ask("restart", urls))  # fmt: skip
         self.producer = AsyncProducer(self._make, start, cfg.train.steps, cfg.train.max_staleness, served,
                                       self.side.prompts.state, {int(s): Path(p) for s, p in pending.items()})  # fmt: skip
 
     def _make(self, step: int, served: int) -> Path:
-        from moe_rl.rollout.integrity import version_label
-        from moe_rl.train.batch_maker import BatchMaker
-
-        maker = BatchMaker(self.cfg, self.side.samples, self.records, Path(self.spec.records_dir), self.client,
-                           lambda s: version_label(s, self.spec.nonce), resync=self._resync,
-                           weight_sync=lambda: self.view if self.view.pushed.by_label else None,
-                           restart=lambda urls=None: self.ask("restart", urls))  # fmt: skip
+        """The producer's ``make``: the batch maker's records, announced to the learner (or its failure)."""
         try:
-            path = maker(step, served)
+            path = self.maker(step, served)
         except BaseException as exc:
             self.send("failed", step, portable_error(exc))
             raise
