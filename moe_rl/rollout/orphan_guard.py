@@ -3,9 +3,10 @@
 Owns ``watch_parent(parent_pid)``, started by ``sglang_entry`` in the server's main process (the launcher
 passes its own pid as ``MOE_RL_PARENT_PID``): a daemon thread checks every ``POLL_S`` whether the server
 has been re-parented -- its launcher died, even by SIGKILL -- and then stops the server's process group
-(SIGTERM, SIGKILL after ``GRACE_S``), removes the ``/dev/shm`` files the group held (SGLang's
-``sglang_loads_*.shm``) and exits. The kernel's parent-death signal (``PR_SET_PDEATHSIG``) follows the
-launching *thread*, so the launcher uses it only for servers started on its main thread; the guard
+(SIGTERM, SIGKILL after ``GRACE_S``) and exits. It removes the ``/dev/shm`` files the group holds
+(SGLang's ``sglang_loads_*.shm``) before it signals anyone: the processes keep their mappings, and
+SGLang may kill this process as soon as a child exits. The kernel's parent-death signal
+(``PR_SET_PDEATHSIG``) follows the launching *thread*, so the launcher uses it only for servers started on its main thread; the guard
 covers every server whichever thread started it (a server restarted by the async producer) and runs
 the ``/dev/shm`` cleanup that a killed trainer never gets to.
 """
@@ -54,7 +55,11 @@ def group_pids(pgid: int) -> list[int]:
 
 def _stop_group_and_exit() -> None:
     me, pgid = os.getpid(), os.getpgrp()
+    # Unlink first: the processes keep their mappings, and SGLang's own subprocess watchdog answers a
+    # child's non-zero exit with SIGQUIT to this process, whose handler kills the whole tree -- this
+    # thread included -- possibly before the group is gone (a CI run lost the race once).
     files = group_shm_files(pgid)
+    remove_shm_files(files)
 
     def others() -> list[int]:
         return [p for p in group_pids(pgid) if p != me]
@@ -66,5 +71,4 @@ def _stop_group_and_exit() -> None:
         deadline = time.monotonic() + wait_s
         while others() and time.monotonic() < deadline:
             time.sleep(0.1)
-    remove_shm_files(files)
     os._exit(0)
