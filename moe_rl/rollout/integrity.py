@@ -79,14 +79,15 @@ def check_weight_versions(versions: Sequence[str], expected: str, newer_ok: bool
 
 def generate_checked(
     generate: Callable[[], list],
-    expected_version: str,
+    expected_version: str | Callable[[], str],
     resync: Callable[[], None],
     restart: Callable[[Sequence[str] | None], list[str]] | None = None,
     newer_ok: bool = False,
     check_served: Callable[[], None] | None = None,
     max_foreign_syncs: int = 1,
 ) -> list:
-    """``generate()`` whose samples all carry ``expected_version`` (see module docstring).
+    """``generate()`` whose samples all carry ``expected_version`` (see module docstring; a callable is asked again
+    after each re-sync: a re-sync pushes the version the learner's weights are, which may be newer).
 
     ``resync()`` pushes the current weights as ``expected_version`` to every server; ``restart(urls)``
     restarts the given local servers (None: the dead ones) and returns those it restarted ([] when it
@@ -114,7 +115,8 @@ def generate_checked(
     while True:
         try:
             samples = generate()
-            check_weight_versions([s.weight_version for s in samples], expected_version, newer_ok)
+            expected = expected_version() if callable(expected_version) else expected_version
+            check_weight_versions([s.weight_version for s in samples], expected, newer_ok)
             if check_served is not None:
                 check_served()
             return samples
@@ -130,8 +132,7 @@ def generate_checked(
             restarted = restart(hung) if restart is not None else []
             if not restarted:
                 raise
-            logger.warning("rollout failed (%s); restarted %s, re-syncing %r and retrying", err, restarted,
-                           expected_version)  # fmt: skip
+            logger.warning("rollout failed (%s); restarted %s, re-syncing and retrying", err, restarted)
             resync()
 
 

@@ -4,8 +4,8 @@ Owns the server process lifecycle: the command line (CPU or GPU flags, routed ex
 deterministic inference when asked, the sampling-mask cap, API keys by variable name through
 ``sglang_entry``), the server's environment (CPU stand-ins on its path only), the log file, waiting
 for ``/health``, teardown of the whole process group (SIGTERM, then SIGKILL) on exit, on exceptions and
-on SIGTERM/SIGINT to the parent, removal of the shared-memory files the group left in ``/dev/shm``,
-and bounded restarts of a dead server (``ServerPool``). It does not talk the generation protocol
+and removal of the shared-memory files the group left in ``/dev/shm``. A run's set of servers, their
+restarts and their teardown on SIGTERM are ``server_pool``'s. It does not talk the generation protocol
 (client.py) or sync weights (weights.py).
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
 import logging
 import os
 import signal
@@ -22,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,7 +29,7 @@ import httpx
 
 from moe_rl.exact.contract import SERVER_ENV as KERNELS_ENV
 from moe_rl.exact.contract import kernels_of, server_env_value
-from moe_rl.rollout.auth import RUN_ADMIN_KEY_ENV, ServerKeys
+from moe_rl.rollout.auth import ServerKeys
 from moe_rl.rollout.orphan_guard import ENV as ORPHAN_ENV
 from moe_rl.rollout.orphan_guard import group_pids
 from moe_rl.rollout.shm import group_shm_files, remove_shm_files
@@ -177,7 +176,7 @@ def _pin(pid: int, cpus: Sequence[int]) -> None:
                                f"this machine allows {sorted(os.sched_getaffinity(0))}") from None  # fmt: skip
 
 
-def _log_tail(path: Path, lines: int = 40) -> str:
+def log_tail(path: Path, lines: int = 40) -> str:
     with contextlib.suppress(OSError):
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     return "<no log>"
@@ -239,7 +238,7 @@ class SGLangServer:
             if self.process is not None and self.process.poll() is not None:
                 raise ServerStartError(
                     f"SGLang server exited with code {self.process.returncode} before it was healthy; "
-                    f"log {self.log_path}:\n{_log_tail(self.log_path)}"
+                    f"log {self.log_path}:\n{log_tail(self.log_path)}"
                 )
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
@@ -247,7 +246,7 @@ class SGLangServer:
             time.sleep(0.5)
         raise ServerStartError(
             f"SGLang server at {self.url} was not healthy within startup_timeout_s={timeout_s}; "
-            f"log {self.log_path}:\n{_log_tail(self.log_path)}"
+            f"log {self.log_path}:\n{log_tail(self.log_path)}"
         )
 
     def alive(self) -> bool:
@@ -294,127 +293,3 @@ def _group_alive(pgid: int) -> bool:
     except PermissionError:
         return True
     return bool(group_pids(pgid))
-
-
-@contextlib.contextmanager
-def _terminate_on_signals() -> Iterator[None]:
-    """In the main thread, turn SIGTERM/SIGHUP into SystemExit so `finally` blocks stop servers."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def _raise(signum, _frame):
-        raise SystemExit(128 + signum)
-
-    previous = {s: signal.signal(s, _raise) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
-@dataclass
-class ServerPool:
-    """The rollout servers of a run: local ones (restartable) or external `addresses` (not ours to restart)."""
-
-    servers: list[SGLangServer] = field(default_factory=list)
-    external: list[str] = field(default_factory=list)
-    max_restarts: int = 0
-    restarts: int = 0
-    keys: ServerKeys = field(default_factory=lambda: ServerKeys(), repr=False)  # what every call must carry
-    closing: bool = False  # set by close(): no server is (re)started after it
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # restart() vs close(), any thread
-
-    @property
-    def addresses(self) -> list[str]:
-        return [s.url for s in self.servers] if self.servers else list(self.external)
-
-    def close(self) -> None:
-        """Stop every local server; a restart under way (another thread) finishes first, none starts after."""
-        with self._lock:
-            self.closing = True
-        for s in self.servers:
-            s.stop()
-
-    def restart(self, urls: Sequence[str] | None = None) -> list[str]:
-        """Restart the local servers in `urls` (default: those whose process exited); returns their URLs.
-
-        [] when none qualifies (e.g. external servers) or the pool is closing. ServerStartError once
-        `max_restarts` are used up.
-        """
-        with self._lock:
-            if self.closing:
-                return []
-            return self._restart(urls)
-
-    def _restart(self, urls: Sequence[str] | None) -> list[str]:
-        chosen = [s for s in self.servers if (s.url in urls if urls is not None else not s.alive())]
-        for s in chosen:
-            code = s.process.poll() if s.process is not None else None
-            if self.restarts >= self.max_restarts:
-                raise ServerStartError(
-                    f"rollout server {s.url} failed (exit code {code}) and all rollout.max_server_restarts="
-                    f"{self.max_restarts} restarts are used; log {s.log_path}:\n{_log_tail(s.log_path)}"
-                )
-            self.restarts += 1
-            logger.warning("rollout server %s failed (exit code %s); restart %d/%d, log %s",
-                           s.url, code, self.restarts, self.max_restarts, s.log_path)  # fmt: skip
-            s.restart()
-        return [s.url for s in chosen]
-
-
-@contextlib.contextmanager
-def rollout_server_pool(
-    rollout, model_path: str | Path, log_dir: str | Path, num_servers: int = 1, keys: ServerKeys | None = None,
-    **spec_overrides,
-) -> Iterator[ServerPool]:
-    """Yield a ServerPool: `rollout.addresses` as given, else `num_servers` local servers.
-
-    Local servers are started one after another (a 2-core machine cannot overlap their imports),
-    and all of them are stopped when the block exits for any reason, including SIGTERM. ``keys``
-    (default ``ServerKeys.for_run(rollout)``): with a generated key the servers get it through their
-    environment only; ``pool.keys`` is what every call to them must carry.
-    """
-    keys = ServerKeys.for_run(rollout) if keys is None else keys
-    if rollout.addresses:
-        yield ServerPool(external=[a.rstrip("/") for a in rollout.addresses], keys=keys)
-        return
-    if num_servers < 1:
-        raise ValueError(f"num_servers={num_servers}; expected >= 1")
-    pool = ServerPool(max_restarts=getattr(rollout, "max_server_restarts", 0), keys=keys)
-    if keys.generated:
-        spec_overrides = {**spec_overrides, "admin_api_key_env": RUN_ADMIN_KEY_ENV}
-    with _terminate_on_signals():
-        try:
-            for i in range(num_servers):
-                spec = ServerSpec.from_rollout_config(rollout, model_path, **spec_overrides)
-                if spec.port is not None and num_servers > 1:
-                    spec = dataclasses.replace(spec, port=spec.port + i)
-                pool.servers.append(SGLangServer(spec, Path(log_dir) / f"sglang_{i}.log", secret_env=keys.server_env()))
-                pool.servers[-1].start()
-            yield pool
-        finally:
-            pool.close()
-
-
-@contextlib.contextmanager
-def rollout_servers(
-    rollout, model_path: str | Path, log_dir: str | Path, num_servers: int = 1, **spec_overrides
-) -> Iterator[list[str]]:
-    """Yield server base URLs (see `rollout_server_pool`, which also offers restarts)."""
-    with rollout_server_pool(rollout, model_path, log_dir, num_servers, **spec_overrides) as pool:
-        yield pool.addresses
-
-
-def check_addresses(addresses: Sequence[str], timeout_s: float = 5.0) -> None:
-    """Raise ConnectionError naming every address whose `/health` is not 200."""
-    bad = []
-    for a in addresses:
-        try:
-            if httpx.get(f"{a}/health", timeout=timeout_s).status_code != 200:
-                bad.append(a)
-        except httpx.HTTPError:
-            bad.append(a)
-    if bad:
-        raise ConnectionError(f"SGLang servers not healthy: {bad}")

@@ -240,7 +240,7 @@ def _shared_rollout_servers(cells: list[Cell], out_dir: Path) -> Iterator[dict |
         return
     from moe_rl.learner.hf_init import write_random_hf_checkpoint
     from moe_rl.rollout.auth import RUN_ADMIN_KEY_ENV
-    from moe_rl.rollout.launcher import rollout_server_pool
+    from moe_rl.rollout.server_pool import rollout_server_pool
 
     init_dir = write_random_hf_checkpoint(first.model, out_dir / "server_init", seed=first.train.seed)
     with rollout_server_pool(first.rollout, init_dir, out_dir / "logs") as pool, _environ(pool.keys.server_env()):

@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from moe_rl.algo import metrics_to_floats, offpolicy_metrics
-from moe_rl.train.batching import build_microbatch
 from moe_rl.config import ExperimentConfig
 from moe_rl.records import RolloutBatch, RouteSpec
+from moe_rl.train.batching import build_microbatch
 
 SETTINGS = {  # name -> (replay rollout routes, keep sampling mask)
     "natural": (False, False),
@@ -35,7 +35,7 @@ NUM_POSITION_BUCKETS = 8
 def generate(trainer, num_prompts: int) -> RolloutBatch:
     """One rollout batch of ``num_prompts`` x samples_per_prompt with routes and kept sets, persisted."""
     from moe_rl.rollout.client import RolloutClient
-    from moe_rl.rollout.launcher import rollout_server_pool
+    from moe_rl.rollout.server_pool import rollout_server_pool
     from moe_rl.rollout.weights import update_weights_from_disk
 
     cfg = trainer.cfg

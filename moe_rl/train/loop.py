@@ -221,7 +221,7 @@ class RLTrainer:
     # ------------------------------------------------------------------ loop
     def _servers(self):
         """Rank 0's server pool (restartable), or an empty one (other ranks, records-replay mode)."""
-        from moe_rl.rollout.launcher import ServerPool, rollout_server_pool
+        from moe_rl.rollout.server_pool import ServerPool, rollout_server_pool
 
         if self.from_records or not self.is_main:
             return contextlib.nullcontext(ServerPool())
@@ -248,6 +248,7 @@ class RLTrainer:
         try:
             with self._servers() as self.server_pool, self._source_scope():  # the producer stops before the servers
                 addresses = self.server_pool.addresses
+                self.weights.revive = self.server_pool.restart  # rank 0: a server dead since its last batch, before a push
                 if self.is_main and not self.from_records:  # label the served weights with our version
                     self.weights.resync(addresses, self.start_step)
                 client = None
@@ -337,15 +338,8 @@ class RLTrainer:
         from moe_rl.train.rollout_process import RolloutProcess, process_cpus
         from moe_rl.train.rollout_worker import WorkerSpec
 
-        spec = WorkerSpec(self.cfg, self.run_id, self.weights.nonce, str(self.records_dir),
-                          data_state, process_cpus(self.cfg.rollout), os.getpid())  # fmt: skip
-        source = RolloutProcess(spec)
-        try:
-            source.wait_started()
-        except BaseException:
-            source.close()
-            raise
-        return source
+        return RolloutProcess.spawn(WorkerSpec(self.cfg, self.run_id, self.weights.nonce, str(self.records_dir),
+                                               data_state, process_cpus(self.cfg.rollout), os.getpid()))  # fmt: skip
 
     def _begin_source(self, addresses: list[str]):
         """Rank 0: the batch source meets the servers (a resumed checkpoint's pending records first); sync: the
@@ -360,19 +354,11 @@ class RLTrainer:
                                                **self.prompt_side.stop_tokens(self.cfg))  # fmt: skip
             self.source = InlineBatches(self._batch_maker(client), self.start_step, pending)
         else:
-            self.source.answers = {"resync": self._resync_for_process, "restart": self.server_pool.restart}
-            self.source.served_state = self.weights.served_state
-            self.source.begin(addresses, self.server_keys, self.start_step, self.start_step, pending)
-        self._addresses = addresses
+            self.source.begin(addresses, self.server_keys, self.start_step, self.start_step, pending, self.weights,
+                              self.server_pool)  # fmt: skip
         self.source.calls = self.weights.calls  # its re-syncs run on the main thread, on every rank
         self.weights.source = self.source  # a push waits for (or pauses) the batch in flight
         return client
-
-    def _resync_for_process(self, served: int) -> dict | None:
-        """The rollout process asked for a re-sync (on the thread answering it): runs at rank 0's next wait; the
-        process gets what the servers now hold (the fingerprints it checks the served weights against)."""
-        self.weights.resync(self._addresses, served)
-        return self.weights.served_state()
 
     def close(self) -> None:
         """Release the routers (nothing stays bound after a run), the reward workers and the run directory's lock.

@@ -216,18 +216,22 @@ class AsyncProducer:
 
 
 @contextlib.contextmanager
-def push_section(source, rollout, addresses, keys):
+def push_section(source, rollout, addresses, keys, before: Callable[[], None] = lambda: None):
     """Around a weight push (rank 0): ``rollout.partial: false`` waits for the batch in flight;
     ``true`` pauses it on the servers (``rollout.pause_mode``, ``moe_rl.rollout.partial``) and continues it
-    under the new weights. Either way no new batch starts inside. Yields the push's keyword arguments."""
+    under the new weights. Either way no new batch starts inside. ``before()`` runs once no new batch can start,
+    before the pause (the restart of a dead server, which could not be paused). Yields the push's keyword arguments."""
     if not rollout.partial:
         with source.exclusive(serve=True):  # the other ranks wait in follow() until the push starts
+            before()
             yield {}
         return
     from moe_rl.rollout.partial import paused_generation
 
-    with source.exclusive(wait_for_batch=False, serve=True), paused_generation(addresses, rollout.pause_mode, keys) as window:
-        yield {"flush_cache": window.flush_cache}
+    with source.exclusive(wait_for_batch=False, serve=True):
+        before()
+        with paused_generation(addresses, rollout.pause_mode, keys) as window:
+            yield {"flush_cache": window.flush_cache}
 
 
 def pending_records(resume_meta: dict, records_dir: Path) -> dict[int, Path]:

@@ -41,22 +41,24 @@ class Rank0Calls:
         return box[0]
 
     # ------------------------------------------------------------------ rank 0
-    def call(self, name: str, arg=None) -> None:
+    def call(self, name: str, arg=None):
         """Run handler ``name`` on every rank now (rank 0's main thread; the others are in ``follow``), or
-        from another thread of rank 0 ``request`` it."""
+        from another thread of rank 0 ``request`` it; rank 0's handler's return value."""
         if threading.current_thread() is not self.main:
             return self.request(name, arg)
         if self.on:
             self._bcast((name, arg))
-        self.handlers[name](arg)
+        return self.handlers[name](arg)
 
-    def request(self, name: str, arg=None) -> None:
-        """From a thread that is not the main one: wait until the main thread has run ``name`` everywhere."""
+    def request(self, name: str, arg=None):
+        """From a thread that is not the main one: wait until the main thread has run ``name`` everywhere; rank 0's
+        handler's return value."""
         done: dict = {"event": threading.Event()}
         self._requests.put((name, arg, done))
         done["event"].wait()
         if "error" in done:
             raise done["error"]
+        return done.get("value")
 
     @property
     def pending(self) -> bool:
@@ -70,7 +72,7 @@ class Rank0Calls:
             except queue.Empty:
                 return
             try:
-                self.call(name, arg)
+                done["value"] = self.call(name, arg)
             except BaseException as err:  # handed to the requesting thread
                 done["error"] = err
                 raise

@@ -10,9 +10,10 @@ does no generation HTTP and decodes no reply.
 
 The process asks (``ask``) for what only rank 0 can do: a **re-sync** (``WeightPusher.resync``: collective over
 every learner rank, so it is ``Rank0Calls.request``ed and runs at the main thread's next wait, where the other
-ranks follow: its batch wait, a push section, an eval) and a **restart** of a dead server (the run's one
-supervisor, ``ServerPool.restart``, under the pool's lock). Each ask is answered on its own thread, so a pending
-re-sync never blocks the pipe. Every wait of the main thread here notices the process dying.
+ranks follow: its batch wait, a push section, an eval; the answer is what the servers then hold, the version
+included) and a **restart** of a dead server (the run's one supervisor, ``ServerPool``, under the pool's lock; the
+answer also names the servers rank 0 restarted before a push since the process last asked, on one of which its
+request may have failed). Each ask is answered on its own thread, so a pending re-sync never blocks the pipe. Every wait of the main thread here notices the process dying.
 """
 
 from __future__ import annotations
@@ -60,8 +61,11 @@ class RolloutProcess:
         self._closed = False
         atexit.register(self.close)  # before multiprocessing's own exit handler, which would wait for it
         self.calls = None  # rank 0's Rank0Calls (the trainer sets it)
-        self.answers: dict[str, Callable] = {}  # ask name -> what runs it here (the trainer sets them)
+        self.answers: dict[str, Callable] = {"resync": self._resync, "restart": self._restart}  # ask name -> answer
         self.served_state: Callable[[], dict | None] = lambda: None  # what the servers hold, for the process's check
+        self._weights = self._pool = None  # rank 0's WeightPusher and ServerPool (begin)
+        self._addresses: list[str] = []
+        self._told, self._told_lock = 0, threading.Lock()  # the pool's restarts the process knows of
         self._cond = threading.Condition()
         self._send_lock = threading.Lock()
         self._ready: dict[int, Path] = {}
@@ -136,7 +140,30 @@ class RolloutProcess:
             raise err
         return value
 
+    def _resync(self, served: int) -> dict | None:
+        """Runs at rank 0's next wait, on every rank; what the servers then hold (the version the live weights are, and
+        the fingerprints the process checks the served weights against)."""
+        self._weights.resync(self._addresses, served)
+        return self._weights.served_state()
+
+    def _restart(self, urls=None) -> list[str]:
+        """The servers named (None: the dead ones) restarted, and those restarted by rank 0 since the last answer."""
+        with self._told_lock:
+            restarted, self._told = self._pool.restart_since(self._told, urls)
+        return restarted
+
     # ------------------------------------------------------------------ the loop's batch source
+    @classmethod
+    def spawn(cls, spec: WorkerSpec) -> RolloutProcess:
+        """The process, started with its prompts, rewards and eval sets (a bad dataset or reward raises here)."""
+        source = cls(spec)
+        try:
+            source.wait_started()
+        except BaseException:
+            source.close()
+            raise
+        return source
+
     def wait_started(self) -> None:
         """Until the process has its prompts, rewards and eval sets (a bad dataset or reward raises here)."""
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -148,8 +175,12 @@ class RolloutProcess:
             if not self._started:
                 raise RuntimeError(f"the rollout process did not start within {START_TIMEOUT_S:.0f} s")
 
-    def begin(self, addresses, keys, start_step: int, served_version: int, pending: dict[int, Path]) -> None:
-        """The servers are up: the process makes its client and its producer (steps from ``start_step``)."""
+    def begin(self, addresses, keys, start_step: int, served_version: int, pending: dict[int, Path], weights,
+              pool) -> None:  # fmt: skip
+        """The servers are up: the process makes its client and its producer (steps from ``start_step``); its asks are
+        answered by rank 0's ``weights`` (``WeightPusher``) and ``pool`` (``ServerPool``)."""
+        self._weights, self._pool, self._addresses = weights, pool, list(addresses)
+        self.calls, self.served_state = weights.calls, weights.served_state
         with self._cond:
             self._ready.update(pending)  # a resumed checkpoint's finished batches: the process will not make them
         pending = {s: str(p) for s, p in pending.items()}

@@ -195,10 +195,13 @@ class _Worker:
         self.send("made", step, str(path))
         return path
 
-    def _resync(self, served: int) -> None:
+    def _resync(self, served: int) -> int | None:
+        """The learner's re-sync; the version it pushed (the learner's weights then: maybe newer than ``served``)."""
         state = self.ask("resync", served)
-        if state is not None:
-            self.view.update(state)
+        if state is None:
+            return None
+        self.view.update(state)
+        return state.get("version")
 
     def _on_start(self) -> None:
         self.producer.start()

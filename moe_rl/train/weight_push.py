@@ -5,7 +5,9 @@ Owns ``<run>/hf/current`` (the HF export the servers start from, and what a disk
 its mode depends on the servers' hosts) and, in async mode, the handshake around a push with the batch source
 (``push_section`` while it runs, ``weights_pushed`` after). Every rank takes part in the export and in every sync
 (a re-sync included: rank 0 starts it on every rank through ``rank0_calls``); rank 0 talks to the servers about the
-session, the ranks that own tensors stream them.
+session, the ranks that own tensors stream them. A re-sync is labelled with the version of the weights it pushes
+(``live``: from the start of ``push(s)`` on, the learner holds version ``s``), and rank 0 restarts a server that died
+since its last batch before it pauses or pushes (``revive``: the run's ``ServerPool.restart``).
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ class WeightPusher:
         self.keys = None  # the run's server keys (the trainer sets them before any server starts)
         self.source = None  # async: rank 0's producer, told of every push (the trainer sets it)
         self.sync = None  # the WeightSync, created at the first push
+        self.revive = None  # rank 0: restarts the dead servers, returns their URLs (the trainer sets its pool's)
+        self.live: int | None = None  # the version the learner's weights are (set at each push and the first load)
         self._lock = threading.RLock()  # one push at a time: the step's push, a re-sync (any thread)
         self._addresses: list[str] = []  # rank 0: the servers of the re-sync under way
-        self.calls = Rank0Calls({"resync": self._resync_all})  # collectives rank 0 starts while the others wait
+        self.calls = Rank0Calls({"resync": self._resync_all, "reopen": self._reopen})  # collectives rank 0 starts while the others wait
 
     def export(self) -> Path:
         """Export the learner as an HF dir for SGLang (collective); the path of the live copy."""
@@ -64,7 +68,7 @@ class WeightPusher:
         """Load the learner into every server as ``version(step)`` (collective: every rank streams what it owns;
         ``rollout.weight_sync``); seconds taken. The other ranks wait in ``calls.follow()`` until rank 0 is inside
         its push section (where it may first run a re-sync the producer asked for)."""
-        version = self.version(step)
+        version, self.live = self.version(step), step
         ws = self.weight_sync(addresses)
         if not self.is_main:
             self.calls.follow()
@@ -84,17 +88,30 @@ class WeightPusher:
         is taken inside the section, once the batch in flight has finished (its own re-sync runs first)."""
         if self.source is None:
             with self._lock:
+                self._revive_dead()
                 yield {}
             return
         from moe_rl.train.producer import push_section
 
-        with push_section(self.source, self.cfg.rollout, addresses, self.keys) as push_kwargs, self._lock:
+        with push_section(self.source, self.cfg.rollout, addresses, self.keys, before=self._revive_dead) as push_kwargs, \
+                self._lock:  # fmt: skip
             yield push_kwargs
             self.source.weights_pushed(step)
 
-    def resync(self, addresses: list[str], step: int) -> None:
+    def _revive_dead(self) -> None:
+        """Rank 0, before a push pauses or updates the servers (the other ranks are in ``follow``): restart a server
+        that died since its last batch (the push would fail on it); the push then syncs it too, through a new
+        weight-update group (``distributed``: a restarted server lost its own) opened on every rank."""
+        if self.revive is not None and self.revive():
+            self.calls.call("reopen")
+
+    def _reopen(self, _=None) -> None:
+        if self.sync is not None:
+            self.sync.close()
+
+    def resync(self, addresses: list[str], step: int) -> int:
         """Push the served weights again (rank 0: at the start, after a restart, a version mismatch or foreign
-        weights), labelled with the version they are: the last one pushed, or ``version(step)`` before any push.
+        weights), labelled with the version they are (``live``), or ``version(step)`` before any push; that version.
 
         Before any push the servers' own export (``<run>/hf/current``, the live weights) is loaded (rank 0 alone).
         After one it is a sync from the live weights, **collective over every learner rank** (no rank keeps a copy
@@ -104,19 +121,22 @@ class WeightPusher:
         if ws.version is None:
             with self._lock:
                 ws.load_dir(self.export_dir, addresses, self.version(step))
-            return
+                self.live = step
+            return step
         self._addresses = list(addresses)
-        self.calls.call("resync")
+        return self.calls.call("resync")
 
-    def _resync_all(self, _=None) -> None:
-        """Every rank: the collective re-sync ``resync`` calls, labelled with the version last pushed when it runs
-        (rank 0's label reaches the others in the sync's header); a new group under ``distributed`` (a restarted
-        server lost its own)."""
+    def _resync_all(self, _=None) -> int | None:
+        """Every rank: the collective re-sync ``resync`` calls, labelled with the version the live weights are when it
+        runs (rank 0's label reaches the others in the sync's header): inside a push section, before the update, they
+        are already the new version, and were labelled the old one (the batch regenerated on them too); a new group
+        under ``distributed`` (a restarted server lost its own). Rank 0: the version pushed."""
         with self._lock:
             addresses = self._addresses if self.is_main else []
             ws = self.weight_sync(addresses)
             ws.close()
-            ws.sync(self.learner.module, addresses, ws.version if self.is_main else "")
+            ws.sync(self.learner.module, addresses, self.version(self.live) if self.is_main else "")
+            return self.live
 
     def served_state(self) -> dict | None:
         """What rank 0 knows the servers hold, for the rollout process's checks: the half-updated servers and the
@@ -124,7 +144,8 @@ class WeightPusher:
         ws = self.sync
         if ws is None or ws.version is None:
             return None
-        return {"invalid": dict(ws.invalid), "label": ws.version, "tensors": ws.pushed.by_label.get(ws.version)}
+        return {"invalid": dict(ws.invalid), "label": ws.version, "tensors": ws.pushed.by_label.get(ws.version),
+                "version": self.live}
 
     def export_final(self) -> None:
         """``<run>/hf/current`` holds the final weights whatever the sync path (a disk sync wrote them already)."""

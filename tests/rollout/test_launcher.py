@@ -115,7 +115,7 @@ def test_sigterm_to_the_launching_process_stops_its_servers(tmp_path):
     marker = str(tmp_path / "sigterm-model")
     script = textwrap.dedent(f"""
         from moe_rl.config import RolloutConfig
-        from moe_rl.rollout.launcher import rollout_servers
+        from moe_rl.rollout.server_pool import rollout_servers
         with rollout_servers(RolloutConfig(startup_timeout_s=300), {marker!r}, {str(tmp_path)!r}):
             pass
     """)
@@ -184,7 +184,7 @@ def test_a_server_started_by_a_finished_thread_goes_down_with_a_sigkilled_launch
 def test_a_closing_pool_restarts_nothing(tmp_path):
     """Issue 36: the pool could restart a server it was tearing down (the producer thread noticing the servers
     go away at shutdown); once close() has begun, restart() starts nothing and returns []."""
-    from moe_rl.rollout.launcher import ServerPool
+    from moe_rl.rollout.server_pool import ServerPool
 
     marker = str(tmp_path / "closing-model")
     server = SGLangServer(ServerSpec(marker, startup_timeout_s=3.0), tmp_path / "server.log")

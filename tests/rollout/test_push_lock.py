@@ -61,3 +61,33 @@ def test_a_resync_during_a_paused_push_waits_for_it_and_carries_the_pushed_versi
     resync.join(timeout=30)
     assert sync.events == [("push", "step-2-n"), ("pushed", "step-2-n"), ("close",), ("push", "step-2-n"),
                            ("pushed", "step-2-n")]  # fmt: skip
+
+
+def test_a_server_dead_since_its_last_batch_is_restarted_before_the_pause_and_synced_through_a_new_group(
+        tmp_path, monkeypatch):  # fmt: skip
+    """A partial-rollout push pauses every server first: a dead one must be restarted before (the pause would fail on
+    it), then the push opens a new weight-update group (the restarted server lost its own) and loads it too. The pause
+    is a recording stand-in here (the real one is exercised above and in the trainer's e2e runs)."""
+    import contextlib
+
+    events: list[tuple] = []
+
+    @contextlib.contextmanager
+    def paused(addresses, mode, keys):
+        events.append(("pause",))
+        yield SimpleNamespace(flush_cache=True)
+        events.append(("continue",))
+
+    monkeypatch.setattr("moe_rl.rollout.partial.paused_generation", paused)
+    cfg = SimpleNamespace(rollout=SimpleNamespace(partial=True, pause_mode="retract"))
+    pusher = WeightPusher(cfg, SimpleNamespace(module=None), tmp_path, nonce="n", is_main=True)
+    pusher.sync = sync = RecordingSync()
+    sync.events, _ = events, sync.inside.set()  # no held push here
+    pusher.revive = lambda: events.append(("revive",)) or ["http://dead"]
+    pusher.source = AsyncProducer(lambda step, served: None, 0, 0, 1, served_version=1)
+    pusher.push(["http://dead"], 2)
+    assert events == [("revive",), ("close",), ("pause",), ("push", "step-2-n"), ("pushed", "step-2-n"), ("continue",)]
+    events.clear()
+    pusher.revive = lambda: []  # nothing dead: no new group
+    pusher.push(["http://dead"], 3)
+    assert events == [("pause",), ("push", "step-3-n"), ("pushed", "step-3-n"), ("continue",)]

@@ -22,7 +22,8 @@ from moe_rl.rollout.auth import ServerKeyError, ServerKeys
 from moe_rl.rollout.client import RolloutClient, SamplingSettings
 from moe_rl.rollout.health import ServerHungError
 from moe_rl.rollout.integrity import WeightVersionError, check_weight_versions, generate_checked
-from moe_rl.rollout.launcher import ServerPool, ServerSpec, SGLangServer
+from moe_rl.rollout.launcher import ServerSpec, SGLangServer
+from moe_rl.rollout.server_pool import ServerPool
 from moe_rl.rollout.weights import update_weights_from_disk
 
 pytestmark = pytest.mark.sglang
