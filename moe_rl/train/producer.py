@@ -164,10 +164,11 @@ class AsyncProducer:
 
     @contextlib.contextmanager
     def exclusive(self, wait_for_batch: bool = True, serve: bool = False):
-        """Wait for the batch in flight (``wait_for_batch``; a partial-rollout push pauses it instead) and keep
-        the producer from starting another while inside. ``serve`` is the batch sources' shared signature
+        """Wait for the batch in flight (``wait_for_batch``; a partial-rollout push pauses it instead; the wait counts
+        in ``time/learner_wait_s``) and keep the producer from starting another while inside. ``serve`` is the batch sources' shared signature
         (``RolloutProcess`` serves rank 0's requested collectives while it waits); nothing in this producer's
         process asks for one."""
+        t0 = time.perf_counter()
         with self._cond:
             self._held += 1
             try:
@@ -175,6 +176,7 @@ class AsyncProducer:
             except BaseException:
                 self._held -= 1
                 raise
+            self._wait_s += time.perf_counter() - t0  # the learner waits for the batch in flight
         try:
             yield
         finally:

@@ -206,8 +206,12 @@ class RolloutProcess:
 
     @contextlib.contextmanager
     def exclusive(self, wait_for_batch: bool = True, serve: bool = False):
-        """The process's producer waits for its batch in flight (``wait_for_batch``) and starts nothing until left."""
+        """The process's producer waits for its batch in flight (``wait_for_batch``) and starts nothing until left. The
+        learner's wait for it counts in ``time/learner_wait_s`` (before a push it used to be counted nowhere)."""
+        t0 = time.perf_counter()
         self._ask("hold", bool(wait_for_batch), serve=serve)
+        with self._cond:
+            self._wait_s += time.perf_counter() - t0
         try:
             yield
         finally:
