@@ -143,8 +143,9 @@ class RolloutProcess:
     def _resync(self, served: int) -> dict | None:
         """Runs at rank 0's next wait, on every rank; what the servers then hold (the version the live weights are, and
         the fingerprints the process checks the served weights against)."""
-        self._weights.resync(self._addresses, served)
-        return self._weights.served_state()
+        version = self._weights.resync(self._addresses, served)  # the version it pushed, whatever rank 0 does next
+        state = self._weights.served_state()
+        return None if state is None else {**state, "version": version}
 
     def _restart(self, urls=None) -> list[str]:
         """The servers named (None: the dead ones) restarted, and those restarted by rank 0 since the last answer."""
