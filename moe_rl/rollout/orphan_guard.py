@@ -6,9 +6,9 @@ has been re-parented -- its launcher died, even by SIGKILL -- and then stops the
 (SIGTERM, SIGKILL after ``GRACE_S``) and exits. It removes the ``/dev/shm`` files the group holds
 (SGLang's ``sglang_loads_*.shm``) before it signals anyone: the processes keep their mappings, and
 SGLang may kill this process as soon as a child exits. The kernel's parent-death signal
-(``PR_SET_PDEATHSIG``) follows the launching *thread*, so the launcher uses it only for servers started on its main thread; the guard
-covers every server whichever thread started it (a server restarted by the async producer) and runs
-the ``/dev/shm`` cleanup that a killed trainer never gets to.
+(``PR_SET_PDEATHSIG``) follows the launching *thread*, so the launcher uses it only for servers started on
+its main thread; the guard covers every server whichever thread started it (a server restarted by the async
+producer) and runs the ``/dev/shm`` cleanup that a killed trainer never gets to.
 """
 
 from __future__ import annotations

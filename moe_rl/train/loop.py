@@ -248,7 +248,7 @@ class RLTrainer:
         try:
             with self._servers() as self.server_pool, self._source_scope():  # the producer stops before the servers
                 addresses = self.server_pool.addresses
-                self.weights.revive = self.server_pool.restart  # rank 0: a server dead since its last batch, before a push
+                self.weights.revive = self.server_pool.restart  # rank 0: a server dead since its last batch
                 if self.is_main and not self.from_records:  # label the served weights with our version
                     self.weights.resync(addresses, self.start_step)
                 client = None

@@ -13,7 +13,8 @@ every learner rank, so it is ``Rank0Calls.request``ed and runs at the main threa
 ranks follow: its batch wait, a push section, an eval; the answer is what the servers then hold, the version
 included) and a **restart** of a dead server (the run's one supervisor, ``ServerPool``, under the pool's lock; the
 answer also names the servers rank 0 restarted before a push since the process last asked, on one of which its
-request may have failed). Each ask is answered on its own thread, so a pending re-sync never blocks the pipe. Every wait of the main thread here notices the process dying.
+request may have failed). Each ask is answered on its own thread, so a pending re-sync never blocks the pipe.
+Every wait of the main thread here notices the process dying.
 """
 
 from __future__ import annotations

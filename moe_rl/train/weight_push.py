@@ -36,7 +36,8 @@ class WeightPusher:
         self.live: int | None = None  # the version the learner's weights are (set at each push and the first load)
         self._lock = threading.RLock()  # one push at a time: the step's push, a re-sync (any thread)
         self._addresses: list[str] = []  # rank 0: the servers of the re-sync under way
-        self.calls = Rank0Calls({"resync": self._resync_all, "reopen": self._reopen})  # collectives rank 0 starts while the others wait
+        # collectives rank 0 starts while the others wait
+        self.calls = Rank0Calls({"resync": self._resync_all, "reopen": self._reopen})
 
     def export(self) -> Path:
         """Export the learner as an HF dir for SGLang (collective); the path of the live copy."""
@@ -93,8 +94,8 @@ class WeightPusher:
             return
         from moe_rl.train.producer import push_section
 
-        with push_section(self.source, self.cfg.rollout, addresses, self.keys, before=self._revive_dead) as push_kwargs, \
-                self._lock:  # fmt: skip
+        section = push_section(self.source, self.cfg.rollout, addresses, self.keys, before=self._revive_dead)
+        with section as push_kwargs, self._lock:
             yield push_kwargs
             self.source.weights_pushed(step)
 
