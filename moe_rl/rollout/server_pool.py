@@ -54,11 +54,15 @@ class ServerPool:
     servers: list[SGLangServer] = field(default_factory=list)
     external: list[str] = field(default_factory=list)
     max_restarts: int = 0
-    restarts: int = 0
     restarted: list[str] = field(default_factory=list)  # the URL of every restart, in order
     keys: ServerKeys = field(default_factory=lambda: ServerKeys(), repr=False)  # what every call must carry
     closing: bool = False  # set by close(): no server is (re)started after it
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # restart() vs close(), any thread
+
+    @property
+    def restarts(self) -> int:
+        """Restarts used so far (of ``max_restarts``)."""
+        return len(self.restarted)
 
     @property
     def addresses(self) -> list[str]:
@@ -88,7 +92,7 @@ class ServerPool:
         with self._lock:
             since = self.restarted[seen:]
             fresh = [] if self.closing else self._restart(None if urls is None else [u for u in urls if u not in since])
-            return list(dict.fromkeys([*since, *fresh])), len(self.restarted)
+            return list(dict.fromkeys([*since, *fresh])), self.restarts
 
     def _restart(self, urls: Sequence[str] | None) -> list[str]:
         chosen = [s for s in self.servers if (s.url in urls if urls is not None else not s.alive())]
@@ -99,7 +103,6 @@ class ServerPool:
                     f"rollout server {s.url} failed (exit code {code}) and all rollout.max_server_restarts="
                     f"{self.max_restarts} restarts are used; log {s.log_path}:\n{log_tail(s.log_path)}"
                 )
-            self.restarts += 1
             self.restarted.append(s.url)
             logger.warning("rollout server %s failed (exit code %s); restart %d/%d, log %s",
                            s.url, code, self.restarts, self.max_restarts, s.log_path)  # fmt: skip

@@ -113,7 +113,7 @@ class RLTrainer:
         self.kl_alarm = KLAlarm(cfg.correction.kl_alarm, cfg.correction.kl_alarm_max_in_row)
         self.plan(self.start_step)  # an impossible split fails here, before any server starts
         if self.is_main and not self.from_records and cfg.train.rollout_mode == "async":
-            self.source = self._rollout_process(data_state)  # its dataset and reward fail here, before any server starts
+            self.source = self._rollout_process(data_state)  # bad data or reward fails here, before any server
 
     def plan(self, step: int):
         """This rank's ``StepPlan`` for ``step``."""
@@ -356,7 +356,6 @@ class RLTrainer:
         else:
             self.source.begin(addresses, self.server_keys, self.start_step, self.start_step, pending, self.weights,
                               self.server_pool)  # fmt: skip
-        self.source.calls = self.weights.calls  # its re-syncs run on the main thread, on every rank
         self.weights.source = self.source  # a push waits for (or pauses) the batch in flight
         return client
 

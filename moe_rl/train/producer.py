@@ -166,9 +166,8 @@ class AsyncProducer:
     def exclusive(self, wait_for_batch: bool = True, serve: bool = False):
         """Wait for the batch in flight (``wait_for_batch``; a partial-rollout push pauses it instead; the wait counts
         in ``time/learner_wait_s``) and keep the producer from starting another while inside. ``serve`` is the
-        batch sources' shared signature
-        (``RolloutProcess`` serves rank 0's requested collectives while it waits); nothing in this producer's
-        process asks for one."""
+        batch sources' shared signature (``RolloutProcess`` serves rank 0's requested collectives while it waits);
+        nothing in this producer's process asks for one."""
         t0 = time.perf_counter()
         with self._cond:
             self._held += 1

@@ -61,9 +61,8 @@ class RolloutProcess:
         child.close()
         self._closed = False
         atexit.register(self.close)  # before multiprocessing's own exit handler, which would wait for it
-        self.calls = None  # rank 0's Rank0Calls (the trainer sets it)
+        self.calls = None  # rank 0's Rank0Calls (begin)
         self.answers: dict[str, Callable] = {"resync": self._resync, "restart": self._restart}  # ask name -> answer
-        self.served_state: Callable[[], dict | None] = lambda: None  # what the servers hold, for the process's check
         self._weights = self._pool = None  # rank 0's WeightPusher and ServerPool (begin)
         self._addresses: list[str] = []
         self._told, self._told_lock = 0, threading.Lock()  # the pool's restarts the process knows of
@@ -182,11 +181,11 @@ class RolloutProcess:
         """The servers are up: the process makes its client and its producer (steps from ``start_step``); its asks are
         answered by rank 0's ``weights`` (``WeightPusher``) and ``pool`` (``ServerPool``)."""
         self._weights, self._pool, self._addresses = weights, pool, list(addresses)
-        self.calls, self.served_state = weights.calls, weights.served_state
+        self.calls = weights.calls
         with self._cond:
             self._ready.update(pending)  # a resumed checkpoint's finished batches: the process will not make them
         pending = {s: str(p) for s, p in pending.items()}
-        self._ask("begin", list(addresses), keys, start_step, served_version, pending, self.served_state())
+        self._ask("begin", list(addresses), keys, start_step, served_version, pending, weights.served_state())
 
     def start(self) -> None:
         self._send("start")
@@ -204,7 +203,7 @@ class RolloutProcess:
 
     def weights_pushed(self, version: int) -> None:
         """The servers hold ``version`` (and its fingerprints): steps up to ``version + k`` may start."""
-        self._ask("pushed", int(version), self.served_state())
+        self._ask("pushed", int(version), self._weights.served_state())
 
     @contextlib.contextmanager
     def exclusive(self, wait_for_batch: bool = True, serve: bool = False):

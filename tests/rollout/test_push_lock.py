@@ -57,7 +57,7 @@ def test_a_resync_during_a_paused_push_waits_for_it_and_carries_the_pushed_versi
     sync.release.set()
     push.join(timeout=30)
     assert pusher.calls.pending, "the re-sync waits for the main thread"
-    pusher.calls.serve()  # what the main thread does at its next wait (AsyncProducer._wait_serving)
+    pusher.calls.serve()  # what the main thread does at its next wait (Rank0Calls.wait)
     resync.join(timeout=30)
     assert sync.events == [("push", "step-2-n"), ("pushed", "step-2-n"), ("close",), ("push", "step-2-n"),
                            ("pushed", "step-2-n")]  # fmt: skip

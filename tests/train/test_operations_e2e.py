@@ -87,4 +87,3 @@ def test_a_server_crash_that_ends_the_run_leaves_no_shm_entry_and_no_process(tmp
     assert trainer.returncode not in (0, None), err[-3000:]
     assert _pids_mentioning(str(tmp_path)) == [], "a server process outlived the run"
     assert shm_left_over(before, watch.stop()) == [], "a /dev/shm entry of the crashed server outlived the run"
-
