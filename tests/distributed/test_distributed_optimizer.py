@@ -25,11 +25,12 @@ import math
 import pytest
 import torch
 
+from tests.conftest import one_gpu_per_rank
 from tests.distributed.distopt_data import cfg, data_shard, nll
 from tests.distributed.torchrun import REPO, run_worker
 from tests.learner.conftest import megatron_world  # noqa: F401 - the 1-rank gloo world fixture
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, one_gpu_per_rank(2)]  # its torchrun workers are 2 ranks
 REL = 1e-5
 
 

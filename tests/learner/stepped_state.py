@@ -22,5 +22,6 @@ def stepped_learner(cfg):
         p.main_grad.fill_(1e-3)
         p.grad = p.main_grad.to(p.dtype)
     learner.optimizer.step()
-    state = [t for s in learner.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+    opt_state = learner.optimizer.state  # a dict, or Megatron's ProxyDict (keys only) when the optimizer is chained
+    state = [t for key in opt_state for t in opt_state[key].values() if torch.is_tensor(t) and t.dim() > 0]
     return learner, params, state
