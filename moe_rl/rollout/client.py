@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -130,7 +131,8 @@ class RolloutClient:
             raise ValueError(f"load_balance={load_balance!r}; expected one of {LOAD_BALANCE}")
         self.load_balance = load_balance
         self._next_server = itertools.count()
-        self._outstanding = [0] * len(self.addresses)  # requests in flight per server (this client's)
+        self._outstanding = [0] * len(self.addresses)  # requests in flight per server (this client's, all threads)
+        self._outstanding_lock = threading.Lock()  # several steps' batches may be generated at once (async mode)
         self._top_k = self._wire_top_k(sampling.top_k, sampling_mask_max_tokens)
 
     @classmethod
@@ -221,8 +223,10 @@ class RolloutClient:
         step: int = 0,
         seeded: bool = True,
         routes_start_len: Sequence[int] | None = None,
+        counters: PartialCounters | None = None,
     ) -> list[RolloutSample]:
-        """`len(prompts) * n` samples, or RolloutError; never fewer. `seeded=False` sends no seed.
+        """`len(prompts) * n` samples, or RolloutError; never fewer. `seeded=False` sends no seed. `counters`: where
+        this call's ``async/*`` counts go (default: the client's ``partial_counters``).
 
         `routes_start_len[i]` (multi-turn / continued generation): prompt `i`'s samples carry only the
         route rows `[start, P + R - 1)`, the rows before it being known from the earlier turn.
@@ -251,28 +255,29 @@ class RolloutClient:
             async def whole_batch():
                 try:
                     async with asyncio.TaskGroup() as tg:  # first failure cancels the rest: no partial batch
-                        tasks = [tg.create_task(self._one(http, gate, *job)) for job in jobs]
+                        tasks = [tg.create_task(self._one(http, gate, *job, counters=counters)) for job in jobs]
                 except* RolloutError as group:
                     raise group.exceptions[0] from None
                 return [t.result() for t in tasks]
 
             return await run_watched(whole_batch(), self.addresses, self.health_timeout_s, self.headers)
 
-    async def _one(self, http: httpx.AsyncClient, gate: asyncio.Semaphore, prompt, group_id, seed, start) -> RolloutSample:
-        budget = self.sampling.max_new_tokens
+    async def _one(self, http: httpx.AsyncClient, gate: asyncio.Semaphore, prompt, group_id, seed, start,
+                   counters: PartialCounters | None = None) -> RolloutSample:  # fmt: skip
+        budget, counters = self.sampling.max_new_tokens, counters or self.partial_counters
         async with gate:
-            sample, aborted = await self._attempts(http, prompt, group_id, seed, start, budget)
+            sample, aborted = await self._attempts(http, prompt, group_id, seed, start, budget, counters)
             for _ in range(self.max_continuations):
                 k = 0 if sample is None else len(sample.response_ids)
                 if not aborted or k >= budget:
                     break
-                self.partial_counters.continued_requests += 1
+                counters.continued_requests += 1
                 if k == 0:  # ended before its first token (still queued, or in prefill): ask again, same request
-                    sample, aborted = await self._attempts(http, prompt, group_id, seed, start, budget)
+                    sample, aborted = await self._attempts(http, prompt, group_id, seed, start, budget, counters)
                     continue
                 head_prompt = continuation_prompt(sample)  # rows before len - 1 came with the aborted reply
                 tail, aborted = await self._attempts(
-                    http, head_prompt, group_id, continuation_seed(seed, k), len(head_prompt) - 1, budget - k
+                    http, head_prompt, group_id, continuation_seed(seed, k), len(head_prompt) - 1, budget - k, counters
                 )
                 if tail is not None:  # None: the continuation itself was aborted while queued; send it again
                     sample = stitch(sample, tail)
@@ -283,10 +288,11 @@ class RolloutClient:
         if aborted:
             sample.finish_reason = "length"  # the whole budget was generated before the abort
         if sample.token_versions is not None and np.unique(sample.token_versions).size > 1:
-            self.partial_counters.partial_samples += 1
+            counters.partial_samples += 1
         return sample
 
-    async def _attempts(self, http, prompt, group_id, seed, start, max_new_tokens) -> tuple[RolloutSample | None, bool]:
+    async def _attempts(self, http, prompt, group_id, seed, start, max_new_tokens,
+                        counters: PartialCounters | None = None) -> tuple[RolloutSample | None, bool]:  # fmt: skip
         """One request with retries: (sample, whether a pause aborted it); the sample is None when a pause
         aborted the request before its first token or while it sat in the waiting queue (``is_queued_abort``:
         no routes in the reply, nothing to continue from): it is sent again whole."""
@@ -296,17 +302,23 @@ class RolloutClient:
         for attempt in range(self.max_retries + 1):
             index = order[attempt % len(order)]
             url = self.addresses[index]
-            self._outstanding[index] += 1
+            with self._outstanding_lock:
+                self._outstanding[index] += 1
             try:
                 reply = await self._post(http, url, body)
                 paused = self.pause_mode == "abort" and is_pause_abort(reply["meta_info"])
                 if paused and (not reply["output_ids"] or is_queued_abort(reply["meta_info"])):
                     return None, True
-                return self._to_sample(reply, prompt, group_id, url, start), paused
+                sample = self._to_sample(reply, prompt, group_id, url, start)
+                if self.pause_mode == "in_place":
+                    (counters or self.partial_counters).kv_stale_tokens += kv_stale_tokens(
+                        reply["meta_info"], len(sample.response_ids))  # fmt: skip
+                return sample, paused
             except _Retryable as err:
                 errors.append(f"attempt {attempt + 1} at {url}: {err}")
             finally:
-                self._outstanding[index] -= 1
+                with self._outstanding_lock:
+                    self._outstanding[index] -= 1
             if attempt < self.max_retries:
                 await asyncio.sleep(self.backoff_s * 2**attempt)
         raise RolloutError(
@@ -365,8 +377,6 @@ class RolloutClient:
             token_versions = token_versions_from_meta(meta, len(response))
         except (RecordError, PartialRolloutError) as err:
             raise RolloutResponseError(f"malformed /generate reply from {url}: {err}") from err
-        if self.pause_mode == "in_place":
-            self.partial_counters.kv_stale_tokens += kv_stale_tokens(meta, len(response))
         return RolloutSample(
             prompt_ids=prompt,
             response_ids=response,

@@ -25,7 +25,8 @@ def records_path(directory: Path, step: int) -> Path:
 
 
 class BatchMaker:
-    """``make(step, served_version) -> path``; called on rank 0 by the sync loop or the async producer."""
+    """``make(step, served_version, drawn) -> path``; called on rank 0 by the sync loop or the async producer
+    (``drawn()`` once the step takes no more prompts; several steps may be made at once in async mode)."""
 
     def __init__(self, cfg, samples, records, records_dir: Path, client, version: Callable[[int], str],
                  resync: Callable[[int], int | None], weight_sync: Callable[[], object | None],
@@ -34,8 +35,9 @@ class BatchMaker:
         self.client, self.version, self.resync, self.weight_sync, self.restart = (
             client, version, resync, weight_sync, restart)  # fmt: skip
 
-    def __call__(self, step: int, served: int) -> Path:
+    def __call__(self, step: int, served: int, drawn: Callable[[], None] = lambda: None) -> Path:
         from moe_rl.rollout.integrity import generate_checked
+        from moe_rl.rollout.partial import PartialCounters
         from moe_rl.train.step_samples import round_group_ids
 
         n, client, partial = self.cfg.rollout.samples_per_prompt, self.client, self.cfg.rollout.partial
@@ -43,6 +45,7 @@ class BatchMaker:
             ws.check_servable(client.addresses)  # never sample a half-updated server
 
         now = {"served": served}  # a re-sync pushes the version the learner's weights are: maybe a newer one
+        counters = PartialCounters()  # this batch's (another step may be generating at the same time)
 
         def resync() -> None:
             if (pushed := self.resync(now["served"])) is not None:
@@ -55,16 +58,16 @@ class BatchMaker:
         def generate(prompts, round_):
             ids, groups = [p.ids for p in prompts], round_group_ids(round_, len(prompts))
             return generate_checked(  # the served weight version only; a dead server we launched restarts
-                lambda: client.generate(ids, n, step=step, group_ids=groups), lambda: self.version(now["served"]),
+                lambda: client.generate(ids, n, step=step, group_ids=groups, counters=counters), lambda: self.version(now["served"]),
                 resync=resync, restart=self.restart,
                 newer_ok=partial,  # a partial rollout ends under the weights pushed meanwhile
                 check_served=check_served, max_foreign_syncs=self.cfg.rollout.max_foreign_syncs,
             )  # fmt: skip
 
-        samples, sample_metrics = self.samples.make(step, generate)
+        samples, sample_metrics = self.samples.make(step, generate, drawn)
         batch = self.records.stamp(RolloutBatch.from_samples(samples, num_experts=self.cfg.model.num_moe_experts))
-        if self.cfg.rollout.partial:  # async/kv_stale_tokens, … of this batch (drained on the generating thread)
-            sample_metrics = sample_metrics | client.partial_counters.drain()
+        if self.cfg.rollout.partial:  # async/kv_stale_tokens, … of this batch
+            sample_metrics = sample_metrics | counters.drain()
         if sample_metrics:
             batch.extra["reward_metrics"] = sample_metrics  # travels with the records to every rank
         batch.validate(self.cfg.model)

@@ -1,17 +1,22 @@
 """Where rank 0's records for an RL step come from: made inline (sync) or by a producer thread ahead (async).
 
 Owns ``train.rollout_mode`` and ``train.max_staleness`` (docs/training.md, "sync -> async"). Both
-sources call the same ``make(step, served_version) -> Path`` (the loop's: prompts, generation, rewards,
-filters, ``rollouts/step_<s>.safetensors`` written before it is trained on); they differ only in *when*:
+sources call the same ``make(step, served_version, drawn) -> Path`` (the batch maker's: prompts, generation,
+rewards, filters, ``rollouts/step_<s>.safetensors`` written before it is trained on; ``drawn()`` once the
+step takes no more prompts); they differ only in *when*:
 
 * ``InlineBatches`` (sync): ``batch(s)`` makes step ``s``'s records there and then, on version ``s``.
-* ``AsyncProducer`` (async, k = ``max_staleness``): a thread makes steps ``start, start+1, …`` in order. The
-  trainer runs it inside its rollout process (``moe_rl.train.rollout_worker``, driven from learner rank 0 by
+* ``AsyncProducer`` (async, k = ``max_staleness``): steps ``start, start+1, …`` are started in order, each on
+  a thread of its own, so several can be in flight and a step's slow reply delays only that step (its
+  records are written once it has all its samples; the learner trains steps in order). A step starts
+  drawing prompts only once the step before has drawn all of its own (dynamic sampling's later rounds
+  included), so prompts are taken in step order whatever the timing. The trainer runs it inside its rollout
+  process (``moe_rl.train.rollout_worker``, driven from learner rank 0 by
   ``moe_rl.train.rollout_process``, which offers the loop the same interface).
   Admission: step ``t`` starts only once the served weights have version ``>= t - k`` (version ``v`` = the
   weights at the start of RL step ``v``), so no token it generates is more than ``k`` versions older than
   the weights that train it. ``exclusive()`` is what a weight push (``rollout.partial: false``) and an
-  eval take: it waits for the batch in flight to finish and holds the producer back until it is left,
+  eval take: it waits for the batches in flight to finish and holds the producer back until it is left,
   so every sample of a batch comes from one version and an eval sees the version being trained. With
   ``k = 0`` step ``t`` starts only after version ``t`` is pushed: the same batches as sync, bitwise.
 
@@ -35,7 +40,7 @@ from pathlib import Path
 
 __all__ = ["InlineBatches", "AsyncProducer", "pending_records", "push_section", "raise_batch_failure"]
 
-MakeBatch = Callable[[int, int], Path]  # (step, served version) -> the records file written for step
+MakeBatch = Callable[[int, int, Callable[[], None]], Path]  # (step, served version, drawn) -> step's records file
 
 
 def _user_errors() -> tuple[type, ...]:
@@ -68,7 +73,7 @@ class InlineBatches:
         pass
 
     def batch(self, step: int) -> Path:
-        return self.pending.pop(step) if step in self.pending else self.make(step, self.served)
+        return self.pending.pop(step) if step in self.pending else self.make(step, self.served, lambda: None)
 
     def weights_pushed(self, version: int) -> None:
         self.served = version
@@ -88,7 +93,7 @@ class InlineBatches:
 
 
 class AsyncProducer:
-    """Async mode: a thread making steps ``start … end-1`` ahead of the learner (module docstring)."""
+    """Async mode: steps ``start … end-1`` made ahead of the learner, several at once (module docstring)."""
 
     mode = "async"
 
@@ -105,44 +110,75 @@ class AsyncProducer:
             self.next += 1
         self.data_before: dict[int, dict | None] = {}  # step -> stream position before its prompts were taken
         self._cond = threading.Condition()
-        self._making: int | None = None  # the step in flight
+        self._making: set[int] = set()  # the steps in flight
+        self._drawing: int | None = None  # the step still taking prompts: the next one waits (prompts in step order)
+        self._workers: list[threading.Thread] = []
         self._held = 0  # exclusive() sections waiting or running: the producer starts nothing meanwhile
         self._stop = False
-        self._error: BaseException | None = None
-        self._idle_s = 0.0  # producer time spent not making a batch, since the last take_times()
+        self._error: BaseException | None = None  # the first failure, and the step it failed on
+        self._error_step = -1
+        self._idle_s = 0.0  # time with no batch in flight, since the last take_times()
+        self._idle_since: float | None = time.perf_counter()
         self._wait_s = 0.0  # learner time spent waiting for a batch, since the last take_times()
         self._thread = threading.Thread(target=self._run, name="moe_rl-rollout-producer", daemon=True)
 
-    # ------------------------------------------------------------------ producer thread
+    # ------------------------------------------------------------------ producer threads
     def start(self) -> None:
         self._thread.start()
 
     def _admitted(self, step: int) -> bool:
-        return self._stop or (self._held == 0 and step - self.served <= self.k)
+        if self._stop or self._error is not None:
+            return True
+        return self._held == 0 and self._drawing is None and step - self.served <= self.k
 
     def _run(self) -> None:
-        try:
-            while True:
-                t0 = time.perf_counter()
-                with self._cond:
-                    step = self.next
-                    if step >= self.end:
-                        return
-                    self._cond.wait_for(lambda: self._admitted(step))
-                    self._idle_s += time.perf_counter() - t0
-                    if self._stop:
-                        return
-                    self.data_before[step] = self.stream_state()  # before make() takes the step's prompts
-                    self._making, served = step, self.served
-                path = self.make(step, served)
-                with self._cond:
-                    self.ready[step] = path
-                    self._making, self.next = None, step + 1
-                    self._cond.notify_all()
-        except BaseException as exc:  # handed to the learner's thread at its next batch()
+        """Starts each admitted step on a thread of its own, in step order, once the step before has its prompts."""
+        while True:
             with self._cond:
-                self._error, self._making = exc, None
+                step = self.next
+                if step >= self.end:
+                    return
+                self._cond.wait_for(lambda: self._admitted(step))
+                if self._stop or self._error is not None:
+                    return
+                self.data_before[step] = self.stream_state()  # before make() takes the step's prompts
+                if not self._making and self._idle_since is not None:
+                    self._idle_s += time.perf_counter() - self._idle_since
+                    self._idle_since = None
+                self._making.add(step)
+                self._drawing, served, self.next = step, self.served, step + 1
+                worker = threading.Thread(target=self._make_one, args=(step, served), daemon=True,
+                                          name=f"moe_rl-rollout-step-{step}")  # fmt: skip
+                self._workers.append(worker)
+            worker.start()
+
+    def _drawn(self, step: int) -> None:
+        """``step`` takes no more prompts: the next step may start drawing."""
+        with self._cond:
+            if self._drawing == step:
+                self._drawing = None
                 self._cond.notify_all()
+
+    def _make_one(self, step: int, served: int) -> None:
+        try:
+            path = self.make(step, served, lambda: self._drawn(step))
+        except BaseException as exc:  # noqa: BLE001 -- handed to the learner's thread at its next batch()
+            with self._cond:
+                if self._error is None:
+                    self._error, self._error_step = exc, step
+                self._finished(step)
+            return
+        with self._cond:
+            self.ready[step] = path
+            self._finished(step)
+
+    def _finished(self, step: int) -> None:  # under self._cond
+        self._making.discard(step)
+        if self._drawing == step:
+            self._drawing = None
+        if not self._making:
+            self._idle_since = time.perf_counter()
+        self._cond.notify_all()
 
     # ------------------------------------------------------------------ learner thread
     def batch(self, step: int) -> Path:
@@ -152,7 +188,7 @@ class AsyncProducer:
             self._cond.wait_for(lambda: step in self.ready or self._error is not None)
             self._wait_s += time.perf_counter() - t0
             if step not in self.ready:
-                raise_batch_failure(step, self._error, "the rollout producer")
+                raise_batch_failure(self._error_step, self._error, "the rollout producer")
             self.data_before.pop(step, None)
             return self.ready.pop(step)
 
@@ -172,7 +208,7 @@ class AsyncProducer:
         with self._cond:
             self._held += 1
             try:
-                self._cond.wait_for(lambda: self._making is None or not wait_for_batch)
+                self._cond.wait_for(lambda: not self._making or not wait_for_batch)
             except BaseException:
                 self._held -= 1
                 raise
@@ -185,9 +221,13 @@ class AsyncProducer:
                 self._cond.notify_all()
 
     def take_times(self) -> dict[str, float]:
-        """``time/learner_wait_s`` and ``time/rollout_idle_s`` since the last call (the producer's idle time
-        counts up to now when it is waiting: admission or an exclusive section)."""
+        """``time/learner_wait_s`` and ``time/rollout_idle_s`` (no batch in flight, counted up to now) since the
+        last call."""
         with self._cond:
+            now = time.perf_counter()
+            if self._idle_since is not None:
+                self._idle_s += now - self._idle_since
+                self._idle_since = now
             out = {"time/learner_wait_s": self._wait_s, "time/rollout_idle_s": self._idle_s}
             self._wait_s = self._idle_s = 0.0
         return out
@@ -208,13 +248,16 @@ class AsyncProducer:
         return {"async": state, **({"data": data} if data is not None else {})}, files
 
     def close(self, join_s: float = 30.0) -> None:
-        """Start nothing more; wait up to ``join_s`` for a batch in flight to end with its requests (the thread is a
-        daemon otherwise)."""
+        """Start nothing more; wait up to ``join_s`` for the batches in flight to end with their requests (the
+        threads are daemons otherwise)."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        if join_s and self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=join_s)
+            threads = [self._thread, *self._workers]
+        deadline = time.monotonic() + join_s
+        for thread in threads:
+            if join_s and thread.is_alive() and thread is not threading.current_thread():
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 @contextlib.contextmanager

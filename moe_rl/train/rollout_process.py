@@ -65,7 +65,6 @@ class RolloutProcess:
         self.answers: dict[str, Callable] = {"resync": self._resync, "restart": self._restart}  # ask name -> answer
         self._weights = self._pool = None  # rank 0's WeightPusher and ServerPool (begin)
         self._addresses: list[str] = []
-        self._told, self._told_lock = 0, threading.Lock()  # the pool's restarts the process knows of
         self._cond = threading.Condition()
         self._send_lock = threading.Lock()
         self._ready: dict[int, Path] = {}
@@ -147,11 +146,10 @@ class RolloutProcess:
         state = self._weights.served_state()
         return None if state is None else {**state, "version": version}
 
-    def _restart(self, urls=None) -> list[str]:
-        """The servers named (None: the dead ones) restarted, and those restarted by rank 0 since the last answer."""
-        with self._told_lock:
-            restarted, self._told = self._pool.restart_since(self._told, urls)
-        return restarted
+    def _restart(self, urls=None, seen: int = 0) -> tuple[list[str], int]:
+        """The servers named (None: the dead ones) restarted, and those restarted by anyone since the asking batch
+        knew of ``seen`` restarts; ``(URLs, restarts now)`` (``ServerPool.restart_since``)."""
+        return self._pool.restart_since(seen, urls)
 
     # ------------------------------------------------------------------ the loop's batch source
     @classmethod

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["WorkerSpec", "PromptSide", "worker_main", "portable_error"]
+__all__ = ["WorkerSpec", "PromptSide", "BatchRestarts", "worker_main", "portable_error"]
 
 _SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP")
 
@@ -112,6 +112,27 @@ class _ServedView:
         check_servable(self.invalid, addresses)
 
 
+class BatchRestarts:
+    """Restarts asked for by the batches in flight, each knowing the restarts made since it started.
+
+    ``ask(urls, seen) -> (restarted URLs, restarts now)`` is rank 0's ``ServerPool.restart_since``. A batch whose
+    request failed on a server that another batch (or rank 0's push) restarted meanwhile gets that server back
+    and re-syncs, rather than a refusal: so each batch (one thread each) counts from what it knew at its start,
+    not from the process's last answer."""
+
+    def __init__(self, ask):
+        self.ask, self.known = ask, 0
+        self._batch = threading.local()
+
+    def start_batch(self) -> None:
+        self._batch.seen = self.known
+
+    def __call__(self, urls=None) -> list[str]:
+        restarted, self._batch.seen = self.ask(urls, getattr(self._batch, "seen", self.known))
+        self.known = max(self.known, self._batch.seen)
+        return restarted
+
+
 class _Worker:
     def __init__(self, conn, spec: WorkerSpec):
         from moe_rl.train.step_records import StepRecords
@@ -122,6 +143,7 @@ class _Worker:
         self.client = self.maker = self.producer = self.view = None
         self._send_lock, self._asks, self._ids = threading.Lock(), {}, iter(range(1 << 62))
         self._holds: list[contextlib.ExitStack] = []
+        self.restarts = BatchRestarts(lambda urls, seen: self.ask("restart", urls, seen))
 
     # ------------------------------------------------------------------ messages
     def send(self, *msg) -> None:
@@ -181,14 +203,15 @@ class _Worker:
         self.maker = BatchMaker(cfg, self.side.samples, self.records, Path(self.spec.records_dir), self.client,
                                 lambda s: version_label(s, self.spec.nonce), resync=self._resync,
                                 weight_sync=lambda: self.view if self.view.pushed.by_label else None,
-                                restart=lambda urls=None: self.ask("restart", urls))  # fmt: skip
+                                restart=self.restarts)  # fmt: skip
         self.producer = AsyncProducer(self._make, start, cfg.train.steps, cfg.train.max_staleness, served,
                                       self.side.prompts.state, {int(s): Path(p) for s, p in pending.items()})  # fmt: skip
 
-    def _make(self, step: int, served: int) -> Path:
+    def _make(self, step: int, served: int, drawn) -> Path:
         """The producer's ``make``: the batch maker's records, announced to the learner (or its failure)."""
+        self.restarts.start_batch()  # on the step's own thread
         try:
-            path = self.maker(step, served)
+            path = self.maker(step, served, drawn)
         except BaseException as exc:
             self.send("failed", step, portable_error(exc))
             raise

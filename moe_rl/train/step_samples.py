@@ -32,9 +32,10 @@ class StepSamples:
     def __init__(self, cfg, prompts, rewarder):
         self.cfg, self.prompts, self.rewarder = cfg, prompts, rewarder
 
-    def _round(self, step: int, round_: int, generate: Callable, metrics: dict) -> GroupRound:
+    def _round(self, step: int, round_: int, generate: Callable, metrics: dict, drawn=lambda: None) -> GroupRound:
         cfg, n = self.cfg, self.cfg.rollout.samples_per_prompt
         prompts = self.prompts.next_prompts(step, cfg.train.prompts_per_step, round=round_)
+        drawn()
         samples = generate(prompts, round_)
         scores = self.rewarder.score([prompts[k // n] for k in range(len(samples))], [s.response_ids for s in samples])
         rewards = np.asarray(scores.rewards, dtype=np.float64)
@@ -55,15 +56,18 @@ class StepSamples:
             sample.data_file, sample.data_row = prompts[k // n].file, prompts[k // n].row
         return GroupRound(prompts, samples, rewards.tolist())
 
-    def make(self, step: int, generate: Callable) -> tuple[list, dict[str, float]]:
-        """``(samples with .reward set, metrics)``: ``prompts_per_step`` groups of ``samples_per_prompt``."""
+    def make(self, step: int, generate: Callable, drawn: Callable[[], None] = lambda: None) -> tuple[list, dict]:
+        """``(samples with .reward set, metrics)``: ``prompts_per_step`` groups of ``samples_per_prompt``.
+        ``drawn()`` is called once the step takes no more prompts: after round 0's draw, or with dynamic sampling
+        once its rounds are done (whether another round is needed is known only from the rewards)."""
         cfg, per_round = self.cfg, defaultdict(list)
         t = cfg.train
         if t.filter_groups:
             got = collect_groups(lambda r: self._round(step, r, generate, per_round), t.prompts_per_step,
                                  cfg.rollout.samples_per_prompt, t.max_generation_rounds, t.filter_groups_fallback)  # fmt: skip
+            drawn()
         else:
-            one = self._round(step, 0, generate, per_round)
+            one = self._round(step, 0, generate, per_round, drawn)
             got = Collected(one.prompts, one.samples, one.rewards, rounds=1)
         for sample, reward in zip(got.samples, got.rewards):
             sample.reward = float(reward)

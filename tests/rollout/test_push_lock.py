@@ -46,7 +46,7 @@ def test_a_resync_during_a_paused_push_waits_for_it_and_carries_the_pushed_versi
     cfg = SimpleNamespace(rollout=SimpleNamespace(partial=True, pause_mode="retract"))
     pusher = WeightPusher(cfg, SimpleNamespace(module=None), tmp_path, nonce="n", is_main=True)
     pusher.sync = sync = RecordingSync()
-    pusher.source = AsyncProducer(lambda step, served: None, 0, 0, 1, served_version=1)  # no batch in flight
+    pusher.source = AsyncProducer(lambda step, served, drawn: None, 0, 0, 1, served_version=1)  # no batch in flight
     push = threading.Thread(target=pusher.push, args=([sglang_server.url], 2))
     push.start()
     assert sync.inside.wait(30)  # generation paused on the server, the update under way
@@ -84,7 +84,7 @@ def test_a_server_dead_since_its_last_batch_is_restarted_before_the_pause_and_sy
     pusher.sync = sync = RecordingSync()
     sync.events, _ = events, sync.inside.set()  # no held push here
     pusher.revive = lambda: events.append(("revive",)) or ["http://dead"]
-    pusher.source = AsyncProducer(lambda step, served: None, 0, 0, 1, served_version=1)
+    pusher.source = AsyncProducer(lambda step, served, drawn: None, 0, 0, 1, served_version=1)
     pusher.push(["http://dead"], 2)
     assert events == [("revive",), ("close",), ("pause",), ("push", "step-2-n"), ("pushed", "step-2-n"), ("continue",)]
     events.clear()

@@ -127,7 +127,7 @@ def test_a_bad_row_drawn_by_the_async_producer_reaches_the_cli_as_its_own_line(t
     from moe_rl.data.loaders import DataError
     from moe_rl.train.producer import AsyncProducer
 
-    def make(step, served):
+    def make(step, served, drawn=None):
         raise DataError(f"{tmp_path}/d.jsonl row 3 has a null data.label_key='a'")
 
     producer = AsyncProducer(make, 0, 2, 1, served_version=0)

@@ -35,7 +35,7 @@ class Maker:
         self.dir, self.stream, self.gate, self.gated_step = directory, stream, gate, gated_step
         self.calls: list[tuple[int, int]] = []
 
-    def __call__(self, step: int, served: int) -> Path:
+    def __call__(self, step: int, served: int, drawn=lambda: None) -> Path:
         self.calls.append((step, served))
         prompts = self.stream.take(step)
         if self.gate is not None and step == self.gated_step:  # in flight until the test opens the gate
@@ -97,7 +97,7 @@ def test_a_push_waits_for_the_batch_in_flight_and_holds_the_next_one_back(tmp_pa
 
 
 def test_a_failing_batch_is_raised_in_the_learner_naming_the_step(tmp_path):
-    def make(step, served):
+    def make(step, served, drawn=None):
         raise ConnectionError("server gone")
 
     producer = AsyncProducer(make, 0, 2, 1, served_version=0)
@@ -167,7 +167,7 @@ def test_a_push_publishes_its_version_before_the_producer_may_admit_a_batch(tmp_
     made: list[tuple[int, int, int]] = []  # (step, served as the producer saw it, served by the servers)
     maker = Maker(tmp_path, ListStream())
 
-    def make(step, served):
+    def make(step, served, drawn=None):
         made.append((step, served, servers["version"]))
         return maker(step, served)
 
@@ -189,3 +189,128 @@ def test_a_push_publishes_its_version_before_the_producer_may_admit_a_batch(tmp_
     producer.close()
     assert [m[0] for m in made] == list(range(8))
     assert [m for m in made if m[1] != m[2]] == []
+
+
+class StreamingMaker(Maker):
+    """A maker that says when its step has its prompts (``drawn``), as the batch maker does, then generates:
+    ``slow_step`` waits for ``gate`` after drawing (a slow reply); ``rounds(step)`` draws (dynamic sampling)."""
+
+    def __init__(self, directory, stream, gate=None, slow_step=-1, rounds=lambda step: 1, draws=None):
+        super().__init__(directory, stream)
+        self.gate, self.slow_step, self.rounds, self.draws = gate, slow_step, rounds, draws
+        self.finished: list[int] = []
+
+    def __call__(self, step, served, drawn=lambda: None):
+        import time
+
+        self.calls.append((step, served))
+        prompts = []
+        for r in range(self.rounds(step)):
+            if r:
+                time.sleep(0.05)  # the round's generation and rewards: another step could draw meanwhile
+            prompts += self.stream.take(step)
+            if self.draws is not None:
+                self.draws.append(step)
+        drawn()
+        if step == self.slow_step:
+            assert self.gate.wait(30)
+        path = self.dir / f"step_{step:06d}.safetensors"
+        path.write_text(",".join(map(str, prompts)))
+        self.finished.append(step)
+        return path
+
+
+def _partial_push(producer, version):
+    """A ``rollout.partial`` push: the batches in flight are paused on the servers, not waited for."""
+    with producer.exclusive(wait_for_batch=False):
+        producer.weights_pushed(version)
+
+
+def _wait_until(cond, what):
+    import time
+
+    deadline = time.monotonic() + 30
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_a_slow_reply_delays_only_its_own_step_and_a_kill_then_loses_no_prompt(tmp_path):
+    """Step 1's batch has a slow reply; once version 1 is pushed (partial mode) step 2 is made meanwhile. A
+    checkpoint then (step 1 unfinished, step 2 finished) keeps neither: the resumed run takes both steps' prompts
+    again from before step 1 and trains every prompt once. Seen failing on the one-batch-at-a-time producer
+    (step 2 waited for step 1's slow reply)."""
+    run, ckpt = tmp_path / "rollouts", tmp_path / "ckpt_files"
+    run.mkdir(), ckpt.mkdir()
+    gate, stream = threading.Event(), ListStream()
+    maker = StreamingMaker(run, stream, gate, slow_step=1)
+    producer = AsyncProducer(maker, 0, 6, 1, served_version=0, stream_state=stream.state)
+    producer.start()
+    trained = [int(p) for p in producer.batch(0).read_text().split(",")]
+    _partial_push(producer, 1)  # step 1 is in flight with its slow reply; step 2 is admitted now
+    _wait_until(lambda: 2 in maker.finished, "step 2 waited for step 1's slow reply")
+    assert 1 not in maker.finished and producer.take_times()["time/rollout_idle_s"] >= 0
+    extra, files = producer.checkpoint_state(1)
+    assert extra["async"]["ready_steps"] == [] and extra["async"]["unfinished_from"] == 1 and files == {}
+    assert extra["data"] == {"index": 1}, "the position before step 1's prompts"
+    gate.set()
+    producer.close()
+    for f in run.iterdir():
+        f.unlink()
+
+    resumed = ListStream(extra["data"]["index"])
+    maker2 = StreamingMaker(run, resumed)
+    producer2 = AsyncProducer(maker2, 1, 6, 1, served_version=1, stream_state=resumed.state)
+    producer2.start()
+    try:
+        for s in range(1, 6):
+            trained += [int(p) for p in producer2.batch(s).read_text().split(",")]
+            _partial_push(producer2, s + 1)
+    finally:
+        producer2.close()
+    assert [s for s, _ in maker2.calls] == list(range(1, 6))
+    assert trained == list(range(len(trained))) and len(trained) == sum(1 + s % 3 for s in range(6))
+
+
+def test_overlapping_steps_draw_their_prompts_in_step_order(tmp_path):
+    """Even steps draw twice (dynamic sampling's second round, after generating the first); with k = 3 and
+    partial pushes several steps are in flight, yet every draw of step s comes before any draw of step s + 1, so
+    a run's prompts do not depend on timing. Break tried: saying ``drawn`` after the first round fails it."""
+    stream, draws = ListStream(), []
+    maker = StreamingMaker(tmp_path, stream, rounds=lambda step: 2 if step % 2 == 0 else 1, draws=draws)
+    producer = AsyncProducer(maker, 0, 8, 3, served_version=0, stream_state=stream.state)
+    producer.start()
+    try:
+        for s in range(8):
+            producer.batch(s)
+            _partial_push(producer, s + 1)
+    finally:
+        producer.close()
+    assert draws == sorted(draws) and len(draws) == 12, draws
+    assert len({s - v for s, v in maker.calls}) > 1, "no step was made ahead"
+
+
+def test_a_push_that_waits_for_batches_waits_for_every_step_in_flight(tmp_path):
+    """k = 2: steps 0 and 1 start together; a push (``rollout.partial: false``) waits for both, step 1's slow
+    reply included, before it goes in."""
+    gate, stream = threading.Event(), ListStream()
+    maker = StreamingMaker(tmp_path, stream, gate, slow_step=1)
+    producer = AsyncProducer(maker, 0, 3, 2, served_version=0, stream_state=stream.state)
+    producer.start()
+    entered = threading.Event()
+
+    def push():
+        with producer.exclusive():
+            entered.set()
+
+    try:
+        producer.batch(0)
+        _wait_until(lambda: 1 in {s for s, _ in maker.calls}, "step 1 did not start beside step 0")
+        pusher = threading.Thread(target=push)
+        pusher.start()
+        assert not entered.wait(0.5), "the push went in while step 1's batch was in flight"
+        gate.set()
+        assert entered.wait(30)
+        pusher.join()
+    finally:
+        producer.close()
