@@ -1,7 +1,8 @@
 """Generate a batch of rollout records from SGLang servers over HTTP `/generate`.
 
 Owns the request (sampling params, per-sample `sampling_seed`, log-probs, routed experts,
-sampling masks), bounded concurrency, the server of each request (``rollout.load_balance``: the one with the
+sampling masks), bounded concurrency (one pool of slots for every batch in flight, oldest step first:
+``moe_rl.rollout.slots``), the server of each request (``rollout.load_balance``: the one with the
 fewest of this client's requests in flight, or round robin), retries with backoff on
 connection errors and 5xx, and the all-or-nothing rule: a batch either comes back whole or the
 call raises RolloutError. Decoding and validating `meta_info` is `moe_rl.records.decode_sglang_meta`;
@@ -36,6 +37,7 @@ from moe_rl.rollout.partial import (
     stitch,
     token_versions_from_meta,
 )
+from moe_rl.rollout.slots import StepSlots
 
 
 class RolloutError(RuntimeError):
@@ -119,6 +121,7 @@ class RolloutClient:
         self.return_sampling_mask = return_sampling_mask
         self.request_timeout_s = request_timeout_s
         self.max_concurrency = max_concurrency
+        self._slots = StepSlots(max_concurrency)  # shared by every batch in flight, oldest step first (slots.py)
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self.headers = dict(headers or {})  # Authorization when the servers have an API key (auth.py)
@@ -247,7 +250,7 @@ class RolloutClient:
             for p, g, start in zip(prompts, group_ids, starts)
             for j in range(n)
         ]
-        gate = asyncio.Semaphore(self.max_concurrency)
+        gate = self._slots.gate(step)  # the client's max_concurrency, across the batches of every thread
         limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
         async with httpx.AsyncClient(timeout=self.request_timeout_s, limits=limits, headers=self.headers,
                                      verify=tls()) as http:  # one TLS context: ~40 ms per batch otherwise
@@ -262,7 +265,7 @@ class RolloutClient:
 
             return await run_watched(whole_batch(), self.addresses, self.health_timeout_s, self.headers)
 
-    async def _one(self, http: httpx.AsyncClient, gate: asyncio.Semaphore, prompt, group_id, seed, start,
+    async def _one(self, http: httpx.AsyncClient, gate, prompt, group_id, seed, start,
                    counters: PartialCounters | None = None) -> RolloutSample:  # fmt: skip
         budget, counters = self.sampling.max_new_tokens, counters or self.partial_counters
         async with gate:
