@@ -37,7 +37,10 @@ def test_a_batch_whose_server_another_batch_restarted_gets_it_back_and_resyncs()
             assert first_done.wait(10)
             got[name] = restarts()
 
-    threads = [threading.Thread(target=batch, args=("step1", True)), threading.Thread(target=batch, args=("step2", False))]
+    threads = [
+        threading.Thread(target=batch, args=("step1", True)),
+        threading.Thread(target=batch, args=("step2", False)),
+    ]
     for t in threads:
         t.start()
     for t in threads:
