@@ -149,7 +149,7 @@ class AsyncProducer:
                 self._drawing, served, self.next = step, self.served, step + 1
                 worker = threading.Thread(target=self._make_one, args=(step, served), daemon=True,
                                           name=f"moe_rl-rollout-step-{step}")  # fmt: skip
-                self._workers.append(worker)
+                self._workers = [w for w in self._workers if w.is_alive()] + [worker]
             worker.start()
 
     def _drawn(self, step: int) -> None:
@@ -185,7 +185,8 @@ class AsyncProducer:
         """Step ``step``'s records, once made (waiting is ``time/learner_wait_s``)."""
         t0 = time.perf_counter()
         with self._cond:
-            self._cond.wait_for(lambda: step in self.ready or self._error is not None)
+            # a later step's failure waits for this one, still in flight, to end (it may yet be trained)
+            self._cond.wait_for(lambda: step in self.ready or (self._error is not None and step not in self._making))
             self._wait_s += time.perf_counter() - t0
             if step not in self.ready:
                 raise_batch_failure(self._error_step, self._error, "the rollout producer")

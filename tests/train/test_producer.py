@@ -314,3 +314,27 @@ def test_a_push_that_waits_for_batches_waits_for_every_step_in_flight(tmp_path):
         pusher.join()
     finally:
         producer.close()
+
+
+def test_a_later_steps_failure_lets_the_step_in_flight_before_it_finish_and_train(tmp_path):
+    """Step 1 fails while step 0 (a slow reply) is still in flight: step 0's batch is still handed over (and
+    trained), and step 1's failure is raised naming step 1."""
+    gate, stream = threading.Event(), ListStream()
+    maker = StreamingMaker(tmp_path, stream, gate, slow_step=0)
+
+    def make(step, served, drawn=lambda: None):
+        if step == 1:
+            raise ConnectionError("server gone")
+        return maker(step, served, drawn)
+
+    producer = AsyncProducer(make, 0, 3, 1, served_version=0, stream_state=stream.state)
+    producer.start()
+    try:
+        _wait_until(lambda: producer._error is not None, "step 1 never ran beside step 0")
+        threading.Timer(0.2, gate.set).start()
+        assert producer.batch(0).read_text() == "0"
+        with pytest.raises(RuntimeError, match="making step 1's batch: ConnectionError: server gone"):
+            producer.batch(1)
+    finally:
+        gate.set()
+        producer.close()
