@@ -230,7 +230,10 @@ class RolloutConfig(Section):
     sampling_mask_max_tokens: int = Field(4096, ge=1)
     request_timeout_s: float = Field(120.0, gt=0)
     startup_timeout_s: float = Field(180.0, gt=0)
-    max_concurrency: int = Field(16, ge=1)
+    max_concurrency: int = Field(
+        16, ge=1, description="requests in flight from the rollout client, all servers and all steps in flight "
+        "together (async: a freed slot goes to the oldest step's request)"
+    )
     sleep_on_idle: bool = Field(
         True, description="SGLang's --sleep-on-idle: an idle scheduler waits on its sockets instead of spinning a "
         "core (it took 65-95% of a core from a co-located learner on 2 cores)"
