@@ -11,6 +11,7 @@ seeds; later rounds use their own).
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -31,13 +32,15 @@ class StepSamples:
 
     def __init__(self, cfg, prompts, rewarder):
         self.cfg, self.prompts, self.rewarder = cfg, prompts, rewarder
+        self._scoring = threading.Lock()  # async: steps in flight score one at a time (the reward pool has one queue)
 
     def _round(self, step: int, round_: int, generate: Callable, metrics: dict, drawn=lambda: None) -> GroupRound:
         cfg, n = self.cfg, self.cfg.rollout.samples_per_prompt
         prompts = self.prompts.next_prompts(step, cfg.train.prompts_per_step, round=round_)
         drawn()
         samples = generate(prompts, round_)
-        scores = self.rewarder.score([prompts[k // n] for k in range(len(samples))], [s.response_ids for s in samples])
+        with self._scoring:
+            scores = self.rewarder.score([prompts[k // n] for k in range(len(samples))], [s.response_ids for s in samples])
         rewards = np.asarray(scores.rewards, dtype=np.float64)
         ob = cfg.reward.overlong_buffer
         if ob is not None:

@@ -338,3 +338,39 @@ def test_a_later_steps_failure_lets_the_step_in_flight_before_it_finish_and_trai
     finally:
         gate.set()
         producer.close()
+
+
+def test_steps_in_flight_score_one_at_a_time(tmp_path):
+    """Two steps' batches made at once (two threads, as the producer runs them) never call the reward at the same
+    time: the reward pool has one queue of calls and replies. Break tried: without StepSamples' lock it fails."""
+    import time
+    from types import SimpleNamespace
+
+    from moe_rl.config import load_config
+    from moe_rl.data.stream import PromptItem
+    from moe_rl.reward import Rewarder, Scores
+    from moe_rl.train.step_samples import StepSamples
+
+    inside, overlaps = [0], []
+
+    class Slow(Rewarder):
+        def score(self, prompts, responses):
+            inside[0] += 1
+            overlaps.append(inside[0])
+            time.sleep(0.05)
+            inside[0] -= 1
+            return Scores([1.0] * len(responses))
+
+    class Rows:
+        def next_prompts(self, step, n, round=0):
+            return [PromptItem(ids=[1], label="1") for _ in range(n)]
+
+    cfg = load_config(None, ["train.prompts_per_step=2", "rollout.samples_per_prompt=2"])
+    samples = StepSamples(cfg, Rows(), Slow())
+    generate = lambda prompts, r: [SimpleNamespace(response_ids=[5]) for p in prompts for _ in range(2)]  # noqa: E731
+    threads = [threading.Thread(target=samples.make, args=(s, generate)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert overlaps == [1, 1, 1, 1], overlaps
