@@ -3,8 +3,9 @@
 Owns the child side of ``moe_rl.train.rollout_process``. Spawned by learner rank 0 (a fresh interpreter:
 nothing of the learner's threads, GIL or process group state is shared), pinned to its cores, it builds the
 prompt stream, the reward scorer, the eval sets and, once the servers are up (``begin``), the rollout client and
-an ``AsyncProducer`` whose thread makes steps ``start, start+1, …`` ahead of the learner under the same
-admission rule as before (``train.max_staleness``): prompts, generation (partial rollouts stitched by the
+an ``AsyncProducer`` that makes steps ``start, start+1, …`` ahead of the learner, several at once (a thread
+each, their requests sharing the client's slots), under the same admission rule as before
+(``train.max_staleness``): prompts, generation (partial rollouts stitched by the
 client), rewards, dynamic sampling, records written atomically to ``rollouts/step_<s>.safetensors``. Each
 finished step is announced to the learner (``made``); the learner never decodes a reply.
 
