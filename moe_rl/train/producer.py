@@ -124,6 +124,8 @@ class AsyncProducer:
 
     # ------------------------------------------------------------------ producer threads
     def start(self) -> None:
+        with self._cond:  # idle counts from here (not from construction)
+            self._idle_since = time.perf_counter()
         self._thread.start()
 
     def _admitted(self, step: int) -> bool:
