@@ -118,13 +118,13 @@ class AsyncProducer:
         self._error: BaseException | None = None  # the first failure, and the step it failed on
         self._error_step = -1
         self._idle_s = 0.0  # time with no batch in flight, since the last take_times()
-        self._idle_since: float | None = time.perf_counter()
+        self._idle_since: float | None = None  # since when no batch is in flight (start() sets it first)
         self._wait_s = 0.0  # learner time spent waiting for a batch, since the last take_times()
         self._thread = threading.Thread(target=self._run, name="moe_rl-rollout-producer", daemon=True)
 
     # ------------------------------------------------------------------ producer threads
     def start(self) -> None:
-        with self._cond:  # idle counts from here (not from construction)
+        with self._cond:  # idle counts from here
             self._idle_since = time.perf_counter()
         self._thread.start()
 

@@ -79,21 +79,26 @@ def test_a_push_waits_for_the_batch_in_flight_and_holds_the_next_one_back(tmp_pa
     maker = Maker(tmp_path, ListStream(), gate)
     producer = AsyncProducer(maker, 0, 3, 1, served_version=0)
     producer.start()
+    try:
+        _assert_push_waits_for(producer, gate, "the push went in while step 0's batch was being generated")
+    finally:
+        producer.close()
+
+
+def _assert_push_waits_for(producer, gate, what):
+    """A push (``exclusive()``, ``rollout.partial: false``) stays out until ``gate`` lets the batch in flight end."""
     entered = threading.Event()
 
     def push():
         with producer.exclusive():
             entered.set()
 
-    try:
-        pusher = threading.Thread(target=push)
-        pusher.start()
-        assert not entered.wait(0.5), "the push went in while step 0's batch was being generated"
-        gate.set()
-        assert entered.wait(30)
-        pusher.join()
-    finally:
-        producer.close()
+    pusher = threading.Thread(target=push)
+    pusher.start()
+    assert not entered.wait(0.5), what
+    gate.set()
+    assert entered.wait(30)
+    pusher.join()
 
 
 def test_a_failing_batch_is_raised_in_the_learner_naming_the_step(tmp_path):
@@ -297,21 +302,10 @@ def test_a_push_that_waits_for_batches_waits_for_every_step_in_flight(tmp_path):
     maker = StreamingMaker(tmp_path, stream, gate, slow_step=1)
     producer = AsyncProducer(maker, 0, 3, 2, served_version=0, stream_state=stream.state)
     producer.start()
-    entered = threading.Event()
-
-    def push():
-        with producer.exclusive():
-            entered.set()
-
     try:
         producer.batch(0)
         _wait_until(lambda: 1 in {s for s, _ in maker.calls}, "step 1 did not start beside step 0")
-        pusher = threading.Thread(target=push)
-        pusher.start()
-        assert not entered.wait(0.5), "the push went in while step 1's batch was in flight"
-        gate.set()
-        assert entered.wait(30)
-        pusher.join()
+        _assert_push_waits_for(producer, gate, "the push went in while step 1's batch was in flight")
     finally:
         producer.close()
 
