@@ -21,7 +21,10 @@ With ``--partial`` a third mode runs too, ``partial``: async with ``rollout.part
 pauses the batch in flight with ``rollout.pause_mode`` and continues it under the new weights instead
 of waiting for it; issue 29), reported as ``partial_speedup=<sync / partial>`` and per run the share of
 samples spanning two versions. The last line is ``async_speedup=<sum of sync rl_wall_s / sum of async
-rl_wall_s>`` over the repeats. Before the runs, ``core_interference=<x>``: how much slower the server's core
+rl_wall_s>`` over the repeats; before it ``bound=`` (the issue's (G + T) / max(G, T), G the sync runs' generation time,
+T the rest), ``pipelined_bound=`` (``pipelined_s``: what one-step-ahead pipelining of the same sync steps could
+reach, the first batch and the last update overlapping nothing) and per mode the speedup as a share of each.
+Before the runs, ``core_interference=<x>``: how much slower the server's core
 computes while the learner's core computes too (1.0: independent cores, what the bound assumes).
 
   .venv/bin/python bench/bench_async.py [--steps 12] [--repeats 2] [--learner-cpus 0] [--server-cpus 1] \
@@ -71,6 +74,12 @@ def run_once(mode: str, args, overrides: list[str]) -> dict:
         learner_idle = sum(m["time/learner_wait_s"] for m in steps) / total
         server_idle = sum(m["time/rollout_idle_s"] for m in steps) / total
     generating_s = total * (1 - server_idle)  # the time the rollout side was making batches
+    if mode == "sync":  # per step: generation and the rest (what the async bounds are computed from)
+        gen = [m["time/rollout_s"] for m in steps]
+        rest = [m["time/step_s"] - g for m, g in zip(steps, gen)]
+        per_step = {"gen_s": [round(g, 3) for g in gen], "rest_s": [round(t, 3) for t in rest]}
+    else:
+        per_step = {}
     return {
         "mode": mode, "steps": len(steps), "rl_wall_s": round(total, 2), "process_wall_s": round(wall, 1),
         "learner_idle_frac": round(learner_idle, 3), "server_idle_frac": round(server_idle, 3),
@@ -78,8 +87,18 @@ def run_once(mode: str, args, overrides: list[str]) -> dict:
         "partial_frac": round(sum(m.get("async/partial_frac", 0.0) for m in steps) / len(steps), 3),
         "staleness_mean": round(sum(m.get("async/staleness_mean", 0.0) for m in steps) / len(steps), 3),
         "reward_first": round(steps[0]["reward/mean"], 4), "reward_last": round(steps[-1]["reward/mean"], 4),
-        "load_after": [round(x, 2) for x in os.getloadavg()],
+        "first_step_s": round(steps[0]["time/step_s"], 2), "load_after": [round(x, 2) for x in os.getloadavg()],
+        **per_step,
     }  # fmt: skip
+
+
+def pipelined_s(gen: list[float], rest: list[float]) -> float:
+    """The least RL-loop time async mode at ``max_staleness: 1`` can take for sync steps that generated for ``gen[i]``
+    and trained, pushed, … for ``rest[i]`` seconds: steps 0 and 1 are made at once on one server, step ``i + 1`` trains
+    once pushed, a push waits for the batch in flight, which the next batch follows. So
+    ``G0 + sum_i max(T_i, G_{i+1}) + T_last``: the first batch (with the server's first-request warm-up) and the last
+    update overlap nothing. The issue's bound ``(G + T) / max(G, T)`` is its limit over many steps."""
+    return gen[0] + sum(max(t, g) for t, g in zip(rest[:-1], gen[1:])) + rest[-1]
 
 
 _PROBE = ("import sys, time, torch; torch.set_num_threads(1); a = torch.randn(384, 384); t = time.perf_counter()\n"
@@ -123,11 +142,22 @@ def main() -> None:
     print(f"core_interference={core_interference(args.learner_cpus, args.server_cpus):.2f}", flush=True)
     modes = ("sync", "async", "partial") if args.partial else ("sync", "async")
     walls = dict.fromkeys(modes, 0.0)
+    gen_s = pipelined = 0.0
     for _ in range(args.repeats):
         for mode in modes:
             result = run_once(mode, args, overrides)
             walls[mode] += result["rl_wall_s"]
+            if mode == "sync":
+                gen_s += sum(result["gen_s"])
+                pipelined += pipelined_s(result["gen_s"], result["rest_s"])
             print(json.dumps(result), flush=True)
+    sync = walls["sync"]
+    bound = sync / max(gen_s, sync - gen_s)  # (G + T) / max(G, T) over the sync runs' sums
+    k1 = args.staleness == 1  # pipelined_s is the schedule of max_staleness 1
+    print(f"bound={bound:.3f}" + (f" pipelined_bound={sync / pipelined:.3f}" if k1 else ""))
+    for mode in modes[1:]:
+        print(f"{mode}: of_bound={sync / walls[mode] / bound:.3f}"
+              + (f" of_pipelined_bound={pipelined / walls[mode]:.3f}" if k1 else ""))  # fmt: skip
     if args.partial:
         print(f"partial_speedup={walls['sync'] / walls['partial']:.3f}")
     print(f"async_speedup={walls['sync'] / walls['async']:.3f}")
