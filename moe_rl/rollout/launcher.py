@@ -255,15 +255,16 @@ class SGLangServer:
         generations). SGLang posts it itself right after start-up, but with ``--skip-server-warmup`` that post races the
         HTTP server coming up and is lost about one start in three ("post-warmup freeze_gc failed" in the log); then
         every ``/flush_cache``, one per weight push, runs a full collection over the scheduler's heap on CPU: 0.34 s
-        instead of 0.014 s on the demo's model (bench/bench_async.py, docs/benchmarks.md). Freezing twice is harmless."""
+        instead of 0.014 s on the demo's model (bench/bench_async.py, docs/benchmarks.md). Freezing twice is harmless.
+        A failure only costs that time: a warning naming the server, not a failed start."""
         try:
             resp = httpx.post(f"{self.url}/freeze_gc", headers=keys.headers(admin=True), timeout=30.0)
+            problem = None if resp.status_code == 200 else f"HTTP {resp.status_code}: {resp.text[:200]}"
         except httpx.HTTPError as err:
-            raise ServerStartError(f"SGLang server at {self.url}: /freeze_gc failed: {type(err).__name__}: {err}; "
-                                   f"log {self.log_path}:\n{log_tail(self.log_path)}") from None  # fmt: skip
-        if resp.status_code != 200:
-            raise ServerStartError(f"SGLang server at {self.url}: /freeze_gc answered HTTP {resp.status_code}: "
-                                   f"{resp.text[:300]}")  # fmt: skip
+            problem = f"{type(err).__name__}: {err}"
+        if problem is not None:
+            logger.warning("SGLang server at %s: /freeze_gc failed (%s); each weight push's cache flush may then "
+                           "collect the whole heap (~0.3 s on CPU)", self.url, problem)  # fmt: skip
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None

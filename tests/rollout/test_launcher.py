@@ -192,3 +192,17 @@ def test_a_closing_pool_restarts_nothing(tmp_path):
     pool.close()
     assert pool.restart() == [] and pool.restart([server.url]) == []
     assert server.process is None and pool.restarts == 0 and _pids_mentioning(marker) == []
+
+
+def test_a_failed_gc_freeze_warns_and_names_the_server(tmp_path, caplog):
+    """``/freeze_gc`` only saves each push's flush a heap walk: a server that refuses it is still usable, so the
+    launcher warns (naming the server) instead of failing the start. Here nothing listens on the port (a real refused
+    connection)."""
+    from moe_rl.rollout.auth import ServerKeys
+    from moe_rl.rollout.launcher import free_port
+
+    server = SGLangServer(ServerSpec(model_path=str(tmp_path)), tmp_path / "server.log")
+    server.url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
+    with caplog.at_level("WARNING", logger="moe_rl.rollout.launcher"):
+        server.freeze_gc(ServerKeys())
+    assert f"SGLang server at {server.url}: /freeze_gc failed (ConnectError" in caplog.text
