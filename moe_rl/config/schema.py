@@ -169,6 +169,11 @@ class ParallelConfig(Section):
 class PrecisionConfig(Section):
     params_dtype: Literal["float32", "bfloat16"] = "float32"
     fp8: FP8Config | None = None
+    deterministic: bool = Field(
+        False, description="CUDA learner: deterministic kernels (torch.use_deterministic_algorithms, warning for ops "
+        "without one; CUBLAS_WORKSPACE_CONFIG=:4096:8 unless set), so a resumed run repeats a straight one bit for "
+        "bit; slower. The CPU learner is deterministic without it"
+    )
 
 
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"  # an environment variable name
