@@ -18,6 +18,7 @@ import torch
 
 from moe_rl.config.hf_model import initial_weights_dir, side_files_dir
 from moe_rl.learner.device import model_device, to_device
+from moe_rl.learner.dist import deterministic_kernels
 from moe_rl.learner.hf_convert import load_hf_weights
 from moe_rl.learner.hf_export import export_hf_checkpoint
 from moe_rl.learner.logprobs import response_logprobs
@@ -87,6 +88,7 @@ class Learner:
 
     def __init__(self, cfg, total_steps: int | None = None, model=None):
         self.cfg = cfg
+        deterministic_kernels(cfg.precision.deterministic)  # before the model's first CUDA kernel
         if model is None:
             model = build_model(cfg)
             if initial_weights_dir(cfg):  # checkpoint.init_from_hf, else model.hf_path

@@ -65,7 +65,7 @@ class RLTrainer:
 
     def __init__(self, cfg: ExperimentConfig):
         from moe_rl.learner.checkpoint import load_checkpoint
-        from moe_rl.learner.dist import deterministic_kernels, init_distributed
+        from moe_rl.learner.dist import init_distributed
         from moe_rl.learner.train_step import Learner
         from moe_rl.replay.driver import ReplayDriver
         from moe_rl.train.run_dir import guard_run_dir
@@ -75,7 +75,6 @@ class RLTrainer:
         self.run_dir = Path(cfg.train.output_dir)
         self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
         self.records_dir = Path(cfg.train.rollouts_from) if cfg.train.rollouts_from else self.run_dir / ROLLOUTS_DIR
-        deterministic_kernels(cfg.precision.deterministic)  # before any CUDA kernel
         init_distributed(cfg.parallel)
         self.is_main = is_main_process()
         # lock, writable paths, resume rules: before anything is written (rank 0 decides, all ranks follow)
