@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -136,6 +137,7 @@ class RolloutClient:
         self._next_server = itertools.count()
         self._outstanding = [0] * len(self.addresses)  # requests in flight per server (this client's, all threads)
         self._outstanding_lock = threading.Lock()  # several steps' batches may be generated at once (async mode)
+        self._replied: dict[str, float] = {}  # address -> monotonic time of its last reply: not probed meanwhile
         self._top_k = self._wire_top_k(sampling.top_k, sampling_mask_max_tokens)
 
     @classmethod
@@ -263,7 +265,8 @@ class RolloutClient:
                     raise group.exceptions[0] from None
                 return [t.result() for t in tasks]
 
-            return await run_watched(whole_batch(), self.addresses, self.health_timeout_s, self.headers)
+            return await run_watched(whole_batch(), self.addresses, self.health_timeout_s, self.headers,
+                                     self._replied)  # fmt: skip
 
     async def _one(self, http: httpx.AsyncClient, gate, prompt, group_id, seed, start,
                    counters: PartialCounters | None = None) -> RolloutSample:  # fmt: skip
@@ -343,6 +346,8 @@ class RolloutClient:
             resp = await http.post(f"{url}/generate", json=body)
         except httpx.TransportError as err:  # refused, reset, timed out, closed mid-reply
             raise _Retryable(f"{type(err).__name__}: {err}") from err
+        if resp.status_code == 200:
+            self._replied[url] = time.monotonic()  # the scheduler generated: proof of health (health.py)
         if resp.status_code >= 500:
             raise _Retryable(f"HTTP {resp.status_code}: {resp.text[:300]}")
         if resp.status_code >= 400:

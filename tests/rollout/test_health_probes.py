@@ -1,0 +1,83 @@
+"""The batch watchdog probes only a server that has stopped replying (``moe_rl.rollout.health``).
+
+SGLang's ``/health`` generates a token and holds the model-update read lock for up to a second, so a probe near
+a batch's end held up the weight push after it (``begin_weight_update`` waits for that lock's write side).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from moe_rl.rollout import weight_senders
+from moe_rl.rollout.client import RolloutClient, SamplingSettings
+from moe_rl.rollout.health import ServerHungError, watch_health
+from moe_rl.rollout.launcher import free_port
+
+
+def test_a_server_that_replies_is_not_probed_and_one_that_stops_is(device):
+    """Nothing listens at the address, so every probe fails: only the replies keep the watchdog quiet."""
+
+    async def main():
+        address = f"http://127.0.0.1:{free_port()}"
+        replied = {address: time.monotonic()}
+
+        async def replying():
+            while True:
+                replied[address] = time.monotonic()
+                await asyncio.sleep(0.05)
+
+        feeder = asyncio.ensure_future(replying())
+        with pytest.raises(TimeoutError):  # probed, it would be hung at 1.5 s
+            await asyncio.wait_for(watch_health([address], 1.5, replied=replied), 3.0)
+        feeder.cancel()
+        t0 = time.monotonic()
+        with pytest.raises(ServerHungError, match="has not answered /health for"):
+            await asyncio.wait_for(watch_health([address], 1.5, replied=replied), 6.0)
+        return time.monotonic() - t0
+
+    assert asyncio.run(main()) < 3.0
+
+
+@pytest.mark.sglang
+def test_a_push_after_a_long_batch_waits_for_no_probe(sglang_server, route_spec, device):
+    """A batch longer than the probe interval (1 s at health_timeout_s=3): no ``/health`` reaches the replying
+    server, and the push's ``begin_weight_update`` right after the batch is not held up."""
+    log = sglang_server.log_path
+    client = RolloutClient([sglang_server.url], route_spec, 512, SamplingSettings(max_new_tokens=12),
+                           max_concurrency=4, health_timeout_s=3.0)  # fmt: skip
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(4, 512, size=int(rng.integers(5, 20))).tolist() for _ in range(40)]
+    client.generate(prompts[:1])  # a fresh server's first request takes seconds of warm-up: no reply, so probed
+    time.sleep(1.2)  # a probe's access-log line is written when its handler returns (up to ~1 s later)
+    probes = log.read_text(errors="replace").count('"GET /health HTTP')
+    t0 = time.monotonic()
+    client.generate(prompts, n=2)
+    batch_s = time.monotonic() - t0
+    t1 = time.monotonic()
+    refused = weight_senders.begin([sglang_server.url], {}, 30.0)
+    begin_s = time.monotonic() - t1
+    assert not refused, refused
+    assert not weight_senders.end([sglang_server.url], {}, 30.0)
+    httpx.post(f"{sglang_server.url}/flush_cache", timeout=60).raise_for_status()
+    assert batch_s > 2.2, f"the batch took {batch_s:.2f} s; the test needs one longer than two probe intervals"
+    time.sleep(1.2)  # a probe's access-log line is written when its handler returns (up to ~1 s later)
+    sent = log.read_text(errors="replace").count('"GET /health HTTP') - probes
+    assert sent == 0, f"{sent} /health probes reached a server that was replying"
+    assert begin_s < 0.5, f"begin_weight_update took {begin_s:.3f} s after the batch (held up by a probe)"
+
+
+@pytest.mark.sglang
+def test_an_idle_healthy_server_is_not_called_hung_at_a_short_timeout(sglang_server, device):
+    """No replies, so the watchdog probes. SGLang answers ``/health`` after ~1 s: at ``health_timeout_s=1.5`` (a 0.5 s
+    interval) a probe that gave up after one interval failed every time, and the idle server was called hung."""
+
+    async def main():
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(watch_health([sglang_server.url], 1.5), 4.5)
+
+    asyncio.run(main())
