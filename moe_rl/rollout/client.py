@@ -6,24 +6,26 @@ sampling masks), bounded concurrency (one pool of slots for every batch in fligh
 fewest of this client's requests in flight, or round robin), retries with backoff on
 connection errors and 5xx, and the all-or-nothing rule: a batch either comes back whole or the
 call raises RolloutError. Decoding and validating `meta_info` is `moe_rl.records.decode_sglang_meta`;
-per-token weight versions and continuing a reply aborted by a pause are `moe_rl.rollout.partial`.
+per-token weight versions and continuing a reply aborted by a pause are `moe_rl.rollout.partial`; the HTTP session
+(aiohttp, for its CPU per request) is `moe_rl.rollout.http_session`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import httpx
 import numpy as np
 
 from moe_rl.config.preflight import ksm_active
 from moe_rl.records import RecordError, RolloutSample, RouteSpec, decode_sglang_meta
-from moe_rl.rollout.auth import ServerKeys, tls
+from moe_rl.rollout import http_session
+from moe_rl.rollout.auth import ServerKeys
 from moe_rl.rollout.health import run_watched
 from moe_rl.rollout.partial import (
     PartialCounters,
@@ -253,9 +255,7 @@ class RolloutClient:
             for j in range(n)
         ]
         gate = self._slots.gate(step)  # the client's max_concurrency, across the batches of every thread
-        limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
-        async with httpx.AsyncClient(timeout=self.request_timeout_s, limits=limits, headers=self.headers,
-                                     verify=tls()) as http:  # one TLS context: ~40 ms per batch otherwise
+        async with http_session.Session(self.max_concurrency, self.request_timeout_s, self.headers) as http:
 
             async def whole_batch():
                 try:
@@ -268,7 +268,7 @@ class RolloutClient:
             return await run_watched(whole_batch(), self.addresses, self.health_timeout_s, self.headers,
                                      self._replied)  # fmt: skip
 
-    async def _one(self, http: httpx.AsyncClient, gate, prompt, group_id, seed, start,
+    async def _one(self, http, gate, prompt, group_id, seed, start,
                    counters: PartialCounters | None = None) -> RolloutSample:  # fmt: skip
         budget, counters = self.sampling.max_new_tokens, counters or self.partial_counters
         async with gate:
@@ -341,23 +341,24 @@ class RolloutClient:
             order.sort(key=lambda i: self._outstanding[i])  # stable: ties keep the round-robin order
         return order
 
-    async def _post(self, http: httpx.AsyncClient, url: str, body: dict) -> dict:
+    async def _post(self, http, url: str, body: dict) -> dict:
         try:
-            resp = await http.post(f"{url}/generate", json=body)
-        except httpx.TransportError as err:  # refused, reset, timed out, closed mid-reply
-            raise _Retryable(f"{type(err).__name__}: {err}") from err
-        if resp.status_code == 200:
+            status, raw = await http.post_json(f"{url}/generate", body)
+        except http_session.TransportFailure as err:  # refused, reset, timed out, closed mid-reply
+            raise _Retryable(str(err)) from err
+        if status == 200:
             self._replied[url] = time.monotonic()  # the scheduler generated: proof of health (health.py)
-        if resp.status_code >= 500:
-            raise _Retryable(f"HTTP {resp.status_code}: {resp.text[:300]}")
-        if resp.status_code >= 400:
+        if status >= 500:
+            raise _Retryable(f"HTTP {status}: {raw[:300].decode(errors='replace')}")
+        if status >= 400:
             raise RolloutRequestError(
-                f"{url}/generate rejected the request, HTTP {resp.status_code}: {resp.text[:500]}"
+                f"{url}/generate rejected the request, HTTP {status}: {raw[:500].decode(errors='replace')}"
             )
         try:
-            reply = resp.json()
+            reply = json.loads(raw)
         except ValueError as err:
-            raise RolloutResponseError(f"{url}/generate replied with non-JSON: {resp.text[:300]!r}") from err
+            raise RolloutResponseError(f"{url}/generate replied with non-JSON: "
+                                       f"{raw[:300].decode(errors='replace')!r}") from err  # fmt: skip
         if not isinstance(reply, dict) or not isinstance(reply.get("meta_info"), dict) or "output_ids" not in reply:
             raise RolloutResponseError(f"{url}/generate reply lacks 'output_ids'/'meta_info': {str(reply)[:300]}")
         return reply
