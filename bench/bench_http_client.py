@@ -26,8 +26,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from moe_rl.rollout.http_session import Session  # noqa: E402
-from moe_rl.rollout.launcher import free_port  # noqa: E402
+from moe_rl.rollout.http_session import Session
+from moe_rl.rollout.launcher import free_port
 
 SERVER = """
 import asyncio, json, sys

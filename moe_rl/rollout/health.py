@@ -62,7 +62,8 @@ async def watch_health(addresses: Sequence[str], timeout_s: float, headers: dict
                 if time.monotonic() - heard(address) < interval:
                     continue  # it replied (or answered a probe) within the interval: working
                 try:
-                    ok = (await http.get(f"{address}/health", timeout=max(interval, PROBE_TIMEOUT_S))).status_code == 200
+                    reply = await http.get(f"{address}/health", timeout=max(interval, PROBE_TIMEOUT_S))
+                    ok = reply.status_code == 200
                 except httpx.HTTPError:
                     ok = False
                 now = time.monotonic()

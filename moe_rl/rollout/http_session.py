@@ -14,7 +14,7 @@ worker thread for every request, ~9% of the rollout process's CPU under py-spy.
 
 from __future__ import annotations
 
-import asyncio
+from typing import Self
 
 import aiohttp
 from aiohttp.helpers import get_env_proxy_for_url
@@ -35,7 +35,7 @@ class Session:
         self._http: aiohttp.ClientSession | None = None
         self._proxies: dict[tuple, tuple] = {}  # (scheme, host, port) -> (proxy URL or None, its auth)
 
-    async def __aenter__(self) -> Session:
+    async def __aenter__(self) -> Self:
         limit, timeout_s, headers = self._args
         self._http = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=limit),
@@ -63,5 +63,5 @@ class Session:
         try:
             async with self._http.post(target, json=body, proxy=proxy, proxy_auth=proxy_auth) as resp:
                 return resp.status, await resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+        except (aiohttp.ClientError, TimeoutError) as err:
             raise TransportFailure(f"{type(err).__name__}: {err}") from err
