@@ -7,7 +7,8 @@ then R3 (rollout routes replayed), in turn, so clock and thermal drift hit both;
 median of per-round R3/plain ratios. Also times ``Learner.train_step`` (Megatron optimizer) under R3
 at ``LEARNER_SHAPE`` (hidden 1024, 64 experts: the optimizer state of the full shape is ~45 GB).
 
-Run: python bench/bench_gpu.py [--rounds 15] [--fp8]   (prints one JSON line last)
+Run: python bench/bench_gpu.py [--rounds 15] [--fp8] [--deterministic] [--only a,b]   (one JSON line last)
+``--deterministic`` adds the cost of ``precision.deterministic`` (paired off/on rounds of the plain fwd+bwd).
 Without a CUDA GPU it exits 2 with one line saying so; ``--smoke`` runs a tiny shape anywhere (code path only).
 """
 
@@ -32,6 +33,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--fp8", action="store_true", help="also a TE FP8 forward/backward (needs TE)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="also the cost of precision.deterministic: plain fwd+bwd with deterministic algorithms on vs off")
+    ap.add_argument("--only", default="", help="comma-separated sections to run (replay, learner, fp8, deterministic)")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shape, CPU allowed: checks the benchmark code path only (figures meaningless)")
     return ap.parse_args()
@@ -144,6 +148,40 @@ def bench_learner_step(cfg, steps: int = 5) -> dict:
     return {"r3_train_step_ms": statistics.median(ms), "losses": [round(x, 4) for x in losses]}
 
 
+def bench_deterministic(cfg, rounds: int, warmup: int) -> dict:
+    """``precision.deterministic``'s cost (``learner.dist.deterministic_kernels``): paired rounds of the plain
+    fwd+bwd with ``torch.use_deterministic_algorithms`` off, then on (``warn_only``, as the library sets it). The
+    cuBLAS workspace it needs (``CUBLAS_WORKSPACE_CONFIG``) is set for both arms: it must precede the first cuBLAS
+    call. Also lists the ops that warned they have no deterministic implementation at this shape."""
+    import warnings
+
+    from moe_rl.learner.model import build_model, forward_logits
+
+    model = build_model(cfg, seed=0)
+    ids = torch.randint(0, cfg.model.vocab_size, (1, cfg.model.seq_length), generator=torch.Generator().manual_seed(0))
+
+    def step(on: bool):
+        torch.use_deterministic_algorithms(on, warn_only=True)
+        forward_logits(model, ids).float().pow(2).mean().backward()
+        model.zero_grad(set_to_none=True)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(warmup):
+            step(False), step(True)
+    nondeterministic = sorted({str(w.message).splitlines()[0][:160] for w in caught
+                               if "deterministic" in str(w.message)})  # fmt: skip
+    times = {"off": [], "on": []}
+    for _ in range(rounds):
+        times["off"].append(_timed(lambda: step(False)))
+        times["on"].append(_timed(lambda: step(True)))
+    torch.use_deterministic_algorithms(False)
+    ratios = [a / b for a, b in zip(times["on"], times["off"])]
+    return {"det_off_ms": 1e3 * statistics.median(times["off"]), "det_on_ms": 1e3 * statistics.median(times["on"]),
+            "det_on_over_off": statistics.median(ratios), "det_ratio_min": min(ratios), "det_ratio_max": max(ratios),
+            "det_ops_without_deterministic_impl": nondeterministic}
+
+
 def bench_fp8(layers: int, tokens: int) -> dict:
     from moe_rl.learner.fp8 import fp8_runtime_missing
     from moe_rl.learner.model import build_model, forward_logits
@@ -167,6 +205,10 @@ def main() -> int:
     elif not torch.cuda.is_available():
         print("bench_gpu: no CUDA GPU visible (torch.cuda.is_available() is False); nothing to measure")
         return 2
+    if args.deterministic:  # before the first cuBLAS call (bench_deterministic)
+        import os
+
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     from megatron.core import parallel_state
 
     from moe_rl.learner.dist import init_distributed
@@ -184,6 +226,10 @@ def main() -> int:
                     realistic_cfg(args.layers, args.tokens, smoke=args.smoke, learner=True)))]
     if args.fp8:
         sections.append(("fp8", lambda: bench_fp8(args.layers, args.tokens)))
+    if args.deterministic:
+        sections.append(("deterministic", lambda: bench_deterministic(cfg, args.rounds, args.warmup)))
+    if args.only:
+        sections = [(n, r) for n, r in sections if n in args.only.split(",")]
     failed = []
     for name, run in sections:
         try:

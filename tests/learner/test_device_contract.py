@@ -39,8 +39,7 @@ ALLOWED = {
                                                            "each microbatch to the routers' device once",
     ("moe_rl/learner/train_step.py", "_clip_and_step"): "host scalar from a python float, never given to Megatron",
 }
-# Lead-owned files with a known device bug and the fix (see the gpu branch report); strict xfail below.
-KNOWN_BUGS: dict = {}  # lead-owned files with a known device bug: none left
+KNOWN_BUGS: dict = {}  # lead-owned files with a known device bug and its fix: none left (docs/gpu.md)
 
 
 def _device_less_factories(path: Path, root: Path = ROOT) -> list[tuple[str, str, int, str]]:
@@ -198,9 +197,6 @@ def test_factory_watch_can_fail(megatron_world):
     assert watch.calls == ["moe_rl/replay/layout.py:to_megatron_layout() torch.zeros"]
 
 
-@pytest.mark.xfail(torch.cuda.is_available(), strict=False,
-                   reason="Learner.train_step (lead-owned) does not move microbatch fields yet: "
-                          "mb = to_device(mb, model_device(self.model)) at the top of its loop")
 def test_learner_takes_host_microbatches(megatron_world, device):
     from moe_rl.learner.train_step import Learner
 
