@@ -27,8 +27,11 @@ reach, the first batch and the last update overlapping nothing) and per mode the
 Before the runs, ``core_interference=<x>``: how much slower the server's core
 computes while the learner's core computes too (1.0: independent cores, what the bound assumes).
 
+The runs keep ``rollout.max_concurrency=16`` (``--max-concurrency``), the client concurrency every figure of issue 36
+was measured at; ``configs/demo.yaml`` itself sets 128 since 2026-11-27 (the same samples, generated ~2x faster).
+
   .venv/bin/python bench/bench_async.py [--steps 12] [--repeats 2] [--learner-cpus 0] [--server-cpus 1] \
-      [--staleness 1] [--partial] [a.b=value ...]
+      [--staleness 1] [--partial] [--max-concurrency 16] [a.b=value ...]
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ def run_once(mode: str, args, overrides: list[str]) -> dict:
         cmd = [sys.executable, "-m", "moe_rl.cli", "train", args.config, f"train.output_dir={out}",
                f"train.steps={args.steps}", f"train.rollout_mode={'sync' if mode == 'sync' else 'async'}", f"train.max_staleness={args.staleness}",
                f"rollout.server_cpus=[{args.server_cpus}]", "checkpoint.save_interval=0", "logging.progress=false",
-               "logging.tensorboard=false", *partial, *overrides]  # fmt: skip
+               "logging.tensorboard=false", f"rollout.max_concurrency={args.max_concurrency}", *partial,
+               *overrides]  # fmt: skip
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
                               preexec_fn=lambda: os.sched_setaffinity(0, learner))  # fmt: skip
@@ -135,10 +139,13 @@ def main() -> None:
     parser.add_argument("--learner-cpus", default="0", help="comma-separated cores of the trainer process")
     parser.add_argument("--server-cpus", default="1", help="comma-separated cores of the SGLang server")
     parser.add_argument("--partial", action="store_true", help="also async with rollout.partial=true")
+    parser.add_argument("--max-concurrency", type=int, default=16,
+                        help="rollout.max_concurrency of every run: 16, the workload issue 36's figures are measured "
+                             "at (configs/demo.yaml sets 128 since 2026-11-27; docs/benchmarks.md)")
     args, overrides = parser.parse_known_args()
     print(json.dumps({"cpus": sorted(os.sched_getaffinity(0)), "config": args.config, "steps": args.steps,
                       "learner_cpus": args.learner_cpus, "server_cpus": args.server_cpus,
-                      "overrides": overrides}), flush=True)  # fmt: skip
+                      "max_concurrency": args.max_concurrency, "overrides": overrides}), flush=True)  # fmt: skip
     print(f"core_interference={core_interference(args.learner_cpus, args.server_cpus):.2f}", flush=True)
     modes = ("sync", "async", "partial") if args.partial else ("sync", "async")
     walls = dict.fromkeys(modes, 0.0)
