@@ -171,8 +171,9 @@ class PrecisionConfig(Section):
     fp8: FP8Config | None = None
     deterministic: bool = Field(
         False, description="CUDA learner: deterministic kernels (torch.use_deterministic_algorithms, warning for ops "
-        "without one; CUBLAS_WORKSPACE_CONFIG=:4096:8 unless set), so a resumed run repeats a straight one bit for "
-        "bit; slower. The CPU learner is deterministic without it"
+        "without one; CUBLAS_WORKSPACE_CONFIG=:4096:8 unless set; Megatron's deterministic_mode, with "
+        "NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 for Transformer Engine's attention), so a resumed run repeats a straight "
+        "one bit for bit. The CPU learner is deterministic without it"
     )
 
 

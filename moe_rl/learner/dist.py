@@ -142,12 +142,14 @@ def init_distributed(parallel_cfg, environ: dict[str, str] | None = None) -> Lau
 
 def deterministic_kernels(enabled: bool) -> None:
     """``precision.deterministic`` on CUDA, before the first cuBLAS call (``Learner`` calls it before it builds the
-    model): PyTorch's deterministic algorithms (ops without one warn) and the cuBLAS workspace they need (kept when set).
-    On an H100 a resumed run then equals a straight one; without it ``loss/kl_ref`` differed at 1e-15 (docs/gpu.md).
-    Nothing to do on CPU."""
+    model): PyTorch's deterministic algorithms (ops without one warn), the cuBLAS workspace they need, and Transformer
+    Engine's deterministic attention, which Megatron's ``deterministic_mode`` (``model.transformer_config_kwargs``)
+    requires (``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``); variables already set are kept. On an H100 a resumed run then
+    equals a straight one; without it ``loss/kl_ref`` differed at 1e-15 (docs/gpu.md). Nothing to do on CPU."""
     if not enabled or not torch.cuda.is_available():
         return
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 

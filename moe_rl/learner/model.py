@@ -132,6 +132,9 @@ def transformer_config_kwargs(cfg) -> dict:
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         use_cpu_initialization=not on_gpu,
+        # precision.deterministic on CUDA: Megatron's deterministic paths (the embedding's gather, TE attention,
+        # which also needs NVTE_ALLOW_NONDETERMINISTIC_ALGO=0: learner.dist.deterministic_kernels sets it)
+        deterministic_mode=prec.deterministic and on_gpu,
         **fp8,
         # activation recompute
         recompute_granularity="full" if recompute else None,

@@ -174,3 +174,34 @@ def test_a_rank_without_its_own_gpu_gets_one_clear_error():
         _local_gpu(env)
     if count:
         assert _local_gpu(LaunchEnv(0, 1, count - 1, "127.0.0.1", 1, "torchrun")) == count - 1
+
+
+def test_precision_deterministic_reaches_megatron_and_te_on_cuda_only(monkeypatch):
+    """FAKED: ``torch.cuda.is_available`` (the only CUDA check on this path) is forced either way.
+    ``precision.deterministic`` on CUDA turns on Megatron's ``deterministic_mode`` and sets what it requires of
+    Transformer Engine (``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``: with TE attention Megatron refuses to build
+    otherwise) beside PyTorch's deterministic algorithms and the cuBLAS workspace, keeping values an operator set;
+    on CPU neither changes."""
+    import os
+
+    import moe_rl.learner.dist as dist_mod
+    import moe_rl.learner.model as model_mod
+
+    calls = []
+    monkeypatch.setattr(torch, "use_deterministic_algorithms",
+                        lambda on, warn_only=False: calls.append((on, warn_only)))
+    monkeypatch.setattr(os, "environ", {"CUBLAS_WORKSPACE_CONFIG": ":16:8"})
+    cfg = make_cfg()
+    cfg.precision.deterministic = True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert model_mod.transformer_config_kwargs(cfg)["deterministic_mode"] is False  # CPU: the learner is already
+    dist_mod.deterministic_kernels(True)
+    assert (calls, os.environ) == ([], {"CUBLAS_WORKSPACE_CONFIG": ":16:8"})
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert model_mod.transformer_config_kwargs(cfg)["deterministic_mode"] is True
+    dist_mod.deterministic_kernels(True)
+    assert calls == [(True, True)]
+    assert os.environ == {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
+    cfg.precision.deterministic = False
+    assert model_mod.transformer_config_kwargs(cfg)["deterministic_mode"] is False
