@@ -245,10 +245,10 @@ QUIET_WARNINGS = (r".*Transformer Engine and Apex are not installed.*", r"Apex i
 # Errors that carry a complete message for the user, in modules a subcommand imports only when it needs them.
 USER_ERRORS = (
     ("moe_rl.learner.checkpoint", "CheckpointError"), ("moe_rl.train.run_dir", "RunDirError"),
-    ("moe_rl.rollout.auth", "ServerKeyError"), ("moe_rl.rollout.integrity", "WeightVersionError"),
+    ("moe_rl.rollout.auth", "ServerKeyError"), ("moe_rl.sync.integrity", "WeightVersionError"),
     ("moe_rl.data.loaders", "DataError"), ("moe_rl.reward.scorer", "RewardError"),
     ("moe_rl.train.kl_alarm", "KLAlarmStop"), ("moe_rl.rollout.launcher", "ServerStartError"),
-    ("moe_rl.rollout.weight_checks", "WeightSyncError"),
+    ("moe_rl.sync.checks", "WeightSyncError"),
 )  # fmt: skip
 
 

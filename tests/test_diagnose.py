@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moe_rl.study.diagnose_report import verdict
-from moe_rl.rollout.quantize import fake_quantize
+from moe_rl.sync.quantize import fake_quantize
 from tests.conftest import run_to_file
 
 ROOT = Path(__file__).parents[1]

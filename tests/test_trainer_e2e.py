@@ -25,7 +25,7 @@ import pytest
 
 from moe_rl.train.metrics_log import read_metrics
 from moe_rl.records import RolloutBatch
-from moe_rl.rollout.integrity import version_label
+from moe_rl.sync.integrity import version_label
 from moe_rl.train.run_identity import version_nonce
 from tests.conftest import run_to_file
 

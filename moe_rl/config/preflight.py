@@ -360,7 +360,7 @@ def weight_sync_rendezvous(cfg: ExperimentConfig, environ: Mapping[str, str]) ->
     """``rollout.weight_sync: distributed``: rank 0 can listen on the rendezvous port; NCCL has a GPU here."""
     import torch
 
-    from moe_rl.rollout.weight_group import group_options, port_is_free
+    from moe_rl.sync.group import group_options, port_is_free
 
     r = cfg.rollout
     if r.weight_sync != "distributed":

@@ -78,7 +78,7 @@ def finish_dir(tmp: Path, out_dir: str | Path, writers: list[tuple[dict[str, str
 def write_hf_checkpoint(hf: Mapping[str, torch.Tensor], model_cfg, out_dir: str | Path,
                         template_dir: str | Path | None = None, bucket_bytes: int = 256 << 20) -> Path:  # fmt: skip
     """Write an HF state dict (this process) + side files to ``out_dir`` atomically, in bucket-sized files."""
-    from moe_rl.rollout.weights import buckets  # the same bucketing as the tensor transport
+    from moe_rl.sync.weight_sync import buckets  # the same bucketing as the tensor transport
 
     tmp = begin_dir(out_dir)
     writer = ShardWriter(tmp, "model-r00000")

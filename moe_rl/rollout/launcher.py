@@ -6,7 +6,7 @@ deterministic inference when asked, the sampling-mask cap, API keys by variable 
 for ``/health``, teardown of the whole process group (SIGTERM, then SIGKILL) on exit, on exceptions and
 and removal of the shared-memory files the group left in ``/dev/shm``. A run's set of servers, their
 restarts and their teardown on SIGTERM are ``server_pool``'s. It does not talk the generation protocol
-(client.py) or sync weights (weights.py).
+(client.py) or sync weights (``moe_rl.sync``).
 """
 
 from __future__ import annotations

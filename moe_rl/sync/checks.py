@@ -105,7 +105,7 @@ def is_local_address(address: str) -> bool:
 
 def quantize_state_dict(named: Mapping[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
     """FP8 fake quantisation of the projection weights, exactly as `quantize_hf_dir` does on disk."""
-    from moe_rl.rollout.quantize import QUANTIZED_SUFFIXES, fake_quantize
+    from moe_rl.sync.quantize import QUANTIZED_SUFFIXES, fake_quantize
 
     if fmt == "none":
         return dict(named)

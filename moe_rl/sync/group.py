@@ -29,8 +29,8 @@ import httpx
 import torch
 
 from moe_rl.rollout.auth import ServerKeys, tls
-from moe_rl.rollout import weights
-from moe_rl.rollout.weights import WeightSyncError, is_local_address
+from moe_rl.sync import weight_sync as weights
+from moe_rl.sync.weight_sync import WeightSyncError, is_local_address
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ class WeightGroup:
     def send(self, bucket: list[tuple[str, torch.Tensor]], label: str) -> dict[str, str]:
         """One bucket to every server of the open group, labelled ``label``; ``{address: message}`` of refusals.
 
-        Runs inside a weight-update session rank 0 opened (``weight_senders.begin``); a caller that sees a
+        Runs inside a weight-update session rank 0 opened (``senders.begin``); a caller that sees a
         refusal closes the group (a broadcast may be half-consumed) and the next sync opens a new one."""
         body = {
             "names": [n for n, _ in bucket],

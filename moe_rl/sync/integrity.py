@@ -6,7 +6,7 @@ re-exported here. Two rules the trainer applies to every batch:
 - ``check_weight_versions``: every sample's ``weight_version`` (reported by SGLang per reply) must equal
   the version the trainer last synced, else WeightVersionError (counts and versions named);
 - ``generate_checked``: on a version mismatch, or served weights whose fingerprint is not the one pushed
-  (``moe_rl.rollout.served_weights``: foreign weights under a copied label), re-sync the weights and
+  (``moe_rl.sync.served_weights``: foreign weights under a copied label), re-sync the weights and
   regenerate, at most ``rollout.max_foreign_syncs`` times in a row, then stop with ``ForeignWeightsStop``
   (one line, exit code 2); on a failed batch whose server died (or hung) and was launched by this run,
   restart it (bounded by ``rollout.max_server_restarts``, logged), re-sync weights and version, and retry.

@@ -7,7 +7,7 @@ Owns the per-rank senders of ``weights.WeightSync`` (every rank that owns tensor
   ``file_system`` sharing: a ``/dev/shm`` file the server opens by name) and posted to
   ``/update_weights_from_tensor`` on every server (same host only);
 * ``GroupSender`` (``distributed``): this rank's own weight-update group with the servers
-  (``weight_group.WeightGroup``: the rank is rank 0 of it, one group per pipeline stage's source);
+  (``group.WeightGroup``: the rank is rank 0 of it, one group per pipeline stage's source);
 * ``DiskSender`` (``disk``): each bucket a safetensors file of the shared HF directory (``learner.hf_export``).
 
 Every bucket is labelled ``<version>.partial``; a sender records per server the buckets loaded and the first
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from moe_rl.learner.dist import RankComm  # noqa: F401 (the sync's ranks; re-exported)
-from moe_rl.rollout import weights
+from moe_rl.sync import weight_sync as weights
 
 __all__ = ["DictStream", "DiskSender", "GroupSender", "RankComm", "TensorSender", "begin", "end", "publish"]
 

@@ -16,7 +16,7 @@ against a fingerprint of the weights the servers really hold:
   alike, and any other change).
 * **Checked** (``PushedWeights.check``): every server rank's entries must equal those of the label the batch
   was made for (with ``newer_ok``: or of a later push of the same run); else ``ForeignWeightsError`` naming
-  the server, the label and both fingerprints (``moe_rl.rollout.integrity.generate_checked`` re-syncs).
+  the server, the label and both fingerprints (``moe_rl.sync.integrity.generate_checked`` re-syncs).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import httpx
 import torch
 
 from moe_rl.rollout.auth import ServerKeys, tls
-from moe_rl.rollout.integrity import ForeignWeightsError, ForeignWeightsStop, parse_version_label
+from moe_rl.sync.integrity import ForeignWeightsError, ForeignWeightsStop, parse_version_label
 
 __all__ = [
     "FINGERPRINT_SUFFIXES",

@@ -2,7 +2,7 @@
 
 Owns ``rollout.weight_sync`` and the sync's protocol. A sync is collective over the learner ranks and
 streams: the ranks that own tensors send them bucket by bucket (``rollout.weight_sync_bucket_mb``,
-``learner.hf_stream``; ``rollout.weight_senders`` sends), no rank holds the whole model, and a re-sync of a
+``learner.hf_stream``; ``sync.senders`` sends), no rank holds the whole model, and a re-sync of a
 restarted server is the same collective call from the live weights. Transports:
 
 * ``tensor``: each sending rank posts its buckets to ``/update_weights_from_tensor`` as shared-memory
@@ -12,7 +12,7 @@ restarted server is the same collective call from the live weights. Transports:
   path; SGLang rolls back on failure);
 * ``distributed``: one source rank per pipeline stage (experts gathered to it tensor by tensor) broadcasts
   into its own weight-update group with the servers (``/update_weights_from_distributed``, gloo for CPU
-  servers, NCCL for GPU servers; ``weight_group.WeightGroup``); the stages take turns;
+  servers, NCCL for GPU servers; ``group.WeightGroup``); the stages take turns;
 * ``auto``: tensor when every server address is on this host, else disk.
 
 Rank 0 opens the session (``/begin_weight_update``) on every server, the senders label every bucket
@@ -46,9 +46,9 @@ import torch
 WEIGHT_SYNC_MODES = ("tensor", "disk", "distributed")
 
 from moe_rl.rollout.auth import ServerKeys, tls
-from moe_rl.rollout.integrity import ForeignWeightsStop
-from moe_rl.rollout.served_weights import PushedWeights, fingerprint_tensors
-from moe_rl.rollout.weight_checks import (  # noqa: F401 (re-exported: the sync's public names)
+from moe_rl.sync.integrity import ForeignWeightsStop
+from moe_rl.sync.served_weights import PushedWeights, fingerprint_tensors
+from moe_rl.sync.checks import (  # noqa: F401 (re-exported: the sync's public names)
     ServerInvalidError,
     WeightSyncError,
     check_servable,
@@ -201,7 +201,7 @@ class WeightSync:
                 f"on this host; use rollout.weight_sync='disk' (or 'auto')"
             )
         from moe_rl.config.hf_model import initial_weights_dir, side_files_dir
-        from moe_rl.rollout.weight_group import group_options
+        from moe_rl.sync.group import group_options
 
         init = initial_weights_dir(cfg)
         return cls(
@@ -225,7 +225,7 @@ class WeightSync:
         the served model, every rank's tensors finite on their device): a failure there sends nothing and
         raises WeightSyncError on every rank. ``flush_cache=False`` only inside an ``in_place`` pause."""
         from moe_rl.learner.hf_stream import HFStream
-        from moe_rl.rollout.weight_senders import RankComm
+        from moe_rl.sync.senders import RankComm
 
         t0, comm = time.perf_counter(), RankComm(collective=True)
         header = comm.bcast(self._header(addresses, version) if comm.rank0 else None)
@@ -243,7 +243,7 @@ class WeightSync:
         """Check, (quantise,) and load a ready HF state dict into every server as ``version`` from this process
         alone (tests, benchmarks, tools; the trainer streams with ``sync``). ``flush_cache`` as in ``sync``."""
         check_weights(hf_state, self.reference)  # raises before anything is sent
-        from moe_rl.rollout.weight_senders import DictStream, RankComm
+        from moe_rl.sync.senders import DictStream, RankComm
 
         self._planned = {k: tuple(v.shape) for k, v in hf_state.items()}
         comm = RankComm(collective=False)
@@ -266,7 +266,7 @@ class WeightSync:
 
     def _check_plans(self, checked: list) -> str | None:
         """Rank 0: every rank's ``(plan, first non-finite tensor)`` -> None, or why nothing may be sent."""
-        from moe_rl.rollout.weight_checks import check_shapes
+        from moe_rl.sync.checks import check_shapes
 
         shapes = {n: shape for plan, _ in checked for n, (shape, _) in plan.items()}
         try:
@@ -292,7 +292,7 @@ class WeightSync:
 
     def _attempt(self, stream, comm, header: dict, flush_cache: bool) -> tuple[bool, str] | None:
         """One push over ``header['mode']``'s transport (collective): None, or ``(foreign, message)``."""
-        from moe_rl.rollout import weight_senders as ws
+        from moe_rl.sync import senders as ws
 
         mode, addresses, version, headers = header["mode"], header["addresses"], header["version"], header["headers"]
         start = None
@@ -325,14 +325,14 @@ class WeightSync:
         return comm.bcast(outcome)
 
     def _sender(self, mode: str, stream, start: dict, header: dict):
-        from moe_rl.rollout import weight_senders as ws
+        from moe_rl.sync import senders as ws
 
         if mode == "disk":
             return ws.DiskSender(start["tmp"], ws.RankComm(collective=True).rank)
         args = (header["addresses"], header["version"], header["headers"], self.timeout_s)
         if mode == "tensor":
             return ws.TensorSender(*args)
-        from moe_rl.rollout.weight_group import WeightGroup
+        from moe_rl.sync.group import WeightGroup
 
         options = dict(self.group_options)
         if options.get("master_port"):
@@ -343,7 +343,7 @@ class WeightSync:
 
     def _finish(self, header: dict, start: dict, reports: list, flush_cache: bool) -> tuple[bool, str] | None:
         """Rank 0 after every rank streamed: end the session, label, verify; remember the push."""
-        from moe_rl.rollout import weight_senders as ws
+        from moe_rl.sync import senders as ws
 
         mode, addresses, version, headers = header["mode"], header["addresses"], header["version"], header["headers"]
         sent = [r for r, _ in reports if r is not None]

@@ -36,7 +36,7 @@ class BatchMaker:
             client, version, resync, weight_sync, restart)  # fmt: skip
 
     def __call__(self, step: int, served: int, drawn: Callable[[], None] = lambda: None) -> Path:
-        from moe_rl.rollout.integrity import generate_checked
+        from moe_rl.sync.integrity import generate_checked
         from moe_rl.rollout.partial import PartialCounters
         from moe_rl.train.step_samples import round_group_ids
 

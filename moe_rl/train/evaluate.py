@@ -81,7 +81,7 @@ class Evaluator:
 
     def run(self, train_client, step: int, expected_version: str | None = None) -> dict[str, float]:
         """Generate, score and summarise every eval set at the served weights (after ``step`` RL steps)."""
-        from moe_rl.rollout.integrity import check_weight_versions
+        from moe_rl.sync.integrity import check_weight_versions
 
         e, client, out = self.cfg.eval, self.client(train_client), {}
         k = e.samples_per_prompt

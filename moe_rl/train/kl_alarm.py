@@ -7,7 +7,7 @@ the threshold (measured normal ranges in docs/operations.md) the step is skipped
 ``alarm/kl_k3`` and ``alarm/skipped = 1`` instead of ``offpolicy/kl_k3``, the log says so in one line, and
 ``correction.kl_alarm_max_in_row`` skipped steps in a row stop the run (``KLAlarmStop``: one line, exit code 2).
 Rollouts from weights the learner does not hold (foreign weights, a half-applied update, another model) look like
-this; the served-weights fingerprint (``moe_rl.rollout.served_weights``) catches them before, this is the net behind.
+this; the served-weights fingerprint (``moe_rl.sync.served_weights``) catches them before, this is the net behind.
 
 Only tokens made by the weights the learner holds count (staleness 0, from the records' ``token_versions``): a
 token ``n`` versions old also carries the policy's own ``n`` updates (measured: ``offpolicy/kl_k3`` 1.1e-2 … 1.4e-2

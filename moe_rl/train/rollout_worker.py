@@ -97,7 +97,7 @@ class _ServedView:
     """The learner's record of what the servers hold, as the batch maker checks it (``WeightSync``'s two checks)."""
 
     def __init__(self, keys):
-        from moe_rl.rollout.served_weights import PushedWeights
+        from moe_rl.sync.served_weights import PushedWeights
 
         self.invalid: dict[str, str] = {}
         self.pushed = PushedWeights(keys)
@@ -108,7 +108,7 @@ class _ServedView:
             self.pushed.remember(state["label"], state["tensors"])
 
     def check_servable(self, addresses) -> None:
-        from moe_rl.rollout.weight_checks import check_servable
+        from moe_rl.sync.checks import check_servable
 
         check_servable(self.invalid, addresses)
 
@@ -192,7 +192,7 @@ class _Worker:
 
     def _begin(self, addresses, keys, start: int, served: int, pending: dict, state) -> None:
         from moe_rl.rollout.client import RolloutClient
-        from moe_rl.rollout.integrity import version_label
+        from moe_rl.sync.integrity import version_label
         from moe_rl.train.batch_maker import BatchMaker
         from moe_rl.train.producer import AsyncProducer
 

@@ -1,7 +1,7 @@
 """The trainer's weight pushes: one owner for exporting the learner, labelling versions and syncing the servers.
 
 Owns ``<run>/hf/current`` (the HF export the servers start from, and what a disk sync reads), the version label
-``step-<s>-<nonce>`` (``moe_rl.rollout.integrity.version_label``), the run's ``WeightSync`` (created at the first push:
+``step-<s>-<nonce>`` (``moe_rl.sync.integrity.version_label``), the run's ``WeightSync`` (created at the first push:
 its mode depends on the servers' hosts) and, in async mode, the handshake around a push with the batch source
 (``push_section`` while it runs, ``weights_pushed`` after). Every rank takes part in the export and in every sync
 (a re-sync included: rank 0 starts it on every rank through ``rank0_calls``); rank 0 talks to the servers about the
@@ -42,7 +42,7 @@ class WeightPusher:
     def export(self) -> Path:
         """Export the learner as an HF dir for SGLang (collective); the path of the live copy."""
         from moe_rl.learner.hf_export import export_hf_checkpoint
-        from moe_rl.rollout.weight_checks import quantize_state_dict
+        from moe_rl.sync.checks import quantize_state_dict
 
         fmt = self.cfg.rollout.weight_quantization
         export_hf_checkpoint(self.learner.module, self.cfg.model, self.export_dir, template_dir=side_files_dir(self.cfg),
@@ -53,13 +53,13 @@ class WeightPusher:
 
     def version(self, step: int) -> str:
         """The weight-version label of ``step``: ``step-<step>-<nonce>`` (the nonce derived from the run id)."""
-        from moe_rl.rollout.integrity import version_label
+        from moe_rl.sync.integrity import version_label
 
         return version_label(step, self.nonce)
 
     def weight_sync(self, addresses: list[str]):
         """The run's ``WeightSync`` (created at first use)."""
-        from moe_rl.rollout.weights import WeightSync
+        from moe_rl.sync.weight_sync import WeightSync
 
         if self.sync is None:
             self.sync = WeightSync.from_config(self.cfg, addresses, export_dir=self.export_dir, keys=self.keys)

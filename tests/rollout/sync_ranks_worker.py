@@ -33,7 +33,7 @@ from moe_rl.learner.hf_stream import HFStream  # noqa: E402
 from moe_rl.learner.train_step import Learner  # noqa: E402
 from moe_rl.records import RouteSpec  # noqa: E402
 from moe_rl.rollout.client import RolloutClient, SamplingSettings  # noqa: E402
-from moe_rl.rollout.weights import (  # noqa: E402
+from moe_rl.sync.weight_sync import (  # noqa: E402
     WeightSync,
     WeightSyncError,
     reference_from_hf_dir,

@@ -16,8 +16,8 @@ import pytest
 
 from moe_rl.learner.hf_convert import read_hf_state_dict
 from moe_rl.rollout.client import RolloutClient, SamplingSettings
-from moe_rl.rollout.weight_group import GROUP_PREFIX, WeightGroup, port_is_free
-from moe_rl.rollout.weights import (
+from moe_rl.sync.group import GROUP_PREFIX, WeightGroup, port_is_free
+from moe_rl.sync.weight_sync import (
     ServerInvalidError,
     WeightSync,
     WeightSyncError,

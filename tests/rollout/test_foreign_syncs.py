@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from moe_rl.rollout.integrity import ForeignWeightsError, ForeignWeightsStop, generate_checked
-from moe_rl.rollout.served_weights import PushedWeights, digest, expected_entries, fingerprint_entry
+from moe_rl.sync.integrity import ForeignWeightsError, ForeignWeightsStop, generate_checked
+from moe_rl.sync.served_weights import PushedWeights, digest, expected_entries, fingerprint_entry
 
 LABEL = "step-3-0a1b2c3d"
 

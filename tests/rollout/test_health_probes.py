@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from moe_rl.rollout import weight_senders
+from moe_rl.sync import senders
 from moe_rl.rollout.client import RolloutClient, SamplingSettings
 from moe_rl.rollout.health import ServerHungError, watch_health
 from moe_rl.rollout.launcher import free_port
@@ -61,10 +61,10 @@ def test_a_push_after_a_long_batch_waits_for_no_probe(sglang_server, route_spec,
         client.generate(prompts, n=2)
         batch_s, count = time.monotonic() - t0, 2 * count
     t1 = time.monotonic()
-    refused = weight_senders.begin([sglang_server.url], {}, 30.0)
+    refused = senders.begin([sglang_server.url], {}, 30.0)
     begin_s = time.monotonic() - t1
     assert not refused, refused
-    assert not weight_senders.end([sglang_server.url], {}, 30.0)
+    assert not senders.end([sglang_server.url], {}, 30.0)
     httpx.post(f"{sglang_server.url}/flush_cache", timeout=60).raise_for_status()
     time.sleep(1.2)  # a probe's access-log line is written when its handler returns (up to ~1 s later)
     sent = log.read_text(errors="replace").count('"GET /health HTTP') - probes

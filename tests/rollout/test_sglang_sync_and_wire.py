@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from moe_rl.learner.hf_convert import read_hf_state_dict
-from moe_rl.rollout import weights
+from moe_rl.sync import weight_sync as weights
 from moe_rl.rollout.client import RolloutClient, SamplingSettings
-from moe_rl.rollout.quantize import quantize_hf_dir
-from moe_rl.rollout.weights import (
+from moe_rl.sync.quantize import quantize_hf_dir
+from moe_rl.sync.weight_sync import (
     ServerInvalidError,
     WeightSync,
     WeightSyncError,

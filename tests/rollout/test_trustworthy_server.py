@@ -21,10 +21,10 @@ from safetensors.torch import load_file as load_safetensors
 from moe_rl.rollout.auth import ServerKeyError, ServerKeys
 from moe_rl.rollout.client import RolloutClient, SamplingSettings
 from moe_rl.rollout.health import ServerHungError
-from moe_rl.rollout.integrity import WeightVersionError, check_weight_versions, generate_checked
+from moe_rl.sync.integrity import WeightVersionError, check_weight_versions, generate_checked
 from moe_rl.rollout.launcher import ServerSpec, SGLangServer
 from moe_rl.rollout.server_pool import ServerPool
-from moe_rl.rollout.weights import update_weights_from_disk
+from moe_rl.sync.weight_sync import update_weights_from_disk
 
 pytestmark = pytest.mark.sglang
 
@@ -94,7 +94,7 @@ def test_unauthenticated_weight_update_and_generate_are_refused_and_the_key_stay
         assert secret not in repr(keys) and secret not in repr(server.spec)
 
 
-# Every admin endpoint the trainer calls (weights.py: disk path, tensor path; weight_group.py: distributed path);
+# Every admin endpoint the trainer calls (sync/weight_sync.py: disk path, tensor path; sync/group.py: distributed path);
 # the partial-rollout work adds pause_generation / continue_generation here when the trainer starts calling them.
 TRAINER_ADMIN_ENDPOINTS = ("update_weights_from_disk", "begin_weight_update", "update_weights_from_tensor",
                            "end_weight_update", "init_weights_update_group", "update_weights_from_distributed",
@@ -102,14 +102,14 @@ TRAINER_ADMIN_ENDPOINTS = ("update_weights_from_disk", "begin_weight_update", "u
 
 
 def test_every_admin_endpoint_the_trainer_calls_refuses_a_call_without_the_admin_key(keyed, model_dir):
-    import moe_rl.rollout.weights as weights
+    import moe_rl.sync.weight_sync as weights
 
     pool, keys, _ = keyed
     url = pool.addresses[0]
     for endpoint in TRAINER_ADMIN_ENDPOINTS:
         for headers in ({}, {"Authorization": f"Bearer {API_KEY}"}):
             assert httpx.post(f"{url}/{endpoint}", json={}, headers=headers, timeout=60).status_code == 401, endpoint
-        # the cache flush after a sync (weight_senders.publish posts it with the admin key, outside _post)
+        # the cache flush after a sync (senders.publish posts it with the admin key, outside _post)
         assert httpx.post(f"{url}/flush_cache", headers=headers, timeout=60).status_code == 401
     # ... and moe_rl sends the admin key on each of them: record what the weight-sync functions post
     sent = []
@@ -138,8 +138,8 @@ def test_every_admin_endpoint_the_trainer_calls_refuses_a_call_without_the_admin
 def test_distributed_sync_without_the_admin_key_is_refused_before_any_rendezvous(keyed, model_dir):
     import threading
 
-    import moe_rl.rollout.weights as weights
-    from moe_rl.rollout.weight_group import GROUP_PREFIX
+    import moe_rl.sync.weight_sync as weights
+    from moe_rl.sync.group import GROUP_PREFIX
 
     pool, keys, _ = keyed
     url = pool.addresses[0]

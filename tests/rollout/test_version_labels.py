@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_rl.rollout.integrity import (
+from moe_rl.sync.integrity import (
     WeightVersionError,
     check_weight_versions,
     parse_version_label,

@@ -8,7 +8,7 @@ import pytest
 
 from moe_rl.config import load_config
 from moe_rl.config.preflight import config_problems, environment_problems
-from moe_rl.rollout.weight_group import group_options, master_address_for, port_is_free
+from moe_rl.sync.group import group_options, master_address_for, port_is_free
 
 
 def test_distributed_resolves_gloo_for_cpu_servers_and_nccl_for_gpu_servers():

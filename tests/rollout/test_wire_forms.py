@@ -13,7 +13,7 @@ import torch
 
 from moe_rl.records import RecordError, RouteSpec, decode_sglang_meta
 from moe_rl.records.sglang_meta import decode_routes, decode_sampling_mask
-from moe_rl.rollout.weights import WeightSyncError, buckets, check_weights, is_local_address
+from moe_rl.sync.weight_sync import WeightSyncError, buckets, check_weights, is_local_address
 
 SPEC = RouteSpec(num_hidden_layers=3, moe_layer_ids=(1, 2), top_k=2, num_experts=8)  # layer 0 dense
 
@@ -168,7 +168,7 @@ def test_only_loopback_addresses_count_as_this_host():
 
 def test_weight_sync_mode_follows_the_config_and_the_server_hosts(tiny_hf_dir):
     from moe_rl.config import load_config
-    from moe_rl.rollout.weights import WeightSync
+    from moe_rl.sync.weight_sync import WeightSync
 
     local, remote = ["http://127.0.0.1:30000"], ["http://10.1.2.3:30000"]
     cfg = load_config(None, [f"checkpoint.init_from_hf={tiny_hf_dir}"])
