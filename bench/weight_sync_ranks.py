@@ -27,7 +27,8 @@ from moe_rl.config import ExperimentConfig  # noqa: E402
 from moe_rl.learner.dist import destroy_distributed, init_distributed  # noqa: E402
 from moe_rl.learner.hf_convert import export_hf_state_dict  # noqa: E402
 from moe_rl.learner.train_step import Learner  # noqa: E402
-from moe_rl.sync.weight_sync import WeightSync, reference_from_hf_dir  # noqa: E402
+from moe_rl.sync.checks import reference_from_hf_dir  # noqa: E402
+from moe_rl.sync.weight_sync import WeightSync  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

@@ -248,7 +248,7 @@ USER_ERRORS = (
     ("moe_rl.rollout.auth", "ServerKeyError"), ("moe_rl.sync.integrity", "WeightVersionError"),
     ("moe_rl.data.loaders", "DataError"), ("moe_rl.reward.scorer", "RewardError"),
     ("moe_rl.train.kl_alarm", "KLAlarmStop"), ("moe_rl.rollout.launcher", "ServerStartError"),
-    ("moe_rl.sync.checks", "WeightSyncError"),
+    ("moe_rl.sync.transport", "WeightSyncError"),
 )  # fmt: skip
 
 

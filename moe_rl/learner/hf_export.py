@@ -23,6 +23,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from moe_rl.learner.dist import RankComm
+from moe_rl.learner.hf_convert import write_side_files
+from moe_rl.learner.hf_stream import HFStream, size_buckets
+
 __all__ = ["ShardWriter", "begin_dir", "finish_dir", "export_hf_checkpoint", "write_hf_checkpoint"]
 
 INDEX = "model.safetensors.index.json"
@@ -55,8 +59,6 @@ def begin_dir(out_dir: str | Path) -> Path:
 def finish_dir(tmp: Path, out_dir: str | Path, writers: list[tuple[dict[str, str], int]], model_cfg,
                template_dir: str | Path | None = None) -> Path:  # fmt: skip
     """Index (``writers``: every rank's ``(weight_map, total_size)``), side files, then ``tmp`` -> ``out_dir``."""
-    from moe_rl.learner.hf_convert import write_side_files
-
     weight_map = {n: f for wm, _ in writers for n, f in sorted(wm.items())}
     index = {
         "metadata": {"total_size": sum(size for _, size in writers)},
@@ -78,11 +80,9 @@ def finish_dir(tmp: Path, out_dir: str | Path, writers: list[tuple[dict[str, str
 def write_hf_checkpoint(hf: Mapping[str, torch.Tensor], model_cfg, out_dir: str | Path,
                         template_dir: str | Path | None = None, bucket_bytes: int = 256 << 20) -> Path:  # fmt: skip
     """Write an HF state dict (this process) + side files to ``out_dir`` atomically, in bucket-sized files."""
-    from moe_rl.sync.weight_sync import buckets  # the same bucketing as the tensor transport
-
     tmp = begin_dir(out_dir)
     writer = ShardWriter(tmp, "model-r00000")
-    for bucket in buckets(hf, bucket_bytes):
+    for bucket in size_buckets(hf, bucket_bytes):
         writer.write(dict(bucket))
     return finish_dir(tmp, out_dir, [(writer.weight_map, writer.total_size)], model_cfg, template_dir)
 
@@ -95,10 +95,6 @@ def export_hf_checkpoint(model, model_cfg, out_dir: str | Path, template_dir: st
     ``dtype``: cast each tensor; ``transform``: applied to each bucket before it is written (the FP8 rollout
     weights). Returns the path on rank 0, None elsewhere.
     """
-    from moe_rl.learner.hf_stream import HFStream
-
-    from moe_rl.learner.dist import RankComm
-
     comm = RankComm(collective=True)
     tmp = comm.bcast(str(begin_dir(out_dir)) if comm.rank0 else None)
     stream = HFStream(model, model_cfg, bucket_bytes, gather_experts=False)

@@ -15,12 +15,13 @@ Owns who sends which HF tensor and the collectives that assemble each one, one b
 Megatron -> HF conversion is per tensor (``hf_convert.megatron_tensor_to_hf``); a tensor that needs no
 gather and no conversion is a view of the live parameter (no copy). ``plan()`` says, without any data,
 which HF names and shapes this rank will send; ``nonfinite()`` checks this rank's own tensors on their
-device. The ownership of global slices is ``ownership``'s.
+device. The ownership of global slices is ``ownership``'s. ``size_buckets`` cuts a ready HF state dict into
+buckets the same way (the HF export of one process, a push from a ready state dict).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -30,9 +31,23 @@ from moe_rl.learner.model import unwrap
 from moe_rl.learner.ownership import expert_slot, local_slices, tp_rank_and_size
 from moe_rl.learner.tp_shards import merge_tp_shards
 
-__all__ = ["Bucket", "HFStream"]
+__all__ = ["Bucket", "HFStream", "size_buckets"]
 
 Bucket = list[tuple[str, torch.Tensor]]
+
+
+def size_buckets(named: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[Bucket]:
+    """Consecutive groups of tensors of at most `bucket_bytes` each (a bigger tensor goes alone)."""
+    out: list[Bucket] = [[]]
+    size = 0
+    for name, tensor in named.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if out[-1] and size + nbytes > bucket_bytes:
+            out.append([])
+            size = 0
+        out[-1].append((name, tensor))
+        size += nbytes
+    return [b for b in out if b]
 
 
 def _ps():

@@ -36,7 +36,7 @@ def generate(trainer, num_prompts: int) -> RolloutBatch:
     """One rollout batch of ``num_prompts`` x samples_per_prompt with routes and kept sets, persisted."""
     from moe_rl.rollout.client import RolloutClient
     from moe_rl.rollout.server_pool import rollout_server_pool
-    from moe_rl.sync.weight_sync import update_weights_from_disk
+    from moe_rl.sync.transport import update_weights_from_disk
 
     cfg = trainer.cfg
     hf_dir = trainer.weights.export()  # applies rollout.weight_quantization (mismatch injection)

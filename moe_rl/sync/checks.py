@@ -1,33 +1,32 @@
-"""What a weight sync checks before anything is sent, and its errors.
+"""What a weight sync checks before anything is sent, and the half-updated servers it refuses.
 
-Owns ``WeightSyncError`` / ``ServerInvalidError``, the served model's ``{name: shape}`` read from an HF
-checkpoint's headers, the name / shape / finiteness check of an export (SGLang ignores unknown names
-and crashes on a wrong shape, so this is the only place such an export is caught), whether an address
-is on this host, and the FP8 fake quantisation both sync paths apply.
+Owns ``ServerInvalidError``, the served model's ``{name: shape}`` read from an HF checkpoint's headers, the
+name / shape / finiteness check of an export (SGLang ignores unknown names and crashes on a wrong shape, so this
+is the only place such an export is caught), and the FP8 fake quantisation both sync paths apply.
+``WeightSyncError`` and ``is_local_address`` are ``transport``'s.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ipaddress
 import json
-import socket
 import struct
 from collections.abc import Mapping
 from pathlib import Path
-from urllib.parse import urlparse
 
 import numpy as np
 import torch
 
+from moe_rl.sync.quantize import QUANTIZED_SUFFIXES, fake_quantize
+from moe_rl.sync.transport import WeightSyncError
+
 __all__ = [
-    "WeightSyncError", "ServerInvalidError", "reference_from_hf_dir", "check_shapes", "check_weights", "is_local_address",
-    "quantize_state_dict", "check_servable",
-]  # fmt: skip
-
-
-class WeightSyncError(RuntimeError):
-    """A sync was refused or failed; the message names the server and what state it is left in."""
+    "ServerInvalidError",
+    "check_servable",
+    "check_shapes",
+    "check_weights",
+    "quantize_state_dict",
+    "reference_from_hf_dir",
+]
 
 
 class ServerInvalidError(WeightSyncError):
@@ -95,18 +94,8 @@ def _all_finite(tensor: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all())
 
 
-def is_local_address(address: str) -> bool:
-    """True when `address` (http://host:port) resolves to a loopback interface of this host."""
-    host = urlparse(address if "//" in address else f"//{address}").hostname or ""
-    with contextlib.suppress(OSError, ValueError):
-        return all(ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(host, None))
-    return False
-
-
 def quantize_state_dict(named: Mapping[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
     """FP8 fake quantisation of the projection weights, exactly as `quantize_hf_dir` does on disk."""
-    from moe_rl.sync.quantize import QUANTIZED_SUFFIXES, fake_quantize
-
     if fmt == "none":
         return dict(named)
     return {k: fake_quantize(v, fmt, 128) if k.endswith(QUANTIZED_SUFFIXES) else v for k, v in named.items()}

@@ -11,7 +11,7 @@ NCCL path is the same code with CUDA tensors; it has not been run on this CPU-on
 
 Every call carries the admin key. A group that saw a failure is closed; the next sync opens a new one
 (new group name, so a server that kept the old one cannot mix them up). It does not check weights, label
-versions or track half-updated servers (``weights.WeightSync`` does).
+versions or track half-updated servers (``weight_sync.WeightSync`` does).
 """
 
 from __future__ import annotations
@@ -24,13 +24,15 @@ import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from urllib.parse import urlparse
 
 import httpx
 import torch
+from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
 from moe_rl.rollout.auth import ServerKeys, tls
-from moe_rl.sync import weight_sync as weights
-from moe_rl.sync.weight_sync import WeightSyncError, is_local_address
+from moe_rl.sync import transport
+from moe_rl.sync.transport import WeightSyncError, is_local_address
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +58,6 @@ def master_address_for(addresses: Sequence[str], configured: str | None = None) 
         return configured
     if all(is_local_address(a) for a in addresses):
         return "127.0.0.1"
-    from urllib.parse import urlparse
-
     host = urlparse(addresses[0]).hostname
     port = urlparse(addresses[0]).port or 80
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # no packet is sent: picks the route only
@@ -78,8 +78,6 @@ def port_is_free(port: int, host: str = "") -> bool:
 def _new_group(store, rank: int, world_size: int, backend: str, group_name: str, timeout: timedelta):
     """A process group over ``store`` exactly as SGLang's ``init_custom_process_group`` builds its side
     (same store prefixes), without touching this process's default group (the learner's own)."""
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
-
     pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
                                       group_name=group_name, backend_options=None, timeout=timeout)  # fmt: skip
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
@@ -185,7 +183,7 @@ class WeightGroup:
         """One bucket: the request to every server and, meanwhile, rank 0's broadcasts; refusals by address."""
         tensors = [t.detach().to(self.device).contiguous() for _, t in group]
         with ThreadPoolExecutor(len(self.addresses), thread_name_prefix=f"{self.group_name}-bucket") as pool:
-            futures = {a: pool.submit(weights._post, a, "update_weights_from_distributed", body, self.timeout_s,
+            futures = {a: pool.submit(transport.post_admin, a, "update_weights_from_distributed", body, self.timeout_s,
                                       self.headers) for a in self.addresses}  # fmt: skip
             works = [torch.distributed.broadcast(t, src=0, group=self.group, async_op=True) for t in tensors]
             refused = _refusals(futures)  # a server replies after it received (and loaded) the whole bucket
@@ -201,15 +199,15 @@ class WeightGroup:
     def _on_every_server(self, endpoint: str, bodies: Mapping[str, dict]) -> dict[str, str]:
         """POST ``endpoint`` to every server concurrently; ``{address: message}`` of those that refused."""
         with ThreadPoolExecutor(len(bodies), thread_name_prefix=f"{GROUP_PREFIX}-http") as pool:
-            futures = {a: pool.submit(weights._post, a, endpoint, body, self.timeout_s, self.headers)
+            futures = {a: pool.submit(transport.post_admin, a, endpoint, body, self.timeout_s, self.headers)
                        for a, body in bodies.items()}  # fmt: skip
             return {a: f"{a}/{endpoint}: {message}" for a, message in _refusals(futures).items()}
 
     def _check_admin(self, address: str) -> None:
         """The server takes this process's admin calls and has the group endpoints: destroying a group that
         does not exist answers 400 when it does, 401/403 without the admin key, 404 on an SGLang without them."""
-        ok, message = weights._post(address, "destroy_weights_update_group", {"group_name": f"{GROUP_PREFIX}_probe"},
-                            self.timeout_s, self.headers)  # fmt: skip
+        probe = {"group_name": f"{GROUP_PREFIX}_probe"}
+        ok, message = transport.post_admin(address, "destroy_weights_update_group", probe, self.timeout_s, self.headers)
         if not ok and not message.startswith("HTTP 400"):
             raise WeightSyncError(f"{address}/destroy_weights_update_group refused ({message}): the weight-update "
                                   "group needs the servers' admin key (rollout.admin_api_key_env, or the run's own) "
@@ -226,7 +224,7 @@ class WeightGroup:
 
 
 def _refusals(futures: Mapping) -> dict[str, str]:
-    """``{address: message}`` of the admin calls (``weights._post`` futures by address) that were refused."""
+    """``{address: message}`` of the admin calls (``transport.post_admin`` futures by address) that were refused."""
     refused = {}
     for address, future in futures.items():
         try:

@@ -19,6 +19,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from moe_rl.records.versions import VersionLabel, parse_version_label, version_label, version_number
+from moe_rl.rollout.client import RolloutError
+from moe_rl.rollout.health import ServerHungError
 
 __all__ = [
     "WeightVersionError", "VersionLabel", "version_label", "parse_version_label", "version_number",
@@ -94,9 +96,6 @@ def generate_checked(
     cannot, e.g. external servers); it raises once its restart budget is spent. ``check_served()`` raises
     ForeignWeightsError when the served weights are not the pushed ones (the fingerprint check).
     """
-    from moe_rl.rollout.client import RolloutError
-    from moe_rl.rollout.health import ServerHungError
-
     resyncs = 0
 
     def resync_or_stop(err: WeightVersionError) -> None:

@@ -1,6 +1,6 @@
 """How one learner rank sends its buckets of a weight sync, and the session calls rank 0 makes around them.
 
-Owns the per-rank senders of ``weights.WeightSync`` (every rank that owns tensors sends its own buckets, as
+Owns the per-rank senders of ``weight_sync.WeightSync`` (every rank that owns tensors sends its own buckets, as
 ``learner.hf_stream`` yields them; no rank holds more than a bucket or two):
 
 * ``TensorSender`` (``tensor``): each bucket copied once into one shared-memory buffer (torch's
@@ -21,21 +21,23 @@ import base64
 import contextlib
 import io
 from collections.abc import Mapping, Sequence
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 import torch
+import torch.multiprocessing as mp
 
-from moe_rl.learner.dist import RankComm  # noqa: F401 (the sync's ranks; re-exported)
-from moe_rl.sync import weight_sync as weights
+from moe_rl.learner.hf_export import ShardWriter
+from moe_rl.learner.hf_stream import size_buckets
+from moe_rl.sync import transport
+from moe_rl.sync.transport import WeightSyncError
 
-__all__ = ["DictStream", "DiskSender", "GroupSender", "RankComm", "TensorSender", "begin", "end", "publish"]
+__all__ = ["DictStream", "DiskSender", "GroupSender", "TensorSender", "begin", "end", "publish"]
 
 
 @contextlib.contextmanager
 def _file_system_sharing():
     """torch shares CPU tensors by /dev/shm file name (openable by an unrelated process) inside."""
-    import torch.multiprocessing as mp
-
     old = mp.get_sharing_strategy()
     mp.set_sharing_strategy("file_system")
     try:
@@ -50,8 +52,6 @@ def serialize_bucket(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, to
     The bucket's tensors are copied into ONE shared-memory buffer (64-byte aligned views), so the
     payload names a single /dev/shm file that the server opens once (torch caches the storage).
     """
-    from multiprocessing.reduction import ForkingPickler
-
     offsets, total = [], 0
     for _, tensor in named:
         offsets.append(total)
@@ -79,7 +79,7 @@ class DictStream:
         self.named, self.bucket_bytes = named, bucket_bytes
 
     def buckets(self):
-        yield from weights.buckets(self.named, self.bucket_bytes)
+        yield from size_buckets(self.named, self.bucket_bytes)
 
 
 # ----------------------------------------------------------------------------------- senders
@@ -113,8 +113,10 @@ class TensorSender(_Sender):
         body = {"serialized_named_tensors": [payload], "weight_version": self.label, "flush_cache": False}
         for address in live:
             try:
-                ok, message = weights._post(address, "update_weights_from_tensor", body, self.timeout_s, self.headers)
-            except weights.WeightSyncError as err:
+                ok, message = transport.post_admin(
+                    address, "update_weights_from_tensor", body, self.timeout_s, self.headers
+                )
+            except WeightSyncError as err:
                 self._fail(address, str(err), True)
                 continue
             if ok:
@@ -139,7 +141,7 @@ class GroupSender(_Sender):
         if self.group.group is None:
             try:
                 self.group.open()
-            except weights.WeightSyncError as err:
+            except WeightSyncError as err:
                 for address in live:
                     self._fail(address, str(err), False)
                 return
@@ -159,8 +161,6 @@ class DiskSender:
     """Writes this rank's buckets into the shared temporary HF directory ``tmp`` (rank 0 finishes it)."""
 
     def __init__(self, tmp: str | Path, rank: int):
-        from moe_rl.learner.hf_export import ShardWriter
-
         self.writer = ShardWriter(tmp, f"model-r{rank:05d}")
 
     def send(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
@@ -176,8 +176,8 @@ def _each(addresses: Sequence[str], endpoint: str, body: dict, headers: dict, ti
     refused = {}
     for address in addresses:
         try:
-            ok, message = weights._post(address, endpoint, body, timeout_s, headers)
-        except weights.WeightSyncError as err:
+            ok, message = transport.post_admin(address, endpoint, body, timeout_s, headers)
+        except WeightSyncError as err:
             ok, message = False, str(err)
         if not ok:
             hint = " (a weight sync needs the servers' admin key: rollout.admin_api_key_env, or the run's own)"
@@ -210,21 +210,6 @@ def publish(
                     headers, timeout_s)  # fmt: skip
     if flush_cache:
         for address in [a for a in addresses if a not in refused]:
-            refused |= _flush(address, headers, timeout_s)
+            refused |= transport.flush_server_cache(address, headers, timeout_s)
     return refused
 
-
-def _flush(address: str, headers: dict, timeout_s: float) -> dict[str, str]:
-    import httpx
-
-    from moe_rl.rollout.auth import tls
-
-    try:
-        resp = httpx.post(f"{address}/flush_cache", timeout=timeout_s, headers=headers, verify=tls())
-    except httpx.HTTPError as err:
-        return {address: f"{address}/flush_cache failed: {type(err).__name__}: {err}"}
-    return (
-        {}
-        if resp.status_code == 200
-        else {address: f"{address}/flush_cache: HTTP {resp.status_code}: {resp.text[:300]}"}
-    )

@@ -28,9 +28,11 @@ from pathlib import Path
 
 import httpx
 import torch
+from safetensors import safe_open
 
+from moe_rl.records.versions import parse_version_label
 from moe_rl.rollout.auth import ServerKeys, tls
-from moe_rl.sync.integrity import ForeignWeightsError, ForeignWeightsStop, parse_version_label
+from moe_rl.sync.integrity import ForeignWeightsError, ForeignWeightsStop
 
 __all__ = [
     "FINGERPRINT_SUFFIXES",
@@ -108,8 +110,6 @@ class PushedWeights:
 
     def remember_hf_dir(self, label: str, hf_dir: str | Path) -> None:
         """The same for a push from an HF checkpoint directory (reads only the fingerprinted tensors)."""
-        from safetensors import safe_open
-
         named = {}
         for path in sorted(Path(hf_dir).glob("*.safetensors")):
             with safe_open(str(path), framework="pt") as f:

@@ -1,9 +1,9 @@
 """Push learner weights to SGLang servers, verify the version they report, track servers left invalid.
 
-Owns ``rollout.weight_sync`` and the sync's protocol. A sync is collective over the learner ranks and
-streams: the ranks that own tensors send them bucket by bucket (``rollout.weight_sync_bucket_mb``,
-``learner.hf_stream``; ``sync.senders`` sends), no rank holds the whole model, and a re-sync of a
-restarted server is the same collective call from the live weights. Transports:
+Owns ``rollout.weight_sync`` and the sync's protocol (the HTTP calls are ``transport``'s, the checks ``checks``').
+A sync is collective over the learner ranks and streams: the ranks that own tensors send them bucket by bucket
+(``rollout.weight_sync_bucket_mb``, ``learner.hf_stream``; ``senders`` sends), no rank holds the whole model,
+and a re-sync of a restarted server is the same collective call from the live weights. Transports:
 
 * ``tensor``: each sending rank posts its buckets to ``/update_weights_from_tensor`` as shared-memory
   handles (``/dev/shm``, no disk, no copy through HTTP), so the servers must run on this host;
@@ -37,102 +37,28 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import httpx
 import torch
+
+from moe_rl.config.hf_model import initial_weights_dir, side_files_dir
+from moe_rl.learner.dist import RankComm
+from moe_rl.learner.hf_export import begin_dir, finish_dir
+from moe_rl.learner.hf_stream import HFStream
+from moe_rl.rollout.auth import ServerKeys
+from moe_rl.sync import senders as ws
+from moe_rl.sync.checks import check_servable, check_shapes, check_weights, quantize_state_dict, reference_from_hf_dir
+from moe_rl.sync.group import WeightGroup, group_options
+from moe_rl.sync.integrity import ForeignWeightsStop
+from moe_rl.sync.served_weights import PushedWeights, fingerprint_tensors
+from moe_rl.sync.transport import WeightSyncError, check_version, is_local_address, update_weights_from_disk
+
+__all__ = ["WEIGHT_SYNC_MODES", "WeightSync"]
 
 WEIGHT_SYNC_MODES = ("tensor", "disk", "distributed")
 
-from moe_rl.rollout.auth import ServerKeys, tls
-from moe_rl.sync.integrity import ForeignWeightsStop
-from moe_rl.sync.served_weights import PushedWeights, fingerprint_tensors
-from moe_rl.sync.checks import (  # noqa: F401 (re-exported: the sync's public names)
-    ServerInvalidError,
-    WeightSyncError,
-    check_servable,
-    check_weights,
-    is_local_address,
-    quantize_state_dict,
-    reference_from_hf_dir,
-)
-
 logger = logging.getLogger(__name__)
-
-
-def server_weight_version(address: str, timeout_s: float = 30.0, keys: ServerKeys | None = None) -> str:
-    """The `weight_version` a server reports in `/model_info`."""
-    headers = keys.headers() if keys else {}
-    resp = httpx.get(f"{address.rstrip('/')}/model_info", timeout=timeout_s, headers=headers, verify=tls())
-    resp.raise_for_status()
-    info = resp.json()
-    if "weight_version" not in info:
-        raise WeightSyncError(f"{address}/model_info has no 'weight_version' field: {str(info)[:300]}")
-    return str(info["weight_version"])
-
-
-def _post(address: str, endpoint: str, body: dict, timeout_s: float, headers: dict | None = None) -> tuple[bool, str]:
-    """(success, message) of a weight-update endpoint; transport errors raise WeightSyncError.
-
-    ``headers``: the admin (or API) key when the servers have one (``ServerKeys.headers(admin=True)``).
-    """
-    try:
-        resp = httpx.post(f"{address}/{endpoint}", json=body, timeout=timeout_s, headers=headers or {}, verify=tls())
-    except httpx.HTTPError as err:
-        raise WeightSyncError(f"{address}/{endpoint} failed: {type(err).__name__}: {err}") from err
-    reply = resp.json() if resp.headers.get("content-type", "").startswith("application/json") else {}
-    ok = resp.status_code == 200 and bool(reply.get("success", False))
-    return ok, f"HTTP {resp.status_code}: {reply.get('message', resp.text[:300])}"
-
-
-def _check_version(addresses: Iterable[str], weight_version: str, keys: ServerKeys | None = None) -> None:
-    for address in addresses:
-        reported = server_weight_version(address, keys=keys)
-        if reported != str(weight_version):
-            err = WeightSyncError(
-                f"{address} reports weight_version={reported!r} after the update; expected {weight_version!r}"
-            )
-            err.foreign_label = True  # someone else pushed after this update
-            raise err
-
-
-def update_weights_from_disk(
-    addresses: Sequence[str], model_path: str | Path, weight_version: str, timeout_s: float = 600.0,
-    keys: ServerKeys | None = None, flush_cache: bool = True,
-) -> None:
-    """Load `model_path` (an HF checkpoint dir) into every server as `weight_version`; verify it.
-
-    Servers are updated one after another; a refused load is rolled back by SGLang (the server
-    keeps its previous weights) and raises WeightSyncError naming the server.
-    """
-    if not weight_version:
-        raise ValueError("weight_version is empty; expected a non-empty version label such as 'step-12'")
-    model_path = Path(model_path)
-    if not (model_path / "config.json").is_file():
-        raise FileNotFoundError(f"{model_path} is not an HF checkpoint directory (no config.json)")
-    body = {"model_path": str(model_path.resolve()), "weight_version": str(weight_version), "flush_cache": flush_cache}
-    for address in addresses:
-        address = address.rstrip("/")
-        ok, message = _post(address, "update_weights_from_disk", body, timeout_s,
-                            headers=keys.headers(admin=True) if keys else None)  # fmt: skip
-        if not ok:
-            raise WeightSyncError(f"{address} refused weights from {model_path} ({message})")
-        _check_version([address], weight_version, keys)
-
-
-def buckets(named: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
-    """Consecutive groups of tensors of at most `bucket_bytes` each (a bigger tensor goes alone)."""
-    out: list[list[tuple[str, torch.Tensor]]] = [[]]
-    size = 0
-    for name, tensor in named.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if out[-1] and size + nbytes > bucket_bytes:
-            out.append([])
-            size = 0
-        out[-1].append((name, tensor))
-        size += nbytes
-    return [b for b in out if b]
 
 
 # ----------------------------------------------------------------------------------- the entry point
@@ -200,9 +126,6 @@ class WeightSync:
                 f"rollout.weight_sync='tensor' shares tensors through this host's memory, but {remote} are not "
                 f"on this host; use rollout.weight_sync='disk' (or 'auto')"
             )
-        from moe_rl.config.hf_model import initial_weights_dir, side_files_dir
-        from moe_rl.sync.group import group_options
-
         init = initial_weights_dir(cfg)
         return cls(
             mode, cfg.model, export_dir=export_dir, template_dir=side_files_dir(cfg),
@@ -224,9 +147,6 @@ class WeightSync:
         tensors stream them bucket by bucket (``learner.hf_stream``). Checked first (names and shapes against
         the served model, every rank's tensors finite on their device): a failure there sends nothing and
         raises WeightSyncError on every rank. ``flush_cache=False`` only inside an ``in_place`` pause."""
-        from moe_rl.learner.hf_stream import HFStream
-        from moe_rl.sync.senders import RankComm
-
         t0, comm = time.perf_counter(), RankComm(collective=True)
         header = comm.bcast(self._header(addresses, version) if comm.rank0 else None)
         stream = HFStream(model_module, self.model_cfg, self.bucket_bytes, gather_experts=header["mode"] == "distributed")
@@ -243,11 +163,9 @@ class WeightSync:
         """Check, (quantise,) and load a ready HF state dict into every server as ``version`` from this process
         alone (tests, benchmarks, tools; the trainer streams with ``sync``). ``flush_cache`` as in ``sync``."""
         check_weights(hf_state, self.reference)  # raises before anything is sent
-        from moe_rl.sync.senders import DictStream, RankComm
-
         self._planned = {k: tuple(v.shape) for k, v in hf_state.items()}
         comm = RankComm(collective=False)
-        self._stream(DictStream(hf_state, self.bucket_bytes), comm, self._header(addresses, version), flush_cache)
+        self._stream(ws.DictStream(hf_state, self.bucket_bytes), comm, self._header(addresses, version), flush_cache)
 
     def load_dir(self, hf_dir: str | Path, addresses: Sequence[str], version: str) -> None:
         """Load an HF checkpoint dir (the run's export) into every server as ``version``, remembered like a push."""
@@ -266,8 +184,6 @@ class WeightSync:
 
     def _check_plans(self, checked: list) -> str | None:
         """Rank 0: every rank's ``(plan, first non-finite tensor)`` -> None, or why nothing may be sent."""
-        from moe_rl.sync.checks import check_shapes
-
         shapes = {n: shape for plan, _ in checked for n, (shape, _) in plan.items()}
         try:
             check_shapes(shapes, self.reference)
@@ -292,14 +208,10 @@ class WeightSync:
 
     def _attempt(self, stream, comm, header: dict, flush_cache: bool) -> tuple[bool, str] | None:
         """One push over ``header['mode']``'s transport (collective): None, or ``(foreign, message)``."""
-        from moe_rl.sync import senders as ws
-
         mode, addresses, version, headers = header["mode"], header["addresses"], header["version"], header["headers"]
         start = None
         if comm.rank0:
             if mode == "disk":
-                from moe_rl.learner.hf_export import begin_dir
-
                 start = {"tmp": str(begin_dir(self.export_dir)), "refused": {}}
             else:
                 start = {"tmp": None, "refused": ws.begin(addresses, headers, self.timeout_s)}
@@ -325,15 +237,11 @@ class WeightSync:
         return comm.bcast(outcome)
 
     def _sender(self, mode: str, stream, start: dict, header: dict):
-        from moe_rl.sync import senders as ws
-
         if mode == "disk":
-            return ws.DiskSender(start["tmp"], ws.RankComm(collective=True).rank)
+            return ws.DiskSender(start["tmp"], RankComm(collective=True).rank)
         args = (header["addresses"], header["version"], header["headers"], self.timeout_s)
         if mode == "tensor":
             return ws.TensorSender(*args)
-        from moe_rl.sync.group import WeightGroup
-
         options = dict(self.group_options)
         if options.get("master_port"):
             options["master_port"] += stream.stage  # one rendezvous port per pipeline stage's source
@@ -343,13 +251,9 @@ class WeightSync:
 
     def _finish(self, header: dict, start: dict, reports: list, flush_cache: bool) -> tuple[bool, str] | None:
         """Rank 0 after every rank streamed: end the session, label, verify; remember the push."""
-        from moe_rl.sync import senders as ws
-
         mode, addresses, version, headers = header["mode"], header["addresses"], header["version"], header["headers"]
         sent = [r for r, _ in reports if r is not None]
         if mode == "disk":
-            from moe_rl.learner.hf_export import finish_dir
-
             path = finish_dir(Path(start["tmp"]), self.export_dir, [(r["weight_map"], r["total_size"]) for r in sent],
                               self.model_cfg, self.template_dir)  # fmt: skip
             try:
@@ -369,7 +273,7 @@ class WeightSync:
             try:
                 if errors[address] is not None:
                     raise WeightSyncError(errors[address])
-                _check_version([address], version, self.keys)
+                check_version([address], version, self.keys)
             except WeightSyncError as err:
                 foreign = foreign or bool(getattr(err, "foreign_label", False))
                 if loaded[address] > 0:

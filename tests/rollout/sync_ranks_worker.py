@@ -33,13 +33,9 @@ from moe_rl.learner.hf_stream import HFStream  # noqa: E402
 from moe_rl.learner.train_step import Learner  # noqa: E402
 from moe_rl.records import RouteSpec  # noqa: E402
 from moe_rl.rollout.client import RolloutClient, SamplingSettings  # noqa: E402
-from moe_rl.sync.weight_sync import (  # noqa: E402
-    WeightSync,
-    WeightSyncError,
-    reference_from_hf_dir,
-    server_weight_version,
-    update_weights_from_disk,
-)
+from moe_rl.sync.checks import reference_from_hf_dir  # noqa: E402
+from moe_rl.sync.transport import WeightSyncError, server_weight_version, update_weights_from_disk  # noqa: E402
+from moe_rl.sync.weight_sync import WeightSync  # noqa: E402
 
 MODEL = dict(num_layers=4, first_k_dense_layers=1, vocab_size=512)  # pp=2: a MoE layer on each stage
 BUCKET = 64 << 10  # small: many buckets, experts of both ep ranks in one bucket

@@ -16,15 +16,10 @@ import pytest
 
 from moe_rl.learner.hf_convert import read_hf_state_dict
 from moe_rl.rollout.client import RolloutClient, SamplingSettings
+from moe_rl.sync.checks import ServerInvalidError, reference_from_hf_dir
 from moe_rl.sync.group import GROUP_PREFIX, WeightGroup, port_is_free
-from moe_rl.sync.weight_sync import (
-    ServerInvalidError,
-    WeightSync,
-    WeightSyncError,
-    reference_from_hf_dir,
-    server_weight_version,
-    update_weights_from_disk,
-)
+from moe_rl.sync.transport import WeightSyncError, server_weight_version, update_weights_from_disk
+from moe_rl.sync.weight_sync import WeightSync
 
 pytestmark = pytest.mark.sglang
 

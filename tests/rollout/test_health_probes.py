@@ -13,10 +13,10 @@ import httpx
 import numpy as np
 import pytest
 
-from moe_rl.sync import senders
 from moe_rl.rollout.client import RolloutClient, SamplingSettings
 from moe_rl.rollout.health import ServerHungError, watch_health
 from moe_rl.rollout.launcher import free_port
+from moe_rl.sync import senders
 
 
 def test_a_server_that_replies_is_not_probed_and_one_that_stops_is(device):

@@ -20,7 +20,9 @@ from moe_rl.learner.hf_convert import read_hf_state_dict
 from moe_rl.records.sglang_meta import decode_routes
 from moe_rl.rollout.client import RolloutClient, SamplingSettings
 from moe_rl.rollout.partial import paused_generation
-from moe_rl.sync.weight_sync import WeightSync, reference_from_hf_dir, update_weights_from_disk
+from moe_rl.sync.checks import reference_from_hf_dir
+from moe_rl.sync.transport import update_weights_from_disk
+from moe_rl.sync.weight_sync import WeightSync
 
 pytestmark = pytest.mark.sglang
 

@@ -18,10 +18,11 @@ import httpx
 import pytest
 
 from moe_rl.rollout.auth import ServerKeys
-from moe_rl.sync.integrity import ForeignWeightsError
 from moe_rl.rollout.launcher import ServerSpec, SGLangServer, server_env
+from moe_rl.sync.integrity import ForeignWeightsError
 from moe_rl.sync.served_weights import FINGERPRINT_SUFFIXES, PushedWeights
-from moe_rl.sync.weight_sync import WeightSync, update_weights_from_disk
+from moe_rl.sync.transport import update_weights_from_disk
+from moe_rl.sync.weight_sync import WeightSync
 
 pytestmark = pytest.mark.sglang
 

@@ -23,7 +23,7 @@ from moe_rl.rollout.client import (
     SamplingSettings,
 )
 from moe_rl.rollout.launcher import free_port
-from moe_rl.sync.weight_sync import server_weight_version, update_weights_from_disk
+from moe_rl.sync.transport import server_weight_version, update_weights_from_disk
 from tests.rollout.hf_reference import kept_set, load_hf_model, teacher_forced, topk_sets
 
 pytestmark = pytest.mark.sglang

@@ -16,17 +16,12 @@ import pytest
 import torch
 
 from moe_rl.learner.hf_convert import read_hf_state_dict
-from moe_rl.sync import weight_sync as weights
 from moe_rl.rollout.client import RolloutClient, SamplingSettings
+from moe_rl.sync import transport
+from moe_rl.sync.checks import ServerInvalidError, reference_from_hf_dir
 from moe_rl.sync.quantize import quantize_hf_dir
-from moe_rl.sync.weight_sync import (
-    ServerInvalidError,
-    WeightSync,
-    WeightSyncError,
-    reference_from_hf_dir,
-    server_weight_version,
-    update_weights_from_disk,
-)
+from moe_rl.sync.transport import WeightSyncError, server_weight_version, update_weights_from_disk
+from moe_rl.sync.weight_sync import WeightSync
 
 pytestmark = pytest.mark.sglang
 
@@ -160,7 +155,7 @@ def test_sync_failing_midway_marks_the_server_invalid_until_a_full_resync(
 ):
     """The transport drops the 2nd bucket after the real server loaded the 1st: half-updated weights."""
     url = sglang_server.url
-    real_post, calls = weights._post, []
+    real_post, calls = transport.post_admin, []
 
     def drop_second_bucket(address, endpoint, body, timeout_s, headers=None):
         if endpoint == "update_weights_from_tensor":
@@ -170,14 +165,14 @@ def test_sync_failing_midway_marks_the_server_invalid_until_a_full_resync(
         return real_post(address, endpoint, body, timeout_s, headers)
 
     state = read_hf_state_dict(model_dir_v2)
-    monkeypatch.setattr(weights, "_post", drop_second_bucket)
+    monkeypatch.setattr(transport, "post_admin", drop_second_bucket)
     try:
         with pytest.raises(WeightSyncError, match="half-updated and marked invalid.*injected connection drop"):
             tensor_sync.push(state, [url], "v3")
         assert server_weight_version(url) == "v3.partial", "a half-updated server must not pass for any version"
         with pytest.raises(ServerInvalidError, match="refusing rollouts from"):
             tensor_sync.check_servable([url])
-        monkeypatch.setattr(weights, "_post", real_post)
+        monkeypatch.setattr(transport, "post_admin", real_post)
         tensor_sync.push(state, [url], "v3")  # the full re-sync
         tensor_sync.check_servable([url])
         after = _generate(url, route_spec)

@@ -22,9 +22,9 @@ import torch
 from safetensors.torch import load_file
 
 from moe_rl.config import ModelConfig
-from moe_rl.learner.hf_convert import read_hf_state_dict
-from moe_rl.sync.weight_sync import update_weights_from_disk
 from moe_rl.learner.dist import free_port
+from moe_rl.learner.hf_convert import read_hf_state_dict
+from moe_rl.sync.transport import update_weights_from_disk
 from tests.conftest import one_gpu_per_rank, repo_env, run_to_file
 from tests.rollout import sync_ranks_worker as worker
 

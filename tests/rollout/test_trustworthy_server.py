@@ -21,10 +21,12 @@ from safetensors.torch import load_file as load_safetensors
 from moe_rl.rollout.auth import ServerKeyError, ServerKeys
 from moe_rl.rollout.client import RolloutClient, SamplingSettings
 from moe_rl.rollout.health import ServerHungError
-from moe_rl.sync.integrity import WeightVersionError, check_weight_versions, generate_checked
 from moe_rl.rollout.launcher import ServerSpec, SGLangServer
 from moe_rl.rollout.server_pool import ServerPool
-from moe_rl.sync.weight_sync import update_weights_from_disk
+from moe_rl.sync import transport
+from moe_rl.sync.integrity import WeightVersionError, check_weight_versions, generate_checked
+from moe_rl.sync.transport import WeightSyncError, server_weight_version, update_weights_from_disk
+from moe_rl.sync.weight_sync import WeightSync
 
 pytestmark = pytest.mark.sglang
 
@@ -102,18 +104,16 @@ TRAINER_ADMIN_ENDPOINTS = ("update_weights_from_disk", "begin_weight_update", "u
 
 
 def test_every_admin_endpoint_the_trainer_calls_refuses_a_call_without_the_admin_key(keyed, model_dir):
-    import moe_rl.sync.weight_sync as weights
-
     pool, keys, _ = keyed
     url = pool.addresses[0]
     for endpoint in TRAINER_ADMIN_ENDPOINTS:
         for headers in ({}, {"Authorization": f"Bearer {API_KEY}"}):
             assert httpx.post(f"{url}/{endpoint}", json={}, headers=headers, timeout=60).status_code == 401, endpoint
-        # the cache flush after a sync (senders.publish posts it with the admin key, outside _post)
+        # the cache flush after a sync (senders.publish posts it with the admin key, outside post_admin)
         assert httpx.post(f"{url}/flush_cache", headers=headers, timeout=60).status_code == 401
     # ... and moe_rl sends the admin key on each of them: record what the weight-sync functions post
     sent = []
-    real_post = weights._post
+    real_post = transport.post_admin
 
     def recording_post(address, endpoint, body, timeout_s, headers=None):
         sent.append((endpoint, (headers or {}).get("Authorization")))
@@ -123,10 +123,10 @@ def test_every_admin_endpoint_the_trainer_calls_refuses_a_call_without_the_admin
 
     served = {k: v for f in sorted(Path(model_dir).glob("*.safetensors")) for k, v in load_file(f).items()}
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(weights, "_post", recording_post)
-        weights.WeightSync("tensor", None, keys=keys).push(served, [url], "step-0")  # the same weights again
-        weights.update_weights_from_disk([url], model_dir, "step-0", keys=keys)
-        distributed = weights.WeightSync("distributed", None, keys=keys, group_options={"backend": "gloo"})
+        mp.setattr(transport, "post_admin", recording_post)
+        WeightSync("tensor", None, keys=keys).push(served, [url], "step-0")  # the same weights again
+        update_weights_from_disk([url], model_dir, "step-0", keys=keys)
+        distributed = WeightSync("distributed", None, keys=keys, group_options={"backend": "gloo"})
         try:
             distributed.push(served, [url], "step-0")
         finally:
@@ -138,18 +138,17 @@ def test_every_admin_endpoint_the_trainer_calls_refuses_a_call_without_the_admin
 def test_distributed_sync_without_the_admin_key_is_refused_before_any_rendezvous(keyed, model_dir):
     import threading
 
-    import moe_rl.sync.weight_sync as weights
     from moe_rl.sync.group import GROUP_PREFIX
 
     pool, keys, _ = keyed
     url = pool.addresses[0]
     served = {k: v for f in sorted(Path(model_dir).glob("*.safetensors")) for k, v in load_safetensors(f).items()}
     for wrong in (ServerKeys(api_key=API_KEY), ServerKeys(api_key=API_KEY, admin_api_key="not-the-admin-key")):
-        sync = weights.WeightSync("distributed", None, keys=wrong, group_options={"backend": "gloo"}, timeout_s=60)
-        with pytest.raises(weights.WeightSyncError, match="keeps its previous weights.*HTTP 401.*admin key"):
+        sync = WeightSync("distributed", None, keys=wrong, group_options={"backend": "gloo"}, timeout_s=60)
+        with pytest.raises(WeightSyncError, match="keeps its previous weights.*HTTP 401.*admin key"):
             sync.push(served, [url], "step-9")
         sync.close()
-    assert weights.server_weight_version(url, keys=keys) == "step-0"
+    assert server_weight_version(url, keys=keys) == "step-0"
     assert not [t for t in threading.enumerate() if GROUP_PREFIX in t.name], "a refused rendezvous left a thread"
 
 

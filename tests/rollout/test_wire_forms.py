@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 import torch
 
+from moe_rl.learner.hf_stream import size_buckets
 from moe_rl.records import RecordError, RouteSpec, decode_sglang_meta
 from moe_rl.records.sglang_meta import decode_routes, decode_sampling_mask
-from moe_rl.sync.weight_sync import WeightSyncError, buckets, check_weights, is_local_address
+from moe_rl.sync.checks import check_weights
+from moe_rl.sync.transport import WeightSyncError, is_local_address
 
 SPEC = RouteSpec(num_hidden_layers=3, moe_layer_ids=(1, 2), top_k=2, num_experts=8)  # layer 0 dense
 
@@ -157,7 +159,7 @@ def test_weights_that_do_not_match_the_served_model_are_refused_before_sending(d
 
 def test_buckets_keep_order_and_size_limit():
     named = {f"t{i}": torch.zeros(n) for i, n in enumerate([10, 10, 30, 5, 5])}  # float32: 4 bytes each
-    groups = buckets(named, bucket_bytes=80)
+    groups = size_buckets(named, bucket_bytes=80)
     assert [[n for n, _ in g] for g in groups] == [["t0", "t1"], ["t2"], ["t3", "t4"]]
 
 
