@@ -85,8 +85,18 @@ class RLTrainer:
         self.source = None  # rank 0's batch source (moe_rl.train.producer), set by run()
         self.start_step = int(meta["extra"]["rl_step"]) if meta else 0
         self.run_id = resolve_run_id(self.run_dir, resumed=meta is not None)  # same id on every rank
-        # the learner's exports, version labels step-<s>-<nonce> and pushes to the servers
-        self.weights = WeightPusher(cfg, self.learner, self.run_dir, version_nonce(self.run_id), self.is_main)
+        # the learner's exports, version labels step-<s>-<nonce> and pushes to the servers; it asks for what run()
+        # makes later: the server keys, a restart of the servers dead since their last batch (rank 0), the batch source
+        self.weights = WeightPusher(
+            cfg,
+            self.learner,
+            self.run_dir,
+            version_nonce(self.run_id),
+            self.is_main,
+            keys=lambda: self.server_keys,
+            revive=self._revive_servers,
+            source=lambda: self.source,
+        )
         if self.is_main:  # only now is the run known to start (a model-shape change failed above)
             save_config(cfg, self.run_dir / "config.yaml")
             write_run_id(self.run_dir, self.run_id)
@@ -242,13 +252,12 @@ class RLTrainer:
                                run_id=self.run_id)  # fmt: skip
         # the configured key variables (an unset one fails before any server), else a fresh admin key for the
         # servers this run launches (docs/operations.md); held in memory, handed to the servers' environment
-        self.server_keys = self.weights.keys = ServerKeys.for_run(cfg.rollout)
+        self.server_keys = ServerKeys.for_run(cfg.rollout)
         if not self.from_records and not self.is_main:
             self.weights.export()  # the export is collective; rank 0 runs it inside _servers()
         try:
             with self._servers() as self.server_pool, self._source_scope():  # the producer stops before the servers
                 addresses = self.server_pool.addresses
-                self.weights.revive = self.server_pool.restart  # rank 0: a server dead since its last batch
                 if self.is_main and not self.from_records:  # label the served weights with our version
                     self.weights.resync(addresses, self.start_step)
                 client = None
@@ -356,8 +365,11 @@ class RLTrainer:
         else:
             self.source.begin(addresses, self.server_keys, self.start_step, self.start_step, pending, self.weights,
                               self.server_pool)  # fmt: skip
-        self.weights.source = self.source  # a push waits for (or pauses) the batch in flight
         return client
+
+    def _revive_servers(self) -> list[str]:
+        """Rank 0, before a push: restart the servers dead since their last batch; their URLs ([] before the pool)."""
+        return self.server_pool.restart() if self.server_pool is not None else []
 
     def close(self) -> None:
         """Release the routers (nothing stays bound after a run), the reward workers and the run directory's lock.

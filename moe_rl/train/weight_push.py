@@ -8,15 +8,21 @@ its mode depends on the servers' hosts) and, in async mode, the handshake around
 session, the ranks that own tensors stream them. A re-sync is labelled with the version of the weights it pushes
 (``live``: from the start of ``push(s)`` on, the learner holds version ``s``), and rank 0 restarts a server that died
 since its last batch before it pauses or pushes (``revive``: the run's ``ServerPool.restart``).
+
+What the trainer makes after the pusher (in ``run()``: the server keys, the server pool, the batch source) the pusher
+is given at construction as callables (``keys``, ``revive``, ``source``) and asks for when a push needs it; nothing
+is set on it from outside afterwards.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from moe_rl.config.hf_model import side_files_dir
+from moe_rl.rollout.auth import ServerKeys
 from moe_rl.train.collectives import barrier
 from moe_rl.train.rank0_calls import Rank0Calls
 
@@ -26,18 +32,40 @@ __all__ = ["WeightPusher"]
 class WeightPusher:
     """``export()``, ``version(step)``, ``push(addresses, step)``, ``resync(addresses, step)``, ``close()``."""
 
-    def __init__(self, cfg, learner, run_dir: Path, nonce: str, is_main: bool):
+    def __init__(
+        self,
+        cfg,
+        learner,
+        run_dir: Path,
+        nonce: str,
+        is_main: bool,
+        *,
+        keys: Callable[[], ServerKeys | None] = lambda: None,
+        revive: Callable[[], list[str]] = lambda: [],
+        source: Callable[[], object | None] = lambda: None,
+    ):
+        """``keys()``: the run's server keys (None before the trainer made them); ``revive()``: rank 0 restarts the
+        servers dead since their last batch, returns their URLs (the run's pool's ``restart``); ``source()``: rank 0's
+        batch source, told of every push (None before the trainer made it, and on the other ranks)."""
         self.cfg, self.learner, self.nonce, self.is_main = cfg, learner, nonce, is_main
         self.export_dir = Path(run_dir) / "hf" / "current"
-        self.keys = None  # the run's server keys (the trainer sets them before any server starts)
-        self.source = None  # async: rank 0's producer, told of every push (the trainer sets it)
+        self._keys, self._source, self.revive = keys, source, revive
         self.sync = None  # the WeightSync, created at the first push
-        self.revive = None  # rank 0: restarts the dead servers, returns their URLs (the trainer sets its pool's)
         self.live: int | None = None  # the version the learner's weights are (set at each push and the first load)
         self._lock = threading.RLock()  # one push at a time: the step's push, a re-sync (any thread)
         self._addresses: list[str] = []  # rank 0: the servers of the re-sync under way
         # collectives rank 0 starts while the others wait
         self.calls = Rank0Calls({"resync": self._resync_all, "reopen": self._reopen})
+
+    @property
+    def keys(self) -> ServerKeys | None:
+        """The run's server keys (None before the trainer made them: the configured variables are used)."""
+        return self._keys()
+
+    @property
+    def source(self):
+        """Rank 0's batch source (a push waits for, or pauses, its batch in flight); None on the other ranks."""
+        return self._source()
 
     def export(self) -> Path:
         """Export the learner as an HF dir for SGLang (collective); the path of the live copy."""
@@ -103,7 +131,7 @@ class WeightPusher:
         """Rank 0, before a push pauses or updates the servers (the other ranks are in ``follow``): restart a server
         that died since its last batch (the push would fail on it); the push then syncs it too, through a new
         weight-update group (``distributed``: a restarted server lost its own) opened on every rank."""
-        if self.revive is not None and self.revive():
+        if self.revive():
             self.calls.call("reopen")
 
     def _reopen(self, _=None) -> None:

@@ -44,9 +44,9 @@ def test_a_resync_during_a_paused_push_waits_for_it_and_carries_the_pushed_versi
     """The re-sync, asked for on the producer thread, is run by the main thread (where the collectives live) at its
     next wait, after the push, labelled with the version the push left."""
     cfg = SimpleNamespace(rollout=SimpleNamespace(partial=True, pause_mode="retract"))
-    pusher = WeightPusher(cfg, SimpleNamespace(module=None), tmp_path, nonce="n", is_main=True)
+    producer = AsyncProducer(lambda step, served, drawn: None, 0, 0, 1, served_version=1)  # no batch in flight
+    pusher = WeightPusher(cfg, SimpleNamespace(module=None), tmp_path, nonce="n", is_main=True, source=lambda: producer)
     pusher.sync = sync = RecordingSync()
-    pusher.source = AsyncProducer(lambda step, served, drawn: None, 0, 0, 1, served_version=1)  # no batch in flight
     push = threading.Thread(target=pusher.push, args=([sglang_server.url], 2))
     push.start()
     assert sync.inside.wait(30)  # generation paused on the server, the update under way
@@ -80,14 +80,21 @@ def test_a_server_dead_since_its_last_batch_is_restarted_before_the_pause_and_sy
 
     monkeypatch.setattr("moe_rl.rollout.partial.paused_generation", paused)
     cfg = SimpleNamespace(rollout=SimpleNamespace(partial=True, pause_mode="retract"))
-    pusher = WeightPusher(cfg, SimpleNamespace(module=None), tmp_path, nonce="n", is_main=True)
+    dead = ["http://dead"]
+
+    def revive():
+        if dead:
+            events.append(("revive",))
+        return list(dead)
+
+    producer = AsyncProducer(lambda step, served, drawn: None, 0, 0, 1, served_version=1)
+    learner = SimpleNamespace(module=None)
+    pusher = WeightPusher(cfg, learner, tmp_path, nonce="n", is_main=True, revive=revive, source=lambda: producer)
     pusher.sync = sync = RecordingSync()
     sync.events, _ = events, sync.inside.set()  # no held push here
-    pusher.revive = lambda: events.append(("revive",)) or ["http://dead"]
-    pusher.source = AsyncProducer(lambda step, served, drawn: None, 0, 0, 1, served_version=1)
     pusher.push(["http://dead"], 2)
     assert events == [("revive",), ("close",), ("pause",), ("push", "step-2-n"), ("pushed", "step-2-n"), ("continue",)]
     events.clear()
-    pusher.revive = lambda: []  # nothing dead: no new group
+    dead.clear()  # nothing dead: no new group
     pusher.push(["http://dead"], 3)
     assert events == [("pause",), ("push", "step-3-n"), ("pushed", "step-3-n"), ("continue",)]

@@ -183,10 +183,9 @@ def test_a_push_publishes_its_version_before_the_producer_may_admit_a_batch(tmp_
             return 0.0
 
     cfg = SimpleNamespace(rollout=SimpleNamespace(partial=False))
-    pusher = WeightPusher(cfg, SimpleNamespace(module=None), tmp_path, nonce="n", is_main=True)
-    pusher.sync = ServersSync()
     producer = AsyncProducer(make, 0, 8, k, served_version=0)
-    pusher.source = producer
+    pusher = WeightPusher(cfg, SimpleNamespace(module=None), tmp_path, nonce="n", is_main=True, source=lambda: producer)
+    pusher.sync = ServersSync()
     producer.start()
     for s in range(8):
         producer.batch(s)
