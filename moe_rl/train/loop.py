@@ -85,8 +85,7 @@ class RLTrainer:
         self.source = None  # rank 0's batch source (moe_rl.train.producer), set by run()
         self.start_step = int(meta["extra"]["rl_step"]) if meta else 0
         self.run_id = resolve_run_id(self.run_dir, resumed=meta is not None)  # same id on every rank
-        # the learner's exports, version labels step-<s>-<nonce> and pushes to the servers; it asks for what run()
-        # makes later: the server keys, a restart of the servers dead since their last batch (rank 0), the batch source
+        # the learner's exports, version labels step-<s>-<nonce> and pushes; it asks for what run() makes later
         self.weights = WeightPusher(
             cfg,
             self.learner,
@@ -94,7 +93,7 @@ class RLTrainer:
             version_nonce(self.run_id),
             self.is_main,
             keys=lambda: self.server_keys,
-            revive=self._revive_servers,
+            revive=lambda: [] if self.server_pool is None else self.server_pool.restart(),  # rank 0: the dead servers
             source=lambda: self.source,
         )
         if self.is_main:  # only now is the run known to start (a model-shape change failed above)
@@ -366,10 +365,6 @@ class RLTrainer:
             self.source.begin(addresses, self.server_keys, self.start_step, self.start_step, pending, self.weights,
                               self.server_pool)  # fmt: skip
         return client
-
-    def _revive_servers(self) -> list[str]:
-        """Rank 0, before a push: restart the servers dead since their last batch; their URLs ([] before the pool)."""
-        return self.server_pool.restart() if self.server_pool is not None else []
 
     def close(self) -> None:
         """Release the routers (nothing stays bound after a run), the reward workers and the run directory's lock.
