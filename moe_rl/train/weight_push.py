@@ -22,7 +22,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from moe_rl.config.hf_model import side_files_dir
+from moe_rl.learner.hf_export import export_hf_checkpoint
 from moe_rl.rollout.auth import ServerKeys
+from moe_rl.sync.checks import quantize_state_dict
+from moe_rl.sync.integrity import version_label
+from moe_rl.sync.weight_sync import WeightSync
 from moe_rl.train.collectives import barrier
 from moe_rl.train.rank0_calls import Rank0Calls
 
@@ -69,9 +73,6 @@ class WeightPusher:
 
     def export(self) -> Path:
         """Export the learner as an HF dir for SGLang (collective); the path of the live copy."""
-        from moe_rl.learner.hf_export import export_hf_checkpoint
-        from moe_rl.sync.checks import quantize_state_dict
-
         fmt = self.cfg.rollout.weight_quantization
         export_hf_checkpoint(self.learner.module, self.cfg.model, self.export_dir, template_dir=side_files_dir(self.cfg),
                              bucket_bytes=self.cfg.rollout.weight_sync_bucket_mb << 20,
@@ -81,14 +82,10 @@ class WeightPusher:
 
     def version(self, step: int) -> str:
         """The weight-version label of ``step``: ``step-<step>-<nonce>`` (the nonce derived from the run id)."""
-        from moe_rl.sync.integrity import version_label
-
         return version_label(step, self.nonce)
 
     def weight_sync(self, addresses: list[str]):
         """The run's ``WeightSync`` (created at first use)."""
-        from moe_rl.sync.weight_sync import WeightSync
-
         if self.sync is None:
             self.sync = WeightSync.from_config(self.cfg, addresses, export_dir=self.export_dir, keys=self.keys)
         return self.sync
