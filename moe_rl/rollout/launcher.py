@@ -205,7 +205,7 @@ def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str
     return env
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """preexec_fn: the kernel sends SIGTERM to the server if the launching process dies (Linux)."""
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
@@ -287,7 +287,7 @@ class SGLangServer:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # own process group: stop() kills the scheduler children too
-                preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread() else None,
+                preexec_fn=die_with_parent if threading.current_thread() is threading.main_thread() else None,
             )
         try:
             if self.spec.cpu_affinity:  # before the interpreter starts its threads and the scheduler process
