@@ -25,7 +25,7 @@ from moe_rl.config.eval_section import eval_and_filters
 from moe_rl.config.loader import ConfigError
 from moe_rl.config.loss_keys import ignored_loss_keys
 from moe_rl.config.memory_plan import memory_fits
-from moe_rl.config.preflight_data import data_files, hf_model_directory, reward_settings
+from moe_rl.preflight.data import data_files, hf_model_directory, reward_settings
 from moe_rl.config.schema import ExperimentConfig
 from moe_rl.exact.preflight import true_on_policy_settings
 
@@ -99,7 +99,7 @@ def task_and_lengths(cfg: ExperimentConfig) -> Iterable[str]:
     from moe_rl.rollout.tasks import KNOWN_TASKS, DigitTask
 
     t, m, r = cfg.train, cfg.model, cfg.rollout
-    if cfg.data is not None:  # prompts come from data.train_files (moe_rl.config.preflight_data)
+    if cfg.data is not None:  # prompts come from data.train_files (moe_rl.preflight.data)
         return
     if t.task not in KNOWN_TASKS:
         yield f"train.task={t.task!r} is not a known task; expected one of {sorted(KNOWN_TASKS)}"

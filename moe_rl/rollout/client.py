@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moe_rl.config.preflight import ksm_active
+from moe_rl.preflight import ksm_active
 from moe_rl.records import RecordError, RolloutSample, RouteSpec, decode_sglang_meta
 from moe_rl.rollout import http_session
 from moe_rl.rollout.auth import ServerKeys

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from moe_rl.config import ExperimentConfig, save_config
-from moe_rl.config.preflight import ksm_active
+from moe_rl.preflight import ksm_active
 from moe_rl.records import RecordError, RolloutBatch
 from moe_rl.train.batch_maker import records_path
 from moe_rl.train.batching import check_ksm_records, kept_set_outside_fraction
@@ -55,7 +55,7 @@ ROLLOUTS_DIR = "rollouts"
 def check_supported(cfg: ExperimentConfig) -> None:
     """Refuse, before anything starts, what the loop cannot run: the preflight's config rules
     (``moe-rl config validate``; the CLI also runs its machine rules). For library callers."""
-    from moe_rl.config.preflight import config_problems
+    from moe_rl.preflight import config_problems
 
     config_problems(cfg).raise_if_any(f"config {cfg.name!r}")
 

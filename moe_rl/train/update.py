@@ -25,7 +25,7 @@ import torch
 from moe_rl.algo import needs_policy_prepass, policy_loss, prepare_corrections
 from moe_rl.algo._tensors import masked_sum
 from moe_rl.algo.variance_control import ess_lr_scale
-from moe_rl.config.preflight import ksm_active
+from moe_rl.preflight import ksm_active
 from moe_rl.learner.pipeline import from_last_stage, is_last_stage, object_from_last_stage
 from moe_rl.records import RolloutBatch
 from moe_rl.train.batching import Microbatch, build_microbatch, response_row_mask, response_rows
