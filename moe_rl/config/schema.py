@@ -400,6 +400,17 @@ class ExperimentConfig(Section):
     launch: SlurmConfig = Field(default_factory=SlurmConfig)
     grid: dict[str, Any] | None = Field(None, description="ablation grid: config key -> values, checked by moe-rl ablate")
 
+    @property
+    def ksm_is_noop(self) -> bool:
+        """Keep Sampling Mask on untruncated sampling (top_p = 1, top_k <= 0): the kept set is the vocab."""
+        r = self.rollout
+        return self.replay.keep_sampling_mask and r.top_p >= 1.0 and r.top_k <= 0
+
+    @property
+    def ksm_active(self) -> bool:
+        """Keep Sampling Mask requests masks and renormalises: on, and sampling truncates (else a no-op)."""
+        return self.replay.keep_sampling_mask and not self.ksm_is_noop
+
     @model_validator(mode="after")
     def _check_coherence(self) -> ExperimentConfig:
         m, p = self.model, self.parallel

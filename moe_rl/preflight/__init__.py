@@ -31,7 +31,7 @@ from moe_rl.exact.preflight import true_on_policy_settings
 
 __all__ = [
     "PreflightError", "PreflightReport", "config_problems", "environment_problems", "preflight",
-    "run_preflight", "ksm_is_noop", "ksm_active",
+    "run_preflight",
 ]  # fmt: skip
 
 
@@ -50,17 +50,6 @@ class PreflightReport:
 
 
 ConfigRule = Callable[[ExperimentConfig], Iterable[str]]
-
-
-def ksm_is_noop(cfg: ExperimentConfig) -> bool:
-    """Keep Sampling Mask on untruncated sampling (top_p = 1, top_k <= 0): the kept set is the vocab."""
-    r = cfg.rollout
-    return cfg.replay.keep_sampling_mask and r.top_p >= 1.0 and r.top_k <= 0
-
-
-def ksm_active(cfg: ExperimentConfig) -> bool:
-    """Keep Sampling Mask requests masks and renormalises: on, and sampling truncates (else a no-op)."""
-    return cfg.replay.keep_sampling_mask and not ksm_is_noop(cfg)
 
 
 # --- config rules -------------------------------------------------------------------------------
@@ -140,7 +129,7 @@ def learner_features(cfg: ExperimentConfig) -> Iterable[str]:
             f"model.mtp_num_layers={m.mtp_num_layers}: multi-token prediction layers are neither built by the "
             "learner nor exported to SGLang; expected 0"
         )
-    if ksm_active(cfg) and p.tp > 1 and cfg.loss.entropy_coef:
+    if cfg.ksm_active and p.tp > 1 and cfg.loss.entropy_coef:
         yield (
             f"replay.keep_sampling_mask=true with parallel.tp={p.tp} and loss.entropy_coef={cfg.loss.entropy_coef}: "
             "the kept-set entropy is not computed on vocab-sharded logits yet (the kept-set log-prob is); "
@@ -284,7 +273,7 @@ def config_problems(cfg: ExperimentConfig) -> PreflightReport:
                 report.problems.append(problem)
                 keys_reported.add(key)
     report.notes.extend(partial_rollout_notes(cfg))
-    if ksm_is_noop(cfg):
+    if cfg.ksm_is_noop:
         report.notes.append(
             "replay.keep_sampling_mask=true with rollout.top_p=1 and rollout.top_k=-1: sampling is untruncated, "
             "so no masks are requested and Keep Sampling Mask is a no-op"
