@@ -25,7 +25,7 @@ from moe_rl.config.algo_sections import (  # noqa: F401  (re-exported: the schem
 from moe_rl.config.data_sections import DataConfig, RewardConfig  # noqa: F401  (re-exported)
 from moe_rl.config.eval_section import EvalConfig  # noqa: F401  (re-exported)
 from moe_rl.config.section import Section
-from moe_rl.exact.contract import KERNELS
+from moe_rl.config.kernels import KERNELS
 
 ExactKernel = Literal[tuple(KERNELS)]  # the items of the true-on-policy kernel contract
 
@@ -229,7 +229,7 @@ class RolloutConfig(Section):
         "recomputes each rollout log-prob and router top-k bit for bit (docs/true_on_policy.md); slow"
     )
     true_on_policy_kernels: list[ExactKernel] | None = Field(
-        None, description="with true_on_policy: the items of the kernel contract to share (moe_rl.exact.contract; "
+        None, description="with true_on_policy: the items of the kernel contract to share (moe_rl.config.kernels; "
         "default all). A subset is not exact: `moe-rl diagnose --attribute` uses it to measure each item alone"
     )
     seed: int = 0
