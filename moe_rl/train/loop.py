@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from moe_rl.config import ExperimentConfig, save_config
+from moe_rl.preflight import config_problems
 from moe_rl.records import RecordError, RolloutBatch
 from moe_rl.train.batch_maker import records_path
 from moe_rl.train.batching import check_ksm_records, kept_set_outside_fraction
@@ -54,8 +55,6 @@ ROLLOUTS_DIR = "rollouts"
 def check_supported(cfg: ExperimentConfig) -> None:
     """Refuse, before anything starts, what the loop cannot run: the preflight's config rules
     (``moe-rl config validate``; the CLI also runs its machine rules). For library callers."""
-    from moe_rl.preflight import config_problems
-
     config_problems(cfg).raise_if_any(f"config {cfg.name!r}")
 
 
