@@ -5,7 +5,7 @@ Independent of Megatron and of any device: the trainer calls
 users can read and test each formula on its own (formula reference: docs/algo.md).
 """
 
-from moe_rl.algo._tensors import LOG_RATIO_BOUND, metrics_to_floats
+from moe_rl.algo.tensors import LOG_RATIO_BOUND, metrics_to_floats
 from moe_rl.algo.advantages import (
     ADVANTAGE_ESTIMATORS,
     broadcast_to_tokens,

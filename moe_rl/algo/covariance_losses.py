@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_rl.algo._tensors import check_positive, log_ratio, masked_mean, metric
+from moe_rl.algo.tensors import check_positive, log_ratio, masked_mean, metric
 from moe_rl.algo.losses import Metrics, _clip_bounds, _finish, _inputs
 
 
@@ -85,7 +85,7 @@ def cov_selection(loss_cfg, logp, old_logp, advantages, mask, generator=None) ->
     t = loss_cfg.type
     if t not in ("clip_cov", "kl_cov"):
         return None
-    from moe_rl.algo._tensors import check_logp, check_mask, check_seq_or_token
+    from moe_rl.algo.tensors import check_logp, check_mask, check_seq_or_token
 
     mask = check_mask(mask, allow_empty=True)
     if not bool(mask.any()):

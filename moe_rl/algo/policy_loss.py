@@ -36,7 +36,7 @@ from typing import Protocol
 
 import torch
 
-from moe_rl.algo._tensors import check_logp, check_mask, check_seq_or_token, metric, seq_valid
+from moe_rl.algo.tensors import check_logp, check_mask, check_seq_or_token, metric, seq_valid
 from moe_rl.algo.aggregation import AGGREGATIONS, aggregate, default_denominator
 from moe_rl.algo.covariance_losses import cov_selection
 from moe_rl.algo.importance import icepop_weights, sequence_icepop_weights, truncated_is_weights

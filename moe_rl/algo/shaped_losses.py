@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_rl.algo._tensors import (
+from moe_rl.algo.tensors import (
     check_nonneg,
     check_positive,
     log_ratio,
