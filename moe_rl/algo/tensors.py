@@ -115,12 +115,6 @@ def masked_min(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> t
     return x.min() if dim is None else x.min(dim).values
 
 
-def masked_logsumexp(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """log Σ exp(x) over ``mask`` (same shape as ``x``), overflow-free."""
-    neg_inf = torch.full((), float("-inf"), dtype=x.dtype, device=x.device)
-    return torch.logsumexp(torch.where(mask, x, neg_inf).reshape(-1), 0)
-
-
 def seq_valid(mask: torch.Tensor) -> torch.Tensor:
     """``valid[B]``: sequences with at least one token in ``mask[B, T]``."""
     return mask.any(dim=1)
