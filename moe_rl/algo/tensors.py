@@ -13,6 +13,8 @@ import torch
 # (seed 000, section "Importance sampling correction").
 LOG_RATIO_BOUND = 20.0
 
+Metrics = dict[str, torch.Tensor]  # flat ``group/name`` -> detached 0-d tensor
+
 
 def check_logp(name: str, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Validate ``x[B, T]`` against ``mask[B, T]`` and return it in a compute dtype.
