@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_rl.algo import needs_policy_prepass, policy_loss, prepare_corrections
-from moe_rl.algo._tensors import masked_sum
+from moe_rl.algo.tensors import masked_sum
 from moe_rl.algo.variance_control import ess_lr_scale
 from moe_rl.learner.pipeline import from_last_stage, is_last_stage, object_from_last_stage
 from moe_rl.records import RolloutBatch
