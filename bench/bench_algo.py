@@ -15,6 +15,8 @@ from types import SimpleNamespace
 import torch
 
 from moe_rl.algo import (
+    LOSS_TYPES,
+    LossInputs,
     chained_rejection_mask,
     compute_policy_loss,
     ess_lr_scale,
@@ -27,7 +29,6 @@ from moe_rl.algo import (
     surrogate_loss,
     truncated_is_weights,
 )
-from moe_rl.algo.surrogates import LOSS_TYPES
 from moe_rl.config import LossConfig
 
 
@@ -98,7 +99,7 @@ def main() -> None:
 
         def run():
             logp.grad = None
-            loss, m = surrogate_loss(cfg, logp, old, adv_tok, mask, None, None, gen)
+            loss, m = surrogate_loss(cfg, LossInputs(logp, old, adv_tok, mask, generator=gen))
             loss.backward()
             metrics_to_floats(m)
 
@@ -117,7 +118,7 @@ def main() -> None:
         "offpolicy_metrics": lambda: offpolicy_metrics(old, roll, mask),
         "truncated_is_weights(token, batch-norm)": lambda: truncated_is_weights(old, roll, mask, "token", 2.0, True),
         "rejection_mask(seq_mean_k3)": lambda: rejection_mask(old, roll, mask, "seq_mean_k3", None, 0.01),
-        "gspo_loss fwd+bwd": lambda: gspo_loss(logp, old, adv, mask)[0].backward(),
+        "gspo_loss fwd+bwd": lambda: gspo_loss(LossInputs(logp, old, adv, mask))[0].backward(),
         "compute_policy_loss fwd (all corrections + GSPO + metrics)": full_fwd,
         "compute_policy_loss fwd+bwd": full_fwd_bwd,
     }

@@ -29,7 +29,7 @@ def _split_validate_items(items: list[str]) -> tuple[list[str], list[str]]:
 
 def _checked_config(args, env: bool):
     """Load ``args.config`` with its overrides and run the preflight (``env``: machine checks too)."""
-    from moe_rl.config.preflight import preflight
+    from moe_rl.preflight import preflight  # noqa: PLC0415  imports torch and Megatron
 
     cfg = load_config(args.config, _overrides(args))
     for note in preflight(cfg, env=env):
@@ -38,8 +38,8 @@ def _checked_config(args, env: bool):
 
 
 def _config_validate(args) -> int:
-    from moe_rl.config.preflight import run_preflight
-    from moe_rl.config.preflight_data import unbuilt_model
+    from moe_rl.preflight import run_preflight  # noqa: PLC0415  imports torch and Megatron
+    from moe_rl.preflight.data import unbuilt_model  # noqa: PLC0415  imports torch and Megatron
 
     configs, positional = _split_validate_items(args.items)
     if not configs:

@@ -10,7 +10,7 @@ import torch
 
 from moe_rl.cli import main
 from moe_rl.config import ConfigError, load_config
-from moe_rl.config.preflight import PreflightError, config_problems, environment_problems, preflight
+from moe_rl.preflight import PreflightError, config_problems, environment_problems, preflight
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").rglob("*.yaml"))
 

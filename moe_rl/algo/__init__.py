@@ -3,9 +3,11 @@
 Independent of Megatron and of any device: the trainer calls
 :func:`compute_policy_loss` with its config sections; everything else is public so
 users can read and test each formula on its own (formula reference: docs/algo.md).
+Losses and advantage estimators are registered by name (``moe_rl.algo.registry``); importing
+this package imports every module that registers one, so ``LOSS_TYPES`` and
+``ADVANTAGE_ESTIMATORS`` list them all.
 """
 
-from moe_rl.algo._tensors import LOG_RATIO_BOUND, metrics_to_floats
 from moe_rl.algo.advantages import (
     ADVANTAGE_ESTIMATORS,
     broadcast_to_tokens,
@@ -18,23 +20,45 @@ from moe_rl.algo.advantages import (
     rloo_advantages,
 )
 from moe_rl.algo.aggregation import AGGREGATIONS, aggregate, default_denominator
-from moe_rl.algo.covariance_losses import clip_cov_loss, kl_cov_loss, token_covariance
+from moe_rl.algo.covariance_losses import ClipCovParams, KLCovParams, clip_cov_loss, kl_cov_loss, token_covariance
 from moe_rl.algo.importance import icepop_weights, sequence_icepop_weights, truncated_is_weights, weight_stats
 from moe_rl.algo.kl import KL_ESTIMATORS, kl_penalty
-from moe_rl.algo.losses import cispo_loss, gspo_loss, ppo_clip_loss, reinforce_loss
-from moe_rl.algo.shaped_losses import dppo_loss, dppo_trust_mask, gmpo_loss, sapo_loss
-from moe_rl.algo.surrogates import surrogate_loss
-from moe_rl.algo.variance_control import M2PO_DEFAULT_TAU, ess_fraction_from_sums, ess_lr_scale, ess_scaled_lr, m2po_mask
+from moe_rl.algo.losses import (
+    CISPOParams,
+    GSPOParams,
+    PPOClipParams,
+    ReinforceParams,
+    cispo_loss,
+    gspo_loss,
+    gspo_token_loss,
+    ppo_clip_loss,
+    reinforce_loss,
+)
 from moe_rl.algo.metrics import offpolicy_metrics
 from moe_rl.algo.policy_loss import (
-    LOSS_TYPES,
     CorrectionConfigLike,
-    LossConfigLike,
     PreparedCorrections,
     compute_policy_loss,
     needs_policy_prepass,
     policy_loss,
     prepare_corrections,
+)
+from moe_rl.algo.registry import (
+    AdvantageInputs,
+    LossConfigLike,
+    LossInputs,
+    LossParams,
+    PolicyLoss,
+    adv_estimator_names,
+    get_adv_estimator,
+    get_adv_estimator_fn,
+    get_loss,
+    get_policy_loss_fn,
+    policy_loss_names,
+    register_adv_est,
+    register_loss,
+    register_policy_loss,
+    surrogate_loss,
 )
 from moe_rl.algo.rejection import (
     RS_MODES,
@@ -44,6 +68,26 @@ from moe_rl.algo.rejection import (
     token_divergence,
     token_veto,
 )
+from moe_rl.algo.shaped_losses import (
+    DPPOParams,
+    GMPOParams,
+    SAPOParams,
+    dppo_kl_loss,
+    dppo_trust_mask,
+    dppo_tv_loss,
+    gmpo_loss,
+    sapo_loss,
+)
+from moe_rl.algo.tensors import LOG_RATIO_BOUND, metrics_to_floats
+from moe_rl.algo.variance_control import (
+    M2PO_DEFAULT_TAU,
+    ess_fraction_from_sums,
+    ess_lr_scale,
+    ess_scaled_lr,
+    m2po_mask,
+)
+
+LOSS_TYPES = policy_loss_names()  # every loss module above has registered its losses
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -53,9 +97,23 @@ __all__ = [
     "LOSS_TYPES",
     "M2PO_DEFAULT_TAU",
     "RS_MODES",
+    "AdvantageInputs",
+    "CISPOParams",
+    "ClipCovParams",
     "CorrectionConfigLike",
+    "DPPOParams",
+    "GMPOParams",
+    "GSPOParams",
+    "KLCovParams",
     "LossConfigLike",
+    "LossInputs",
+    "LossParams",
+    "PPOClipParams",
+    "PolicyLoss",
     "PreparedCorrections",
+    "ReinforceParams",
+    "SAPOParams",
+    "adv_estimator_names",
     "aggregate",
     "broadcast_to_tokens",
     "chained_rejection_mask",
@@ -64,14 +122,20 @@ __all__ = [
     "compute_advantages",
     "compute_policy_loss",
     "default_denominator",
-    "dppo_loss",
+    "dppo_kl_loss",
     "dppo_trust_mask",
+    "dppo_tv_loss",
     "ess_fraction_from_sums",
     "ess_lr_scale",
     "ess_scaled_lr",
+    "get_adv_estimator",
+    "get_adv_estimator_fn",
+    "get_loss",
+    "get_policy_loss_fn",
     "gmpo_loss",
     "grpo_advantages",
     "gspo_loss",
+    "gspo_token_loss",
     "icepop_weights",
     "kl_cov_loss",
     "kl_penalty",
@@ -84,8 +148,12 @@ __all__ = [
     "opob_advantages",
     "opsm_mask",
     "policy_loss",
+    "policy_loss_names",
     "ppo_clip_loss",
     "prepare_corrections",
+    "register_adv_est",
+    "register_loss",
+    "register_policy_loss",
     "reinforce_loss",
     "reinforce_pp_advantages",
     "rejection_mask",

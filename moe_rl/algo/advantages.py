@@ -1,7 +1,8 @@
 """Outcome-reward advantages ``adv[B]`` from ``rewards[B]``: group baselines and batch whitening.
 
 Owns GRPO, RLOO, REINFORCE++ (with and without group baseline), OPO and VCPO's
-minimum-variance off-policy baseline (OPOB). Groups are given either by ``group_size``
+minimum-variance off-policy baseline (OPOB), each registered by its ``advantage.estimator``
+(``moe_rl.algo.registry.register_adv_est``). Groups are given either by ``group_size``
 (the G responses of each prompt contiguous, B = num_prompts · G) or by ``group_ids[B]``
 (any integers; groups may have unequal sizes, including 1). A singleton group has no
 baseline to compare against: its advantage is defined as 0 for every group-baseline
@@ -13,9 +14,7 @@ from __future__ import annotations
 
 import torch
 
-ADVANTAGE_ESTIMATORS = (
-    "grpo", "grpo_no_std", "rloo", "reinforce_pp", "reinforce_pp_baseline", "opo", "vcpo_opob",
-)  # fmt: skip
+from moe_rl.algo.registry import AdvantageInputs, adv_estimator_names, get_adv_estimator_fn, register_adv_est
 
 
 def _check_rewards(rewards: torch.Tensor) -> torch.Tensor:
@@ -197,6 +196,48 @@ def broadcast_to_tokens(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return adv[:, None] * mask.to(adv.dtype)
 
 
+@register_adv_est("grpo")
+def _grpo(x: AdvantageInputs, adv_cfg) -> torch.Tensor:
+    return grpo_advantages(x.rewards, x.group_size, normalize_std=True, eps=adv_cfg.eps, group_ids=x.group_ids)
+
+
+@register_adv_est("grpo_no_std")
+def _grpo_no_std(x: AdvantageInputs, adv_cfg) -> torch.Tensor:
+    return grpo_advantages(x.rewards, x.group_size, normalize_std=False, group_ids=x.group_ids)
+
+
+@register_adv_est("rloo")
+def _rloo(x: AdvantageInputs, adv_cfg) -> torch.Tensor:
+    return rloo_advantages(x.rewards, x.group_size, x.group_ids)
+
+
+@register_adv_est("reinforce_pp")
+def _reinforce_pp(x: AdvantageInputs, adv_cfg) -> torch.Tensor:
+    return reinforce_pp_advantages(x.rewards, None, None, x.lengths, baseline=False)
+
+
+@register_adv_est("reinforce_pp_baseline")
+def _reinforce_pp_baseline(x: AdvantageInputs, adv_cfg) -> torch.Tensor:
+    return reinforce_pp_advantages(x.rewards, x.group_size, x.group_ids, x.lengths, baseline=True)
+
+
+@register_adv_est("opo")
+def _opo(x: AdvantageInputs, adv_cfg) -> torch.Tensor:
+    if x.lengths is None:
+        raise ValueError("advantage.estimator='opo' needs the response lengths [B]; got lengths=None")
+    return opo_advantages(x.rewards, x.lengths, x.group_size, x.group_ids)
+
+
+@register_adv_est("vcpo_opob")
+def _vcpo_opob(x: AdvantageInputs, adv_cfg) -> torch.Tensor:
+    if x.is_weights is None or x.grad_sq_norms is None:
+        raise ValueError("advantage.estimator='vcpo_opob' needs is_weights [B] and grad_sq_norms [B]; got None")
+    return opob_advantages(x.rewards, x.is_weights, x.grad_sq_norms, x.group_size, x.group_ids)
+
+
+ADVANTAGE_ESTIMATORS = adv_estimator_names()
+
+
 def compute_advantages(
     adv_cfg,
     rewards: torch.Tensor,
@@ -209,27 +250,9 @@ def compute_advantages(
 ) -> torch.Tensor:
     """``adv[B]`` from ``rewards[B]`` as the config's ``advantage`` section asks.
 
-    ``adv_cfg`` needs ``estimator`` (one of ``ADVANTAGE_ESTIMATORS``) and ``eps``. ``opo`` needs
-    ``lengths[B]``; ``vcpo_opob`` needs ``is_weights[B]`` and ``grad_sq_norms[B]``;
+    ``adv_cfg`` needs ``estimator`` (a registered name, ``ADVANTAGE_ESTIMATORS``) and ``eps``. ``opo``
+    needs ``lengths[B]``; ``vcpo_opob`` needs ``is_weights[B]`` and ``grad_sq_norms[B]``;
     ``reinforce_pp`` uses ``lengths`` if given (token-weighted whitening, as verl).
     """
-    estimator = adv_cfg.estimator
-    if estimator == "grpo":
-        return grpo_advantages(rewards, group_size, normalize_std=True, eps=adv_cfg.eps, group_ids=group_ids)
-    if estimator == "grpo_no_std":
-        return grpo_advantages(rewards, group_size, normalize_std=False, group_ids=group_ids)
-    if estimator == "rloo":
-        return rloo_advantages(rewards, group_size, group_ids)
-    if estimator in ("reinforce_pp", "reinforce_pp_baseline"):
-        base = estimator == "reinforce_pp_baseline"
-        return reinforce_pp_advantages(rewards, group_size if base else None, group_ids if base else None,
-                                       lengths, baseline=base)  # fmt: skip
-    if estimator == "opo":
-        if lengths is None:
-            raise ValueError("advantage.estimator='opo' needs the response lengths [B]; got lengths=None")
-        return opo_advantages(rewards, lengths, group_size, group_ids)
-    if estimator == "vcpo_opob":
-        if is_weights is None or grad_sq_norms is None:
-            raise ValueError("advantage.estimator='vcpo_opob' needs is_weights [B] and grad_sq_norms [B]; got None")
-        return opob_advantages(rewards, is_weights, grad_sq_norms, group_size, group_ids)
-    raise ValueError(f"advantage.estimator: expected one of {ADVANTAGE_ESTIMATORS}, got {estimator!r}")
+    x = AdvantageInputs(rewards, group_size, group_ids, lengths, is_weights, grad_sq_norms)
+    return get_adv_estimator_fn(adv_cfg.estimator)(x, adv_cfg)

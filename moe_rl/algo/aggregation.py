@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_rl.algo._tensors import masked_sum, seq_valid
+from moe_rl.algo.tensors import masked_sum, seq_valid
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "token_sum", "seq_mean_token_sum")
 

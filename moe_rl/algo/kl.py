@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_rl.algo._tensors import LOG_RATIO_BOUND
+from moe_rl.algo.tensors import LOG_RATIO_BOUND
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "k1_plus", "k2_plus", "k3_plus", "abs_plus")
 

@@ -1,62 +1,37 @@
-"""Policy-gradient surrogate losses on ``[B, T]`` log-probs: PPO-clip, GSPO, CISPO, REINFORCE.
+"""Policy-gradient surrogate losses on ``[B, T]`` log-probs: PPO-clip, GSPO, GSPO-token, CISPO, REINFORCE.
 
-Each loss returns ``(scalar loss to minimise, metrics)``. Shared contract:
-``logp[B, T]`` is π_θ (carries the gradient), ``old_logp[B, T]`` is the trust-region
-anchor (π_old, or μ in bypass mode), ``advantages`` is ``[B]`` or ``[B, T]``,
-``mask[B, T]`` the final loss mask (after rejection; all False gives a graph-connected zero
-loss and finite metrics), ``is_weights[B, T]`` optional
-detached per-token importance weights that multiply each token's loss term before
-aggregation (seed 001, "TIS × Multi-Epoch": r_TIS · min(r·A, clip(r)·A)).
-Ratios are formed in log space and clamped to ±20 before exp.
+Each is registered by its ``loss.type`` (``moe_rl.algo.registry``): a function of the validated
+:class:`~moe_rl.algo.registry.LossInputs` and its hyper-parameter model, returning the per-token
+term and metrics; calling the registered loss multiplies the IS weights and aggregates, giving
+``(scalar loss to minimise, metrics)``. Ratios are formed in log space and clamped to ±20 before exp.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from moe_rl.algo._tensors import (
+from moe_rl.algo.registry import LossInputs, LossParams, register_policy_loss
+from moe_rl.algo.tensors import (
     LOG_RATIO_BOUND,
-    check_logp,
-    check_mask,
+    Metrics,
     check_nonneg,
-    check_seq_or_token,
     log_ratio,
     masked_max,
     masked_mean,
     metric,
     seq_valid,
 )
-from moe_rl.algo.aggregation import aggregate
-
-Metrics = dict[str, torch.Tensor]
 
 
-def _inputs(logp, old_logp, advantages, mask, is_weights):
-    mask = check_mask(mask, allow_empty=True)  # nothing kept: every loss is a graph-connected zero
-    logp = check_logp("logp", logp, mask)
-    old_logp = None if old_logp is None else check_logp("old_logp", old_logp.detach(), mask)
-    adv = check_seq_or_token("advantages", advantages.detach(), mask)
-    if is_weights is not None:
-        is_weights = check_logp("is_weights", is_weights.detach(), mask)
-        if bool((is_weights < 0).any()):
-            raise ValueError("is_weights: expected non-negative importance weights, got a negative value")
-    return logp, old_logp, adv, mask, is_weights
-
-
-def _clip_bounds(clip_low: float, clip_high: float) -> tuple[float, float]:
+def clip_bounds(clip_low: float, clip_high: float) -> tuple[float, float]:
+    """(1 − ε_low, 1 + ε_high) after checking ε_low ∈ [0, 1) and ε_high ≥ 0."""
     lo = check_nonneg("clip_low", clip_low)
     hi = check_nonneg("clip_high", clip_high)
     if lo >= 1.0:
         raise ValueError(f"clip_low: expected ε_low in [0, 1) so that 1 − ε_low > 0, got {clip_low}")
     return 1.0 - lo, 1.0 + hi
-
-
-def _finish(per_token, mask, is_weights, aggregation, loss_denominator, metrics):
-    if is_weights is not None:
-        per_token = per_token * is_weights
-    loss = aggregate(per_token, mask, aggregation, denominator=loss_denominator)
-    metrics["loss/pg_loss"] = metric(loss)
-    return loss, metrics
 
 
 def sequence_log_ratio(
@@ -81,18 +56,17 @@ def sequence_log_ratio(
     return log_s.detach() + (u - u.detach()) * scale * inside, inside
 
 
-def ppo_clip_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip_c: float | None = None,
-    is_weights: torch.Tensor | None = None,
-    aggregation: str = "token_mean",
-    loss_denominator: float | None = None,
-) -> tuple[torch.Tensor, Metrics]:
+@dataclass(frozen=True)
+class PPOClipParams(LossParams):
+    """``loss.clip_low`` ε_low, ``loss.clip_high`` ε_high, ``loss.dual_clip_c`` c (None = no dual clip)."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip_c: float | None = None
+
+
+@register_policy_loss("ppo_clip", PPOClipParams)
+def ppo_clip_loss(x: LossInputs, p: PPOClipParams) -> tuple[torch.Tensor, Metrics]:
     """PPO clipped surrogate with asymmetric range and optional dual clip.
 
     r_t = π_θ / π_old;  ℓ_t = max(−A_t r_t, −A_t clip(r_t, 1−ε_low, 1+ε_high))
@@ -101,11 +75,11 @@ def ppo_clip_loss(
     Metrics: clip_frac (tokens where the clipped branch is active), clip_frac_low /
     clip_frac_high (which side), dual_clip_frac, ratio_mean/max, approx_kl (mean log π_old − log π_θ).
     """
-    logp, old_logp, adv, mask, is_weights = _inputs(logp, old_logp, advantages, mask, is_weights)
-    lo, hi = _clip_bounds(clip_low, clip_high)
-    if dual_clip_c is not None and not float(dual_clip_c) > 1.0:
-        raise ValueError(f"dual_clip_c: expected > 1 (a floor at c·|A| for A < 0), got {dual_clip_c}")
-    lr = log_ratio(logp, old_logp)
+    adv, mask = x.advantages, x.mask
+    lo, hi = clip_bounds(p.clip_low, p.clip_high)
+    if p.dual_clip_c is not None and not float(p.dual_clip_c) > 1.0:
+        raise ValueError(f"dual_clip_c: expected > 1 (a floor at c·|A| for A < 0), got {p.dual_clip_c}")
+    lr = log_ratio(x.logp, x.old_logp)
     ratio = torch.exp(lr)
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(lo, hi)
@@ -116,8 +90,8 @@ def ppo_clip_loss(
         "loss/clip_frac_low": metric((clip_active & (ratio < lo)).sum() / mask.sum().clamp_min(1)),
         "loss/clip_frac_high": metric((clip_active & (ratio > hi)).sum() / mask.sum().clamp_min(1)),
     }
-    if dual_clip_c is not None:
-        floor = -adv * float(dual_clip_c)
+    if p.dual_clip_c is not None:
+        floor = -adv * float(p.dual_clip_c)
         dual_active = (adv < 0) & (per_token > floor)
         per_token = torch.where(dual_active, floor, per_token)
         metrics["loss/dual_clip_frac"] = metric((dual_active & mask).sum() / mask.sum().clamp_min(1))
@@ -125,38 +99,21 @@ def ppo_clip_loss(
         metrics["loss/ratio_mean"] = metric(masked_mean(ratio, mask))
         metrics["loss/ratio_max"] = metric(masked_max(ratio, mask).clamp_min(0))  # ratios ≥ 0; empty mask: 0
         metrics["loss/approx_kl"] = metric(masked_mean(-lr, mask))
-    return _finish(per_token, mask, is_weights, aggregation, loss_denominator, metrics)
+    return per_token, metrics
 
 
-def gspo_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_low: float = 3e-4,
-    clip_high: float = 4e-4,
-    token_level: bool = False,
-    is_weights: torch.Tensor | None = None,
-    aggregation: str = "seq_mean_token_mean",
-    loss_denominator: float | None = None,
-) -> tuple[torch.Tensor, Metrics]:
-    """GSPO / GSPO-token: PPO clipping on the geometric-mean sequence ratio.
+@dataclass(frozen=True)
+class GSPOParams(LossParams):
+    """``loss.clip_low`` / ``loss.clip_high`` on the sequence ratio (GSPO paper: 3e-4 / 4e-4)."""
 
-    s_i = exp((1/|y_i|) Σ_t m·(log π_θ − log π_old)), the mean over *valid* tokens only
-    (seed 000, "GSPO — geometric sequence ratios"; field-facts item 12).
-    ``token_level=False``: ℓ_i = max(−A_i s_i, −A_i clip(s_i, 1−ε_low, 1+ε_high)) with the
-    ordinary gradient through log s_i; A_i is the masked mean of ``advantages`` over the
-    sequence; ℓ_i is broadcast to the sequence's tokens before aggregation.
-    ``token_level=True`` (GSPO-token): s_{i,t} = sg[s_i] · π_θ(y_t) / sg[π_θ(y_t)] — equal to
-    s_i in value, gradient only through the token's own log-prob — with per-token A_{i,t}.
-    With A constant per sequence both variants give the same loss and gradient, also with
-    token IS weights (each token's gradient is weighted by its own w_t in both forms) and
-    beyond |mean log-ratio| > 20 (log s_i clamped at ±20, zero gradient outside); see
-    ``sequence_log_ratio``. Metrics: clip_frac (tokens in clipped sequences), seq_ratio_*.
-    """
-    logp, old_logp, adv, mask, is_weights = _inputs(logp, old_logp, advantages, mask, is_weights)
-    lo, hi = _clip_bounds(clip_low, clip_high)
-    log_s, inside = sequence_log_ratio(logp - old_logp, mask, None if token_level else is_weights)  # [B]
+    clip_low: float = 3e-4
+    clip_high: float = 4e-4
+
+
+def _gspo(x: LossInputs, p: GSPOParams, token_level: bool) -> tuple[torch.Tensor, Metrics]:
+    logp, old_logp, adv, mask = x.logp, x.old_logp, x.advantages, x.mask
+    lo, hi = clip_bounds(p.clip_low, p.clip_high)
+    log_s, inside = sequence_log_ratio(logp - old_logp, mask, None if token_level else x.is_weights)  # [B]
     if token_level:
         log_s_tok = log_s.detach()[:, None] + (logp - logp.detach()) * inside[:, None]
         s = torch.exp(log_s_tok)  # [B, T]; value s_i, d/dlogp_t = s_i
@@ -180,29 +137,58 @@ def gspo_loss(
             "loss/seq_ratio_max": metric(s_seq.max() if s_seq.numel() else 1.0),
             "loss/approx_kl": metric(masked_mean(old_logp - logp, mask)),
         }
-    return _finish(per_token, mask, is_weights, aggregation, loss_denominator, metrics)
+    return per_token, metrics
 
 
-def cispo_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_low: float | None = None,
-    clip_high: float = 0.2,
-    is_weights: torch.Tensor | None = None,
-    aggregation: str = "token_mean",
-    loss_denominator: float | None = None,
-) -> tuple[torch.Tensor, Metrics]:
+@register_policy_loss("gspo", GSPOParams, aggregation="seq_mean_token_mean")
+def gspo_loss(x: LossInputs, p: GSPOParams) -> tuple[torch.Tensor, Metrics]:
+    """GSPO: PPO clipping on the geometric-mean sequence ratio.
+
+    s_i = exp((1/|y_i|) Σ_t m·(log π_θ − log π_old)), the mean over *valid* tokens only
+    (seed 000, "GSPO — geometric sequence ratios"; field-facts item 12).
+    ℓ_i = max(−A_i s_i, −A_i clip(s_i, 1−ε_low, 1+ε_high)) with the ordinary gradient through
+    log s_i; A_i is the masked mean of ``advantages`` over the sequence; ℓ_i is broadcast to the
+    sequence's tokens before aggregation. With A constant per sequence it gives the same loss and
+    gradient as :func:`gspo_token_loss`, also with token IS weights (each token's gradient is
+    weighted by its own w_t in both forms) and beyond |mean log-ratio| > 20 (log s_i clamped at ±20,
+    zero gradient outside); see ``sequence_log_ratio``. Metrics: clip_frac (tokens in clipped
+    sequences), seq_ratio_*, approx_kl.
+    """
+    return _gspo(x, p, token_level=False)
+
+
+@register_policy_loss("gspo_token", GSPOParams, aggregation="seq_mean_token_mean")
+def gspo_token_loss(x: LossInputs, p: GSPOParams) -> tuple[torch.Tensor, Metrics]:
+    """GSPO-token: s_{i,t} = sg[s_i] · π_θ(y_t) / sg[π_θ(y_t)], with per-token A_{i,t}.
+
+    Equal to s_i (:func:`gspo_loss`) in value, gradient only through the token's own log-prob
+    (GSPO paper §4.3); ℓ_t = max(−A_t s_{i,t}, −A_t clip(s_{i,t}, 1−ε_low, 1+ε_high)).
+    """
+    return _gspo(x, p, token_level=True)
+
+
+@dataclass(frozen=True)
+class CISPOParams(LossParams):
+    """``loss.cispo_clip_low`` (None = no lower bound), ``loss.cispo_clip_high`` (None = ``clip_high``)."""
+
+    cispo_clip_low: float | None = None
+    cispo_clip_high: float | None = None
+    clip_high: float = 0.2
+
+
+@register_policy_loss("cispo", CISPOParams)
+def cispo_loss(x: LossInputs, p: CISPOParams) -> tuple[torch.Tensor, Metrics]:
     """CISPO: ℓ_t = −sg[clip(r_t, 1−ε_low, 1+ε_high)] · A_t · log π_θ(y_t).
 
     The clipped ratio is a stop-gradient weight, so every token keeps a gradient
-    (seed 000, "CISPO — stop-gradient clipping"; seed 001 table). ``clip_low=None``
-    means no lower bound (MiniMax-M1 only truncates from above).
+    (seed 000, "CISPO — stop-gradient clipping"; seed 001 table). ``cispo_clip_low=None``
+    means no lower bound (MiniMax-M1 only truncates from above); ε_high is ``cispo_clip_high``,
+    or ``clip_high`` when that is None.
     Metrics: clip_frac (tokens whose ratio was changed by the clip), ratio_mean/max.
     """
-    logp, old_logp, adv, mask, is_weights = _inputs(logp, old_logp, advantages, mask, is_weights)
-    lo = 0.0 if clip_low is None else _clip_bounds(clip_low, clip_high)[0]
+    logp, old_logp, mask = x.logp, x.old_logp, x.mask
+    clip_high = p.clip_high if p.cispo_clip_high is None else p.cispo_clip_high
+    lo = 0.0 if p.cispo_clip_low is None else clip_bounds(p.cispo_clip_low, clip_high)[0]
     hi = 1.0 + check_nonneg("clip_high", clip_high)
     with torch.no_grad():
         ratio = torch.exp(log_ratio(logp, old_logp))
@@ -213,23 +199,21 @@ def cispo_loss(
             "loss/ratio_max": metric(masked_max(ratio, mask).clamp_min(0)),  # ratios ≥ 0; empty mask: 0
             "loss/approx_kl": metric(masked_mean(old_logp - logp, mask)),
         }
-    per_token = -weight * adv * logp
-    return _finish(per_token, mask, is_weights, aggregation, loss_denominator, metrics)
+    return -weight * x.advantages * logp, metrics
 
 
-def reinforce_loss(
-    logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    is_weights: torch.Tensor | None = None,
-    aggregation: str = "token_mean",
-    loss_denominator: float | None = None,
-) -> tuple[torch.Tensor, Metrics]:
+@dataclass(frozen=True)
+class ReinforceParams(LossParams):
+    """REINFORCE reads no loss-specific key."""
+
+
+@register_policy_loss("reinforce", ReinforceParams, anchored=False)
+def reinforce_loss(x: LossInputs, p: ReinforceParams) -> tuple[torch.Tensor, Metrics]:
     """REINFORCE: ℓ_t = −w_t · A_t · log π_θ(y_t) with detached IS weights w_t (1 if None).
 
     Off-policy REINFORCE with truncated IS (seed 003, "Theoretical Foundation: From
     REINFORCE to Decoupled PPO"; seed 002 TIS form;
     seed 000, "Bypass mode loss": for REINFORCE the IS weights are applied explicitly).
+    ``x.old_logp`` is not read.
     """
-    logp, _, adv, mask, is_weights = _inputs(logp, None, advantages, mask, is_weights)
-    return _finish(-adv * logp, mask, is_weights, aggregation, loss_denominator, {})
+    return -x.advantages * x.logp, {}

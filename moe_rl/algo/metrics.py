@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_rl.algo._tensors import (
+from moe_rl.algo.tensors import (
     LOG_RATIO_BOUND,
     check_logp,
     check_mask,
@@ -62,10 +62,11 @@ def offpolicy_metrics(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: 
     mask = check_mask(mask)
     old = check_logp("old_logp", old_logp, mask)
     roll = check_logp("rollout_logp", rollout_logp, mask)
-    return _offpolicy_metrics(old.detach(), roll.detach(), mask)
+    return offpolicy_metrics_unchecked(old.detach(), roll.detach(), mask)
 
 
-def _offpolicy_metrics(old: torch.Tensor, roll: torch.Tensor, mask: torch.Tensor) -> Metrics:
+def offpolicy_metrics_unchecked(old: torch.Tensor, roll: torch.Tensor, mask: torch.Tensor) -> Metrics:
+    """``offpolicy_metrics`` on inputs already validated (``check_mask`` / ``check_logp``) and detached."""
     # float32 is enough: torch sums pairwise, so a mean over 1M tokens keeps ~1e-7 relative error
     n = mask.sum().to(old.dtype)  # counted once: a bool sum is a full pass over [B, T]
 

@@ -36,14 +36,13 @@ from typing import Protocol
 
 import torch
 
-from moe_rl.algo._tensors import check_logp, check_mask, check_seq_or_token, metric, seq_valid
 from moe_rl.algo.aggregation import AGGREGATIONS, aggregate, default_denominator
-from moe_rl.algo.covariance_losses import cov_selection
 from moe_rl.algo.importance import icepop_weights, sequence_icepop_weights, truncated_is_weights
 from moe_rl.algo.kl import kl_penalty
-from moe_rl.algo.metrics import _offpolicy_metrics
+from moe_rl.algo.metrics import offpolicy_metrics_unchecked
+from moe_rl.algo.registry import LossConfigLike, LossInputs, get_policy_loss_fn, surrogate_loss
 from moe_rl.algo.rejection import chained_rejection_mask, opsm_mask, rejection_mask, token_veto
-from moe_rl.algo.surrogates import LOSS_TYPES, RATIO_LOSSES, surrogate_loss
+from moe_rl.algo.tensors import check_logp, check_mask, check_seq_or_token, metric, seq_valid
 from moe_rl.algo.variance_control import m2po_mask
 
 
@@ -64,24 +63,6 @@ class CorrectionConfigLike(Protocol):
     token_veto_threshold: float | None
     opsm_delta: float | None
     # Optional (defaults when absent): icepop_level ("token"), rejection ([]), m2po_tau (None).
-
-
-class LossConfigLike(Protocol):
-    """Attributes read from the config's ``loss`` section (moe_rl.config.LossConfig).
-
-    Optional (schema defaults when absent): ``cispo_clip_low`` (None = no lower bound),
-    ``cispo_clip_high`` (None = ``clip_high``), the per-loss fields read by
-    ``surrogates.surrogate_loss``, ``norm_len`` (None) and ``scale_factor`` (1.0).
-    """
-
-    type: str
-    clip_low: float
-    clip_high: float
-    dual_clip_c: float | None
-    aggregation: str
-    kl_coef: float
-    kl_estimator: str
-    entropy_coef: float
 
 
 def _anchor_and_source(mode, logp, old_logp, rollout, mask):
@@ -125,7 +106,7 @@ def _is_weights(cfg, loss_type, source, rollout, mask, keep, metrics):
     is_level = "none" if cfg.is_level is None else cfg.is_level
     if is_level not in ("none", "token", "sequence"):
         raise ValueError(f"correction.is_level: expected 'none', 'token' or 'sequence', got {cfg.is_level!r}")
-    ratio_in_bypass = cfg.mode == "bypass" and loss_type in RATIO_LOSSES
+    ratio_in_bypass = cfg.mode == "bypass" and get_policy_loss_fn(loss_type).anchored
     band = None
     if cfg.icepop:
         # A ratio factor is never applied to a ratio loss in bypass (π_θ/μ is already in it),
@@ -177,12 +158,12 @@ def needs_policy_prepass(
 
     Only bypass mode measures its corrections on π_θ (π_old ≔ μ): rejection, IS weights, IcePop,
     M2PO and VCPO's ESS lr scaling (``optim_cfg.ess_lr_scaling``) all read sg[π_θ]/μ there; in
-    decoupled mode they are functions of π_old and μ, both known before the update. Clip-Cov and
-    KL-Cov select tokens by π_θ in both modes.
+    decoupled mode they are functions of π_old and μ, both known before the update. A loss that
+    registers a token selection (Clip-Cov, KL-Cov) selects by π_θ in both modes.
     """
     c = correction_cfg
-    if loss_cfg is not None and loss_cfg.type in ("clip_cov", "kl_cov"):
-        return True  # their token selection is a function of π_θ over the whole minibatch
+    if loss_cfg is not None and get_policy_loss_fn(loss_cfg.type).select is not None:
+        return True  # the loss's token selection is a function of π_θ over the whole minibatch
     if c.mode != "bypass":
         return False
     is_level = "none" if c.is_level is None else c.is_level
@@ -243,10 +224,11 @@ def prepare_corrections(
     if norm_len is None:
         norm_len = getattr(loss_cfg, "norm_len", None)
     weights, metrics = _is_weights(correction_cfg, loss_cfg.type, source, rollout, mask, keep, metrics)
-    selected = None
-    if policy_logp is not None and advantages is not None:
+    loss, selected = get_policy_loss_fn(loss_cfg.type), None
+    if loss.select is not None and policy_logp is not None and advantages is not None:
         anchor = rollout if correction_cfg.mode == "bypass" else source
-        selected = cov_selection(loss_cfg, policy_logp, anchor, advantages, keep, generator)
+        x = LossInputs(policy_logp.detach(), anchor, advantages, keep, generator=generator).checked()
+        selected = loss.select(x, loss.params.from_config(loss_cfg)) if bool(x.mask.any()) else torch.zeros_like(x.mask)
     return PreparedCorrections(keep, weights, _denominator(loss_cfg.aggregation, keep, norm_len), metrics, selected)
 
 
@@ -279,9 +261,7 @@ def policy_loss(
     ``cov_selected[B, T]`` (rows of ``PreparedCorrections.cov_selected``) is given. The loss is
     multiplied by ``loss.scale_factor``; the KL to the reference is logged as ``loss/kl_ref``.
     """
-    loss_type = loss_cfg.type
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss.type: expected one of {LOSS_TYPES}, got {loss_type!r}")
+    get_policy_loss_fn(loss_cfg.type)  # an unknown loss.type fails before any work
     mask = check_mask(mask)
     rollout = check_logp("rollout_logp", rollout_logp.detach(), mask)
     logp_c = check_logp("logp", logp, mask)
@@ -294,7 +274,7 @@ def policy_loss(
     ref = None if ref_logp is None else check_logp("ref_logp", ref_logp.detach(), mask)
     ent_c = None if entropy is None else check_logp("entropy", entropy, mask)
 
-    metrics = _offpolicy_metrics(source, rollout, mask)
+    metrics = offpolicy_metrics_unchecked(source, rollout, mask)
     keep = keep & mask
     if correction_cfg.opsm_delta is not None:
         k, m = opsm_mask(logp_c, rollout, mask, adv, correction_cfg.opsm_delta)
@@ -307,7 +287,8 @@ def policy_loss(
         pg = (logp_c * 0).sum()  # everything rejected: zero loss, zero gradient, graph intact
         metrics["loss/pg_loss"] = metric(pg)
     else:
-        pg, m = surrogate_loss(loss_cfg, logp_c, anchor, adv, keep, weights, den, generator, cov_selected)
+        x = LossInputs(logp_c, anchor, adv, keep, weights, agg, den, generator, cov_selected)
+        pg, m = surrogate_loss(loss_cfg, x)
         metrics |= m
 
     total = pg

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from moe_rl.algo._tensors import (
+from moe_rl.algo.tensors import (
     LOG_RATIO_BOUND,
     check_logp,
     check_mask,

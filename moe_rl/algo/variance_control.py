@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from moe_rl.algo._tensors import check_logp, check_mask, check_positive, metric
+from moe_rl.algo.tensors import check_logp, check_mask, check_positive, metric
 
 Metrics = dict[str, torch.Tensor]
 

@@ -1,7 +1,7 @@
 """The ``data`` (prompt datasets) and ``reward`` sections of an experiment (docs/data.md).
 
 Owns the keys and their per-field checks; files, rows and tokenizers are checked by the
-preflight (``moe_rl.config.preflight``), the behaviour lives in ``moe_rl.data`` and ``moe_rl.reward``.
+preflight (``moe_rl.preflight``), the behaviour lives in ``moe_rl.data`` and ``moe_rl.reward``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ import copy
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, get_args
 
 import yaml
 from pydantic import ValidationError
@@ -157,8 +156,3 @@ def save_config(cfg: ExperimentConfig, path: str | Path) -> Path:
         fh.write(dump_config(cfg))
     os.replace(tmp, path)
     return path
-
-
-def allowed_values(annotation: Any) -> tuple:
-    """The Literal choices of a field annotation (for CLI help)."""
-    return get_args(annotation)

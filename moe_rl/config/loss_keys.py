@@ -4,7 +4,8 @@ Owns the table of which loss-specific keys each ``loss.type`` reads, and the mes
 key to use instead (``loss.clip_low`` with ``cispo`` -> ``loss.cispo_clip_low``). A key is refused
 only when it was given *and* differs from its schema default, so a fully resolved config
 (``moe-rl config show``, a run's ``config.yaml``) whose unused keys hold their defaults still loads.
-``moe_rl.algo.surrogates.surrogate_loss`` is the code this table describes.
+``moe_rl.algo``'s per-loss hyper-parameter models (``moe_rl.algo.registry``) are the code this table describes;
+tests/algo/test_registry.py checks that both name the same keys.
 """
 
 from __future__ import annotations

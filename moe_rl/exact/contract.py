@@ -1,7 +1,7 @@
 """The kernel contract of the true-on-policy mode, item by item.
 
-Owns the names of the contract's items (``KERNELS``: what each shares between the SGLang server and
-the learner), which of them a config turns on (``kernels_of``), and how the launcher tells the server
+Owns which of the contract's items (``moe_rl.config.kernels.KERNELS``: what each shares between the SGLang
+server and the learner) a config turns on (``kernels_of``), and how the launcher tells the server
 (``SERVER_ENV`` / ``server_env_value`` / ``kernels_from_env``). ``rollout.true_on_policy`` turns on every
 item; ``rollout.true_on_policy_kernels`` names a subset, which is *not* exact: it exists so that
 ``moe-rl diagnose --attribute`` can turn each item on alone and measure how much mismatch it removes.
@@ -12,18 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["KERNELS", "SERVER_ENV", "kernels_from_env", "kernels_of", "server_env_value"]
+from moe_rl.config.kernels import KERNELS
 
-KERNELS: dict[str, str] = {
-    "linear": "every projection (QKV, attention out, expert and dense MLP weights): row-wise matmul, fp32 sum",
-    "lm_head": "the LM head: row-wise matmul with fp32 logits",
-    "rmsnorm": "RMSNorm with fp32 statistics; the residual added in the model dtype",
-    "attention": "rotate-half RoPE in fp32 and causal attention over exactly the visible keys, one query at a time",
-    "activation": "SiLU with every element on torch's vector path",
-    "router": "fp32 row-wise router logits; top-k of the logits, softmax over the k",
-    "experts": "the routing weight scales the activation before w2; outputs summed in ascending expert id in fp32",
-    "log_softmax": "the learner's log-prob as log_softmax(logits / t) (SGLang's deterministic sampler)",
-}
+__all__ = ["SERVER_ENV", "kernels_from_env", "kernels_of", "server_env_value"]
+
 SERVER_ENV = "MOE_RL_TRUE_ON_POLICY_KERNELS"  # beside MOE_RL_TRUE_ON_POLICY=1 (patch 0013); absent = all
 
 

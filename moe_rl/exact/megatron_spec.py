@@ -22,7 +22,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.transformer.module import MegatronModule
 
 from moe_rl.exact import kernels as K
-from moe_rl.exact.contract import KERNELS
+from moe_rl.config.kernels import KERNELS
 
 ALL = frozenset(KERNELS)
 

@@ -1,6 +1,6 @@
 """Preflight rules of ``rollout.true_on_policy``: every setting that cannot be exact, named.
 
-Owns ``true_on_policy_settings(cfg)`` (a config rule of ``moe_rl.config.preflight``): each yielded line
+Owns ``true_on_policy_settings(cfg)`` (a config rule of ``moe_rl.preflight``): each yielded line
 names one setting the shared kernels of ``moe_rl.exact`` do not make bit-identical between the SGLang
 server and the learner, and what to set instead.
 """

@@ -1,4 +1,4 @@
-"""Helpers for the shell launchers in ``launch/``: ``python -m moe_rl.launch {sbatch-args,check-world,init-hf}``.
+"""Helpers for the shell launchers in ``launch/``: ``python -m moe_rl.launch {sbatch-args,check-world,init-hf,serve}``.
 
 Owns argument plumbing and writing a job's initial HF checkpoint; the rules live in ``plan.py``.
 """
@@ -14,6 +14,8 @@ from pathlib import Path
 
 from moe_rl.config import ConfigError, load_config
 from moe_rl.launch.plan import check_learner_world, sbatch_args
+from moe_rl.launch.serve import add_arguments as add_serve_arguments
+from moe_rl.launch.serve import serve
 
 
 def write_initial_hf(cfg, out: Path) -> str:
@@ -47,7 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("init-hf", help="write the random-init HF checkpoint a job's servers start from (kept if present)")
     p.add_argument("config")
     p.add_argument("out")
+    p = sub.add_parser("serve", help="a rollout step's server on the first free port of a range (SLURM job script)")
+    add_serve_arguments(p)
     args = parser.parse_args(argv)
+    if args.action == "serve":
+        server = args.server[1:] if args.server[:1] == ["--"] else args.server
+        return serve(server, args.first_port, args.port_tries, args.port_file, args.startup_timeout)
     try:
         cfg = load_config(args.config, getattr(args, "overrides", []))
         if args.action == "init-hf":

@@ -19,6 +19,7 @@ from pathlib import PurePosixPath
 from moe_rl.config import ConfigError, ExperimentConfig, dump_config
 from moe_rl.config.memory_plan import memory_plan
 from moe_rl.launch.hostlist import HostlistError, expand_hostlist
+from moe_rl.launch.serve import ROLLOUT_PORT_TRIES
 from moe_rl.rollout.auth import RUN_ADMIN_KEY_ENV
 from moe_rl.rollout.launcher import ServerSpec, server_command, server_env
 
@@ -64,7 +65,7 @@ class LaunchPlan:
     config_yaml: str
     rollout_steps: tuple[SrunStep, ...]
     rollout_urls: tuple[str, ...]  # servers the script waits for (empty when using rollout.addresses)
-    rollout_addresses: tuple[str, ...]  # what the learner is told (rollout.addresses)
+    rollout_addresses: tuple[str, ...]  # what the learner is told (rollout.addresses) if every first port is free
     learner_step: SrunStep
     startup_timeout_s: float
     sbatch_args: tuple[str, ...]
@@ -74,6 +75,7 @@ class LaunchPlan:
     log_dir: str = ""  # rollout-<node>.log and learner-<node>.log (named by SLURM node name)
     init_hf: tuple[str, ...] = ()  # command writing the HF dir the servers start from (no HF checkpoint configured)
     stop_signal: str | None = None  # launch.signal: forwarded to the learner, then the job requeues itself
+    rollout_port_files: tuple[str, ...] = ()  # per rollout step: the port its server got (launch.serve), once healthy
 
 
 def sbatch_args(cfg: ExperimentConfig) -> list[str]:
@@ -229,10 +231,21 @@ def _rollout_steps(
         srun += ["--kill-on-bad-exit=1", f"--output={log_dir}/rollout-{node}.log"]
         # CPU engine switch + stand-ins (ahead of the job's own PYTHONPATH, if any); PYTHONUNBUFFERED
         env = tuple(server_env(spec, base={k: v for k, v in job_env.items() if k == "PYTHONPATH"}).items())
-        command = tuple(server_command(spec, ln.rollout_port, PYTHON))
+        # the first free port from launch.rollout_port on (a busy node: another job took it), published once healthy
+        serve = (PYTHON, "-m", "moe_rl.launch", "serve", f"--first-port={ln.rollout_port}",
+                 f"--port-tries={ROLLOUT_PORT_TRIES}", f"--port-file={rollout_port_file(log_dir, node)}",
+                 f"--startup-timeout={cfg.rollout.startup_timeout_s:g}", "--")  # fmt: skip
+        command = (*serve, *server_command(spec, ln.rollout_port, PYTHON))
         steps.append(SrunStep("rollout", (node,), tuple(srun), command, env))
         urls.append(f"http://{node}:{ln.rollout_port}")
     return steps, urls, notes
+
+
+def rollout_port_file(log_dir: str, node: str) -> str:
+    """Where the rollout step on ``node`` publishes its server's port (``python -m moe_rl.launch serve``): beside
+    the job's ``logs-<job>`` folder, in ``ports-<job>``."""
+    logs = PurePosixPath(log_dir)
+    return str(logs.with_name(logs.name.replace("logs-", "ports-", 1)) / f"rollout-{node}.port")
 
 
 def _configured_keys(cfg: ExperimentConfig) -> bool:
@@ -328,6 +341,7 @@ def build_launch_plan(cfg: ExperimentConfig, env: Mapping[str, str]) -> LaunchPl
         rollout_steps=tuple(rollout_steps),
         rollout_urls=tuple(urls),
         rollout_addresses=tuple(addresses),
+        rollout_port_files=tuple(rollout_port_file(log_dir, st.nodes[0]) for st in rollout_steps),
         learner_step=_with_export(
             _learner_step(cfg, learner_nodes, addresses, config_path, job_id, log_dir, generated), key_vars),
         startup_timeout_s=cfg.rollout.startup_timeout_s,

@@ -1,7 +1,8 @@
 """Render a ``LaunchPlan`` as one bash script, and run it: the reviewed text is the executed text.
 
 Owns the script's control flow: write the resolved config (and, with no HF checkpoint configured, the
-one the servers start from), start the rollout servers in the background, wait for every ``/health``,
+one the servers start from), start the rollout servers in the background (each on the first free port from
+``launch.rollout_port``, ``serve.py``), wait for every server's published port and ``/health``,
 run the learner while watching the servers (one that exits stops the job, naming its node), pass
 SLURM's warning (``launch.signal``) to the learner and requeue the job once it has checkpointed, and
 stop the servers on any exit. ``moe-rl launch --dry-run`` prints this script; without ``--dry-run`` it is written to the
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from moe_rl.config import ExperimentConfig
 from moe_rl.launch.plan import CONFIG_HEREDOC_END, LaunchPlan, build_launch_plan, quote_argv
+from moe_rl.launch.serve import ROLLOUT_PORT_TRIES
 
 _HELPERS = """\
 rollout_pids=() rollout_nodes=() learner_pid="" stop_signal=""
@@ -30,18 +32,22 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 143' TERM INT
 
-wait_healthy() {  # wait_healthy URL TIMEOUT_S: poll URL/health while every rollout step is alive
-  local url=$1 deadline=$((SECONDS + $2))
-  until curl -sf -o /dev/null --max-time 5 "$url/health"; do
+rollout_addresses=""
+wait_port() {  # wait_port NODE PORT_FILE TIMEOUT_S: the port NODE's server published once healthy (launch serve)
+  local node=$1 file=$2 deadline=$((SECONDS + $3)) url
+  until [[ -s $file ]]; do
     for pid in "${rollout_pids[@]}"; do
-      kill -0 "$pid" 2>/dev/null || { echo "moe_rl: a rollout server step exited before $url was healthy" >&2; exit 1; }
+      kill -0 "$pid" 2>/dev/null || { echo "moe_rl: a rollout server step exited before $node was healthy" >&2; exit 1; }
     done
     if ((SECONDS >= deadline)); then
-      echo "moe_rl: $url not healthy within $2 s (rollout.startup_timeout_s)" >&2; exit 1
+      echo "moe_rl: $node not healthy within $3 s (rollout.startup_timeout_s per port tried)" >&2; exit 1
     fi
     sleep 2
   done
+  url="http://$node:$(<"$file")"
+  curl -sf -o /dev/null --max-time 5 "$url/health" || { echo "moe_rl: $url (from $file) does not answer" >&2; exit 1; }
   echo "moe_rl: $url healthy"
+  rollout_addresses+="${rollout_addresses:+,}\"$url\""
 }
 """
 
@@ -96,6 +102,8 @@ def render_script(plan: LaunchPlan) -> str:
         *(f"# {line}" for line in plan.memory),
         "set -eo pipefail",
         f"mkdir -p {q(launch_dir)} {q(plan.log_dir)}",
+        *([f"rm -rf {q(str(Path(plan.rollout_port_files[0]).parent))}  # a requeued job's servers publish anew"]
+          if plan.rollout_port_files else []),
         f"cat > {q(plan.config_path)} <<'{CONFIG_HEREDOC_END}'",
         plan.config_yaml.rstrip("\n"),
         CONFIG_HEREDOC_END,
@@ -115,13 +123,14 @@ def render_script(plan: LaunchPlan) -> str:
     for i, step in enumerate(plan.rollout_steps, 1):
         lines += [f"# rollout server {i}/{len(plan.rollout_steps)} on {step.nodes[0]}",
                   quote_argv(step.argv) + " &", f"rollout_pids+=($!) rollout_nodes+=({q(step.nodes[0])})", ""]  # fmt: skip
-    for url in plan.rollout_urls:
-        lines.append(f"wait_healthy {q(url)} {int(plan.startup_timeout_s)}")
+    wait_s = int(plan.startup_timeout_s) * ROLLOUT_PORT_TRIES
+    for step, port_file in zip(plan.rollout_steps, plan.rollout_port_files, strict=True):
+        lines.append(f"wait_port {q(step.nodes[0])} {q(port_file)} {wait_s}")
     lines += [
         "",
         (f"# learner: {len(plan.learner_step.nodes)} node(s), rendezvous at {plan.learner_step.nodes[0]}, "
          f"logs {plan.log_dir}/learner-<node>.log"),
-        quote_argv(plan.learner_step.argv) + " &",
+        _learner_command(plan) + " &",
         "learner_pid=$!",
         _WAIT_LEARNER.replace("LOG_DIR", plan.log_dir),
     ]
@@ -135,6 +144,16 @@ def render_script(plan: LaunchPlan) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _learner_command(plan: LaunchPlan) -> str:
+    """The learner step's shell text; with servers started by this job, its ``rollout.addresses`` are the ones the
+    servers published (``$rollout_addresses``, built by ``wait_port``), not the first-choice ports of the plan."""
+    text = quote_argv(plan.learner_step.argv)
+    if not plan.rollout_port_files:
+        return text
+    (given,) = [a for a in plan.learner_step.argv if a.startswith("rollout.addresses=")]
+    return text.replace(shlex.quote(given), '"rollout.addresses=[$rollout_addresses]"')
 
 
 def _write_atomic(path: Path, text: str) -> Path:

@@ -41,6 +41,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from moe_rl.config.rollout_sections import replay_correction_problem
 from moe_rl.records.routes import pad_routes
 from moe_rl.replay.binding import RoutingReplay
 from moe_rl.replay.layout import context_parallel_shard, sequence_parallel_positions
@@ -74,11 +75,8 @@ class ReplayDriver:
     def __init__(self, model, mode: str, correction_mode: str = "decoupled"):
         if mode not in ROUTING_MODES:
             raise ValueError(f"replay.routing must be one of {ROUTING_MODES}; got {mode!r}")
-        if mode == "r2" and correction_mode != "decoupled":
-            raise ValueError(
-                "replay.routing='r2' needs correction.mode='decoupled' (it records routes in the old-log-prob "
-                f"pass, which correction.mode={correction_mode!r} does not run)"
-            )
+        if (problem := replay_correction_problem(mode, correction_mode)) is not None:  # the schema's rule
+            raise ValueError(problem)
         self.probe = DispatchProbe(model)
         self.replay = RoutingReplay(model) if mode != "none" else None
         tcfg = _unwrap(model).config

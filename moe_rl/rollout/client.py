@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moe_rl.config.preflight import ksm_active
 from moe_rl.records import RecordError, RolloutSample, RouteSpec, decode_sglang_meta
 from moe_rl.rollout import http_session
 from moe_rl.rollout.auth import ServerKeys
@@ -152,7 +151,7 @@ class RolloutClient:
             vocab_size=cfg.model.vocab_size,
             sampling=SamplingSettings.from_rollout_config(r),
             seed=r.seed,
-            return_sampling_mask=ksm_active(cfg),  # untruncated sampling: KSM is a no-op (the preflight notes it)
+            return_sampling_mask=cfg.ksm_active,  # untruncated sampling: KSM is a no-op (the preflight notes it)
             sampling_mask_max_tokens=r.sampling_mask_max_tokens,
             request_timeout_s=r.request_timeout_s,
             max_concurrency=r.max_concurrency,

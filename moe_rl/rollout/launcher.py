@@ -15,6 +15,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -42,6 +43,10 @@ STUBS_DIR = REPO_ROOT / "patches" / "stubs"
 
 class ServerStartError(RuntimeError):
     """The server exited or did not become healthy in time; the message carries its log tail."""
+
+
+class PortTakenError(ServerStartError):
+    """The server exited because a port it binds (its HTTP port or an auxiliary one) was taken meanwhile."""
 
 
 @dataclass(frozen=True)
@@ -95,11 +100,49 @@ class ServerSpec:
         return cls(**values)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (bind to port 0)."""
+# Ports handed out by the kernel for outgoing connections and bind(0) start here (Linux default); a port chosen in
+# that range can be taken by any process's next connection before SGLang binds it.
+_EPHEMERAL_LOW_DEFAULT = 32768
+# Our range sits below SGLang's own choice for its auxiliary (nccl/gloo store) port, 22000-29999.
+_PORT_RANGE = (10000, 21999)
+# A server start that loses its port (or an auxiliary one) to another process is tried this often in all.
+BIND_TRIES = 3
+# How a lost bind reads in the server log: uvicorn's ``[Errno 98] ... address already in use`` (HTTP port, exit
+# code 3), torch's TCPStore ``EADDRINUSE`` (the scheduler's auxiliary port), ZMQ's ``Address already in use``.
+_BIND_FAILURE_MARKS = ("errno 98", "eaddrinuse", "address already in use")
+
+
+def free_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
+    """A TCP port on `host` that was free a moment ago, chosen at random below the kernel's ephemeral range.
+
+    Not ``bind(("", 0))``: that hands out ephemeral ports, the same pool every outgoing connection on the
+    machine draws from, so the port is often taken again before the server binds it (a busy host's port race).
+    Falls back to ``bind(0)`` if 64 random tries in the range all fail."""
+    rng = rng or random.Random()
+    low, high = _PORT_RANGE
+    high = min(high, _ephemeral_low() - 1)
+    for port in rng.sample(range(low, high + 1), min(64, max(0, high - low + 1))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    return _EPHEMERAL_LOW_DEFAULT
+
+
+def lost_a_bind(log_text: str) -> bool:
+    """Whether a server log says a port it wanted to bind was taken (by another process)."""
+    low = log_text.lower()
+    return any(mark in low for mark in _BIND_FAILURE_MARKS)
 
 
 def server_command(spec: ServerSpec, port: int, python: str = sys.executable) -> list[str]:
@@ -162,7 +205,7 @@ def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str
     return env
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """preexec_fn: the kernel sends SIGTERM to the server if the launching process dies (Linux)."""
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
@@ -174,6 +217,13 @@ def _pin(pid: int, cpus: Sequence[int]) -> None:
     except OSError as exc:
         raise ServerStartError(f"rollout.server_cpus={list(cpus)}: cannot pin the server to these cores ({exc}); "
                                f"this machine allows {sorted(os.sched_getaffinity(0))}") from None  # fmt: skip
+
+
+def _read_from(path: Path, offset: int) -> str:
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        f.seek(offset)
+        return f.read().decode(errors="replace")
+    return ""
 
 
 def log_tail(path: Path, lines: int = 40) -> str:
@@ -192,11 +242,16 @@ class SGLangServer:
     process: subprocess.Popen | None = field(default=None, repr=False)
     shm_files: dict[Path, int] = field(default_factory=dict, repr=False)  # path -> inode; removed when the group is gone
     secret_env: dict[str, str] = field(default_factory=dict, repr=False)  # a generated key (auth.RUN_ADMIN_KEY_ENV)
+    _log_start: int = field(default=0, repr=False)  # where this start's lines begin in the (appended) log
 
     def start(self) -> SGLangServer:
         """Spawn the server in its own process group and wait for `/health` (ServerStartError).
 
-        A restarted server keeps its port, so the addresses the client holds stay valid.
+        A start that loses a port to another process before SGLang binds it (``PortTakenError``: a busy host) is
+        tried again, ``BIND_TRIES`` starts in all, each retry logged: on a fresh port when the port is ours to
+        choose and nobody holds the address yet (a first start without ``rollout.port``), else on the same port
+        (SGLang draws its auxiliary ports anew). A restarted server keeps its port, so the addresses the client
+        holds stay valid.
         """
         environ = {**os.environ, **self.secret_env}
         keys = ServerKeys.from_env_names(self.spec.api_key_env, self.spec.admin_api_key_env, environ)  # unset: fail now
@@ -206,10 +261,25 @@ class SGLangServer:
                 "deterministic rollouts on CPU are bit-exact across batch compositions only in bfloat16: "
                 "fp32 CPU matmuls change kernels with the batch size (docs/sglang.md)"
             )
+        ours = not self.url and not self.spec.port
         port = int(self.url.rsplit(":", 1)[1]) if self.url else self.spec.port or free_port(self.spec.host)
-        self.url = f"http://{self.spec.host}:{port}"
+        for attempt in range(1, BIND_TRIES + 1):
+            self.url = f"http://{self.spec.host}:{port}"
+            try:
+                return self._start_once(port, keys)
+            except PortTakenError as err:
+                if attempt == BIND_TRIES:
+                    raise
+                lost, port = port, free_port(self.spec.host) if ours else port
+                logger.warning("SGLang server on port %d lost a port to another process before binding it (%s); "
+                               "start %d/%d on port %d", lost, err.args[0].splitlines()[0], attempt + 1, BIND_TRIES,
+                               port)  # fmt: skip
+        raise AssertionError("unreachable")
+
+    def _start_once(self, port: int, keys: ServerKeys) -> SGLangServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
+            self._log_start = log.tell()
             self.process = subprocess.Popen(
                 server_command(self.spec, port),
                 env={**server_env(self.spec), **self.secret_env, ORPHAN_ENV: str(os.getpid())},  # orphan_guard
@@ -217,7 +287,7 @@ class SGLangServer:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # own process group: stop() kills the scheduler children too
-                preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread() else None,
+                preexec_fn=die_with_parent if threading.current_thread() is threading.main_thread() else None,
             )
         try:
             if self.spec.cpu_affinity:  # before the interpreter starts its threads and the scheduler process
@@ -237,7 +307,9 @@ class SGLangServer:
                 self.shm_files.update(group_shm_files(self.process.pid))  # must not leave its files behind
                 looked = time.monotonic()
             if self.process is not None and self.process.poll() is not None:
-                raise ServerStartError(
+                this_start = _read_from(self.log_path, self._log_start)
+                error = PortTakenError if lost_a_bind(this_start) else ServerStartError
+                raise error(
                     f"SGLang server exited with code {self.process.returncode} before it was healthy; "
                     f"log {self.log_path}:\n{log_tail(self.log_path)}"
                 )

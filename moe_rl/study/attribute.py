@@ -3,7 +3,7 @@
 Owns ``run_attribute``: the zero-staleness test of ``moe_rl.study.diagnose`` (generate with SGLang, the
 learner recomputes the same tokens with no update in between, natural routing) run once per
 configuration -- the stock kernels; each item of the true-on-policy kernel contract
-(``moe_rl.exact.contract.KERNELS``) turned on alone on both sides; the whole contract but that item;
+(``moe_rl.config.kernels.KERNELS``) turned on alone on both sides; the whole contract but that item;
 the whole contract -- and the table of how much of the KL (k3), of |Δlogp| and of the router flips
 each row removes. "Alone" says what an item fixes by itself; "all but" says what mismatch is left when
 only that item is not shared. A new server and learner are built per row (the contract's items are
@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from moe_rl.config import ExperimentConfig
-from moe_rl.exact.contract import KERNELS
+from moe_rl.config.kernels import KERNELS
 
 __all__ = ["COLUMNS", "attribution_rows", "render_table", "run_attribute"]
 

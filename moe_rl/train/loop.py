@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from moe_rl.config import ExperimentConfig, save_config
-from moe_rl.config.preflight import ksm_active
+from moe_rl.preflight import config_problems
 from moe_rl.records import RecordError, RolloutBatch
 from moe_rl.train.batch_maker import records_path
 from moe_rl.train.batching import check_ksm_records, kept_set_outside_fraction
@@ -55,8 +55,6 @@ ROLLOUTS_DIR = "rollouts"
 def check_supported(cfg: ExperimentConfig) -> None:
     """Refuse, before anything starts, what the loop cannot run: the preflight's config rules
     (``moe-rl config validate``; the CLI also runs its machine rules). For library callers."""
-    from moe_rl.config.preflight import config_problems
-
     config_problems(cfg).raise_if_any(f"config {cfg.name!r}")
 
 
@@ -114,7 +112,7 @@ class RLTrainer:
             from moe_rl.train.rollout_worker import PromptSide
 
             self.prompt_side = PromptSide.build(cfg, data_state)
-        self.logprob_fn = make_logprob_fn(ksm_active(cfg), with_entropy=cfg.loss.entropy_coef > 0)
+        self.logprob_fn = make_logprob_fn(cfg.ksm_active, with_entropy=cfg.loss.entropy_coef > 0)
         self.device = next(self.learner.model.parameters()).device
         self.reference = reference_policy(cfg, self.learner, self.ckpt_dir, self.run_id, meta is not None) \
             if cfg.loss.kl_coef else None  # fmt: skip
@@ -168,7 +166,7 @@ class RLTrainer:
         cfg, t0 = self.cfg, time.perf_counter()
         batch = self.rollout(client, step)
         t_rollout = time.perf_counter() - t0
-        if ksm_active(cfg):
+        if cfg.ksm_active:
             check_ksm_records(batch)
         rewards = torch.from_numpy(batch.rewards).double()
         plan = self.plan(step)
@@ -191,7 +189,7 @@ class RLTrainer:
         if self.kl_alarm.enabled:  # bypass mode: one forward pass at the current weights to measure it
             pi = old if old is not None else old_logprob_rows(cfg, self.learner, self.driver, self.logprob_fn, plan,
                                                               inputs)  # fmt: skip
-            skip, alarm_row = self.kl_alarm.verdict(step, batch, pi, width, ksm_active(cfg), inputs.staleness)
+            skip, alarm_row = self.kl_alarm.verdict(step, batch, pi, width, cfg.ksm_active, inputs.staleness)
             if skip:  # not trained on: the row says why (alarm/*), not offpolicy/kl_k3
                 return alarm_row | {"reward/mean": float(rewards.mean()), "time/rollout_s": t_rollout}
         if self.reference is not None:
@@ -212,7 +210,7 @@ class RLTrainer:
             "response/len_max": float(batch.response_lens.max()),
             "response/truncated_frac": float(truncated.double().mean()),
             "response/masked_truncated": float(truncated.sum()) if cfg.train.mask_truncated else 0.0,
-            "ksm/outside_mask_frac": kept_set_outside_fraction(batch) if ksm_active(cfg) else 0.0,
+            "ksm/outside_mask_frac": kept_set_outside_fraction(batch) if cfg.ksm_active else 0.0,
             **self.records.step_metrics(batch), **stale.metrics(), **alarm_row,
             "time/rollout_s": t_rollout, "time/old_logp_s": t_old, "time/train_s": t_train,
             "rollout/tokens_per_s": float(batch.response_lens.sum()) / max(t_rollout, 1e-9),

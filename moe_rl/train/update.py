@@ -23,9 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from moe_rl.algo import needs_policy_prepass, policy_loss, prepare_corrections
-from moe_rl.algo._tensors import masked_sum
+from moe_rl.algo.tensors import masked_sum
 from moe_rl.algo.variance_control import ess_lr_scale
-from moe_rl.config.preflight import ksm_active
 from moe_rl.learner.pipeline import from_last_stage, is_last_stage, object_from_last_stage
 from moe_rl.records import RolloutBatch
 from moe_rl.train.batching import Microbatch, build_microbatch, response_row_mask, response_rows
@@ -60,7 +59,7 @@ class MinibatchResult:
 
 
 def _microbatches(cfg, inputs: StepInputs, id_groups) -> list[Microbatch]:
-    ksm = ksm_active(cfg)
+    ksm = cfg.ksm_active
     return [
         build_microbatch(inputs.batch, ids, inputs.advantages, num_experts=cfg.model.num_moe_experts,
                          kept_logp=ksm, with_kept_sets=ksm, device=inputs.device)
@@ -147,7 +146,7 @@ def update_minibatch(cfg, learner, driver, logprob_fn, mb_plan: MinibatchPlan, i
     """One optimizer step on ``mb_plan`` (see the module docstring for the three phases)."""
     dev, width = inputs.device, inputs.width
     ids = list(mb_plan.sample_ids)
-    ksm = ksm_active(cfg)
+    ksm = cfg.ksm_active
     mask = response_row_mask(inputs.batch, ids, width).to(dev)
     # train.mask_truncated, stale samples / tokens: never in the loss (nor its denominator)
     loss_mask = None if inputs.trainable is None else mask & inputs.trainable[ids][:, None].to(dev)
@@ -227,7 +226,7 @@ def step_advantages(cfg, batch: RolloutBatch, rewards: torch.Tensor, old: torch.
     extra = {"lengths": torch.as_tensor(batch.response_lens.astype("int64"), device="cpu")}
     if cfg.advantage.estimator == "vcpo_opob":
         mask = response_row_mask(batch, ids, width)
-        mu = response_rows(batch, ids, width, kept_logp=ksm_active(cfg))
+        mu = response_rows(batch, ids, width, kept_logp=cfg.ksm_active)
         src = mu if old is None else old.cpu()
         extra["is_weights"] = torch.exp(((src - mu) * mask).sum(1).clamp(-20, 20)).double()
         extra["grad_sq_norms"] = logit_grad_sq_norm(src, mask).double()

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from moe_rl.algo import compute_policy_loss, gspo_loss
+from moe_rl.algo import GSPOParams, LossInputs, compute_policy_loss, gspo_loss, gspo_token_loss
 from moe_rl.config import CorrectionConfig, LossConfig
 
 F64 = torch.float64
@@ -58,7 +58,8 @@ def _gspo_batch(device, shift=0.0):
 
 def _loss_and_grad(lp0, old, adv, mask, w, token_level):
     lp = lp0.clone().requires_grad_(True)
-    loss, _ = gspo_loss(lp, old, adv, mask, clip_low=0.02, clip_high=0.02, token_level=token_level, is_weights=w)
+    fn = gspo_token_loss if token_level else gspo_loss
+    loss, _ = fn(LossInputs(lp, old, adv, mask, is_weights=w), GSPOParams(clip_low=0.02, clip_high=0.02))
     return loss.detach(), torch.autograd.grad(loss, lp)[0]
 
 

@@ -7,9 +7,11 @@ import torch
 from pydantic import ValidationError
 
 from moe_rl.algo import (
+    LossInputs,
+    SAPOParams,
     chained_rejection_mask,
     compute_advantages,
-    dppo_loss,
+    dppo_trust_mask,
     ess_lr_scale,
     kl_penalty,
     m2po_mask,
@@ -26,8 +28,8 @@ LP = torch.full((2, 3), -1.0)
     ("call", "exc", "pattern"),
     [
         (lambda: kl_penalty(LP, LP, "k4"), ValueError, r"kl_estimator: expected one of .*'k3_plus'"),
-        (lambda: dppo_loss(LP, LP, torch.ones(2), MASK, "js"), ValueError, r"dppo divergence: expected one of \('tv', 'kl'\)"),
-        (lambda: sapo_loss(LP, LP, torch.ones(2), MASK, tau_pos=0.0), ValueError, r"sapo_tau_pos: expected a finite number > 0"),
+        (lambda: dppo_trust_mask(LP, LP, torch.ones(2, 3), "js", 0.2, 0.2), ValueError, r"dppo divergence: expected one of \('tv', 'kl'\)"),
+        (lambda: sapo_loss(LossInputs(LP, LP, torch.ones(2), MASK), SAPOParams(sapo_tau_pos=0.0)), ValueError, r"sapo_tau_pos: expected a finite number > 0"),
         (lambda: m2po_mask(LP, LP, MASK, -1.0), ValueError, r"correction.m2po_tau: expected a finite number > 0"),
         (lambda: ess_lr_scale(torch.zeros(2, 2)), ValueError, r"seq_log_weights: expected a 1-D tensor"),
         (lambda: ess_lr_scale(torch.zeros(2), min_scale=2.0), ValueError, r"optim.ess_lr_min_scale: expected a number in \(0, 1\]"),

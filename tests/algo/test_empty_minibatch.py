@@ -15,8 +15,17 @@ import math
 import pytest
 import torch
 
-from moe_rl.algo import AGGREGATIONS, RS_MODES, compute_policy_loss, m2po_mask, policy_loss, prepare_corrections
-from moe_rl.algo.surrogates import LOSS_TYPES, surrogate_loss
+from moe_rl.algo import (
+    AGGREGATIONS,
+    LOSS_TYPES,
+    RS_MODES,
+    LossInputs,
+    compute_policy_loss,
+    m2po_mask,
+    policy_loss,
+    prepare_corrections,
+    surrogate_loss,
+)
 from moe_rl.config import CorrectionConfig, LossConfig
 
 MASK_CPU = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
@@ -116,8 +125,9 @@ def test_every_loss_and_aggregation_on_an_all_rejected_or_all_masked_minibatch(l
             _assert_graph_connected_zero(loss, lp, prep.metrics | metrics)
         # the surrogate itself, handed an empty kept set
         logp, old, mu, adv = _inputs(mode, 0.0, device)
-        loss, metrics = surrogate_loss(cfg, logp, mu if old is None else old, adv[:, None].expand_as(MASK),
-                                       torch.zeros_like(MASK), None, None, torch.Generator().manual_seed(0))  # fmt: skip
+        x = LossInputs(logp, mu if old is None else old, adv[:, None].expand_as(MASK), torch.zeros_like(MASK),
+                       generator=torch.Generator().manual_seed(0))  # fmt: skip
+        loss, metrics = surrogate_loss(cfg, x)
         _assert_graph_connected_zero(loss, logp, metrics)
 
 

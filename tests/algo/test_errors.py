@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from moe_rl.algo import (
+    LossInputs,
+    PPOClipParams,
     gspo_loss,
+    gspo_token_loss,
     icepop_weights,
     offpolicy_metrics,
     opsm_mask,
@@ -64,14 +67,14 @@ def test_non_finite_padding_is_allowed():
 
 def test_advantages_shape_is_checked():
     with pytest.raises(ValueError, match="advantages: expected shape"):
-        ppo_clip_loss(LP, LP, torch.zeros(3), MASK)
+        ppo_clip_loss(LossInputs(LP, LP, torch.zeros(3), MASK))
     with pytest.raises(ValueError, match="advantages: expected shape"):
         opsm_mask(LP, LP, MASK, torch.zeros(2, 2), delta=0.1)
 
 
 def test_non_tensor_and_integer_logp():
     with pytest.raises(TypeError, match="logp"):
-        gspo_loss([[0.0]], LP, torch.zeros(2), MASK)
+        gspo_loss(LossInputs([[0.0]], LP, torch.zeros(2), MASK))
     with pytest.raises(TypeError, match="old_logp: expected a floating tensor"):
         icepop_weights(LP.long(), LP, MASK)
 
@@ -95,13 +98,13 @@ def test_loss_hyperparameters_are_checked():
     adv = torch.zeros(2)  # on the session device (conftest); LP and MASK were built on the host at import
     lp, mask = LP.to(adv.device), MASK.to(adv.device)
     with pytest.raises(ValueError, match="dual_clip_c"):
-        ppo_clip_loss(lp, lp, adv, mask, dual_clip_c=1.0)
+        ppo_clip_loss(LossInputs(lp, lp, adv, mask), PPOClipParams(dual_clip_c=1.0))
     with pytest.raises(ValueError, match="clip_low"):
-        ppo_clip_loss(lp, lp, adv, mask, clip_low=1.0)
+        ppo_clip_loss(LossInputs(lp, lp, adv, mask), PPOClipParams(clip_low=1.0))
     with pytest.raises(ValueError, match="aggregation"):
-        ppo_clip_loss(lp, lp, adv, mask, aggregation="mean")
+        ppo_clip_loss(LossInputs(lp, lp, adv, mask, aggregation="mean"))
     with pytest.raises(ValueError, match="is_weights: expected non-negative"):
-        ppo_clip_loss(lp, lp, adv, mask, is_weights=-torch.ones(2, 3))
+        ppo_clip_loss(LossInputs(lp, lp, adv, mask, is_weights=-torch.ones(2, 3)))
     with pytest.raises(ValueError, match="icepop band"):
         icepop_weights(lp, lp, mask, low=2.0, high=1.0)
     with pytest.raises(ValueError, match="is level"):
@@ -123,11 +126,11 @@ def test_finite_garbage_in_padding_changes_nothing(fill):
         a = torch.where(mask, adv, torch.full_like(adv, pad))
         logp = logp0.clone().requires_grad_(True)
         losses = [
-            ppo_clip_loss(logp, old, a, mask, dual_clip_c=3.0)[0],
-            gspo_loss(logp, old, a, mask)[0],
-            gspo_loss(logp, old, a[:, 0], mask, token_level=True)[0],
-            cispo_loss(logp, old, a, mask)[0],
-            reinforce_loss(logp, a, mask)[0],
+            ppo_clip_loss(LossInputs(logp, old, a, mask), PPOClipParams(dual_clip_c=3.0))[0],
+            gspo_loss(LossInputs(logp, old, a, mask))[0],
+            gspo_token_loss(LossInputs(logp, old, a[:, 0], mask))[0],
+            cispo_loss(LossInputs(logp, old, a, mask))[0],
+            reinforce_loss(LossInputs(logp, None, a, mask))[0],
             (kl_penalty(logp, roll, "k2") * mask).sum(),
         ]
         grads = [torch.autograd.grad(x, logp)[0] for x in losses]

@@ -9,10 +9,26 @@ import math
 import pytest
 import torch
 
-from moe_rl.algo import clip_cov_loss, dppo_loss, gmpo_loss, kl_cov_loss, sapo_loss, surrogate_loss
+from moe_rl.algo import (
+    ClipCovParams,
+    DPPOParams,
+    GMPOParams,
+    KLCovParams,
+    LossInputs,
+    SAPOParams,
+    clip_cov_loss,
+    dppo_kl_loss,
+    dppo_tv_loss,
+    gmpo_loss,
+    kl_cov_loss,
+    sapo_loss,
+    surrogate_loss,
+)
 from moe_rl.config import LossConfig
 
 F64 = torch.float64
+DPPO = {"tv": dppo_tv_loss, "kl": dppo_kl_loss}
+KL_COV = KLCovParams(kl_cov_ratio=0.2, kl_cov_coef=0.5)
 
 
 def _edge_batch(device, seed=0):
@@ -49,7 +65,8 @@ def test_sapo_hand_worked(device):
     lp = old.clone().requires_grad_(True)
     adv = torch.tensor([[2.0, -1.0]], dtype=F64, device=device)
     mask = torch.ones_like(old, dtype=torch.bool)
-    loss, m = sapo_loss(lp, old, adv, mask, tau_pos=1.0, tau_neg=2.0, aggregation="token_mean")
+    params = SAPOParams(sapo_tau_pos=1.0, sapo_tau_neg=2.0)
+    loss, m = sapo_loss(LossInputs(lp, old, adv, mask, aggregation="token_mean"), params)
     assert loss.item() == pytest.approx((-4 + 1) / 2)
     # d/dlogp of −A (4/τ) σ(τ(r−1)) at r = 1 is −A·4σ(1−σ) = −A: the on-policy gradient
     (grad,) = torch.autograd.grad(loss, lp)
@@ -59,7 +76,7 @@ def test_sapo_hand_worked(device):
 
 def test_sapo_matches_independent_formula_on_edge_cases(device):
     lp, old, adv, mask, w = _edge_batch(device)
-    loss, _ = sapo_loss(lp, old, adv, mask, 1.0, 1.05, is_weights=w)
+    loss, _ = sapo_loss(LossInputs(lp, old, adv, mask, is_weights=w), SAPOParams(1.0, 1.05))
     per = [[0.0] * mask.shape[1] for _ in range(mask.shape[0])]
     for i in range(mask.shape[0]):
         for j in range(mask.shape[1]):
@@ -76,19 +93,20 @@ def test_gmpo_hand_worked(device):
     old = torch.log(torch.tensor([[0.2, 0.3]], dtype=F64, device=device))
     lp = (old + torch.tensor([[0.6, -0.2]], dtype=F64, device=device)).requires_grad_(True)
     mask = torch.ones_like(old, dtype=torch.bool)
-    loss, m = gmpo_loss(lp, old, torch.tensor([1.0], dtype=F64, device=device), mask, 0.4, 0.4)
+    loss, m = gmpo_loss(LossInputs(lp, old, torch.tensor([1.0], dtype=F64, device=device), mask), GMPOParams(0.4, 0.4))
     assert loss.item() == pytest.approx(-math.exp(0.1))
     (grad,) = torch.autograd.grad(loss, lp)  # clamped token gets no gradient, the other −exp(0.1)/2
     torch.testing.assert_close(grad, torch.tensor([[0.0, -math.exp(0.1) / 2]], dtype=F64, device=device))
     assert m["loss/clip_frac_high"].item() == pytest.approx(0.5)
-    loss_neg, _ = gmpo_loss(lp, old, torch.tensor([-1.0], dtype=F64, device=device), mask, 0.4, 0.4)
+    neg = torch.tensor([-1.0], dtype=F64, device=device)
+    loss_neg, _ = gmpo_loss(LossInputs(lp, old, neg, mask), GMPOParams(0.4, 0.4))
     assert loss_neg.item() == pytest.approx(math.exp(0.2))
 
 
 def test_gmpo_matches_independent_formula_on_edge_cases(device):
     lp, old, adv, mask, _ = _edge_batch(device, seed=1)
     adv_seq = adv[:, 0]
-    loss, _ = gmpo_loss(lp, old, adv_seq, mask, 0.4, 0.3)
+    loss, _ = gmpo_loss(LossInputs(lp, old, adv_seq, mask), GMPOParams(0.4, 0.3))
     per = []
     for i in range(mask.shape[0]):
         xs = [lp[i, j].item() - old[i, j].item() for j in range(mask.shape[1]) if mask[i, j]]
@@ -108,18 +126,18 @@ def test_dppo_tv_and_kl_hand_worked(device):
     lp = torch.log(torch.tensor([[0.9, 0.2]], dtype=F64, device=device)).requires_grad_(True)
     adv = torch.ones_like(old)
     mask = torch.ones_like(old, dtype=torch.bool)
-    loss, m = dppo_loss(lp, old, adv, mask, "tv", 0.2, 0.2)
+    loss, m = dppo_tv_loss(LossInputs(lp, old, adv, mask), DPPOParams(0.2, 0.2))
     (grad,) = torch.autograd.grad(loss, lp)
     torch.testing.assert_close(grad, torch.tensor([[0.0, -0.4]], dtype=F64, device=device) / 2)
     assert m["loss/clip_frac"].item() == pytest.approx(0.5)
     # KL: D(0.5→0.9) = 0.5 ln(0.5/0.9) + 0.5 ln(0.5/0.1) ≈ 0.5108 > 0.2 → masked; p < p_old kept
     d = 0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1)
     assert d > 0.2
-    loss_kl, _ = dppo_loss(lp, old, adv, mask, "kl", 0.2, 0.2)
+    loss_kl, _ = dppo_kl_loss(LossInputs(lp, old, adv, mask), DPPOParams(0.2, 0.2))
     (grad_kl,) = torch.autograd.grad(loss_kl, lp)
     torch.testing.assert_close(grad_kl, torch.tensor([[0.0, -0.4]], dtype=F64, device=device) / 2)
     # with δ_high = 0.6 > D the first token is kept too: weight r = 1.8
-    loss_kl2, _ = dppo_loss(lp, old, adv, mask, "kl", 0.2, 0.6)
+    loss_kl2, _ = dppo_kl_loss(LossInputs(lp, old, adv, mask), DPPOParams(0.2, 0.6))
     (grad_kl2,) = torch.autograd.grad(loss_kl2, lp)
     torch.testing.assert_close(grad_kl2, torch.tensor([[-1.8, -0.4]], dtype=F64, device=device) / 2)
 
@@ -127,7 +145,7 @@ def test_dppo_tv_and_kl_hand_worked(device):
 @pytest.mark.parametrize("divergence", ["tv", "kl"])
 def test_dppo_matches_independent_formula_on_edge_cases(device, divergence):
     lp, old, adv, mask, w = _edge_batch(device, seed=2)
-    loss, _ = dppo_loss(lp, old, adv, mask, divergence, 0.1, 0.15, 20.0, is_weights=w)
+    loss, _ = DPPO[divergence](LossInputs(lp, old, adv, mask, is_weights=w), DPPOParams(0.1, 0.15, 20.0))
     per = [[0.0] * mask.shape[1] for _ in range(mask.shape[0])]
     for i in range(mask.shape[0]):
         for j in range(mask.shape[1]):
@@ -151,7 +169,8 @@ def test_clip_cov_zeroes_exactly_the_seeded_selection(device):
     adv = torch.tensor([[3.0, 0.0, 0.0, -3.0]], dtype=F64, device=device)
     mask = torch.ones_like(old, dtype=torch.bool)
     # Ā = 0, mean logp = −2.5 → cov = (4.5, 0, 0, 4.5)
-    loss, m = clip_cov_loss(lp, old, adv, mask, 0.2, 0.2, cov_fraction=0.25, generator=torch.Generator().manual_seed(0))
+    params = ClipCovParams(0.2, 0.2, clip_cov_ratio=0.25)
+    loss, m = clip_cov_loss(LossInputs(lp, old, adv, mask, generator=torch.Generator().manual_seed(0)), params)
     (grad,) = torch.autograd.grad(loss, lp)
     zeroed = (grad == 0) & (adv != 0)
     assert int(zeroed.sum()) == 1 and m["loss/cov_clip_frac"].item() == pytest.approx(0.25)
@@ -159,14 +178,14 @@ def test_clip_cov_zeroes_exactly_the_seeded_selection(device):
     torch.testing.assert_close(grad, torch.where(zeroed, torch.zeros_like(full), full))
     # the same seed selects the same token (resume is exact)
     lp2 = old.clone().requires_grad_(True)
-    loss2, _ = clip_cov_loss(lp2, old, adv, mask, 0.2, 0.2, cov_fraction=0.25, generator=torch.Generator().manual_seed(0))
+    loss2, _ = clip_cov_loss(LossInputs(lp2, old, adv, mask, generator=torch.Generator().manual_seed(0)), params)
     torch.testing.assert_close(torch.autograd.grad(loss2, lp2)[0], grad)
 
 
 def test_kl_cov_penalises_the_top_covariance_tokens(device):
     g = torch.Generator().manual_seed(3)
     lp, old, adv, mask, _ = _edge_batch(device, seed=3)
-    loss, m = kl_cov_loss(lp, old, adv, mask, cov_fraction=0.2, kl_coef=0.5)
+    loss, m = kl_cov_loss(LossInputs(lp, old, adv, mask), KLCovParams(kl_cov_ratio=0.2, kl_cov_coef=0.5))
     n = int(mask.sum())
     k = max(int(0.2 * n), 1)
     idx = [(i, j) for i in range(mask.shape[0]) for j in range(mask.shape[1]) if mask[i, j]]
@@ -184,9 +203,9 @@ def test_kl_cov_penalises_the_top_covariance_tokens(device):
 
 
 LOSS_CASES = {
-    "sapo": lambda lp, old, adv, mask, w: sapo_loss(lp, old, adv, mask, 1.0, 1.05, is_weights=w)[0],
-    "gmpo": lambda lp, old, adv, mask, w: gmpo_loss(lp, old, adv[:, 0], mask, 0.4, 0.4)[0],
-    "kl_cov": lambda lp, old, adv, mask, w: kl_cov_loss(lp, old, adv, mask, 0.2, 0.5, is_weights=w)[0],
+    "sapo": lambda lp, old, adv, mask, w: sapo_loss(LossInputs(lp, old, adv, mask, is_weights=w), SAPOParams())[0],
+    "gmpo": lambda lp, old, adv, mask, w: gmpo_loss(LossInputs(lp, old, adv[:, 0], mask), GMPOParams(0.4, 0.4))[0],
+    "kl_cov": lambda lp, old, adv, mask, w: kl_cov_loss(LossInputs(lp, old, adv, mask, is_weights=w), KL_COV)[0],
 }
 
 
@@ -211,10 +230,11 @@ def test_dppo_and_clip_cov_gradient_is_the_stop_gradient_weight(device):
     adv = torch.randn(2, 3, generator=g, dtype=F64).to(device)
     base = old + 0.01 * torch.randn(2, 3, generator=g, dtype=F64).to(device)
     for div in ("tv", "kl"):
-        fn = lambda x, d=div: dppo_loss(x, old + (x - base), adv, mask, d, 0.5, 0.5)[0]  # noqa: E731
+        fn = lambda x, d=div: DPPO[d](LossInputs(x, old + (x - base), adv, mask), DPPOParams(0.5, 0.5))[0]  # noqa: E731
         assert torch.autograd.gradcheck(fn, (base.clone().requires_grad_(True),))
     # Clip-Cov outside its selection is PPO-clip, whose gradient is the true derivative
-    fn = lambda x: clip_cov_loss(x, old, adv, mask, 0.2, 0.2, 0.5, 10.0, 11.0)[0]  # noqa: E731
+    params = ClipCovParams(0.2, 0.2, clip_cov_ratio=0.5, clip_cov_lb=10.0, clip_cov_ub=11.0)
+    fn = lambda x: clip_cov_loss(LossInputs(x, old, adv, mask), params)[0]  # noqa: E731
     assert torch.autograd.gradcheck(fn, (base.clone().requires_grad_(True),))
 
 
@@ -223,13 +243,14 @@ def test_all_rejected_rows_and_weights_follow_the_shared_contract(device):
     for t in ("sapo", "gmpo", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov"):
         cfg = LossConfig(type=t)
         x = lp.clone().requires_grad_(True)
-        loss, _ = surrogate_loss(cfg, x, old, adv, mask, None, None, torch.Generator().manual_seed(0))
+        loss, _ = surrogate_loss(cfg, LossInputs(x, old, adv, mask, generator=torch.Generator().manual_seed(0)))
         (grad,) = torch.autograd.grad(loss, x)
         assert torch.isfinite(loss) and bool(torch.isfinite(grad).all()), t
         assert torch.count_nonzero(grad[~mask]) == 0, t  # padding and all-masked rows get no gradient
         # zero IS weights remove every token's contribution
         x = lp.clone().requires_grad_(True)
-        loss0, _ = surrogate_loss(cfg, x, old, adv, mask, torch.zeros_like(w), None, torch.Generator().manual_seed(0))
+        zero_w = LossInputs(x, old, adv, mask, torch.zeros_like(w), generator=torch.Generator().manual_seed(0))
+        loss0, _ = surrogate_loss(cfg, zero_w)
         assert loss0.item() == 0.0, t
 
 
@@ -251,10 +272,11 @@ def test_clip_cov_draws_only_from_unclipped_tokens_inside_the_covariance_band(de
     seen = set()
     for seed in range(25):
         x = lp.clone().requires_grad_(True)
-        loss, _ = clip_cov_loss(x, old, adv, mask, 0.2, 0.2, cov_fraction=0.05, cov_lb=0.5, cov_ub=2.0,
-                                generator=torch.Generator().manual_seed(seed))  # fmt: skip
+        params = ClipCovParams(0.2, 0.2, clip_cov_ratio=0.05, clip_cov_lb=0.5, clip_cov_ub=2.0)
+        loss, _ = clip_cov_loss(LossInputs(x, old, adv, mask, generator=torch.Generator().manual_seed(seed)), params)
         (grad,) = torch.autograd.grad(loss, x)
-        ref = torch.autograd.grad(clip_cov_loss(x, old, adv, mask, 0.2, 0.2, 0.05, 99.0, 100.0)[0], x)[0]
+        no_band = ClipCovParams(0.2, 0.2, clip_cov_ratio=0.05, clip_cov_lb=99.0, clip_cov_ub=100.0)
+        ref = torch.autograd.grad(clip_cov_loss(LossInputs(x, old, adv, mask), no_band)[0], x)[0]
         zeroed = {k for k in range(n) if grad[0, k] == 0 and ref[0, k] != 0}
         assert len(zeroed) == min(2, len(cand)) and zeroed <= cand
         seen |= zeroed

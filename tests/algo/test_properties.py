@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 from moe_rl.algo import (
     RS_MODES,
+    LossInputs,
+    PPOClipParams,
     gspo_loss,
     icepop_weights,
     kl_penalty,
@@ -112,7 +114,8 @@ def test_geometric_rs_is_length_invariant(batch, repeat):
 def test_losses_finite_and_identity_ratio_never_clipped(batch):
     old, roll, mask, adv = batch
     logp = old.clone().requires_grad_(True)
-    for loss, m in (ppo_clip_loss(logp, old, adv, mask, dual_clip_c=3.0), gspo_loss(logp, old, adv, mask)):
+    x = LossInputs(logp, old, adv, mask)
+    for loss, m in (ppo_clip_loss(x, PPOClipParams(dual_clip_c=3.0)), gspo_loss(x)):
         (g,) = torch.autograd.grad(loss, logp)
         assert math.isfinite(loss.item()) and bool(torch.isfinite(g).all())
         assert m["loss/clip_frac"].item() == 0.0

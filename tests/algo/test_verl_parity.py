@@ -16,12 +16,21 @@ import pytest
 import torch
 
 from moe_rl.algo import (
+    CISPOParams,
+    DPPOParams,
+    GMPOParams,
+    GSPOParams,
+    KLCovParams,
+    LossInputs,
+    PPOClipParams,
+    SAPOParams,
     aggregate,
     chained_rejection_mask,
     cispo_loss,
-    dppo_loss,
+    dppo_kl_loss,
+    dppo_tv_loss,
     gmpo_loss,
-    gspo_loss,
+    gspo_token_loss,
     icepop_weights,
     kl_cov_loss,
     kl_penalty,
@@ -31,9 +40,9 @@ from moe_rl.algo import (
     rejection_mask,
     sapo_loss,
     sequence_icepop_weights,
+    surrogate_loss,
     truncated_is_weights,
 )
-from moe_rl.algo.surrogates import surrogate_loss
 from moe_rl.config import CorrectionConfig, LossConfig
 
 MASK_CPU = torch.tensor(
@@ -113,14 +122,15 @@ def test_ppo_clip_with_dual_clip_3_equals_verl_vanilla(verl, device):
     logp, old, _, adv = _data(device, spread=0.8)
     logp = logp.detach().index_put((torch.tensor([0]), torch.tensor([1])), old[0, 1] + 1.5).requires_grad_(True)
     cfg = _actor(verl, clip_ratio_low=0.2, clip_ratio_high=0.28)
-    a, b, ga, gb = _pair(lambda lp: ppo_clip_loss(lp, old, adv, MASK, 0.2, 0.28, dual_clip_c=3.0)[0],
+    dual = PPOClipParams(clip_low=0.2, clip_high=0.28, dual_clip_c=3.0)
+    a, b, ga, gb = _pair(lambda lp: ppo_clip_loss(LossInputs(lp, old, adv, MASK), dual)[0],
                          lambda lp: verl.compute_policy_loss_vanilla(old, lp, adv, MASK.double(), "token-mean", cfg)[0],
                          logp)  # fmt: skip
     _close(a, b)
     _close(ga, gb)
     # without the dual clip a negative-advantage token with r > 3 differs
     assert bool(((torch.exp(logp - old) > 3.0) & (adv < 0) & MASK).any())
-    plain = ppo_clip_loss(logp, old, adv, MASK, 0.2, 0.28)[0]
+    plain = ppo_clip_loss(LossInputs(logp, old, adv, MASK), PPOClipParams(0.2, 0.28))[0]
     assert abs(float(plain) - float(b)) > 1e-3
 
 
@@ -131,14 +141,14 @@ def test_gspo_token_equals_verl_gspo_in_every_aggregation(aggregation, verl, dev
     logp, old, _, adv = _data(device, seed=3)
     cfg = LossConfig(type="gspo_token", aggregation=aggregation, clip_low=3e-4, clip_high=4e-4, norm_len=6)
     actor = _actor(verl, clip_ratio_low=3e-4, clip_ratio_high=4e-4, global_batch_info={"loss_scale_factor": 6})
-    a, b, ga, gb = _pair(lambda lp: surrogate_loss(cfg, lp, old, adv, MASK, None, None)[0],
+    a, b, ga, gb = _pair(lambda lp: surrogate_loss(cfg, LossInputs(lp, old, adv, MASK))[0],
                          lambda lp: verl.compute_policy_loss_gspo(old, lp, adv, MASK.double(), AGG[aggregation],
                                                                   actor)[0], logp)  # fmt: skip
     _close(a, b)
     _close(ga, gb)
     # the sequence form gives the same loss and gradient for sequence advantages
     seq = LossConfig(type="gspo", aggregation=aggregation, clip_low=3e-4, clip_high=4e-4, norm_len=6)
-    c, _, gc, _ = _pair(lambda lp: surrogate_loss(seq, lp, old, adv, MASK, None, None)[0], lambda lp: lp.sum(), logp)
+    c, _, gc, _ = _pair(lambda lp: surrogate_loss(seq, LossInputs(lp, old, adv, MASK))[0], lambda lp: lp.sum(), logp)
     _close(c, b)
     _close(gc, gb)
 
@@ -163,7 +173,7 @@ def test_gspo_clamp_differs_only_above_plus_10(mean_log_r, adv, same, verl, devi
     spread = torch.tensor([[0.5, -0.5, 0.25, -0.25]], dtype=torch.float64, device=device)
     logp = (old + mean_log_r + spread).requires_grad_(True)
     a_t = torch.full((1, 4), adv, dtype=torch.float64, device=device)
-    ours = gspo_loss(logp, old, a_t, mask, 0.2, 0.2, token_level=True, aggregation="token_mean")[0]
+    ours = gspo_token_loss(LossInputs(logp, old, a_t, mask, aggregation="token_mean"), GSPOParams(0.2, 0.2))[0]
     theirs = verl.compute_policy_loss_gspo(old, logp, a_t, mask.double(), "token-mean", _actor(verl))[0]
     assert math.isclose(float(ours), float(theirs), rel_tol=1e-9) is same
 
@@ -175,7 +185,8 @@ def test_sapo_verl_ignores_loss_agg_mode(verl, device):
     assert LossConfig(type="sapo").aggregation == "seq_mean_token_mean"
     for mode in ("token-mean", "seq-mean-token-sum"):
         theirs = lambda lp, m=mode: verl.compute_policy_loss_sapo(old, lp, adv, MASK.double(), m, _actor(verl))[0]
-        a, b, ga, gb = _pair(lambda lp: sapo_loss(lp, old, adv, MASK, 1.0, 1.05)[0], theirs, logp)
+        ours = lambda lp: sapo_loss(LossInputs(lp, old, adv, MASK), SAPOParams(1.0, 1.05))[0]  # noqa: E731
+        a, b, ga, gb = _pair(ours, theirs, logp)
         _close(a, b)
         _close(ga, gb)
 
@@ -185,14 +196,14 @@ def test_gmpo_equals_verl_geo_mean_until_a_row_is_empty(verl, device):
     MASK = MASK_CPU.to(device)
     logp, old, _, adv = _data(device, seed=5)
     cfg = _actor(verl, clip_ratio_low=0.4, clip_ratio_high=0.4)
-    a, b, ga, gb = _pair(lambda lp: gmpo_loss(lp, old, adv, MASK, 0.4, 0.4)[0],
+    a, b, ga, gb = _pair(lambda lp: gmpo_loss(LossInputs(lp, old, adv, MASK), GMPOParams(0.4, 0.4))[0],
                          lambda lp: verl.compute_policy_loss_geo_mean(old, lp, adv, MASK.double(), "token-mean", cfg)[0],
                          logp)  # fmt: skip
     _close(a, b, rtol=1e-7)  # verl divides by (|y| + 1e-8)
     _close(ga, gb, rtol=1e-7, atol=1e-10)
     mask = MASK.clone()
     mask[2] = False
-    ours = gmpo_loss(logp, old, adv, mask, 0.4, 0.4)[0]
+    ours = gmpo_loss(LossInputs(logp, old, adv, mask), GMPOParams(0.4, 0.4))[0]
     theirs = verl.compute_policy_loss_geo_mean(old, logp, adv, mask.double(), "token-mean", cfg)[0]
     _close(ours * 3 / 4, theirs.detach(), rtol=1e-7)  # 3 kept rows over verl's 4
 
@@ -203,12 +214,13 @@ def test_dppo_cap_3_equals_verl_default(kind, verl, device):
     MASK = MASK_CPU.to(device)
     logp, old, _, adv = _data(device, seed=6, spread=0.9)
     fn = verl.compute_policy_loss_dppo_tv if kind == "tv" else verl.compute_policy_loss_dppo_kl
-    a, b, ga, gb = _pair(lambda lp: dppo_loss(lp, old, adv, MASK, kind, 0.2, 0.2, 3.0)[0],
+    ours = dppo_tv_loss if kind == "tv" else dppo_kl_loss
+    a, b, ga, gb = _pair(lambda lp: ours(LossInputs(lp, old, adv, MASK), DPPOParams(0.2, 0.2, 3.0))[0],
                          lambda lp: fn(old, lp, adv, MASK.double(), "token-mean", _actor(verl))[0], logp)  # fmt: skip
     _close(a, b)
     _close(ga, gb)
     assert bool(((torch.exp(logp - old) > 3.0) & MASK).any())  # the cap is active on this input
-    assert abs(float(dppo_loss(logp, old, adv, MASK, kind, 0.2, 0.2, 20.0)[0]) - float(b)) > 1e-6
+    assert abs(float(ours(LossInputs(logp, old, adv, MASK), DPPOParams(0.2, 0.2, 20.0))[0]) - float(b)) > 1e-6
 
 
 def test_cispo_verl_defaults_bound_both_sides(verl, device):
@@ -216,12 +228,12 @@ def test_cispo_verl_defaults_bound_both_sides(verl, device):
     ours has no lower bound unless loss.cispo_clip_low is set."""
     MASK = MASK_CPU.to(device)
     logp, old, _, adv = _data(device, seed=7, spread=0.8)
-    a, b, ga, gb = _pair(lambda lp: cispo_loss(lp, old, adv, MASK, 0.2, 0.2)[0],
+    a, b, ga, gb = _pair(lambda lp: cispo_loss(LossInputs(lp, old, adv, MASK), CISPOParams(0.2, None, 0.2))[0],
                          lambda lp: verl.compute_policy_loss_cispo(old, lp, adv, MASK.double(), "token-mean", _actor(verl))[0],
                          logp)  # fmt: skip
     _close(a, b)
     _close(ga, gb)
-    assert abs(float(cispo_loss(logp, old, adv, MASK, None, 0.2)[0]) - float(b)) > 1e-6
+    assert abs(float(cispo_loss(LossInputs(logp, old, adv, MASK), CISPOParams(None, None, 0.2))[0]) - float(b)) > 1e-6
 
 
 def test_reinforce_equals_verl_gpg_and_bypass_reinforce(verl, device):
@@ -230,7 +242,7 @@ def test_reinforce_equals_verl_gpg_and_bypass_reinforce(verl, device):
     logp, _, _, adv = _data(device, seed=8)
     w = torch.rand(MASK.shape, generator=torch.Generator().manual_seed(8), dtype=torch.float64).to(device) * 2
     for agg in ("token_mean", "seq_mean_token_sum"):
-        ours = lambda lp, a=agg: reinforce_loss(lp, adv, MASK, w, a)[0]
+        ours = lambda lp, a=agg: reinforce_loss(LossInputs(lp, None, adv, MASK, w, a))[0]
         theirs = lambda lp, a=agg: verl.compute_policy_loss_gpg(lp, lp, adv, MASK.double(), AGG[a], _actor(verl), w)[0]
         a, b, ga, gb = _pair(ours, theirs, logp)
         _close(a, b)
@@ -262,7 +274,7 @@ def test_kl_cov_equals_verl_on_one_microbatch(verl, device):
     MASK = MASK_CPU.to(device)
     logp, old, _, adv = _data(device, seed=10, spread=0.5)
     cfg = _actor(verl, policy_loss={"kl_cov_ratio": 0.2})
-    a, b, ga, gb = _pair(lambda lp: kl_cov_loss(lp, old, adv, MASK, 0.2, 0.1)[0],
+    a, b, ga, gb = _pair(lambda lp: kl_cov_loss(LossInputs(lp, old, adv, MASK), KLCovParams(0.2, 0.1))[0],
                          lambda lp: verl.compute_policy_loss_kl_cov(old, lp, adv, MASK.double(), "token-mean", cfg)[0],
                          logp)  # fmt: skip
     _close(a, b)
@@ -280,7 +292,7 @@ def test_kl_cov_breaks_ties_as_verl_when_all_covariances_are_zero(length, verl, 
     logp = (old + torch.randn(mask.shape, generator=g)).to(device).requires_grad_(True)  # float32, as the trainer's
     mask, old, adv = mask.to(device), old.to(device), torch.full(mask.shape, 0.5, device=device)
     cfg = _actor(verl, policy_loss={"kl_cov_ratio": 0.3})
-    a, b, ga, gb = _pair(lambda lp: kl_cov_loss(lp, old, adv, mask, 0.3, 0.1)[0],
+    a, b, ga, gb = _pair(lambda lp: kl_cov_loss(LossInputs(lp, old, adv, mask), KLCovParams(0.3, 0.1))[0],
                          lambda lp: verl.compute_policy_loss_kl_cov(old, lp, adv, mask.float(), "token-mean", cfg)[0],
                          logp)  # fmt: skip
     _close(a, b, rtol=1e-6, atol=1e-7)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from moe_rl.exact.contract import KERNELS, SERVER_ENV, kernels_from_env, kernels_of, server_env_value
+from moe_rl.config.kernels import KERNELS
+from moe_rl.exact.contract import SERVER_ENV, kernels_from_env, kernels_of, server_env_value
 from tests.learner.conftest import make_cfg
 
 ALL = frozenset(KERNELS)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from moe_rl.config import load_config
-from moe_rl.config.preflight import config_problems
+from moe_rl.preflight import config_problems
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
 OK = ["rollout.true_on_policy=true", "rollout.dtype=float32", "replay.keep_sampling_mask=false"]

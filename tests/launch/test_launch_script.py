@@ -14,7 +14,7 @@ import yaml
 from launch_helpers import QWEN3, rendered_commands
 
 from moe_rl import cli
-from moe_rl.config import load_config, validate_tree
+from moe_rl.config import apply_overrides, load_config, validate_tree
 from moe_rl.launch import render_launch
 
 FAKE_SRUN = r"""#!/usr/bin/env bash
@@ -22,13 +22,17 @@ FAKE_SRUN = r"""#!/usr/bin/env bash
 line=$(printf '%s\x1f' "$@"); printf '%s\n' "$line" >> "$FAKE_LOG"  # one append write per call
 node=""
 for a in "$@"; do [[ $a == --nodelist=* ]] && node=${a#--nodelist=}; done
-keyvar="" prev=""
+keyvar="" prev="" port_file="" first_port=""
 for a in "$@"; do [[ $prev == --admin-api-key-env ]] && keyvar=$a; prev=$a; done
+for a in "$@"; do [[ $a == --port-file=* ]] && port_file=${a#--port-file=}; [[ $a == --first-port=* ]] && first_port=${a#--first-port=}; done
 for a in "$@"; do
   if [[ $a == sglang.launch_server || $a == moe_rl.rollout.sglang_entry ]]; then
     [[ -n "${FAKE_SERVER_DIES:-}" ]] && exit 3
     [[ -z $keyvar || -n ${!keyvar:-} ]] || exit 4
-    echo "$$ $node" >> "$FAKE_PIDS"; exec sleep 120
+    echo "$$ $node" >> "$FAKE_PIDS"
+    # launch serve publishes the port once healthy (the fake curl answers for every running fake server)
+    [[ -z $port_file || -n "${FAKE_UNHEALTHY:-}" ]] || { mkdir -p "${port_file%/*}"; echo "$first_port" > "$port_file"; }
+    exec sleep 120
   fi
 done
 # the learner step (and any server) must find the generated key it is handed by name in its environment
@@ -103,6 +107,8 @@ def test_script_with_fake_srun_starts_servers_then_learner_and_stops_the_servers
     assert [("moe_rl.rollout.sglang_entry" in c, "torchrun" in c) for c in calls] == [(True, False)] * 2 + [(False, True)]
     assert (tmp_path / "run" / "launch" / "config-55.yaml").exists()
     assert "http://gpu002:30000 healthy" in result.stdout
+    (override,) = [a for a in calls[-1] if a.startswith("rollout.addresses=")]  # as bash expanded it
+    assert apply_overrides({}, [override])["rollout"]["addresses"] == ["http://gpu001:30000", "http://gpu002:30000"]
     for pid in (int(line.split()[0]) for line in (tmp_path / "pids").read_text().splitlines()):
         assert not Path(f"/proc/{pid}").exists(), f"rollout server step {pid} outlived the script"
 
@@ -116,7 +122,7 @@ def test_script_propagates_the_learner_exit_code(tmp_path):
 def test_script_never_starts_the_learner_when_a_server_dies_during_startup(tmp_path):
     result = _run(tmp_path, _script(tmp_path), FAKE_SERVER_DIES="1", FAKE_UNHEALTHY="1")
     assert result.returncode == 1
-    assert "exited before http://gpu001:30000 was healthy" in result.stderr
+    assert "a rollout server step exited before gpu001 was healthy" in result.stderr
     assert not any("torchrun" in c for c in _logged(tmp_path))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import stat
 import subprocess
 import sys
@@ -39,12 +40,17 @@ exec "$@" >"${out//%N/local}" 2>&1
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
 def test_rendered_script_trains_one_step_with_a_local_srun_stand_in(tmp_path):
+    """Also issue 57 (5): another process holds ``launch.rollout_port`` on the rollout node (a busy shared node), so
+    the step's server comes up on the next port, publishes it, and the learner is told that one."""
     from moe_rl.learner.hf_init import write_random_hf_checkpoint
 
     run_dir = tmp_path / "run"
+    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    squatter.bind(("0.0.0.0", port := free_port()))
+    squatter.listen()
     overrides = [
         "launch.rollout_nodes=1", "launch.learner_nodes=1", "launch.gpus_per_node=1", "parallel.backend=gloo",
-        f"launch.rollout_port={free_port()}", f"launch.master_port={free_port()}", f"train.output_dir={run_dir}",
+        f"launch.rollout_port={port}", f"launch.master_port={free_port()}", f"train.output_dir={run_dir}",
         "train.steps=1", "train.prompts_per_step=2", "rollout.samples_per_prompt=4", "train.minibatches_per_step=1",
         "rollout.max_new_tokens=4", "logging.progress=false", "logging.tensorboard=false",
     ]  # fmt: skip
@@ -60,19 +66,25 @@ def test_rendered_script_trains_one_step_with_a_local_srun_stand_in(tmp_path):
     (shim / "srun").chmod(stat.S_IRWXU)
     env = {**os.environ, "SRUN_CALLS": str(tmp_path / "calls"),
            "PATH": os.pathsep.join([str(shim), str(Path(sys.executable).parent), os.environ["PATH"]])}  # fmt: skip
-    result = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=540)
+    try:
+        result = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=540)
+    finally:
+        squatter.close()
     logs = run_dir / "launch" / "logs-77"
     learner_log = (logs / "learner-localhost.log").read_text()[-3000:] if (logs / "learner-localhost.log").exists() else ""
     assert result.returncode == 0, f"{result.stderr}\n--- learner log tail ---\n{learner_log}"
 
     calls = (tmp_path / "calls").read_text().splitlines()
-    assert [c.split()[:3] for c in calls] == [["python", "-m", "moe_rl.rollout.sglang_entry"], ["bash", "-c", "exec"]]
+    assert len(calls) == 2 and calls[0].split()[:4] == ["python", "-m", "moe_rl.launch", "serve"], calls
+    assert calls[1].split()[:3] == ["bash", "-c", "exec"] and "moe_rl.rollout.sglang_entry" in calls[0]
     assert "torchrun --nnodes=1 --nproc-per-node=1" in calls[1]  # writing learner-<node>.log (issue 39)
     assert learner_log, "no learner-localhost.log: the learner step's output is not named by node"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1]
     assert "reward/mean" in records[0] and "replay/rollout_vs_natural/response/flip_rate" in records[0]
     server_log = (logs / "rollout-127.0.0.1.log").read_text()
+    assert f"port {port} (or one of the server's auxiliary ports) was taken by another process" in server_log
+    assert f"healthy on port {port + 1}" in server_log and f"http://127.0.0.1:{port + 1} healthy" in result.stdout
     # 2 prompts x 4 samples went to the srun-started server, which also got the learner's weights.
     assert server_log.count("POST /generate") >= 8, "the learner did not generate on the server from rollout.addresses"
     assert "POST /update_weights_from_disk" in server_log

@@ -21,14 +21,24 @@ def _program(argv: list[str], first: str) -> list[str]:
     return argv[argv.index(first):]
 
 
+def _server(argv: list[str]) -> list[str]:
+    """The SGLang command of a rollout step, behind its ``python -m moe_rl.launch serve ... --`` wrapper."""
+    wrapper = _program(argv, "python")
+    assert wrapper[:4] == ["python", "-m", "moe_rl.launch", "serve"], wrapper
+    return wrapper[wrapper.index("--") + 1 :]
+
+
 def test_qwen3_rollout_servers_run_on_the_first_nodes_with_config_port_and_flags(slurm_env):
     cfg = load_config(QWEN3)
     rollout, _ = _split(render_launch(cfg, dry_run=True, env=slurm_env("gpu[001-006]")))
     assert [flag_value(c, "--nodelist") for c in rollout] == ["gpu001", "gpu002"]
     for argv in rollout:
-        server = _program(argv, "python")
+        server = _server(argv)
         assert server[:3] == ["python", "-m", "moe_rl.rollout.sglang_entry"]  # keyed by default (issue 25)
         assert flag_value(server, "--port") == "30000"
+        assert flag_value(argv, "--first-port") == "30000"  # serve tries 30000, 30001, ... (a busy node)
+        node = flag_value(argv, "--nodelist")
+        assert flag_value(argv, "--port-file") == f"/checkpoint/moe_rl/qwen3_30b_a3b/launch/ports-4242/rollout-{node}.port"
         assert flag_value(server, "--host") == "0.0.0.0"  # reachable from the learner nodes
         assert flag_value(server, "--tp-size") == "4"
         assert flag_value(server, "--model-path") == "/models/Qwen3-30B-A3B"
@@ -56,11 +66,17 @@ def test_qwen3_learner_torchrun_spans_the_remaining_nodes_with_world_and_paralle
 
 
 def test_learner_receives_every_rollout_address_as_a_parseable_override(slurm_env):
+    """The learner is told the addresses the servers published (``$rollout_addresses``, built by the script's
+    ``wait_port`` as ``"http://node:port",...``): with every first port free, the plan's addresses."""
     cfg = load_config(QWEN3)
     _, (argv,) = _split(render_launch(cfg, dry_run=True, env=slurm_env("gpu[001-006]")))
     (override,) = [a for a in argv if a.startswith("rollout.addresses=")]
-    tree = apply_overrides({}, [override])  # the learner's own override parser
+    assert override == "rollout.addresses=[$rollout_addresses]"  # expanded by bash: the line is double-quoted
+    published = ",".join(f'"http://{node}:30000"' for node in ("gpu001", "gpu002"))
+    tree = apply_overrides({}, [override.replace("$rollout_addresses", published)])  # the learner's own parser
     assert tree["rollout"]["addresses"] == ["http://gpu001:30000", "http://gpu002:30000"]
+    plan = build_launch_plan(cfg, slurm_env("gpu[001-006]"))
+    assert list(plan.rollout_addresses) == tree["rollout"]["addresses"]
 
 
 def test_deepseek_plan_uses_mixed_hostlists_and_its_own_sizes(slurm_env):
@@ -70,7 +86,7 @@ def test_deepseek_plan_uses_mixed_hostlists_and_its_own_sizes(slurm_env):
     rollout, (learner,) = _split(render_launch(cfg, dry_run=True, env=env))
     assert [flag_value(c, "--nodelist") for c in rollout] == ["dgx-a1", "dgx-a2", "dgx-a3", "dgx-a4"]
     for argv in rollout:
-        server = _program(argv, "python")
+        server = _server(argv)
         assert flag_value(server, "--port") == "31000"
         assert flag_value(server, "--tp-size") == "8" and flag_value(server, "--ep-size") == "8"
         assert "--enable-deterministic-inference" in server
@@ -80,8 +96,9 @@ def test_deepseek_plan_uses_mixed_hostlists_and_its_own_sizes(slurm_env):
     assert flag_value(torchrun, "--rdzv-endpoint") == "dgx-b01:29999"
     for override in ("parallel.tp=8", "parallel.ep=128", "parallel.etp=1", "parallel.pp=1"):
         assert override in torchrun
-    (addr,) = [a for a in torchrun if a.startswith("rollout.addresses=")]
-    assert apply_overrides({}, [addr])["rollout"]["addresses"] == [f"http://dgx-a{i}:31000" for i in range(1, 5)]
+    plan = build_launch_plan(cfg, env)
+    assert list(plan.rollout_addresses) == [f"http://dgx-a{i}:31000" for i in range(1, 5)]
+    assert [flag_value(c, "--first-port") for c in rollout] == ["31000"] * 4
 
 
 def test_a_cluster_run_without_a_checkpoint_writes_the_dir_its_servers_serve_first(slurm_env):

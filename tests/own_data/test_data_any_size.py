@@ -111,7 +111,7 @@ def test_a_reward_function_that_declares_needs_label_false_gets_none_with_one_wa
 
 
 def test_the_preflight_refuses_a_null_label_in_the_first_row(tmp_path):
-    from moe_rl.config.preflight_data import data_files
+    from moe_rl.preflight.data import data_files
 
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"q": "x", "a": None}) + "\n")
@@ -158,7 +158,7 @@ def test_overlong_rows_are_skipped_where_they_fall_and_all_overlong_is_an_error(
 
 
 def test_an_hf_directory_without_tokenizer_files_is_refused_up_front(tmp_path, tiny_model_cfg):
-    from moe_rl.config.preflight import config_problems
+    from moe_rl.preflight import config_problems
     from moe_rl.learner.hf_init import hf_config_from_model_config
 
     bare = tmp_path / "bare"  # config.json and weights, no tokenizer files

@@ -9,7 +9,7 @@ import pytest
 
 from moe_rl.config import ModelConfig, load_config, save_config
 from moe_rl.config.hf_model import model_keys_from_hf
-from moe_rl.config.preflight import config_problems
+from moe_rl.preflight import config_problems
 from tests.own_data.tiny_hf import write_tiny_hf_dir
 
 GLM = dict(hf_architecture="Glm4MoeForCausalLM", moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,

@@ -6,18 +6,32 @@ The lifecycle tests start real `sglang.launch_server` processes and stop them du
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
 
+import httpx
 import pytest
+import torch.distributed
 
 from moe_rl.config import RolloutConfig
-from moe_rl.rollout.launcher import STUBS_DIR, ServerSpec, ServerStartError, SGLangServer, server_command, server_env
+from moe_rl.rollout import launcher
+from moe_rl.rollout.launcher import (
+    STUBS_DIR,
+    ServerSpec,
+    ServerStartError,
+    SGLangServer,
+    free_port,
+    lost_a_bind,
+    server_command,
+    server_env,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -199,10 +213,64 @@ def test_a_failed_gc_freeze_warns_and_names_the_server(tmp_path, caplog):
     launcher warns (naming the server) instead of failing the start. Here nothing listens on the port (a real refused
     connection)."""
     from moe_rl.rollout.auth import ServerKeys
-    from moe_rl.rollout.launcher import free_port
 
     server = SGLangServer(ServerSpec(model_path=str(tmp_path)), tmp_path / "server.log")
     server.url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
     with caplog.at_level("WARNING", logger="moe_rl.rollout.launcher"):
         server.freeze_gc(ServerKeys())
     assert f"SGLang server at {server.url}: /freeze_gc failed (ConnectError" in caplog.text
+
+
+def test_a_port_taken_before_the_server_binds_it_is_retried_on_a_fresh_port(tmp_path, monkeypatch, caplog):
+    """Issue 57 (5): on a busy host another process can take the port the launcher chose before SGLang binds it
+    (uvicorn: ``[Errno 98] ... address already in use``, exit code 3). Here the test takes it: the first port handed
+    out is bound and listened on by the test itself. The launcher starts the server again on a fresh port, logs the
+    retry, and the server comes up healthy there."""
+    chosen: list[int] = []
+    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+
+    def take_the_first(host="127.0.0.1", rng=None):
+        port = free_port(host, rng)
+        if not chosen:
+            squatter.bind((host, port))
+            squatter.listen()
+        chosen.append(port)
+        return port
+
+    monkeypatch.setattr(launcher, "free_port", take_the_first)
+    spec = ServerSpec(_real_model(tmp_path / "model"), startup_timeout_s=300)
+    try:
+        with caplog.at_level("WARNING", logger="moe_rl.rollout.launcher"), SGLangServer(spec, tmp_path / "s.log") as server:
+            assert len(chosen) == 2 and chosen[0] != chosen[1], chosen
+            assert server.url == f"http://127.0.0.1:{chosen[1]}"
+            assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    finally:
+        squatter.close()
+    assert f"SGLang server on port {chosen[0]} lost a port to another process" in caplog.text
+    assert f"start 2/{launcher.BIND_TRIES} on port {chosen[1]}" in caplog.text
+
+
+def test_a_lost_bind_reads_as_one_in_the_logs_of_every_binder(tmp_path):
+    """The marks ``lost_a_bind`` looks for, checked on the real messages: uvicorn's (the HTTP port) and torch's
+    TCPStore's (SGLang's auxiliary port for the scheduler's process group)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(Exception) as store_error:  # noqa: PT011 -- torch raises its own error types
+            torch.distributed.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=5))
+        script = f"import uvicorn; uvicorn.run(lambda *a: None, host='127.0.0.1', port={port}, log_level='error')"
+        server = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert server.returncode == 3, server.stderr
+    assert lost_a_bind(server.stderr), server.stderr
+    assert lost_a_bind(str(store_error.value)), store_error.value
+    assert not lost_a_bind("SGLang server exited: CUDA out of memory")
+
+
+def test_free_ports_come_from_below_the_ephemeral_range():
+    """bind(0) draws from the kernel's ephemeral range, the pool every outgoing connection takes from: the busy-host
+    race. The launcher's ports come from below it."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {free_port("127.0.0.1") for _ in range(20)}
+    assert all(p < low for p in ports), sorted(ports)
+    assert len(ports) > 1, "the same port every time: not random"

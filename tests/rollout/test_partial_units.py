@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from moe_rl.config import ConfigError, load_config
-from moe_rl.config.preflight import config_problems
+from moe_rl.preflight import config_problems
 from moe_rl.records import RolloutSample
 from moe_rl.rollout.partial import (
     PartialRolloutError,

@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from moe_rl.config import load_config
-from moe_rl.config.preflight import config_problems, environment_problems
+from moe_rl.preflight import config_problems, environment_problems
 from moe_rl.sync.group import group_options, master_address_for, port_is_free
 
 

@@ -94,7 +94,7 @@ def test_config_validate_on_a_fresh_clone_says_how_to_build_the_example_model(tm
     out, err = capsys.readouterr()
     assert out.startswith(f"ok: {ROOT / 'configs/math_cpu.yaml'} (math_cpu: model not built yet")
     assert "is not built yet: run `make math-example` (model.build_command) before training" in err
-    from moe_rl.config.preflight import config_problems
+    from moe_rl.preflight import config_problems
 
     cfg = load_config(ROOT / "configs/math_cpu.yaml", [unbuilt])
     assert any("run `make math-example`" in p for p in config_problems(cfg).problems)  # train refuses it

@@ -13,6 +13,10 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from moe_rl.config.hf_model import HFModelError, model_keys_from_hf, read_hf_config, same_value
+from moe_rl.data.chat import tokenizer_problem
+from moe_rl.data.dataset import reward_needs_label
+from moe_rl.data.loaders import MISSING, DataError, first_row, get_field
+from moe_rl.reward.custom import load_function
 
 __all__ = ["hf_model_directory", "unbuilt_model", "data_files", "reward_settings"]
 
@@ -33,7 +37,7 @@ def _contradictions(cfg, derived: dict) -> Iterable[str]:
 
 
 def _tokenizer(hf_path: str):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # noqa: PLC0415  heavy import, only for a config with model.hf_path
 
     return AutoTokenizer.from_pretrained(hf_path, local_files_only=True)
 
@@ -76,8 +80,6 @@ def hf_model_directory(cfg) -> Iterable[str]:
     except Exception as exc:  # noqa: BLE001 -- any loader failure: one message naming the key
         yield f"model.hf_path={path!r}: its tokenizer cannot be loaded with local files only ({type(exc).__name__}: {exc})"
         return
-    from moe_rl.data.chat import tokenizer_problem
-
     if (problem := tokenizer_problem(tokenizer, path)) is not None:
         yield problem
         return
@@ -87,8 +89,6 @@ def hf_model_directory(cfg) -> Iterable[str]:
 
 
 def _first_row_problems(key: str, files: list[str], d, needs_label: bool) -> Iterable[str]:
-    from moe_rl.data.loaders import MISSING, DataError, first_row, get_field
-
     for i, file in enumerate(files):
         if not Path(file).expanduser().is_file():
             yield f"{key}[{i}]={file!r} does not exist; expected a local .jsonl, .json or .parquet file"
@@ -108,8 +108,6 @@ def _first_row_problems(key: str, files: list[str], d, needs_label: bool) -> Ite
 
 
 def _needs_label(cfg) -> bool:
-    from moe_rl.data.dataset import reward_needs_label
-
     try:
         return reward_needs_label(cfg)
     except ValueError:  # reward.function cannot be loaded: reward_settings says why
@@ -141,7 +139,7 @@ def reward_settings(cfg) -> Iterable[str]:
     """The reward type fits the prompts, and a custom function imports with verl's signature."""
     rw = cfg.reward
     if cfg.data is not None and rw.type == "task":
-        yield (f"reward.type='task' scores the built-in digit tasks (train.task); with data.train_files expected "
+        yield ("reward.type='task' scores the built-in digit tasks (train.task); with data.train_files expected "
                "'math', 'exact_match' or 'custom'")  # fmt: skip
     if cfg.data is None and rw.type != "task":
         yield (f"reward.type={rw.type!r} scores dataset labels; set data.train_files (the built-in task train.task="
@@ -154,8 +152,6 @@ def reward_settings(cfg) -> Iterable[str]:
         yield (f"train.reward_fn={cfg.train.reward_fn!r} overrides the built-in task's score; with reward.type="
                f"{rw.type!r} use reward.function")  # fmt: skip
     if rw.type == "custom" and rw.function:
-        from moe_rl.reward.custom import load_function
-
         try:
             load_function(rw.function)
         except ValueError as exc:

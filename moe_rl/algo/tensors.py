@@ -13,6 +13,8 @@ import torch
 # (seed 000, section "Importance sampling correction").
 LOG_RATIO_BOUND = 20.0
 
+Metrics = dict[str, torch.Tensor]  # flat ``group/name`` -> detached 0-d tensor
+
 
 def check_logp(name: str, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Validate ``x[B, T]`` against ``mask[B, T]`` and return it in a compute dtype.
@@ -113,12 +115,6 @@ def masked_min(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> t
     """Min of ``x[B, T]`` over ``mask[B, T]``; an empty row gives +inf."""
     x = torch.where(mask, x, torch.full((), float("inf"), dtype=x.dtype, device=x.device))
     return x.min() if dim is None else x.min(dim).values
-
-
-def masked_logsumexp(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """log Σ exp(x) over ``mask`` (same shape as ``x``), overflow-free."""
-    neg_inf = torch.full((), float("-inf"), dtype=x.dtype, device=x.device)
-    return torch.logsumexp(torch.where(mask, x, neg_inf).reshape(-1), 0)
 
 
 def seq_valid(mask: torch.Tensor) -> torch.Tensor:

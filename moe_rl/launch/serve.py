@@ -1,0 +1,135 @@
+"""A SLURM rollout step's server on the first free port of a range, published in a port file once healthy.
+
+Owns ``python -m moe_rl.launch serve``: run the literal SGLang command the plan rendered, with its ``--port``
+set to ``launch.rollout_port``; if the server exits because another process on the node took a port it binds
+(its HTTP port or an auxiliary one: ``launcher.lost_a_bind``), start it again on the next port, up to
+``--port-tries`` ports, each retry logged; once ``/health`` answers, write the port to ``--port-file``
+(atomically), which the job script reads to tell the learners the server's address. Then it waits on the
+server, stops the server's process group on SIGTERM/SIGINT (the job's cleanup) and exits with its code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from moe_rl.rollout.launcher import die_with_parent, lost_a_bind
+
+ROLLOUT_PORT_TRIES = 8  # ports launch.rollout_port .. +7 are tried on each rollout node
+
+
+class ServerExited(RuntimeError):
+    """The server exited before it was healthy; ``lost_port`` says whether a taken port was why."""
+
+    def __init__(self, code: int, lost_port: bool):
+        super().__init__(f"exited with code {code} before it was healthy")
+        self.code, self.lost_port = code, lost_port
+
+
+def with_port(argv: list[str], port: int) -> list[str]:
+    """``argv`` with the value after its ``--port`` flag replaced by ``port``."""
+    if "--port" not in argv:
+        raise ValueError(f"the server command has no --port flag: {argv}")
+    i = argv.index("--port")
+    return [*argv[: i + 1], str(port), *argv[i + 2 :]]
+
+
+def _copy_output(proc: subprocess.Popen, seen: list[str]) -> None:
+    """Echo the server's output to ours (the step's log) and keep it for ``lost_a_bind``."""
+    for line in iter(proc.stdout.readline, b""):
+        text = line.decode(errors="replace")
+        seen.append(text)
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=wait_s)
+            return
+
+
+def _start(argv: list[str], port: int, timeout_s: float) -> tuple[subprocess.Popen, threading.Thread]:
+    """The server on ``port``, healthy; ServerExited or TimeoutError otherwise (its group stopped)."""
+    proc = subprocess.Popen(with_port(argv, port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent)  # fmt: skip
+    seen: list[str] = []
+    echo = threading.Thread(target=_copy_output, args=(proc, seen), daemon=True)
+    echo.start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                echo.join(timeout=5.0)
+                raise ServerExited(proc.returncode, lost_a_bind("".join(seen)))
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2.0).status_code == 200:
+                    return proc, echo
+            time.sleep(1.0)
+        raise TimeoutError(f"not healthy within {timeout_s} s (rollout.startup_timeout_s)")
+    except BaseException:
+        _stop(proc)
+        raise
+
+
+def _publish(port_file: Path, port: int) -> None:
+    port_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = port_file.with_name(f".{port_file.name}.{os.getpid()}")
+    tmp.write_text(f"{port}\n")
+    os.replace(tmp, port_file)
+
+
+def serve(argv: list[str], first_port: int, tries: int, port_file: Path, timeout_s: float) -> int:
+    """Run the server (see the module docstring); returns the exit code for the step."""
+    for port in range(first_port, first_port + tries):
+        try:
+            proc, echo = _start(argv, port, timeout_s)
+        except ServerExited as exc:
+            if not exc.lost_port:
+                print(f"moe_rl serve: the server on port {port} {exc}", file=sys.stderr, flush=True)
+                return exc.code or 1
+            print(f"moe_rl serve: port {port} (or one of the server's auxiliary ports) was taken by another "
+                  f"process; trying port {port + 1} ({port + 1 - first_port + 1}/{tries})", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            continue
+        except TimeoutError as exc:
+            print(f"moe_rl serve: the server on port {port} was {exc}", file=sys.stderr, flush=True)
+            return 1
+        _publish(port_file, port)
+        print(f"moe_rl serve: healthy on port {port}; published in {port_file}", file=sys.stderr, flush=True)
+
+        def stop_and_exit(signum, _frame):
+            _stop(proc)
+            sys.exit(128 + signum)
+
+        previous = {s: signal.signal(s, stop_and_exit) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            code = proc.wait()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            _stop(proc)
+        echo.join(timeout=5.0)
+        return code
+    print(f"moe_rl serve: ports {first_port}-{first_port + tries - 1} were all taken", file=sys.stderr, flush=True)
+    return 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--first-port", type=int, required=True, help="launch.rollout_port")
+    parser.add_argument("--port-tries", type=int, default=ROLLOUT_PORT_TRIES)
+    parser.add_argument("--port-file", type=Path, required=True, help="written with the port once healthy")
+    parser.add_argument("--startup-timeout", type=float, required=True, help="rollout.startup_timeout_s, per try")
+    parser.add_argument("server", nargs=argparse.REMAINDER, help="-- the server command (its --port is replaced)")
