@@ -96,7 +96,7 @@ def sampling_settings(cfg: ExperimentConfig) -> Iterable[str]:
 
 def task_and_lengths(cfg: ExperimentConfig) -> Iterable[str]:
     """The task exists, its vocabulary fits the model, and prompt + response fit model.seq_length."""
-    from moe_rl.rollout.tasks import KNOWN_TASKS, DigitTask
+    from moe_rl.tasks.synthetic import KNOWN_TASKS, DigitTask
 
     t, m, r = cfg.train, cfg.model, cfg.rollout
     if cfg.data is not None:  # prompts come from data.train_files (moe_rl.config.preflight_data)
@@ -122,7 +122,7 @@ def task_and_lengths(cfg: ExperimentConfig) -> Iterable[str]:
 def reward_fn_imports(cfg: ExperimentConfig) -> Iterable[str]:
     if cfg.train.reward_fn is None:
         return
-    from moe_rl.rollout.tasks import load_reward_fn
+    from moe_rl.tasks.synthetic import load_reward_fn
 
     try:
         load_reward_fn(cfg.train.reward_fn)

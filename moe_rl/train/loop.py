@@ -7,9 +7,9 @@ which rank, minibatch and microbatch is the step's ``StepPlan`` (``moe_rl.train.
 ``moe_rl.train.update`` executes. Per step ``s`` (all seeded by ``(train.seed, s)``, so a resumed
 run repeats an uninterrupted one):
 
-1. rank 0 gets the step's records from its batch source (``moe_rl.train.producer``: made inline in
+1. rank 0 gets the step's records from its batch source (``moe_rl.source.producer``: made inline in
    sync mode, by a producer thread running up to ``train.max_staleness`` steps ahead in async mode;
-   ``moe_rl.train.batch_maker``: prompts from the prompt stream, generation on SGLang with routes,
+   ``moe_rl.source.batch_maker``: prompts from the prompt stream, generation on SGLang with routes,
    masks and log-probs, rewards, ``<run>/rollouts/step_<s>.safetensors`` saved before anything trains
    on it); every rank loads it (``StepRecords``: the bytes rank 0 wrote,
    checked against the model). With ``train.rollouts_from: DIR`` the records are read from ``DIR``
@@ -32,7 +32,7 @@ import torch
 from moe_rl.config import ExperimentConfig, save_config
 from moe_rl.config.preflight import ksm_active
 from moe_rl.records import RecordError, RolloutBatch
-from moe_rl.train.batch_maker import records_path
+from moe_rl.source.batch_maker import records_path
 from moe_rl.train.batching import check_ksm_records, kept_set_outside_fraction
 from moe_rl.train.collectives import dp_group, dp_rank_and_size, is_main_process
 from moe_rl.train.kl_alarm import KLAlarm
@@ -42,7 +42,7 @@ from moe_rl.train.plan import plan_step
 from moe_rl.train.run_dir import reference_policy
 from moe_rl.train.run_identity import resolve_run_id, version_nonce, write_checkpoint_identity, write_run_id
 from moe_rl.train.staleness import StepStaleness
-from moe_rl.train.step_records import StepRecords
+from moe_rl.source.step_records import StepRecords
 from moe_rl.train.stop_signal import StopRequest
 from moe_rl.train.update import StepInputs, old_logprob_rows, reference_rows, step_advantages, update_minibatch
 from moe_rl.train.weight_push import WeightPusher
@@ -82,7 +82,7 @@ class RLTrainer:
         self.learner = Learner(cfg)  # imports checkpoint.init_from_hf when set
         meta = load_checkpoint(self.learner, self.ckpt_dir) if cfg.checkpoint.resume == "auto" else None
         self.resume_meta = meta or {}  # the async producer's pending records come from it
-        self.source = None  # rank 0's batch source (moe_rl.train.producer), set by run()
+        self.source = None  # rank 0's batch source (moe_rl.source.producer), set by run()
         self.start_step = int(meta["extra"]["rl_step"]) if meta else 0
         self.run_id = resolve_run_id(self.run_dir, resumed=meta is not None)  # same id on every rank
         # the learner's exports, version labels step-<s>-<nonce> and pushes to the servers
@@ -102,7 +102,7 @@ class RLTrainer:
         self.prompt_side = None  # rank 0's prompts, rewards and eval sets (sync; async: the rollout process's)
         data_state = (meta or {}).get("extra", {}).get("data")  # the checkpoint's prompt-stream position
         if self.is_main and not self.from_records and cfg.train.rollout_mode == "sync":
-            from moe_rl.train.rollout_worker import PromptSide
+            from moe_rl.source.rollout_worker import PromptSide
 
             self.prompt_side = PromptSide.build(cfg, data_state)
         self.logprob_fn = make_logprob_fn(ksm_active(cfg), with_entropy=cfg.loss.entropy_coef > 0)
@@ -138,7 +138,7 @@ class RLTrainer:
                                         f"(expected {path})")  # fmt: skip
             return self.records.load(path)
         if self.is_main:
-            from moe_rl.train.producer import InlineBatches
+            from moe_rl.source.producer import InlineBatches
 
             source = self.source or InlineBatches(self._batch_maker(client), step)
             path = source.batch(step)
@@ -148,7 +148,7 @@ class RLTrainer:
         return self.records.load(path)  # every rank: the bytes rank 0 wrote, checked against the model
 
     def _batch_maker(self, client):
-        from moe_rl.train.batch_maker import BatchMaker
+        from moe_rl.source.batch_maker import BatchMaker
 
         return BatchMaker(self.cfg, self.prompt_side.samples, self.records, self.records_dir, client, self.weights.version,
                           resync=lambda v: self.weights.resync(client.addresses, v),
@@ -305,7 +305,7 @@ class RLTrainer:
 
     def _eval_due(self, step: int) -> bool:
         """Rank 0 evaluates after ``step`` RL steps (``eval`` section; generation needs the servers)."""
-        from moe_rl.train.evaluate import eval_due
+        from moe_rl.source.evaluate import eval_due
 
         return self.is_main and not self.from_records and self.cfg.eval is not None and eval_due(self.cfg, step)
 
@@ -317,7 +317,7 @@ class RLTrainer:
 
     def _evaluates_on_rank0(self, step: int) -> bool:
         """Another rank: rank 0 evaluates after ``step`` (so this rank waits for it in ``calls.follow()``)."""
-        from moe_rl.train.evaluate import eval_due
+        from moe_rl.source.evaluate import eval_due
 
         return not self.is_main and not self.from_records and self.cfg.eval is not None and eval_due(self.cfg, step)
 
@@ -332,11 +332,11 @@ class RLTrainer:
         return extra | more, files
 
     def _rollout_process(self, data_state: dict | None):
-        """Async mode: rank 0's rollout process (``moe_rl.train.rollout_process``), started with its prompts."""
+        """Async mode: rank 0's rollout process (``moe_rl.source.rollout_process``), started with its prompts."""
         import os
 
-        from moe_rl.train.rollout_process import RolloutProcess, process_cpus
-        from moe_rl.train.rollout_worker import WorkerSpec
+        from moe_rl.source.rollout_process import RolloutProcess, process_cpus
+        from moe_rl.source.rollout_worker import WorkerSpec
 
         return RolloutProcess.spawn(WorkerSpec(self.cfg, self.run_id, self.weights.nonce, str(self.records_dir),
                                                data_state, process_cpus(self.cfg.rollout), os.getpid()))  # fmt: skip
@@ -345,7 +345,7 @@ class RLTrainer:
         """Rank 0: the batch source meets the servers (a resumed checkpoint's pending records first); sync: the
         client, for the inline batches and eval (None in async mode: the rollout process has its own)."""
         from moe_rl.rollout.client import RolloutClient
-        from moe_rl.train.producer import InlineBatches, pending_records
+        from moe_rl.source.producer import InlineBatches, pending_records
 
         pending = pending_records(self.resume_meta, self.records_dir)
         client = None

@@ -17,7 +17,7 @@ import pytest
 
 from moe_rl.train.metrics_log import read_metrics
 from moe_rl.records import RolloutBatch
-from moe_rl.rollout.tokenizer import EOS_ID
+from moe_rl.tasks.tokenizer import EOS_ID
 
 pytestmark = pytest.mark.sglang
 ROOT = Path(__file__).parents[2]
