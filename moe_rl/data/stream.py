@@ -131,7 +131,7 @@ class DatasetStream:
 def build_prompt_stream(cfg, tokenizer=None, log=print) -> PromptStream:
     """The stream for ``cfg``: ``data.train_files`` when a ``data`` section is set, else ``train.task``."""
     if cfg.data is None:
-        from moe_rl.tasks.synthetic import DigitTask
+        from moe_rl.tasks.synthetic import DigitTask  # noqa: PLC0415  the task tokenizer imports transformers
 
         return TaskStream(DigitTask(cfg.train.task, cfg.model.vocab_size), cfg.train.seed)
     from moe_rl.data.dataset import DatasetPrompts, reward_needs_label

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from moe_rl.records import RolloutBatch
+from moe_rl.source.step_samples import round_group_ids
 
 __all__ = ["BatchMaker", "records_path"]
 
@@ -38,7 +39,6 @@ class BatchMaker:
     def __call__(self, step: int, served: int, drawn: Callable[[], None] = lambda: None) -> Path:
         from moe_rl.rollout.integrity import generate_checked
         from moe_rl.rollout.partial import PartialCounters
-        from moe_rl.source.step_samples import round_group_ids
 
         n, client, partial = self.cfg.rollout.samples_per_prompt, self.client, self.cfg.rollout.partial
         if (ws := self.weight_sync()) is not None:
