@@ -1,8 +1,8 @@
 """Device contract: what the library builds and hands to Megatron sits on the parameters' device.
 
 Two checks that can fail on a CPU-only machine too:
-- a lint over ``moe_rl/learner``, ``moe_rl/replay``, ``moe_rl/source`` and ``moe_rl/train``: every tensor factory names its
-  ``device=`` (host-side bookkeeping names ``"cpu"`` explicitly; host builds that are moved right after
+- a lint over ``moe_rl/learner``, ``moe_rl/replay``, ``moe_rl/source`` and ``moe_rl/train``: every tensor factory
+  names its ``device=`` (host-side bookkeeping names ``"cpu"`` explicitly; host builds that are moved right after
   are listed in ``ALLOWED`` with why), so a device-less ``torch.zeros`` cannot creep in;
 - a run of the entry points (``response_logprobs``, ``RoutingReplay``, ``keep_mask_logprobs``,
   ``Learner.train_step``) under a torch function mode that records every tensor factory called from
