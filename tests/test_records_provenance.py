@@ -16,8 +16,8 @@ from moe_rl.cli import main
 from moe_rl.config import ModelConfig, load_config
 from moe_rl.records import RecordError, RolloutBatch, RolloutSample
 from moe_rl.records.fingerprint import ARCHITECTURE_FIELDS, TRAINING_ONLY_FIELDS, architecture_fingerprint
-from moe_rl.tasks.tokenizer import task_vocab
 from moe_rl.source.step_records import StepRecords
+from moe_rl.tasks.tokenizer import task_vocab
 from tests.train.records_fixture import CONFIG, RECORDS, SHAPE
 
 MODEL = ModelConfig(num_layers=2, num_moe_experts=8, moe_router_topk=2, vocab_size=64, hidden_size=64)

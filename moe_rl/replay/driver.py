@@ -44,8 +44,8 @@ import torch
 from moe_rl.learner.model import unwrap
 from moe_rl.records.routes import pad_routes
 from moe_rl.replay.binding import RoutingReplay
-from moe_rl.replay.layout import context_parallel_shard, sequence_parallel_positions
 from moe_rl.replay.dispatch_probe import DispatchCapture, DispatchProbe
+from moe_rl.replay.layout import context_parallel_shard, sequence_parallel_positions
 from moe_rl.replay.metrics import FlipCounter, expert_set_flips, routes_vs_map_flips
 
 __all__ = ["MicrobatchRoutes", "ReplayDriver", "ROUTING_MODES"]
