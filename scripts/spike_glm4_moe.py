@@ -31,7 +31,7 @@ def write_tiny_glm4_moe(out: Path) -> Path:
     import torch
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
-    from moe_rl.rollout.tokenizer import build_task_tokenizer
+    from moe_rl.tasks.tokenizer import build_task_tokenizer
 
     torch.manual_seed(0)
     model = Glm4MoeForCausalLM(Glm4MoeConfig(architectures=["Glm4MoeForCausalLM"], **TINY)).float()

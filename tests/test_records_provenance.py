@@ -16,8 +16,8 @@ from moe_rl.cli import main
 from moe_rl.config import ModelConfig, load_config
 from moe_rl.records import RecordError, RolloutBatch, RolloutSample
 from moe_rl.records.fingerprint import ARCHITECTURE_FIELDS, TRAINING_ONLY_FIELDS, architecture_fingerprint
-from moe_rl.rollout.tokenizer import task_vocab
-from moe_rl.train.step_records import StepRecords
+from moe_rl.source.step_records import StepRecords
+from moe_rl.tasks.tokenizer import task_vocab
 from tests.train.records_fixture import CONFIG, RECORDS, SHAPE
 
 MODEL = ModelConfig(num_layers=2, num_moe_experts=8, moe_router_topk=2, vocab_size=64, hidden_size=64)
@@ -91,14 +91,14 @@ def test_records_for_another_model_are_refused_in_one_line(tmp_path, change, mes
 def test_another_runs_records_load_with_one_warning_and_a_metric(tmp_path, caplog):
     paths = [_records(tmp_path, name=f"step_00000{i}.safetensors", seed=i) for i in range(2)]
     learner = _learner()
-    with caplog.at_level(logging.WARNING, logger="moe_rl.train.step_records"):
+    with caplog.at_level(logging.WARNING, logger="moe_rl.source.step_records"):
         batches = [learner.load(p) for p in paths]
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and "produced by run producer0001, not this run (learner00001)" in warnings[0]
     assert [learner.step_metrics(b) for b in batches] == [{"records/other_run": 1.0}] * 2
     caplog.clear()
     same = _learner(run_id="producer0001")
-    with caplog.at_level(logging.WARNING, logger="moe_rl.train.step_records"):
+    with caplog.at_level(logging.WARNING, logger="moe_rl.source.step_records"):
         assert same.step_metrics(same.load(paths[0])) == {"records/other_run": 0.0}
     assert not caplog.records
 
@@ -110,7 +110,7 @@ def _committed_records_learner(*overrides: str) -> StepRecords:
 
 def test_old_records_without_a_fingerprint_load_with_a_warning(caplog):
     learner = _committed_records_learner()
-    with caplog.at_level(logging.WARNING, logger="moe_rl.train.step_records"):
+    with caplog.at_level(logging.WARNING, logger="moe_rl.source.step_records"):
         batch = learner.load(RECORDS / "step_000000.safetensors")
         learner.load(RECORDS / "step_000001.safetensors")
     assert batch.fingerprint is None and batch.run_id is None and len(batch) == 16

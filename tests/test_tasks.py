@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moe_rl.rollout.tasks import DigitTask, build_task, load_reward_fn
-from moe_rl.rollout.tokenizer import EOS_ID, build_task_tokenizer
+from moe_rl.tasks.synthetic import DigitTask, build_task, load_reward_fn
+from moe_rl.tasks.tokenizer import EOS_ID, build_task_tokenizer
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The ``eval`` section: held-out evaluation during training (``moe_rl.train.evaluate``).
+"""The ``eval`` section: held-out evaluation during training (``moe_rl.source.evaluate``).
 
 Owns its keys and their per-field checks. What is evaluated: each ``data.eval_files`` file (named by
 its stem), or, for the built-in digit tasks, held-out prompts of ``train.task`` (named ``task``).

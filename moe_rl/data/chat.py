@@ -40,7 +40,7 @@ def load_tokenizer(cfg):
         if (problem := tokenizer_problem(tokenizer, cfg.model.hf_path)) is not None:
             raise DataError(problem)
         return tokenizer
-    from moe_rl.rollout.tokenizer import build_task_tokenizer
+    from moe_rl.tasks.tokenizer import build_task_tokenizer  # noqa: PLC0415  the task tokenizer imports transformers
 
     return build_task_tokenizer(cfg.model.vocab_size)
 

@@ -35,7 +35,7 @@ class PromptItem:
     extra_info: Any = None
     file: str = ""  # "" for the built-in tasks
     row: int = -1
-    task_prompt: Any = None  # the built-in task's Prompt (moe_rl.rollout.tasks)
+    task_prompt: Any = None  # the built-in task's Prompt (moe_rl.tasks.synthetic)
 
 
 class PromptStream(Protocol):
@@ -131,7 +131,7 @@ class DatasetStream:
 def build_prompt_stream(cfg, tokenizer=None, log=print) -> PromptStream:
     """The stream for ``cfg``: ``data.train_files`` when a ``data`` section is set, else ``train.task``."""
     if cfg.data is None:
-        from moe_rl.rollout.tasks import DigitTask
+        from moe_rl.tasks.synthetic import DigitTask  # noqa: PLC0415  the task tokenizer imports transformers
 
         return TaskStream(DigitTask(cfg.train.task, cfg.model.vocab_size), cfg.train.seed)
     from moe_rl.data.dataset import DatasetPrompts, reward_needs_label

@@ -3,7 +3,7 @@
 Owns every op whose rounding decides a token's log-prob or a router decision, written so that a
 row's result depends only on that row (never on how many rows are computed with it, on the padded
 length, or on whether the row is a prefill or a decode step). The patched SGLang CPU path
-(``moe_rl.exact.sglang_hooks``) and the Megatron-Core learner (``moe_rl.exact.megatron_spec``) both
+(``moe_rl.exact.sglang_hooks``) and the Megatron-Core learner (``moe_rl.learner.exact_spec``) both
 call these functions, so both sides round identically. Pure torch, no moe_rl imports: the SGLang
 server process imports this module.
 

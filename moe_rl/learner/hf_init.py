@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moe_rl.rollout.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_task_tokenizer
+from moe_rl.tasks.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_task_tokenizer
 
 
 def _glm4_moe_config(m):

@@ -170,7 +170,7 @@ def _layer_spec(tcfg, use_te: bool, exact: frozenset[str] = frozenset()):
 
     spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=use_te, normalization="RMSNorm")
     if exact:  # rollout.true_on_policy: the shared row-invariant kernels (moe_rl.exact)
-        from moe_rl.exact.megatron_spec import exact_layer_spec
+        from moe_rl.learner.exact_spec import exact_layer_spec  # noqa: PLC0415  imports Megatron (lazy here)
 
         spec = exact_layer_spec(spec, exact)
     return spec
@@ -213,7 +213,7 @@ def build_model(cfg, seed: int | None = None):
         rotary_percent=cfg.model.rotary_percent,
     )
     if exact:
-        from moe_rl.exact.megatron_spec import install_exact_hooks
+        from moe_rl.learner.exact_spec import install_exact_hooks  # noqa: PLC0415  imports Megatron (lazy here)
 
         rot_dim = int(cfg.model.kv_channels * cfg.model.rotary_percent)
         install_exact_hooks(model, cfg.model.rotary_base, rot_dim, exact)

@@ -34,7 +34,7 @@ from moe_rl.learner.optimizer import (
 )  # fmt: skip
 from moe_rl.learner.pipeline import pipeline_logprobs, pipeline_size, pipeline_train
 
-__all__ = ["Microbatch", "LossFn", "LogprobFn", "StepStats", "Learner"]
+__all__ = ["Microbatch", "LossFn", "LogprobFn", "StepStats", "Learner", "mean"]
 
 Microbatch = dict
 """Keys: ``input_ids[B, T]`` (long), ``targets[B, T]`` (long, -1 = padding), optional
@@ -44,18 +44,15 @@ Microbatch = dict
 LossFn = Callable[[torch.Tensor, torch.Tensor | None, Microbatch], tuple[torch.Tensor, dict]]
 """``loss_fn(logp[B, T], entropy[B, T] | None, microbatch) -> (loss[], metrics)``."""
 
-LogprobFn = Callable[[torch.nn.Module, Microbatch, float], tuple[torch.Tensor, torch.Tensor | None]]
-"""``logprob_fn(model, microbatch, temperature) -> (logp[B, T], entropy[B, T] | None)``."""
+LogprobFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+"""``logprob_fn(model, microbatch, temperature) -> (logp[B, T], entropy[B, T] | None)``;
+replaces the full-softmax ``response_logprobs`` (e.g. Keep Sampling Mask renormalisation)."""
 
 
 def default_logprob_fn(model, mb: Microbatch, temperature: float):
     """Full-vocabulary log-probs and entropy of ``mb["targets"]`` (see ``response_logprobs``)."""
     return response_logprobs(model, mb["input_ids"], mb["targets"], segment_ids=mb.get("segment_ids"),
                              temperature=temperature)
-
-LogprobFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
-"""``logprob_fn(model, microbatch, temperature) -> (logp[B, T], entropy[B, T] | None)``;
-replaces the full-softmax ``response_logprobs`` (e.g. Keep Sampling Mask renormalisation)."""
 
 
 @dataclass
@@ -69,11 +66,12 @@ class StepStats:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def _mean_metrics(per_mb: list[dict]) -> dict[str, float]:
-    keys = sorted({k for m in per_mb for k in m})
+def mean(rows: list[dict]) -> dict[str, float]:
+    """Each key's mean over the rows that have it (metrics of microbatches, of minibatches), keys sorted."""
+    keys = sorted({k for m in rows for k in m})
     out = {}
     for k in keys:
-        vals = [float(m[k]) for m in per_mb if k in m]
+        vals = [float(m[k]) for m in rows if k in m]
         out[k] = sum(vals) / len(vals)
     return out
 
@@ -165,7 +163,7 @@ class Learner:
         set_lr(self.optimizer, lr)
         grad_norm = self._clip_and_step()
         self.step += 1
-        return StepStats(self.step, sum(losses) / n, grad_norm, lr, _mean_metrics(metrics))
+        return StepStats(self.step, sum(losses) / n, grad_norm, lr, mean(metrics))
 
     def _accumulate(self, microbatches, loss_fn, temperature, logprob_fn, scale, device):
         """pp = 1: forward, loss and backward of each microbatch in turn -> (losses, metrics)."""

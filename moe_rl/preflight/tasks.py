@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from moe_rl.config import ExperimentConfig
-from moe_rl.rollout.tasks import KNOWN_TASKS, DigitTask, load_reward_fn
+from moe_rl.tasks.synthetic import KNOWN_TASKS, DigitTask, load_reward_fn
 
 __all__ = ["reward_fn_imports", "task_and_lengths"]
 

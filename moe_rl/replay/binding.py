@@ -22,6 +22,7 @@ import torch
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
+from moe_rl.learner.model import unwrap
 from moe_rl.replay.layer_hook import ReplayError, RouteCapture, _LayerReplay, _PassState
 from moe_rl.replay.layout import (
     check_routes,
@@ -30,7 +31,7 @@ from moe_rl.replay.layout import (
     to_megatron_layout,
 )
 
-__all__ = ["RoutingReplay", "RouteCapture", "ReplayError", "unsupported_router_options"]
+__all__ = ["RoutingReplay", "RouteCapture", "ReplayError", "unsupported_router_options", "moe_layer_pattern"]
 
 
 def unsupported_router_options(tcfg) -> list[str]:
@@ -53,17 +54,12 @@ def unsupported_router_options(tcfg) -> list[str]:
     return bad
 
 
-def _moe_pattern(tcfg) -> list[int]:
+def moe_layer_pattern(tcfg) -> list[int]:
+    """Per decoder layer of a Megatron ``TransformerConfig``: 1 = MoE, 0 = dense (from ``moe_layer_freq``)."""
     freq = tcfg.moe_layer_freq
     if isinstance(freq, int):
         return [1 if i % freq == 0 else 0 for i in range(tcfg.num_layers)]
     return [int(x) for x in freq]
-
-
-def _unwrap(model):
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 def _layer_recompute(tcfg, local_idx: int) -> str | None:
@@ -90,13 +86,13 @@ class RoutingReplay:
     """
 
     def __init__(self, model):
-        self.model = _unwrap(model)
+        self.model = unwrap(model)
         tcfg = self.model.config
         bad = unsupported_router_options(tcfg)
         if bad:
             raise ValueError("routing replay cannot be trusted with this model config: " + "; ".join(bad))
         self.config = tcfg
-        pattern = _moe_pattern(tcfg)
+        pattern = moe_layer_pattern(tcfg)
         self.num_moe_layers = sum(pattern)
         self.top_k = tcfg.moe_router_topk
         self.num_experts = tcfg.num_moe_experts

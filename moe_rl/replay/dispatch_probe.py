@@ -17,18 +17,10 @@ from typing import Iterator
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
+from moe_rl.replay.binding import moe_layer_pattern
+from moe_rl.replay.layer_hook import in_backward
+
 __all__ = ["DispatchProbe", "DispatchCapture"]
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
-
-def _moe_pattern(tcfg) -> list[int]:
-    freq = tcfg.moe_layer_freq
-    if isinstance(freq, int):
-        return [1 if i % freq == 0 else 0 for i in range(tcfg.num_layers)]
-    return [int(x) for x in freq]
 
 
 class DispatchCapture:
@@ -59,7 +51,7 @@ class DispatchProbe:
     def __init__(self, model):
         while hasattr(model, "module"):
             model = model.module
-        pattern = _moe_pattern(model.config)
+        pattern = moe_layer_pattern(model.config)
         self.moe_layer_ids: list[int] = []
         self._routers: list[TopKRouter] = []
         for layer in model.decoder.layers:
@@ -86,7 +78,7 @@ class DispatchProbe:
     def _post_hook(self, j: int):
         def hook(module, args, output):
             cap = self._capture
-            if cap is None or _in_backward():
+            if cap is None or in_backward():
                 return
             routing_map = output[1]
             cap._maps[j].append(routing_map.detach().to("cpu", copy=True).bool())

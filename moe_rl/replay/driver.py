@@ -42,10 +42,11 @@ from typing import Iterator, Sequence
 import torch
 
 from moe_rl.config.rollout_sections import replay_correction_problem
+from moe_rl.learner.model import unwrap
 from moe_rl.records.routes import pad_routes
 from moe_rl.replay.binding import RoutingReplay
-from moe_rl.replay.layout import context_parallel_shard, sequence_parallel_positions
 from moe_rl.replay.dispatch_probe import DispatchCapture, DispatchProbe
+from moe_rl.replay.layout import context_parallel_shard, sequence_parallel_positions
 from moe_rl.replay.metrics import FlipCounter, expert_set_flips, routes_vs_map_flips
 
 __all__ = ["MicrobatchRoutes", "ReplayDriver", "ROUTING_MODES"]
@@ -79,7 +80,7 @@ class ReplayDriver:
             raise ValueError(problem)
         self.probe = DispatchProbe(model)
         self.replay = RoutingReplay(model) if mode != "none" else None
-        tcfg = _unwrap(model).config
+        tcfg = unwrap(model).config
         sharded = tcfg.context_parallel_size > 1 or (tcfg.sequence_parallel and tcfg.tensor_model_parallel_size > 1)
         if mode == "r2" and sharded:
             raise ValueError(
@@ -319,9 +320,3 @@ def gather_stage_flips(layer_ids, flips: torch.Tensor, group) -> tuple[list[int]
     merged = torch.cat([part for _, part in parts], dim=-1)
     order = sorted(range(len(ids)), key=ids.__getitem__)
     return [ids[i] for i in order], merged[..., order]
-
-
-def _unwrap(model):
-    while hasattr(model, "module"):
-        model = model.module
-    return model

@@ -15,7 +15,7 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 
 from moe_rl.replay.layout import from_megatron_layout
 
-__all__ = ["ReplayError", "RouteCapture"]
+__all__ = ["ReplayError", "RouteCapture", "in_backward"]
 
 
 class ReplayError(RuntimeError):
@@ -31,7 +31,8 @@ class _PassState:
     observe_natural: bool = True
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
+    """Whether autograd is running a backward pass (where activation recompute re-runs a forward)."""
     # The autograd engine sets a graph task id while it runs backward; Megatron's activation
     # recompute re-runs the layer forward inside it, which is when REPLAY_BACKWARD applies.
     return torch._C._current_graph_task_id() != -1
@@ -78,7 +79,7 @@ class _LayerReplay(RouterReplay):
         action = self.router_replay_action
         if action is None:
             return default_compute_topk(scores, topk, num_groups, group_topk)
-        backward = _in_backward()
+        backward = in_backward()
         if action == RouterReplayAction.RECORD:
             probs, idx = default_compute_topk(scores, topk, num_groups, group_topk)
             if not backward:  # a recompute re-derives the same routes; record each forward once

@@ -110,7 +110,7 @@ class PoolRewarder(Rewarder):
 def build_rewarder(cfg, tokenizer=None, log=print) -> Rewarder:
     """The scorer for ``cfg.reward`` (``task``: the built-in task, or ``train.reward_fn``)."""
     if cfg.reward.type == "task":
-        from moe_rl.rollout.tasks import build_task
+        from moe_rl.tasks.synthetic import build_task  # noqa: PLC0415  the task tokenizer imports transformers
 
         return TaskRewarder(build_task(cfg.train, cfg.model.vocab_size)[1])
     return PoolRewarder(cfg.reward, tokenizer, log=log)

@@ -1,1 +1,1 @@
-"""Rollout side: SGLang launcher and client, synthetic tasks, rewards, task tokenizer."""
+"""Rollout side: the SGLang servers (launch, pool, health, auth) and the client that generates on them."""

@@ -1,7 +1,7 @@
 """Request slots shared by every batch one rollout client generates at once, handed out oldest step first.
 
 Owns ``rollout.max_concurrency`` across batches. In async mode several steps' batches can be in flight
-(``moe_rl.train.producer``), each on a thread with an event loop of its own; with a gate per batch the servers
+(``moe_rl.source.producer``), each on a thread with an event loop of its own; with a gate per batch the servers
 would see ``max_concurrency`` requests per batch, and the oldest step (the one the learner waits for) would share
 them with the next. Here the client holds one pool of slots: a request takes a slot before it is sent and keeps it
 through its retries and continuations; a freed slot goes to the waiting request of the lowest step (ties: first

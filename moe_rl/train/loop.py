@@ -7,9 +7,9 @@ which rank, minibatch and microbatch is the step's ``StepPlan`` (``moe_rl.train.
 ``moe_rl.train.update`` executes. Per step ``s`` (all seeded by ``(train.seed, s)``, so a resumed
 run repeats an uninterrupted one):
 
-1. rank 0 gets the step's records from its batch source (``moe_rl.train.producer``: made inline in
+1. rank 0 gets the step's records from its batch source (``moe_rl.source.producer``: made inline in
    sync mode, by a producer thread running up to ``train.max_staleness`` steps ahead in async mode;
-   ``moe_rl.train.batch_maker``: prompts from the prompt stream, generation on SGLang with routes,
+   ``moe_rl.source.batch_maker``: prompts from the prompt stream, generation on SGLang with routes,
    masks and log-probs, rewards, ``<run>/rollouts/step_<s>.safetensors`` saved before anything trains
    on it); every rank loads it (``StepRecords``: the bytes rank 0 wrote,
    checked against the model). With ``train.rollouts_from: DIR`` the records are read from ``DIR``
@@ -23,16 +23,23 @@ run repeats an uninterrupted one):
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from moe_rl.config import ExperimentConfig, save_config
+from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint
+from moe_rl.learner.train_step import mean
 from moe_rl.preflight import config_problems
 from moe_rl.records import RecordError, RolloutBatch
-from moe_rl.train.batch_maker import records_path
+from moe_rl.source.batch_maker import BatchMaker, records_path
+from moe_rl.source.evaluate import eval_due
+from moe_rl.source.producer import InlineBatches, pending_records
+from moe_rl.source.rollout_process import RolloutProcess, process_cpus
+from moe_rl.source.rollout_worker import PromptSide, WorkerSpec
+from moe_rl.source.step_records import StepRecords
 from moe_rl.train.batching import check_ksm_records, kept_set_outside_fraction
 from moe_rl.train.collectives import dp_group, dp_rank_and_size, is_main_process
 from moe_rl.train.kl_alarm import KLAlarm
@@ -42,7 +49,6 @@ from moe_rl.train.plan import plan_step
 from moe_rl.train.run_dir import reference_policy
 from moe_rl.train.run_identity import resolve_run_id, version_nonce, write_checkpoint_identity, write_run_id
 from moe_rl.train.staleness import StepStaleness
-from moe_rl.train.step_records import StepRecords
 from moe_rl.train.stop_signal import StopRequest
 from moe_rl.train.update import StepInputs, old_logprob_rows, reference_rows, step_advantages, update_minibatch
 from moe_rl.train.weight_push import WeightPusher
@@ -61,8 +67,7 @@ def check_supported(cfg: ExperimentConfig) -> None:
 class RLTrainer:
     """One experiment's learner, replay driver, task and sinks; ``run()`` drives the steps."""
 
-    def __init__(self, cfg: ExperimentConfig):
-        from moe_rl.learner.checkpoint import load_checkpoint
+    def __init__(self, cfg: ExperimentConfig, stop: StopRequest | None = None):
         from moe_rl.learner.dist import init_distributed
         from moe_rl.learner.train_step import Learner
         from moe_rl.replay.driver import ReplayDriver
@@ -80,7 +85,7 @@ class RLTrainer:
         self.learner = Learner(cfg)  # imports checkpoint.init_from_hf when set
         meta = load_checkpoint(self.learner, self.ckpt_dir) if cfg.checkpoint.resume == "auto" else None
         self.resume_meta = meta or {}  # the async producer's pending records come from it
-        self.source = None  # rank 0's batch source (moe_rl.train.producer), set by run()
+        self.source = None  # rank 0's batch source (moe_rl.source.producer), set by run()
         self.start_step = int(meta["extra"]["rl_step"]) if meta else 0
         self.run_id = resolve_run_id(self.run_dir, resumed=meta is not None)  # same id on every rank
         # the learner's exports, version labels step-<s>-<nonce> and pushes; it asks for what run() makes later
@@ -98,7 +103,7 @@ class RLTrainer:
             save_config(cfg, self.run_dir / "config.yaml")
             write_run_id(self.run_dir, self.run_id)
             write_checkpoint_identity(self.ckpt_dir, self.run_id, self.run_dir)  # whose checkpoints these are
-        self.stop = StopRequest(None)  # train() arms launch.signal's handler (moe_rl.train.stop_signal)
+        self.stop = StopRequest(None) if stop is None else stop  # train(): launch.signal's, armed (train.stop_signal)
         self.server_keys, self.server_pool = None, None  # set by run(): auth (a generated key by default), restarts
         if meta is None:  # a fresh run starts from the cached supervised warm start (train.warm_start)
             from moe_rl.train.warm_start import apply_warm_start
@@ -109,8 +114,6 @@ class RLTrainer:
         self.prompt_side = None  # rank 0's prompts, rewards and eval sets (sync; async: the rollout process's)
         data_state = (meta or {}).get("extra", {}).get("data")  # the checkpoint's prompt-stream position
         if self.is_main and not self.from_records and cfg.train.rollout_mode == "sync":
-            from moe_rl.train.rollout_worker import PromptSide
-
             self.prompt_side = PromptSide.build(cfg, data_state)
         self.logprob_fn = make_logprob_fn(cfg.ksm_active, with_entropy=cfg.loss.entropy_coef > 0)
         self.device = next(self.learner.model.parameters()).device
@@ -144,19 +147,14 @@ class RLTrainer:
                 raise FileNotFoundError(f"train.rollouts_from={self.cfg.train.rollouts_from}: no records for step {step} "
                                         f"(expected {path})")  # fmt: skip
             return self.records.load(path)
-        if self.is_main:
-            from moe_rl.train.producer import InlineBatches
+        made = self.weights.calls.on_rank0(lambda: self._make_batch(client, step))  # a re-sync on the way runs on all
+        return self.records.load(path if made is None else made)  # every rank: the bytes rank 0 wrote, checked
 
-            source = self.source or InlineBatches(self._batch_maker(client), step)
-            path = source.batch(step)
-            self.weights.calls.release()  # the other ranks waited in follow(): a re-sync on the way ran on all
-        else:
-            self.weights.calls.follow()
-        return self.records.load(path)  # every rank: the bytes rank 0 wrote, checked against the model
+    def _make_batch(self, client, step: int) -> Path:
+        """Rank 0: the step's records from the batch source (made inline when the trainer is driven by hand)."""
+        return (self.source or InlineBatches(self._batch_maker(client), step)).batch(step)
 
     def _batch_maker(self, client):
-        from moe_rl.train.batch_maker import BatchMaker
-
         return BatchMaker(self.cfg, self.prompt_side.samples, self.records, self.records_dir, client, self.weights.version,
                           resync=lambda v: self.weights.resync(client.addresses, v),
                           weight_sync=lambda: self.weights.sync,
@@ -200,8 +198,8 @@ class RLTrainer:
         results = [update_minibatch(cfg, self.learner, self.driver, self.logprob_fn, mb, inputs, old, ref, epoch)
                    for epoch, mb in plan.updates()]  # fmt: skip
         t_train = time.perf_counter() - t2
-        metrics = _mean([r.metrics | {"train/loss": r.loss, "train/grad_norm": r.grad_norm, "train/lr": r.lr}
-                         for r in results])  # fmt: skip
+        metrics = mean([r.metrics | {"train/loss": r.loss, "train/grad_norm": r.grad_norm, "train/lr": r.lr}
+                        for r in results])  # fmt: skip
         metrics |= self.driver.step_metrics(group=dp_group())
         metrics |= batch.extra.get("reward_metrics", {})  # reward/errors, reward/<key> of a reward function
         metrics |= {
@@ -235,7 +233,6 @@ class RLTrainer:
         return rollout_server_pool(self.cfg.rollout, self.weights.export(), self.run_dir / "logs", keys=self.server_keys)
 
     def run(self) -> Path:
-        from moe_rl.learner.checkpoint import save_checkpoint
         from moe_rl.rollout.auth import ServerKeys
         from moe_rl.train.run_dir import run_complete_message
 
@@ -255,44 +252,19 @@ class RLTrainer:
         try:
             with self._servers() as self.server_pool, self._source_scope():  # the producer stops before the servers
                 addresses = self.server_pool.addresses
-                if self.is_main and not self.from_records:  # label the served weights with our version
-                    self.weights.resync(addresses, self.start_step)
-                client = None
-                if self.is_main and not self.from_records:
-                    client = self._begin_source(addresses)
-                if self.start_step == 0 and self._eval_due(0):  # before the first step: a line of its own
-                    logger.log(0, self._evaluate(client, 0), progress=False)
-                if self.source is not None:
-                    self.source.start()
+                client = self._open_source(addresses, logger)
                 for step in range(self.start_step, cfg.train.steps):
                     t0 = time.perf_counter()
-                    metrics = self.step(client, step)
+                    metrics = self.step(client, step)  # the batch (rank 0's, loaded on every rank) and the updates
                     metrics["time/sync_s"] = 0.0 if self.from_records else self.weights.push(addresses, step + 1)
                     metrics["time/step_s"] = time.perf_counter() - t0
-                    if self._eval_due(step + 1):  # at the weights just synced; never writes training records
-                        t1 = time.perf_counter()
-                        # async: the producer waits; eval sees version step + 1; a re-sync its batch in flight
-                        # asks for runs first, on every rank (they follow below)
-                        with self.source.exclusive(serve=True):
-                            metrics |= self._evaluate(client, step + 1)
-                        self.weights.calls.release()
-                        metrics["time/eval_s"] = time.perf_counter() - t1
-                    elif self._evaluates_on_rank0(step + 1):
-                        self.weights.calls.follow()
+                    metrics |= self._eval_after(client, step + 1)  # at the weights just pushed, if due
                     if self.source is not None:
                         metrics |= self.source.take_times()  # time/learner_wait_s, time/rollout_idle_s
                     # log before checkpointing: a kill in between resumes from the older checkpoint,
                     # which cuts this line again, so no step's metrics can go missing
                     logger.log(step + 1, metrics)
-                    stopping = self.stop.agreed() and step + 1 < cfg.train.steps  # SLURM's warning (launch.signal)
-                    if cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0 \
-                            or step + 1 == cfg.train.steps or stopping:  # fmt: skip
-                        self._save_reference()  # first: no checkpoint exists without its reference
-                        extra, files = self._checkpoint_contents(step + 1)
-                        save_checkpoint(self.learner, self.ckpt_dir, cfg.checkpoint.keep_last, extra=extra,
-                                        step=step + 1, files=files)  # dirs named by RL step
-                    if stopping:
-                        self.stop.stopped_after = step + 1
+                    if self._checkpoint_after(step + 1):  # a stop request: the run ends at this checkpoint
                         break
                 if self.stop.stopped_after is None:
                     self.weights.export_final()
@@ -309,11 +281,39 @@ class RLTrainer:
             if self.source is not None:
                 self.source.close()
 
-    def _eval_due(self, step: int) -> bool:
-        """Rank 0 evaluates after ``step`` RL steps (``eval`` section; generation needs the servers)."""
-        from moe_rl.train.evaluate import eval_due
+    def _open_source(self, addresses: list[str], logger: MetricsLogger):
+        """Rank 0 labels the served weights with our version and opens the batch source on the servers (sync: the
+        client it returns, for the inline batches and eval); a fresh run evaluates before its first step, on a line
+        of its own; then the producer starts."""
+        client = None
+        if self.is_main and not self.from_records:
+            self.weights.resync(addresses, self.start_step)
+            client = self._begin_source(addresses)
+        if self.is_main and self.start_step == 0 and self._eval_due(0):
+            logger.log(0, self._evaluate(client, 0), progress=False)
+        if self.source is not None:
+            self.source.start()
+        return client
 
-        return self.is_main and not self.from_records and self.cfg.eval is not None and eval_due(self.cfg, step)
+    def _eval_due(self, step: int) -> bool:
+        """Rank 0 evaluates after ``step`` RL steps (``eval`` section; generation needs the servers); every rank
+        knows it (the others wait for it)."""
+        return not self.from_records and self.cfg.eval is not None and eval_due(self.cfg, step)
+
+    def _eval_after(self, client, step: int) -> dict[str, float]:
+        """Every rank, after the push of ``step``: the eval metrics if one is due (never writes training records).
+        Rank 0 evaluates while the other ranks follow (async: the producer waits; a re-sync its batch in flight
+        asks for runs first, on every rank); {} on the other ranks."""
+        if not self._eval_due(step):
+            return {}
+        t1 = time.perf_counter()
+        metrics = self.weights.calls.on_rank0(lambda: self._evaluate_alone(client, step))
+        return {} if metrics is None else metrics | {"time/eval_s": time.perf_counter() - t1}
+
+    def _evaluate_alone(self, client, step: int) -> dict[str, float]:
+        """Rank 0: the eval with the batch source held (async: the producer waits; eval sees version ``step``)."""
+        with self.source.exclusive(serve=True):
+            return self._evaluate(client, step)
 
     def _evaluate(self, client, step: int) -> dict[str, float]:
         """The eval sets at version ``step`` (sync: here; async: by the rollout process)."""
@@ -321,11 +321,20 @@ class RLTrainer:
             return self.source.evaluate(step, self.weights.version(step))
         return self.prompt_side.evaluator.run(client, step, self.weights.version(step))
 
-    def _evaluates_on_rank0(self, step: int) -> bool:
-        """Another rank: rank 0 evaluates after ``step`` (so this rank waits for it in ``calls.follow()``)."""
-        from moe_rl.train.evaluate import eval_due
-
-        return not self.is_main and not self.from_records and self.cfg.eval is not None and eval_due(self.cfg, step)
+    def _checkpoint_after(self, step: int) -> bool:
+        """Checkpoint after ``step`` RL steps when one is due, at the last step, or when every rank agrees to stop
+        (SLURM's warning, ``launch.signal``); True when the run stops here (``stop.stopped_after``)."""
+        cfg = self.cfg
+        stopping = self.stop.agreed() and step < cfg.train.steps
+        if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0 or step == cfg.train.steps \
+                or stopping:  # fmt: skip
+            self._save_reference()  # first: no checkpoint exists without its reference
+            extra, files = self._checkpoint_contents(step)
+            save_checkpoint(self.learner, self.ckpt_dir, cfg.checkpoint.keep_last, extra=extra, step=step,
+                            files=files)  # dirs named by RL step
+        if stopping:
+            self.stop.stopped_after = step
+        return stopping
 
     def _checkpoint_contents(self, rl_step: int) -> tuple[dict, dict]:
         """``(extra, files)`` a checkpoint carries besides weights (rank 0's): the RL step, the dataset position
@@ -338,12 +347,7 @@ class RLTrainer:
         return extra | more, files
 
     def _rollout_process(self, data_state: dict | None):
-        """Async mode: rank 0's rollout process (``moe_rl.train.rollout_process``), started with its prompts."""
-        import os
-
-        from moe_rl.train.rollout_process import RolloutProcess, process_cpus
-        from moe_rl.train.rollout_worker import WorkerSpec
-
+        """Async mode: rank 0's rollout process (``moe_rl.source.rollout_process``), started with its prompts."""
         return RolloutProcess.spawn(WorkerSpec(self.cfg, self.run_id, self.weights.nonce, str(self.records_dir),
                                                data_state, process_cpus(self.cfg.rollout), os.getpid()))  # fmt: skip
 
@@ -351,7 +355,6 @@ class RLTrainer:
         """Rank 0: the batch source meets the servers (a resumed checkpoint's pending records first); sync: the
         client, for the inline batches and eval (None in async mode: the rollout process has its own)."""
         from moe_rl.rollout.client import RolloutClient
-        from moe_rl.train.producer import InlineBatches, pending_records
 
         pending = pending_records(self.resume_meta, self.records_dir)
         client = None
@@ -379,11 +382,6 @@ class RLTrainer:
             self.run_lock.release()
 
 
-def _mean(records: list[dict]) -> dict[str, float]:
-    keys = sorted({k for r in records for k in r})
-    return {k: float(np.mean([r[k] for r in records if k in r])) for k in keys}
-
-
 def train(cfg: ExperimentConfig, stop: StopRequest | None = None) -> Path:
     """Run RL training for ``cfg``; returns the run directory (metrics.jsonl, rollouts/, checkpoints/).
 
@@ -391,6 +389,4 @@ def train(cfg: ExperimentConfig, stop: StopRequest | None = None) -> Path:
     with a checkpoint; ``stop.stopped_after`` then names that step."""
     stop = StopRequest.for_config(cfg) if stop is None else stop
     with stop.installed():
-        trainer = RLTrainer(cfg)
-        trainer.stop = stop
-        return trainer.run()
+        return RLTrainer(cfg, stop).run()

@@ -4,7 +4,8 @@ Owns a small protocol between the learner ranks. Where the other ranks wait for 
 the start of a weight push) they wait in ``follow()`` instead of a barrier; rank 0 ``call(name, arg)``s the
 collective it needs there (``handlers[name](arg)`` on every rank: today ``resync``, a weight sync of the
 servers from the live weights, collective since no rank keeps a host copy of the model) and ``release()``s
-them when its wait is over. With one rank ``call`` runs the handler directly.
+them when its wait is over (``on_rank0(work)``, on every rank, is that pattern: rank 0 runs ``work`` and releases,
+the others follow). With one rank ``call`` runs the handler directly.
 
 A call is made by rank 0's main thread (the one that also releases). A thread of rank 0 that is not the
 main one (the thread answering the async rollout process) ``request()``s instead and blocks until the main
@@ -17,14 +18,18 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch.distributed as dist
 
 __all__ = ["Rank0Calls"]
 
+T = TypeVar("T")
+
 
 class Rank0Calls:
-    """``call`` / ``request`` / ``serve`` / ``release`` (rank 0), ``follow`` (the other ranks)."""
+    """``call`` / ``request`` / ``serve`` / ``release`` (rank 0), ``follow`` (the other ranks), ``on_rank0(work)``
+    (every rank: rank 0 works, the others follow)."""
 
     def __init__(self, handlers: dict[str, Callable[[object], None]]):
         self.handlers = handlers
@@ -106,6 +111,18 @@ class Rank0Calls:
         """Rank 0: the other ranks leave ``follow``."""
         if self.on:
             self._bcast(None)
+
+    # ------------------------------------------------------------------ every rank
+    def on_rank0(self, work: Callable[[], T]) -> T | None:
+        """Every rank, where the others wait for rank 0: rank 0 runs ``work()`` (its main thread) and then
+        ``release()``s; the other ranks ``follow()`` meanwhile, running every collective it calls. ``work()``'s
+        result on rank 0, None on the others."""
+        if dist.is_initialized() and dist.get_rank() != 0:
+            self.follow()
+            return None
+        result = work()
+        self.release()
+        return result
 
     # ------------------------------------------------------------------ the other ranks
     def follow(self) -> None:

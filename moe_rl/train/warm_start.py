@@ -34,7 +34,7 @@ import torch
 __all__ = ["warm_start_key", "sft_microbatch", "teacher_forcing_batch", "train_warm_start", "temper", "apply_warm_start", "cache_path"]
 
 # Modules whose source decides the warm-start weights (besides this one): the task and the model build.
-_CODE_FILES = ("train/warm_start.py", "rollout/tasks.py", "rollout/tokenizer.py", "learner/model.py")
+_CODE_FILES = ("train/warm_start.py", "tasks/synthetic.py", "tasks/tokenizer.py", "learner/model.py")
 
 
 def _code_version() -> str:
@@ -139,7 +139,7 @@ def sft_microbatch(prompts, device: torch.device) -> dict[str, torch.Tensor]:
     padding) and ``mask[B, T]`` (1.0 where the target is an answer token or the closing ``<eos>``),
     ``T = max(len(sequence)) - 1``.
     """
-    from moe_rl.rollout.tokenizer import EOS_ID, PAD_ID
+    from moe_rl.tasks.tokenizer import EOS_ID, PAD_ID  # noqa: PLC0415  the task tokenizer imports transformers
 
     return teacher_forcing_batch([(list(p.ids), list(p.answer) + [EOS_ID]) for p in prompts], PAD_ID, device)
 
@@ -177,7 +177,7 @@ def train_warm_start(cfg, log=None) -> tuple[dict[str, torch.Tensor], list[dict]
     """
     from moe_rl.learner.model import build_model
     from moe_rl.learner.train_step import Learner
-    from moe_rl.rollout.tasks import DigitTask
+    from moe_rl.tasks.synthetic import DigitTask  # noqa: PLC0415  the task tokenizer imports transformers
 
     ws = cfg.train.warm_start
     optim = cfg.optim.model_copy(update={"lr": ws.lr, "lr_warmup_steps": 0, "lr_decay_style": "constant"})

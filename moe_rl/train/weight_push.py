@@ -117,7 +117,7 @@ class WeightPusher:
                 self._revive_dead()
                 yield {}
             return
-        from moe_rl.train.producer import push_section
+        from moe_rl.source.producer import push_section
 
         section = push_section(self.source, self.cfg.rollout, addresses, self.keys, before=self._revive_dead)
         with section as push_kwargs, self._lock:

@@ -51,7 +51,7 @@ def test_the_config_names_the_items_and_the_server_gets_only_a_subset():
 def test_the_learner_shares_exactly_the_named_items(megatron_world, kernels):
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from moe_rl.exact.megatron_spec import (
+    from moe_rl.learner.exact_spec import (
         ExactColumnParallelLinear,
         ExactCoreAttention,
         ExactRMSNorm,

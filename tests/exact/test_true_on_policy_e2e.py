@@ -173,7 +173,7 @@ def test_one_stock_kernel_breaks_equality(tiny_run, megatron_world):
     from megatron.core.tensor_parallel import RowParallelLinear
 
     from moe_rl.config.loader import load_config
-    from moe_rl.exact.megatron_spec import ExactRowParallelLinear
+    from moe_rl.learner.exact_spec import ExactRowParallelLinear
     from moe_rl.learner.logprobs import response_logprobs
     from moe_rl.learner.model import build_model
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from moe_rl.reward.shaping import overlong_penalties
-from moe_rl.train.evaluate import pass_at_k
-from moe_rl.train.filters import FilterError, GroupRound, collect_groups, informative_groups
+from moe_rl.source.evaluate import pass_at_k
+from moe_rl.source.filters import FilterError, GroupRound, collect_groups, informative_groups
 
 
 @pytest.mark.parametrize("n, c, k, want", [
@@ -71,7 +71,7 @@ def test_dynamic_sampling_fails_naming_rounds_and_fraction_or_falls_back():
 
 def test_task_stream_round_zero_is_todays_draw_and_later_rounds_differ():
     from moe_rl.data.stream import TaskStream
-    from moe_rl.rollout.tasks import DigitTask
+    from moe_rl.tasks.synthetic import DigitTask
 
     task = DigitTask("copy", 64)
     stream = TaskStream(task, seed=1234)

@@ -7,7 +7,7 @@ import json
 import numpy as np
 
 from moe_rl.data.stream import DatasetStream, PromptItem, TaskStream
-from moe_rl.rollout.tasks import DigitTask
+from moe_rl.tasks.synthetic import DigitTask
 
 
 def test_task_stream_draws_exactly_what_the_loop_drew_before():

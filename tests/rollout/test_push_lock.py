@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from moe_rl.train.producer import AsyncProducer
+from moe_rl.source.producer import AsyncProducer
 from moe_rl.train.weight_push import WeightPusher
 
 pytestmark = pytest.mark.sglang

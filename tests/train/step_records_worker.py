@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 
 from moe_rl.config import ModelConfig  # noqa: E402
 from moe_rl.records import RecordError, RolloutBatch, RolloutSample  # noqa: E402
-from moe_rl.train.step_records import StepRecords  # noqa: E402
+from moe_rl.source.step_records import StepRecords  # noqa: E402
 
 MODEL = ModelConfig(num_layers=2, num_moe_experts=8, moe_router_topk=2, vocab_size=64)
 VOCAB = {f"t{i}": i for i in range(64)}

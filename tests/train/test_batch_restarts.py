@@ -7,7 +7,7 @@ import threading
 from types import SimpleNamespace
 
 from moe_rl.rollout.server_pool import ServerPool
-from moe_rl.train.rollout_worker import BatchRestarts
+from moe_rl.source.rollout_worker import BatchRestarts
 
 
 def _server(url):

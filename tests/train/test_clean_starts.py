@@ -105,7 +105,7 @@ def test_no_label_samples_are_counted_per_step(tmp_path):
 
     from moe_rl.data.stream import PromptItem
     from moe_rl.reward import Rewarder, Scores
-    from moe_rl.train.step_samples import StepSamples
+    from moe_rl.source.step_samples import StepSamples
 
     class Constant(Rewarder):
         def score(self, prompts, responses):
@@ -125,7 +125,7 @@ def test_no_label_samples_are_counted_per_step(tmp_path):
 def test_a_bad_row_drawn_by_the_async_producer_reaches_the_cli_as_its_own_line(tmp_path):
     """Datasets are read when drawn: in async mode that is the producer thread, whose error the learner re-raises."""
     from moe_rl.data.loaders import DataError
-    from moe_rl.train.producer import AsyncProducer
+    from moe_rl.source.producer import AsyncProducer
 
     def make(step, served, drawn=None):
         raise DataError(f"{tmp_path}/d.jsonl row 3 has a null data.label_key='a'")

@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moe_rl.train.metrics_log import read_metrics
 from moe_rl.records import RolloutBatch
-from moe_rl.rollout.tokenizer import EOS_ID
+from moe_rl.tasks.tokenizer import EOS_ID
+from moe_rl.train.metrics_log import read_metrics
 
 pytestmark = pytest.mark.sglang
 ROOT = Path(__file__).parents[2]

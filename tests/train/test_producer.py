@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_rl.train.producer import AsyncProducer, InlineBatches, pending_records
+from moe_rl.source.producer import AsyncProducer, InlineBatches, pending_records
 
 
 class ListStream:
@@ -342,7 +342,7 @@ def test_steps_in_flight_score_one_at_a_time(tmp_path):
     from moe_rl.config import load_config
     from moe_rl.data.stream import PromptItem
     from moe_rl.reward import Rewarder, Scores
-    from moe_rl.train.step_samples import StepSamples
+    from moe_rl.source.step_samples import StepSamples
 
     inside, overlaps = [0], []
 

@@ -41,3 +41,9 @@ def test_a_request_left_unserved_when_the_trainer_closes_fails_instead_of_waitin
     calls.cancel("the trainer is closing; the re-sync was not run")
     worker.join(timeout=10)
     assert not worker.is_alive() and len(errors) == 1
+
+
+def test_on_rank0_runs_the_work_on_the_only_rank_and_returns_its_result():
+    """One process is rank 0: ``on_rank0`` runs the work there (no broadcast) and hands back its result."""
+    calls = Rank0Calls({})
+    assert calls.on_rank0(lambda: {"eval/x": 1.0}) == {"eval/x": 1.0}

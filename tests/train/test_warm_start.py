@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from moe_rl.config import load_config
-from moe_rl.rollout.tasks import DigitTask
-from moe_rl.rollout.tokenizer import EOS_ID, PAD_ID, build_task_tokenizer
+from moe_rl.tasks.synthetic import DigitTask
+from moe_rl.tasks.tokenizer import EOS_ID, PAD_ID, build_task_tokenizer
 
 ROOT = Path(__file__).parents[2]
 torch.set_num_threads(1)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moe_rl.rollout.tokenizer import BOS_ID, EOS_ID, task_vocab
+from moe_rl.tasks.tokenizer import BOS_ID, EOS_ID, task_vocab
 
 RewardFn = Callable[["Prompt", list[int]], float]
 

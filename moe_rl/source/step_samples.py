@@ -4,7 +4,7 @@ Owns what turns the prompt stream, the servers and the reward into a step's scor
 generation round per call of ``generate_round`` (the loop supplies it: weight-version checks and
 server restarts are the loop's), the reward of every sample with DAPO's overlong shaping
 (``reward.overlong_buffer``, ``moe_rl.reward.shaping``) added before groups are judged, and DAPO
-dynamic sampling (``train.filter_groups``, ``moe_rl.train.filters``). Without filters a step is one
+dynamic sampling (``train.filter_groups``, ``moe_rl.source.filters``). Without filters a step is one
 round and consumes the random streams exactly as before (round 0 keeps today's prompt and sampling
 seeds; later rounds use their own).
 """
@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from moe_rl.train.filters import Collected, GroupRound, collect_groups
+from moe_rl.source.filters import Collected, GroupRound, collect_groups
 
 __all__ = ["StepSamples", "round_group_ids"]
 

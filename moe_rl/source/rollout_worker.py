@@ -1,6 +1,6 @@
 """The rollout process of async mode: rank 0's prompts, generation, rewards and records, beside the learner.
 
-Owns the child side of ``moe_rl.train.rollout_process``. Spawned by learner rank 0 (a fresh interpreter:
+Owns the child side of ``moe_rl.source.rollout_process``. Spawned by learner rank 0 (a fresh interpreter:
 nothing of the learner's threads, GIL or process group state is shared), pinned to its cores, it builds the
 prompt stream, the reward scorer, the eval sets and, once the servers are up (``begin``), the rollout client and
 an ``AsyncProducer`` that makes steps ``start, start+1, …`` ahead of the learner, several at once (a thread
@@ -62,7 +62,7 @@ class PromptSide:
         from moe_rl.data import build_prompt_stream
         from moe_rl.data.chat import load_tokenizer
         from moe_rl.reward import build_rewarder
-        from moe_rl.train.step_samples import StepSamples
+        from moe_rl.source.step_samples import StepSamples  # noqa: PLC0415  imported after worker_main's pinning
 
         tokenizer = load_tokenizer(cfg) if cfg.data is not None else None  # the built-in tasks: task ids
         prompts = build_prompt_stream(cfg, tokenizer)
@@ -70,7 +70,7 @@ class PromptSide:
         rewarder = build_rewarder(cfg, tokenizer)
         evaluator = None
         if cfg.eval is not None:
-            from moe_rl.train.evaluate import Evaluator
+            from moe_rl.source.evaluate import Evaluator  # noqa: PLC0415  imported after worker_main's pinning
 
             evaluator = Evaluator(cfg, tokenizer, rewarder, prompts)
         return cls(tokenizer, prompts, rewarder, StepSamples(cfg, prompts, rewarder), evaluator)
@@ -136,7 +136,7 @@ class BatchRestarts:
 
 class _Worker:
     def __init__(self, conn, spec: WorkerSpec):
-        from moe_rl.train.step_records import StepRecords
+        from moe_rl.source.step_records import StepRecords  # noqa: PLC0415  imported after worker_main's pinning
 
         self.conn, self.spec, self.cfg = conn, spec, spec.cfg
         self.side = PromptSide.build(spec.cfg, spec.data_state)
@@ -192,9 +192,9 @@ class _Worker:
 
     def _begin(self, addresses, keys, start: int, served: int, pending: dict, state) -> None:
         from moe_rl.rollout.client import RolloutClient
+        from moe_rl.source.batch_maker import BatchMaker  # noqa: PLC0415  imported after worker_main's pinning
+        from moe_rl.source.producer import AsyncProducer  # noqa: PLC0415  imported after worker_main's pinning
         from moe_rl.sync.integrity import version_label
-        from moe_rl.train.batch_maker import BatchMaker
-        from moe_rl.train.producer import AsyncProducer
 
         cfg = self.cfg
         self.view = _ServedView(keys)

@@ -11,8 +11,8 @@ step takes no more prompts); they differ only in *when*:
   records are written once it has all its samples; the learner trains steps in order). A step starts
   drawing prompts only once the step before has drawn all of its own (dynamic sampling's later rounds
   included), so prompts are taken in step order whatever the timing. The trainer runs it inside its rollout
-  process (``moe_rl.train.rollout_worker``, driven from learner rank 0 by
-  ``moe_rl.train.rollout_process``, which offers the loop the same interface).
+  process (``moe_rl.source.rollout_worker``, driven from learner rank 0 by
+  ``moe_rl.source.rollout_process``, which offers the loop the same interface).
   Admission: step ``t`` starts only once the served weights have version ``>= t - k`` (version ``v`` = the
   weights at the start of RL step ``v``), so no token it generates is more than ``k`` versions older than
   the weights that train it. ``exclusive()`` is what a weight push (``rollout.partial: false``) and an

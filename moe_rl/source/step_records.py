@@ -40,7 +40,7 @@ def prompt_tokenizer(cfg):
         from moe_rl.data.chat import load_tokenizer
 
         return load_tokenizer(cfg)
-    from moe_rl.rollout.tasks import DigitTask
+    from moe_rl.tasks.synthetic import DigitTask  # noqa: PLC0415  the task tokenizer imports transformers
 
     return task_tokenizer(DigitTask(cfg.train.task, cfg.model.vocab_size))
 

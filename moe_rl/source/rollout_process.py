@@ -1,6 +1,6 @@
 """Async mode's batch source on learner rank 0: a rollout process beside the learner, driven through a pipe.
 
-Owns the learner side of ``moe_rl.train.rollout_worker``: it spawns the rollout process (pinned to
+Owns the learner side of ``moe_rl.source.rollout_worker``: it spawns the rollout process (pinned to
 ``rollout.process_cpus``; default: the trainer's cores and the servers' ``rollout.server_cpus`` together, see
 ``process_cpus``), and offers the loop what ``AsyncProducer`` offered it in a
 thread: ``batch(step)`` (the records path, once the process has written it), ``weights_pushed``,
@@ -28,8 +28,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from moe_rl.train.producer import raise_batch_failure
-from moe_rl.train.rollout_worker import WorkerSpec, portable_error, worker_main
+from moe_rl.source.producer import raise_batch_failure
+from moe_rl.source.rollout_worker import WorkerSpec, portable_error, worker_main
 
 __all__ = ["RolloutProcess", "process_cpus"]
 

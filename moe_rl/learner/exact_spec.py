@@ -1,7 +1,7 @@
 """Learner side of the true-on-policy mode: Megatron-Core spec modules and hooks over ``kernels``.
 
 Owns ``exact_layer_spec(spec)`` (the local GPT block spec with every linear, norm and core attention
-replaced by a module that calls ``moe_rl.exact.kernels``), ``install_exact_hooks(model)`` (the parts a
+replaced by a module that calls ``moe_rl.exact.kernels``), ``install_exact_hooks(gpt)`` (the parts a
 spec does not reach: each router's ``gating`` and the output layer, hooked per instance).
 ``moe_rl.learner.model`` also sets ``activation_func=kernels.silu`` and builds without Megatron's rope.
 ``GPTModel`` itself is never forked.
@@ -148,15 +148,12 @@ def exact_layer_spec(spec, kernels: frozenset[str] = ALL):
     return spec
 
 
-def install_exact_hooks(model, rotary_base: float, rotary_dim: int, kernels: frozenset[str] = ALL) -> None:
-    """Per-instance hooks on a built ``GPTModel``: routers' gating (``router``) and the output layer
-    (``lm_head``) use ``kernels``; every ``ExactCoreAttention`` gets the rotary base. With the whole
-    contract, refuses a model the spec did not cover."""
+def install_exact_hooks(gpt, rotary_base: float, rotary_dim: int, kernels: frozenset[str] = ALL) -> None:
+    """Per-instance hooks on the bare ``GPTModel`` ``build_model`` just built (before any wrapper): routers'
+    gating (``router``) and the output layer (``lm_head``) use ``kernels``; every ``ExactCoreAttention`` gets the
+    rotary base. With the whole contract, refuses a model the spec did not cover."""
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from moe_rl.learner.model import unwrap
-
-    gpt = unwrap(model)
     leftovers = []
     for name, mod in gpt.named_modules():
         if isinstance(mod, ExactCoreAttention):
