@@ -114,7 +114,7 @@ def _train(args) -> int:
     with stop.installed():  # armed before the heavy imports: SLURM's warning may come at any time
         cfg = _checked_config(args, env=True)
         from moe_rl.train.loop import train
-        from moe_rl.train.summary import print_closing_summary
+        from moe_rl.study.summary import print_closing_summary
 
         run_dir = train(cfg, stop)
     if stop.stopped_after is not None:

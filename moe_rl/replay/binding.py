@@ -7,7 +7,7 @@ and must not keep module-global state or read environment variables.
 
 Design decision on Megatron's class-level ``RouterReplay.global_router_replay_instances``:
 a ``RoutingReplay`` takes ownership of its model's routers. Each router's Megatron
-``RouterReplay`` is removed from the global list and replaced by a ``_LayerReplay`` (a
+``RouterReplay`` is removed from the global list and replaced by a ``LayerReplay`` (a
 ``RouterReplay`` subclass) that never enters it. The global list therefore never holds a
 bound model (building a second model cannot shift its layers), and Megatron's static
 ``set_global_*`` helpers cannot reach it: only this object's context managers can.
@@ -19,11 +19,11 @@ import contextlib
 from typing import Iterator, Sequence
 
 import torch
+from megatron.core.utils import unwrap_model
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
-from moe_rl.learner.model import unwrap
-from moe_rl.replay.layer_hook import ReplayError, RouteCapture, _LayerReplay, _PassState
+from moe_rl.replay.layer_hook import ReplayError, RouteCapture, LayerReplay, PassState
 from moe_rl.replay.layout import (
     check_routes,
     context_parallel_shard,
@@ -86,7 +86,7 @@ class RoutingReplay:
     """
 
     def __init__(self, model):
-        self.model = unwrap(model)
+        self.model = unwrap_model(model)
         tcfg = self.model.config
         bad = unsupported_router_options(tcfg)
         if bad:
@@ -96,8 +96,8 @@ class RoutingReplay:
         self.num_moe_layers = sum(pattern)
         self.top_k = tcfg.moe_router_topk
         self.num_experts = tcfg.num_moe_experts
-        self._state = _PassState()
-        self.layers: list[_LayerReplay] = []
+        self._state = PassState()
+        self.layers: list[LayerReplay] = []
         self.moe_layer_ids: list[int] = []  # global MoE-layer index of each local router
         self._routers: list[TopKRouter] = []
         decoder_routers = set()
@@ -106,7 +106,7 @@ class RoutingReplay:
             if not isinstance(router, TopKRouter):
                 continue
             moe_index = sum(pattern[: layer.layer_number - 1])  # layer_number is global, 1-based
-            layer_replay = _LayerReplay(self._state, moe_index, _layer_recompute(tcfg, local_idx))
+            layer_replay = LayerReplay(self._state, moe_index, _layer_recompute(tcfg, local_idx))
             self._adopt(router, layer_replay)
             self.layers.append(layer_replay)
             self.moe_layer_ids.append(moe_index)
@@ -117,7 +117,7 @@ class RoutingReplay:
             m for m in self.model.modules() if isinstance(m, TopKRouter) and id(m) not in decoder_routers
         ]
         for router in self._idle_routers:
-            self._adopt(router, _LayerReplay(self._state, -1, None))
+            self._adopt(router, LayerReplay(self._state, -1, None))
         if not self.layers:
             raise ValueError("model has no MoE router in model.decoder.layers; nothing to replay")
         self._hooks = [self.model.register_forward_pre_hook(self._on_model_forward)]
@@ -126,9 +126,9 @@ class RoutingReplay:
         self._active = False
 
     @staticmethod
-    def _adopt(router: TopKRouter, replacement: _LayerReplay) -> None:
+    def _adopt(router: TopKRouter, replacement: LayerReplay) -> None:
         old = router.router_replay
-        if isinstance(old, _LayerReplay) and not old.released:
+        if isinstance(old, LayerReplay) and not old.released:
             raise RuntimeError(
                 "this model is already bound to a RoutingReplay; reuse it (or close() it first) -- two bindings "
                 "would leave the first one driving detached hooks, i.e. silently natural routing"
@@ -144,7 +144,7 @@ class RoutingReplay:
         self._state.training = module.training
 
     @staticmethod
-    def _shape_hook(layer: _LayerReplay):
+    def _shape_hook(layer: LayerReplay):
         def hook(module, args):
             hidden = args[0]
             layer.pending_shape = (int(hidden.shape[0]), int(hidden.shape[1]))  # router input [S, B, H]

@@ -40,9 +40,9 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
+from megatron.core.utils import unwrap_model
 
 from moe_rl.config.rollout_sections import replay_correction_problem
-from moe_rl.learner.model import unwrap
 from moe_rl.records.routes import pad_routes
 from moe_rl.replay.binding import RoutingReplay
 from moe_rl.replay.dispatch_probe import DispatchCapture, DispatchProbe
@@ -80,7 +80,7 @@ class ReplayDriver:
             raise ValueError(problem)
         self.probe = DispatchProbe(model)
         self.replay = RoutingReplay(model) if mode != "none" else None
-        tcfg = unwrap(model).config
+        tcfg = unwrap_model(model).config
         sharded = tcfg.context_parallel_size > 1 or (tcfg.sequence_parallel and tcfg.tensor_model_parallel_size > 1)
         if mode == "r2" and sharded:
             raise ValueError(

@@ -1,6 +1,6 @@
 """Megatron's per-router replay hook, subclassed: one MoE layer's record / replay state.
 
-Owns ``_LayerReplay`` (a ``megatron.core.transformer.moe.router_replay.RouterReplay`` that
+Owns ``LayerReplay`` (a ``megatron.core.transformer.moe.router_replay.RouterReplay`` that
 never enters the class-level instance list) and ``RouteCapture`` (what a context saw). The
 stage switch and model binding live in ``moe_rl.replay.binding``.
 """
@@ -23,7 +23,7 @@ class ReplayError(RuntimeError):
 
 
 @dataclass
-class _PassState:
+class PassState:
     """Shared by the layers of one model: whether the current model forward will see a backward."""
 
     grad_at_entry: bool = False
@@ -38,7 +38,7 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class _LayerReplay(RouterReplay):
+class LayerReplay(RouterReplay):
     """Replay state of one MoE router, owned by a ``RoutingReplay`` (not in the global list).
 
     Forward calls consume ``forward_queue`` (one ``[S*B, K]`` int64 entry per microbatch) in
@@ -46,7 +46,7 @@ class _LayerReplay(RouterReplay):
     ``replay_backward_list``, popped when the recompute runs inside backward.
     """
 
-    def __init__(self, pass_state: _PassState, moe_index: int, recompute: str | None):
+    def __init__(self, pass_state: PassState, moe_index: int, recompute: str | None):
         super().__init__()
         RouterReplay.global_router_replay_instances.remove(self)
         self.pass_state = pass_state
@@ -131,7 +131,7 @@ class RouteCapture:
     rank (its pipeline stage's MoE layers, its sequence shard).
     """
 
-    layers: list[_LayerReplay] = field(default_factory=list)
+    layers: list[LayerReplay] = field(default_factory=list)
     _frozen: dict = field(default_factory=dict)
 
     def _get(self, kind: str, i: int) -> torch.Tensor:

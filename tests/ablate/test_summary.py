@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moe_rl.train.summary import closing_summary
+from moe_rl.study.summary import closing_summary
 
 
 def _run(tmp_path: Path, records: list[dict], tensorboard: bool = True) -> Path:
