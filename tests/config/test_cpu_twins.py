@@ -9,7 +9,7 @@ import pytest
 
 from moe_rl.config import load_config
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TWINS = sorted((CONFIGS / "cpu").glob("*.yaml"))
 
 # Issue 12's list: sizes, parallel layout, precision, rollout.device, engine flags that need a GPU,

@@ -18,7 +18,7 @@ from moe_rl.config import load_config
 from moe_rl.config.memory_plan import GB, local_params, memory_plan
 from moe_rl.preflight import config_problems
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 Q30, Q235, DSV3 = (CONFIGS / f"{n}.yaml" for n in ("qwen3_30b_a3b", "qwen3_235b_a22b", "deepseek_v3_style"))
 PLAIN = ["optim.use_distributed_optimizer=false", "optim.optimizer_cpu_offload=false",
          "optim.use_precision_aware_optimizer=false"]  # fmt: skip

@@ -12,7 +12,7 @@ from moe_rl.cli import main
 from moe_rl.config import ConfigError, load_config
 from moe_rl.preflight import PreflightError, config_problems, environment_problems, preflight
 
-CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").rglob("*.yaml"))
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").rglob("*.yaml"))
 
 
 BUILT_BY_SCRIPT = {"math_cpu.yaml": "examples/math/model"}  # model.hf_path that `make math-example` builds
@@ -23,7 +23,7 @@ def example_model(tmp_path_factory):
     """The math example's HF directory without its SFT (tokenizer, chat template, config, random weights)."""
     import importlib.util
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     spec = importlib.util.spec_from_file_location("make_math_example", root / "scripts/make_math_example.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

@@ -14,7 +14,7 @@ from moe_rl.study.diagnose_report import verdict
 from moe_rl.sync.quantize import fake_quantize
 from tests.conftest import run_to_file
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 ARGS = ["rollout.dtype=bfloat16", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=6",
         "train.micro_batch_size=16"]  # fmt: skip
 

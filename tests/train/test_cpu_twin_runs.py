@@ -14,7 +14,7 @@ from moe_rl.learner.dist import free_port
 from moe_rl.train.metrics_log import read_metrics
 from tests.conftest import repo_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 QUICK = ["logging.tensorboard=false", "logging.progress=false", "rollout.startup_timeout_s=600"]
 
 

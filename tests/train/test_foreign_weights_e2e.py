@@ -23,7 +23,7 @@ import pytest
 from moe_rl.config import load_config
 from moe_rl.rollout.auth import RUN_ADMIN_KEY_ENV
 from moe_rl.train.metrics_log import read_metrics
-from tests.ops_probes import server_of, start_like_a_terminal
+from tests.train.ops_probes import server_of, start_like_a_terminal
 
 pytestmark = pytest.mark.sglang
 ROOT = Path(__file__).parents[2]

@@ -22,7 +22,7 @@ from moe_rl.rollout.auth import RUN_ADMIN_KEY_ENV
 from moe_rl.train.metrics_log import read_metrics
 from moe_rl.train.run_identity import read_run_id, version_nonce
 from tests.conftest import repo_env
-from tests.ops_probes import ShmWatch, server_of, shm_left_over, shm_snapshot, start_like_a_terminal
+from tests.train.ops_probes import ShmWatch, server_of, shm_left_over, shm_snapshot, start_like_a_terminal
 from tests.rollout.test_launcher import _pids_mentioning
 
 pytestmark = pytest.mark.sglang

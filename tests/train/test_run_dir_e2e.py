@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import repo_env
-from tests.ops_probes import ShmWatch, shm_left_over, shm_snapshot, start_like_a_terminal
+from tests.train.ops_probes import ShmWatch, shm_left_over, shm_snapshot, start_like_a_terminal
 from tests.rollout.test_launcher import _pids_mentioning
 
 ROOT = Path(__file__).parents[2]

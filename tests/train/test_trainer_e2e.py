@@ -31,7 +31,7 @@ from tests.conftest import run_to_file
 
 pytestmark = pytest.mark.sglang
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 BASE = [
     "train.steps=3", "train.prompts_per_step=4", "rollout.samples_per_prompt=4", "train.minibatches_per_step=2",
     "train.micro_batch_size=2", "rollout.max_new_tokens=12", "rollout.dtype=bfloat16", "checkpoint.save_interval=1",
