@@ -68,20 +68,38 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--ragged", action="store_true", help="random lengths in [T/8, T] instead of a full mask")
-    p.add_argument("--only-losses", action="store_true", help="time only each loss.type's fwd+bwd and the new corrections")
+    p.add_argument(
+        "--only-losses", action="store_true", help="time only each loss.type's fwd+bwd and the new corrections"
+    )
     args = p.parse_args()
 
     logp, old, roll, adv, mask = make_batch(args.batch, args.seq, args.ragged)
     n_tok = int(mask.sum())
     corr = SimpleNamespace(
-        mode="decoupled", is_level="token", is_threshold=2.0, is_batch_normalize=True,
-        rs_mode="seq_mean_k3", rs_lower=None, rs_upper=0.01, icepop=False, icepop_low=0.5,
-        icepop_high=5.0, icepop_weighted=True, token_veto_threshold=1e-4, opsm_delta=1e-3,
-    )  # fmt: skip
+        mode="decoupled",
+        is_level="token",
+        is_threshold=2.0,
+        is_batch_normalize=True,
+        rs_mode="seq_mean_k3",
+        rs_lower=None,
+        rs_upper=0.01,
+        icepop=False,
+        icepop_low=0.5,
+        icepop_high=5.0,
+        icepop_weighted=True,
+        token_veto_threshold=1e-4,
+        opsm_delta=1e-3,
+    )
     loss_cfg = SimpleNamespace(
-        type="gspo", clip_low=3e-4, clip_high=4e-4, dual_clip_c=None, aggregation="seq_mean_token_mean",
-        kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0,
-    )  # fmt: skip
+        type="gspo",
+        clip_low=3e-4,
+        clip_high=4e-4,
+        dual_clip_c=None,
+        aggregation="seq_mean_token_mean",
+        kl_coef=0.0,
+        kl_estimator="k3",
+        entropy_coef=0.0,
+    )
 
     def full_fwd():
         loss, m = compute_policy_loss(loss_cfg, corr, logp, old, roll, adv, mask)
@@ -114,17 +132,25 @@ def main() -> None:
         "sequence_icepop_weights": lambda: sequence_icepop_weights(old, roll, mask, 0.5, 5.0),
         "ess_lr_scale (VCPO)": lambda: ess_lr_scale(seq_lw),
     }
-    stages = {} if args.only_losses else {
-        "offpolicy_metrics": lambda: offpolicy_metrics(old, roll, mask),
-        "truncated_is_weights(token, batch-norm)": lambda: truncated_is_weights(old, roll, mask, "token", 2.0, True),
-        "rejection_mask(seq_mean_k3)": lambda: rejection_mask(old, roll, mask, "seq_mean_k3", None, 0.01),
-        "gspo_loss fwd+bwd": lambda: gspo_loss(LossInputs(logp, old, adv, mask))[0].backward(),
-        "compute_policy_loss fwd (all corrections + GSPO + metrics)": full_fwd,
-        "compute_policy_loss fwd+bwd": full_fwd_bwd,
-    }
+    stages = (
+        {}
+        if args.only_losses
+        else {
+            "offpolicy_metrics": lambda: offpolicy_metrics(old, roll, mask),
+            "truncated_is_weights(token, batch-norm)": lambda: truncated_is_weights(
+                old, roll, mask, "token", 2.0, True
+            ),
+            "rejection_mask(seq_mean_k3)": lambda: rejection_mask(old, roll, mask, "seq_mean_k3", None, 0.01),
+            "gspo_loss fwd+bwd": lambda: gspo_loss(LossInputs(logp, old, adv, mask))[0].backward(),
+            "compute_policy_loss fwd (all corrections + GSPO + metrics)": full_fwd,
+            "compute_policy_loss fwd+bwd": full_fwd_bwd,
+        }
+    )
     stages |= new_stages
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, B={args.batch} T={args.seq} "
-          f"valid tokens {n_tok:,} ({'ragged' if args.ragged else 'full mask'}), float32")  # fmt: skip
+    print(
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, B={args.batch} T={args.seq} "
+        f"valid tokens {n_tok:,} ({'ragged' if args.ragged else 'full mask'}), float32"
+    )
     print(f"load average {os.getloadavg()[0]:.1f} ({os.cpu_count()} CPUs)")
     print(f"{'stage':<62} {'wall ms':>9} {'cpu ms':>9} {'M tok/s (wall)':>15}")
     for name, fn in stages.items():

@@ -55,14 +55,28 @@ def run_once(mode: str, args, overrides: list[str]) -> dict:
     partial = ["rollout.partial=true"] if mode == "partial" else []
     with tempfile.TemporaryDirectory(prefix=f"bench_async_{mode}_") as tmp:
         out = Path(tmp) / "run"
-        cmd = [sys.executable, "-m", "moe_rl.cli", "train", args.config, f"train.output_dir={out}",
-               f"train.steps={args.steps}", f"train.rollout_mode={'sync' if mode == 'sync' else 'async'}", f"train.max_staleness={args.staleness}",
-               f"rollout.server_cpus=[{args.server_cpus}]", "checkpoint.save_interval=0", "logging.progress=false",
-               "logging.tensorboard=false", f"rollout.max_concurrency={args.max_concurrency}", *partial,
-               *overrides]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "moe_rl.cli",
+            "train",
+            args.config,
+            f"train.output_dir={out}",
+            f"train.steps={args.steps}",
+            f"train.rollout_mode={'sync' if mode == 'sync' else 'async'}",
+            f"train.max_staleness={args.staleness}",
+            f"rollout.server_cpus=[{args.server_cpus}]",
+            "checkpoint.save_interval=0",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            f"rollout.max_concurrency={args.max_concurrency}",
+            *partial,
+            *overrides,
+        ]
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                              preexec_fn=lambda: os.sched_setaffinity(0, learner))  # fmt: skip
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, cwd=ROOT, preexec_fn=lambda: os.sched_setaffinity(0, learner)
+        )
         wall = time.perf_counter() - t0
         if proc.returncode:
             sys.exit(f"moe-rl train ({mode}) failed:\n{proc.stderr[-3000:]}")
@@ -85,15 +99,21 @@ def run_once(mode: str, args, overrides: list[str]) -> dict:
     else:
         per_step = {}
     return {
-        "mode": mode, "steps": len(steps), "rl_wall_s": round(total, 2), "process_wall_s": round(wall, 1),
-        "learner_idle_frac": round(learner_idle, 3), "server_idle_frac": round(server_idle, 3),
+        "mode": mode,
+        "steps": len(steps),
+        "rl_wall_s": round(total, 2),
+        "process_wall_s": round(wall, 1),
+        "learner_idle_frac": round(learner_idle, 3),
+        "server_idle_frac": round(server_idle, 3),
         "gen_tokens_per_s": round(tokens / max(generating_s, 1e-9), 1),
         "partial_frac": round(sum(m.get("async/partial_frac", 0.0) for m in steps) / len(steps), 3),
         "staleness_mean": round(sum(m.get("async/staleness_mean", 0.0) for m in steps) / len(steps), 3),
-        "reward_first": round(steps[0]["reward/mean"], 4), "reward_last": round(steps[-1]["reward/mean"], 4),
-        "first_step_s": round(steps[0]["time/step_s"], 2), "load_after": [round(x, 2) for x in os.getloadavg()],
+        "reward_first": round(steps[0]["reward/mean"], 4),
+        "reward_last": round(steps[-1]["reward/mean"], 4),
+        "first_step_s": round(steps[0]["time/step_s"], 2),
+        "load_after": [round(x, 2) for x in os.getloadavg()],
         **per_step,
-    }  # fmt: skip
+    }
 
 
 def pipelined_s(gen: list[float], rest: list[float]) -> float:
@@ -105,20 +125,25 @@ def pipelined_s(gen: list[float], rest: list[float]) -> float:
     return gen[0] + sum(max(t, g) for t, g in zip(rest[:-1], gen[1:])) + rest[-1]
 
 
-_PROBE = ("import sys, time, torch; torch.set_num_threads(1); a = torch.randn(384, 384); t = time.perf_counter()\n"
-          "for _ in range(600): a @ a\n"
-          "print(time.perf_counter() - t)")
+_PROBE = (
+    "import sys, time, torch; torch.set_num_threads(1); a = torch.randn(384, 384); t = time.perf_counter()\n"
+    "for _ in range(600): a @ a\n"
+    "print(time.perf_counter() - t)"
+)
 
 
 def core_interference(learner: str, server: str, repeats: int = 3) -> float:
     """How much slower a single-threaded matmul loop runs on the server's cores while the learner's cores run one too
     (median of ``repeats``; 1.0 = independent cores). The async bound (G + T) / max(G, T) assumes 1.0: generation
     and training overlap only as well as the cores do."""
+
     def timed(cpus: str, background: str | None) -> float:
         other = None
         if background is not None:
-            other = subprocess.Popen(["taskset", "-c", background, sys.executable, "-c", _PROBE.replace("600", "1200")],
-                                     stdout=subprocess.DEVNULL)  # fmt: skip
+            other = subprocess.Popen(
+                ["taskset", "-c", background, sys.executable, "-c", _PROBE.replace("600", "1200")],
+                stdout=subprocess.DEVNULL,
+            )
             time.sleep(0.3)
         out = subprocess.run(["taskset", "-c", cpus, sys.executable, "-c", _PROBE], capture_output=True, text=True)
         if other is not None:
@@ -139,13 +164,28 @@ def main() -> None:
     parser.add_argument("--learner-cpus", default="0", help="comma-separated cores of the trainer process")
     parser.add_argument("--server-cpus", default="1", help="comma-separated cores of the SGLang server")
     parser.add_argument("--partial", action="store_true", help="also async with rollout.partial=true")
-    parser.add_argument("--max-concurrency", type=int, default=16,
-                        help="rollout.max_concurrency of every run: 16, the workload issue 36's figures are measured "
-                             "at (configs/demo.yaml sets 128 since 2026-11-27; docs/benchmarks.md)")
+    parser.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=16,
+        help="rollout.max_concurrency of every run: 16, the workload issue 36's figures are measured "
+        "at (configs/demo.yaml sets 128 since 2026-11-27; docs/benchmarks.md)",
+    )
     args, overrides = parser.parse_known_args()
-    print(json.dumps({"cpus": sorted(os.sched_getaffinity(0)), "config": args.config, "steps": args.steps,
-                      "learner_cpus": args.learner_cpus, "server_cpus": args.server_cpus,
-                      "max_concurrency": args.max_concurrency, "overrides": overrides}), flush=True)  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "cpus": sorted(os.sched_getaffinity(0)),
+                "config": args.config,
+                "steps": args.steps,
+                "learner_cpus": args.learner_cpus,
+                "server_cpus": args.server_cpus,
+                "max_concurrency": args.max_concurrency,
+                "overrides": overrides,
+            }
+        ),
+        flush=True,
+    )
     print(f"core_interference={core_interference(args.learner_cpus, args.server_cpus):.2f}", flush=True)
     modes = ("sync", "async", "partial") if args.partial else ("sync", "async")
     walls = dict.fromkeys(modes, 0.0)
@@ -163,8 +203,10 @@ def main() -> None:
     k1 = args.staleness == 1  # pipelined_s is the schedule of max_staleness 1
     print(f"bound={bound:.3f}" + (f" pipelined_bound={sync / pipelined:.3f}" if k1 else ""))
     for mode in modes[1:]:
-        print(f"{mode}: of_bound={sync / walls[mode] / bound:.3f}"
-              + (f" of_pipelined_bound={pipelined / walls[mode]:.3f}" if k1 else ""))  # fmt: skip
+        print(
+            f"{mode}: of_bound={sync / walls[mode] / bound:.3f}"
+            + (f" of_pipelined_bound={pipelined / walls[mode]:.3f}" if k1 else "")
+        )
     if args.partial:
         print(f"partial_speedup={walls['sync'] / walls['partial']:.3f}")
     print(f"async_speedup={walls['sync'] / walls['async']:.3f}")

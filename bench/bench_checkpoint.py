@@ -25,11 +25,29 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+
+from moe_rl.config import ExperimentConfig
+from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint
+from moe_rl.learner.dist import free_port, init_distributed
+from moe_rl.learner.global_state import optimizer_slots
+from moe_rl.learner.train_step import Learner
 
 REPO = Path(__file__).resolve().parents[1]
-MODEL = dict(num_layers=6, hidden_size=256, num_attention_heads=4, num_query_groups=2, kv_channels=64,
-             num_moe_experts=64, moe_router_topk=2, moe_ffn_hidden_size=1024, ffn_hidden_size=1024,
-             vocab_size=1024, first_k_dense_layers=0, moe_aux_loss_coeff=0.0)  # fmt: skip
+MODEL = dict(
+    num_layers=6,
+    hidden_size=256,
+    num_attention_heads=4,
+    num_query_groups=2,
+    kv_channels=64,
+    num_moe_experts=64,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=1024,
+    ffn_hidden_size=1024,
+    vocab_size=1024,
+    first_k_dense_layers=0,
+    moe_aux_loss_coeff=0.0,
+)
 LAYOUTS = {"1": (1, {}, False), "ep2": (2, {"ep": 2}, False), "dp2_distopt": (2, {}, True)}
 
 
@@ -65,7 +83,6 @@ class PeakRSS:
 
 
 def own_state_bytes(learner) -> int:
-    from moe_rl.learner.global_state import optimizer_slots
 
     n = sum(p.numel() * p.element_size() for p in learner.module.parameters())
     for s in optimizer_slots(learner.optimizer):
@@ -76,23 +93,19 @@ def own_state_bytes(learner) -> int:
 
 
 def worker(layout: str, scratch: Path) -> None:
-    import torch.distributed as dist
-
-    from moe_rl.config import ExperimentConfig
-    from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint
-    from moe_rl.learner.dist import init_distributed
-    from moe_rl.learner.train_step import Learner
 
     torch.set_num_threads(1)
     _, parallel, distopt = LAYOUTS[layout]
-    cfg = ExperimentConfig.model_validate({"model": MODEL, "parallel": parallel, "train": {"seed": 1},
-                                           "optim": {"use_distributed_optimizer": distopt}})  # fmt: skip
+    cfg = ExperimentConfig.model_validate(
+        {"model": MODEL, "parallel": parallel, "train": {"seed": 1}, "optim": {"use_distributed_optimizer": distopt}}
+    )
     init_distributed(cfg.parallel)
     rank = dist.get_rank()
     learner = Learner(cfg, total_steps=2)
     tokens = torch.randint(0, MODEL["vocab_size"], (1, 17), generator=torch.Generator().manual_seed(rank))
-    learner.train_step([{"input_ids": tokens[:, :-1], "targets": tokens[:, 1:]}],
-                       lambda logp, ent, mb: (-logp.mean(), {}))  # fmt: skip
+    learner.train_step(
+        [{"input_ids": tokens[:, :-1], "targets": tokens[:, 1:]}], lambda logp, ent, mb: (-logp.mean(), {})
+    )
     params = sum(p.numel() for p in learner.module.parameters())
     ckpt = scratch / f"ckpt_{layout}"
     dist.barrier()
@@ -102,16 +115,27 @@ def worker(layout: str, scratch: Path) -> None:
         d = save_checkpoint(learner, ckpt)
         save_s = time.perf_counter() - t0
     dist.barrier()
-    written = sum(f.stat().st_size for f in d.iterdir() if f.is_file() and
-                  (f.name.endswith(f"r{rank:05d}.safetensors") or f.name == f"rank_{rank:05d}.safetensors"))  # fmt: skip
+    written = sum(
+        f.stat().st_size
+        for f in d.iterdir()
+        if f.is_file() and (f.name.endswith(f"r{rank:05d}.safetensors") or f.name == f"rank_{rank:05d}.safetensors")
+    )
     written += (d / "meta.json").stat().st_size if rank == 0 else 0
     t0 = time.perf_counter()
     load_checkpoint(learner, ckpt)
     load_s = time.perf_counter() - t0
     dist.barrier()
-    out = {"layout": layout, "rank": rank, "local_params": params, "save_s": save_s, "load_s": load_s,
-           "bytes_written": written, "own_state_bytes": own_state_bytes(learner),
-           "save_peak_rss_increase": mem.peak - before, "load_average": os.getloadavg()[0]}  # fmt: skip
+    out = {
+        "layout": layout,
+        "rank": rank,
+        "local_params": params,
+        "save_s": save_s,
+        "load_s": load_s,
+        "bytes_written": written,
+        "own_state_bytes": own_state_bytes(learner),
+        "save_peak_rss_increase": mem.peak - before,
+        "load_average": os.getloadavg()[0],
+    }
     (scratch / f"{layout}_rank{rank}.json").write_text(json.dumps(out))
     print(json.dumps(out), flush=True)
     dist.destroy_process_group()
@@ -125,25 +149,38 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         return worker(args.worker, Path(args.dir))
-    from moe_rl.learner.dist import free_port
 
     scratch = Path(args.dir or tempfile.mkdtemp(prefix="bench_ckpt_"))
     rows = []
     for layout in args.layouts.split(","):
         nproc = LAYOUTS[layout][0]
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={free_port()}", __file__, "--worker", layout, "--dir", str(scratch)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            f"--master_port={free_port()}",
+            __file__,
+            "--worker",
+            layout,
+            "--dir",
+            str(scratch),
+        ]
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
         rows += [json.loads((scratch / f"{layout}_rank{r}.json").read_text()) for r in range(nproc)]
         subprocess.run(["rm", "-rf", str(scratch / f"ckpt_{layout}")], check=True)
     gb = 1e9
-    print(f"{'layout':<12} {'rank':>4} {'params(M)':>9} {'save s':>7} {'load s':>7} {'written GB':>10} "
-          f"{'own state GB':>12} {'save peak RSS +GB':>17} {'load avg':>8}")  # fmt: skip
+    print(
+        f"{'layout':<12} {'rank':>4} {'params(M)':>9} {'save s':>7} {'load s':>7} {'written GB':>10} "
+        f"{'own state GB':>12} {'save peak RSS +GB':>17} {'load avg':>8}"
+    )
     for r in rows:
-        print(f"{r['layout']:<12} {r['rank']:>4} {r['local_params'] / 1e6:>9.1f} {r['save_s']:>7.1f} {r['load_s']:>7.1f} "
-              f"{r['bytes_written'] / gb:>10.2f} {r['own_state_bytes'] / gb:>12.2f} "
-              f"{r['save_peak_rss_increase'] / gb:>17.3f} {r['load_average']:>8.1f}")  # fmt: skip
+        print(
+            f"{r['layout']:<12} {r['rank']:>4} {r['local_params'] / 1e6:>9.1f} {r['save_s']:>7.1f} {r['load_s']:>7.1f} "
+            f"{r['bytes_written'] / gb:>10.2f} {r['own_state_bytes'] / gb:>12.2f} "
+            f"{r['save_peak_rss_increase'] / gb:>17.3f} {r['load_average']:>8.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -26,16 +26,22 @@ import tempfile
 import time
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from moe_rl.config import load_config
+from moe_rl.data import build_prompt_stream
+from tests.own_data.tiny_hf import build_tokenizer
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def write_dataset(path: Path, n: int) -> None:
-    prompts = [f"Shop {i} sells {i % 97} apples and {i % 89} pears. How many fruits does shop {i} sell?" for i in range(n)]
+    prompts = [
+        f"Shop {i} sells {i % 97} apples and {i % 89} pears. How many fruits does shop {i} sell?" for i in range(n)
+    ]
     labels = [str(i % 97 + i % 89) for i in range(n)]
     if path.suffix == ".parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
         pq.write_table(pa.table({"prompt": prompts, "label": labels, "data_source": ["bench"] * n}), path)
         return
     with path.open("w") as fh:
@@ -52,13 +58,18 @@ def _status(key: str) -> float:
 
 def child(file: str, out_dir: str) -> None:
     """One start: print ``{"seconds", "rss_before_mb", "rss_peak_mb", "prompts"}``."""
-    from moe_rl.config import load_config
-    from moe_rl.data import build_prompt_stream
-    from tests.own_data.tiny_hf import build_tokenizer
 
     tokenizer = build_tokenizer()
-    cfg = load_config(None, [f"data.train_files=[{file}]", "reward.type=math", f"train.output_dir={out_dir}",
-                             "model.seq_length=4096", "rollout.max_new_tokens=64"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            f"data.train_files=[{file}]",
+            "reward.type=math",
+            f"train.output_dir={out_dir}",
+            "model.seq_length=4096",
+            "rollout.max_new_tokens=64",
+        ],
+    )
     tokenizer.apply_chat_template([{"role": "user", "content": "warm up"}], add_generation_prompt=True, tokenize=True)
     for library in ("pyarrow.ipc", "pyarrow.parquet"):  # their own memory is not the dataset's
         importlib.import_module(library)
@@ -69,14 +80,22 @@ def child(file: str, out_dir: str) -> None:
     stream = build_prompt_stream(cfg, tokenizer, log=None)
     prompts = stream.next_prompts(0, 16)
     seconds = time.perf_counter() - t0
-    print(json.dumps({"seconds": seconds, "rss_before_mb": before, "rss_peak_mb": _status("VmHWM"),
-                      "prompts": len(prompts)}))  # fmt: skip
+    print(
+        json.dumps(
+            {"seconds": seconds, "rss_before_mb": before, "rss_peak_mb": _status("VmHWM"), "prompts": len(prompts)}
+        )
+    )
 
 
 def measure(file: Path, out_dir: Path, code: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(code), str(ROOT)])}
-    proc = subprocess.run([sys.executable, __file__, "--child", str(file), str(out_dir)], env=env, text=True,
-                          capture_output=True, check=True)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", str(file), str(out_dir)],
+        env=env,
+        text=True,
+        capture_output=True,
+        check=True,
+    )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -101,9 +120,12 @@ def main() -> None:
                 out_dir = Path(tmp) / f"run_{n}_{fmt}"
                 for start in ("cold", "warm"):
                     r = measure(file, out_dir, args.code)
-                    print(f"| {n:,} | {fmt} | {file.stat().st_size / 2**20:.1f} | {start} | {r['seconds']:.2f} | "
-                          f"{r['rss_before_mb']:.0f} | {r['rss_peak_mb']:.0f} | "
-                          f"{r['rss_peak_mb'] - r['rss_before_mb']:.0f} |", flush=True)  # fmt: skip
+                    print(
+                        f"| {n:,} | {fmt} | {file.stat().st_size / 2**20:.1f} | {start} | {r['seconds']:.2f} | "
+                        f"{r['rss_before_mb']:.0f} | {r['rss_peak_mb']:.0f} | "
+                        f"{r['rss_peak_mb'] - r['rss_before_mb']:.0f} |",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

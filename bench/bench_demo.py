@@ -20,12 +20,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import re
 import subprocess
 import sys
 import tempfile
 import time
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,8 +39,18 @@ def run_once(config: str, overrides: list[str], seed: int | None) -> dict:
     seeds = [] if seed is None else [f"train.seed={seed}", f"train.warm_start.seed={seed}"]
     with tempfile.TemporaryDirectory(prefix="bench_demo_") as tmp:
         out = Path(tmp) / "run"
-        cmd = [sys.executable, "-m", "moe_rl.cli", "train", config, f"train.output_dir={out}",
-               f"train.warm_start.cache_dir={Path(tmp) / 'cache'}", "logging.progress=false", *seeds, *overrides]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "moe_rl.cli",
+            "train",
+            config,
+            f"train.output_dir={out}",
+            f"train.warm_start.cache_dir={Path(tmp) / 'cache'}",
+            "logging.progress=false",
+            *seeds,
+            *overrides,
+        ]
         load_before = os.getloadavg()
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
@@ -48,43 +62,60 @@ def run_once(config: str, overrides: list[str], seed: int | None) -> dict:
     rewards = [r["reward/mean"] for r in records]
     first3, last3 = sum(rewards[:3]) / len(rewards[:3]), sum(rewards[-3:]) / len(rewards[-3:])
     return {
-        "seed": seed, "wall_s": round(wall, 1), "warm_start_s": float(warm.group(1)) if warm else None,
+        "seed": seed,
+        "wall_s": round(wall, 1),
+        "warm_start_s": float(warm.group(1)) if warm else None,
         "warm_start_nll": float(warm.group(2)) if warm else None,
-        "first3": round(first3, 4), "last3": round(last3, 4), "gain": round(last3 - first3, 4),
-        "reward_first": round(rewards[0], 4), "reward_last": round(rewards[-1], 4), "reward_max": round(max(rewards), 4),
-        "steps": len(rewards), "rewards": [round(r, 3) for r in rewards],
-        "load_before": [round(x, 2) for x in load_before], "load_after": [round(x, 2) for x in os.getloadavg()],
-    }  # fmt: skip
+        "first3": round(first3, 4),
+        "last3": round(last3, 4),
+        "gain": round(last3 - first3, 4),
+        "reward_first": round(rewards[0], 4),
+        "reward_last": round(rewards[-1], 4),
+        "reward_max": round(max(rewards), 4),
+        "steps": len(rewards),
+        "rewards": [round(r, 3) for r in rewards],
+        "load_before": [round(x, 2) for x in load_before],
+        "load_after": [round(x, 2) for x in os.getloadavg()],
+    }
 
 
 def machine() -> dict:
     """What a run's numbers depend on besides the code and the seeds (docs/demo/README.md, "Deterministic")."""
-    import platform
-    from importlib.metadata import PackageNotFoundError, version
 
-    import torch
-
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())  # fmt: skip
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
     versions = {}
     for pkg in ("torch", "sglang", "megatron-core"):
         try:
             versions[pkg] = version(pkg)
         except PackageNotFoundError:
             versions[pkg] = None
-    return {"cpu": cpu, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), **versions}  # fmt: skip
+    return {
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        **versions,
+    }
 
 
 def summary(runs: list[dict]) -> dict:
     last3 = [r["last3"] for r in runs]
     return {
-        "seeds": [r["seed"] for r in runs], "last3_band": [min(last3), max(last3)],
+        "seeds": [r["seed"] for r in runs],
+        "last3_band": [min(last3), max(last3)],
         "first3_band": [min(r["first3"] for r in runs), max(r["first3"] for r in runs)],
-        "min_gain": min(r["gain"] for r in runs), "max_wall_s": max(r["wall_s"] for r in runs),
+        "min_gain": min(r["gain"] for r in runs),
+        "max_wall_s": max(r["wall_s"] for r in runs),
         "every_run_last3_ge_0.8": all(x >= 0.8 for x in last3),
         "every_run_gain_ge_0.3": all(r["gain"] >= 0.3 for r in runs),
-    }  # fmt: skip
+    }
 
 
 def main() -> None:

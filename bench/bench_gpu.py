@@ -16,12 +16,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
+from megatron.core import parallel_state
+
+from moe_rl.config import ExperimentConfig, FP8Config
+from moe_rl.learner.dist import init_distributed
+from moe_rl.learner.fp8 import fp8_runtime_missing
+from moe_rl.learner.mcore_compat import megatron_core_version
+from moe_rl.learner.model import build_model, forward_logits, use_transformer_engine
+from moe_rl.learner.train_step import Learner
+from moe_rl.replay.binding import RoutingReplay
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -33,16 +44,31 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--fp8", action="store_true", help="also a TE FP8 forward/backward (needs TE)")
-    ap.add_argument("--deterministic", action="store_true",
-                    help="also the cost of precision.deterministic: plain fwd+bwd with deterministic algorithms on vs off")
+    ap.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="also the cost of precision.deterministic: plain fwd+bwd with deterministic algorithms on vs off",
+    )
     ap.add_argument("--only", default="", help="comma-separated sections to run (replay, learner, fp8, deterministic)")
-    ap.add_argument("--smoke", action="store_true",
-                    help="tiny shape, CPU allowed: checks the benchmark code path only (figures meaningless)")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny shape, CPU allowed: checks the benchmark code path only (figures meaningless)",
+    )
     return ap.parse_args()
 
 
-SMOKE_SHAPE = dict(hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2, kv_channels=16,
-                   vocab_size=512, num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32)
+SMOKE_SHAPE = dict(
+    hidden_size=64,
+    ffn_hidden_size=128,
+    num_attention_heads=4,
+    num_query_groups=2,
+    kv_channels=16,
+    vocab_size=512,
+    num_moe_experts=8,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=32,
+)
 
 
 LEARNER_SHAPE = dict(hidden_size=1024, num_attention_heads=16, num_query_groups=4, kv_channels=64, num_moe_experts=64)
@@ -51,19 +77,29 @@ used this one): 4 MoE layers, hidden 1024, 64 experts top-8, same vocab and toke
 
 
 def realistic_cfg(layers: int, tokens: int, fp8: dict | None = None, smoke: bool = False, learner: bool = False):
-    from moe_rl.config import ExperimentConfig
 
-    model = dict(num_layers=layers, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=32,
-                 num_query_groups=4, kv_channels=128, vocab_size=151936, seq_length=tokens,
-                 num_moe_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768,
-                 moe_token_dispatcher_type="alltoall")
+    model = dict(
+        num_layers=layers,
+        hidden_size=2048,
+        ffn_hidden_size=6144,
+        num_attention_heads=32,
+        num_query_groups=4,
+        kv_channels=128,
+        vocab_size=151936,
+        seq_length=tokens,
+        num_moe_experts=128,
+        moe_router_topk=8,
+        moe_ffn_hidden_size=768,
+        moe_token_dispatcher_type="alltoall",
+    )
     if learner:
         model.update(LEARNER_SHAPE)
     if smoke:
         model.update(SMOKE_SHAPE)
     precision = {"params_dtype": "float32" if smoke else "bfloat16", "fp8": fp8}
-    return ExperimentConfig.model_validate({"model": model, "precision": precision,
-                                            "optim": {"lr": 1e-6, "clip_grad": 1.0}})
+    return ExperimentConfig.model_validate(
+        {"model": model, "precision": precision, "optim": {"lr": 1e-6, "clip_grad": 1.0}}
+    )
 
 
 def _sync() -> None:
@@ -80,8 +116,6 @@ def _timed(fn) -> float:
 
 
 def bench_replay(cfg, rounds: int, warmup: int) -> dict:
-    from moe_rl.learner.model import build_model, forward_logits
-    from moe_rl.replay.binding import RoutingReplay
 
     model = build_model(cfg, seed=0)
     replay = RoutingReplay(model)
@@ -110,17 +144,20 @@ def bench_replay(cfg, rounds: int, warmup: int) -> dict:
         times["r3"].append(_timed(r3))
     ratios = [r / p for r, p in zip(times["r3"], times["plain"])]
     replay.close()
-    del model
+    model = None  # frees the model (the closures above hold it)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return {"plain_ms": 1e3 * statistics.median(times["plain"]), "r3_ms": 1e3 * statistics.median(times["r3"]),
-            "r3_over_plain": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-            "rounds": rounds}
+    return {
+        "plain_ms": 1e3 * statistics.median(times["plain"]),
+        "r3_ms": 1e3 * statistics.median(times["r3"]),
+        "r3_over_plain": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "rounds": rounds,
+    }
 
 
 def bench_learner_step(cfg, steps: int = 5) -> dict:
-    from moe_rl.learner.train_step import Learner
-    from moe_rl.replay.binding import RoutingReplay
 
     learner = Learner(cfg, total_steps=steps + 1)
     replay = RoutingReplay(learner.model)
@@ -153,9 +190,6 @@ def bench_deterministic(cfg, rounds: int, warmup: int) -> dict:
     fwd+bwd with ``torch.use_deterministic_algorithms`` off, then on (``warn_only``, as the library sets it). The
     cuBLAS workspace it needs (``CUBLAS_WORKSPACE_CONFIG``) is set for both arms: it must precede the first cuBLAS
     call. Also lists the ops that warned they have no deterministic implementation at this shape."""
-    import warnings
-
-    from moe_rl.learner.model import build_model, forward_logits
 
     model = build_model(cfg, seed=0)
     ids = torch.randint(0, cfg.model.vocab_size, (1, cfg.model.seq_length), generator=torch.Generator().manual_seed(0))
@@ -169,27 +203,30 @@ def bench_deterministic(cfg, rounds: int, warmup: int) -> dict:
         warnings.simplefilter("always")
         for _ in range(warmup):
             step(False), step(True)
-    nondeterministic = sorted({str(w.message).splitlines()[0][:160] for w in caught
-                               if "deterministic" in str(w.message)})  # fmt: skip
+    nondeterministic = sorted(
+        {str(w.message).splitlines()[0][:160] for w in caught if "deterministic" in str(w.message)}
+    )
     times = {"off": [], "on": []}
     for _ in range(rounds):
         times["off"].append(_timed(lambda: step(False)))
         times["on"].append(_timed(lambda: step(True)))
     torch.use_deterministic_algorithms(False)
     ratios = [a / b for a, b in zip(times["on"], times["off"])]
-    return {"det_off_ms": 1e3 * statistics.median(times["off"]), "det_on_ms": 1e3 * statistics.median(times["on"]),
-            "det_on_over_off": statistics.median(ratios), "det_ratio_min": min(ratios), "det_ratio_max": max(ratios),
-            "det_ops_without_deterministic_impl": nondeterministic}
+    return {
+        "det_off_ms": 1e3 * statistics.median(times["off"]),
+        "det_on_ms": 1e3 * statistics.median(times["on"]),
+        "det_on_over_off": statistics.median(ratios),
+        "det_ratio_min": min(ratios),
+        "det_ratio_max": max(ratios),
+        "det_ops_without_deterministic_impl": nondeterministic,
+    }
 
 
 def bench_fp8(layers: int, tokens: int) -> dict:
-    from moe_rl.learner.fp8 import fp8_runtime_missing
-    from moe_rl.learner.model import build_model, forward_logits
 
     missing = fp8_runtime_missing()
     if missing:
         return {"fp8_ran": False, "fp8_missing": missing}
-    from moe_rl.config import FP8Config
 
     cfg = realistic_cfg(layers, tokens, fp8=FP8Config().model_dump())
     model = build_model(cfg, seed=0)
@@ -206,24 +243,27 @@ def main() -> int:
         print("bench_gpu: no CUDA GPU visible (torch.cuda.is_available() is False); nothing to measure")
         return 2
     if args.deterministic:  # before the first cuBLAS call (bench_deterministic)
-        import os
-
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    from megatron.core import parallel_state
-
-    from moe_rl.learner.dist import init_distributed
-    from moe_rl.learner.mcore_compat import megatron_core_version
-    from moe_rl.learner.model import use_transformer_engine
 
     cfg = realistic_cfg(args.layers, args.tokens, smoke=args.smoke)
     init_distributed(cfg.parallel, environ={})
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (--smoke on CPU)"
-    out = {"gpu": gpu, "torch": torch.__version__, "smoke": args.smoke,
-           "megatron_core": ".".join(map(str, megatron_core_version())),
-           "spec": "te" if use_transformer_engine() else "local", "layers": args.layers, "tokens": args.tokens}
-    sections = [("replay", lambda: bench_replay(cfg, args.rounds, args.warmup)),
-                ("learner", lambda: bench_learner_step(
-                    realistic_cfg(args.layers, args.tokens, smoke=args.smoke, learner=True)))]
+    out = {
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "smoke": args.smoke,
+        "megatron_core": ".".join(map(str, megatron_core_version())),
+        "spec": "te" if use_transformer_engine() else "local",
+        "layers": args.layers,
+        "tokens": args.tokens,
+    }
+    sections = [
+        ("replay", lambda: bench_replay(cfg, args.rounds, args.warmup)),
+        (
+            "learner",
+            lambda: bench_learner_step(realistic_cfg(args.layers, args.tokens, smoke=args.smoke, learner=True)),
+        ),
+    ]
     if args.fp8:
         sections.append(("fp8", lambda: bench_fp8(args.layers, args.tokens)))
     if args.deterministic:

@@ -44,8 +44,12 @@ app.router.add_post("/generate", generate)
 web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
 """
 
-BODY = {"input_ids": list(range(20)), "sampling_params": {"max_new_tokens": 13, "temperature": 3.0, "sampling_seed": 5},
-        "return_logprob": True, "return_routed_experts": True}  # fmt: skip
+BODY = {
+    "input_ids": list(range(20)),
+    "sampling_params": {"max_new_tokens": 13, "temperature": 3.0, "sampling_seed": 5},
+    "return_logprob": True,
+    "return_routed_experts": True,
+}
 
 
 async def with_httpx(url: str, n: int, concurrency: int) -> None:
@@ -104,9 +108,17 @@ def main() -> None:
                 cpu[name].append((time.process_time() - c0) / args.requests * 1e3)
                 wall[name].append(time.perf_counter() - w0)
         for name in clients:
-            print(json.dumps({"client": name, "cpu_ms_per_request": round(statistics.median(cpu[name]), 3),
-                              "cpu_ms_min_max": [round(min(cpu[name]), 3), round(max(cpu[name]), 3)],
-                              "batch_wall_s": round(statistics.median(wall[name]), 3)}), flush=True)  # fmt: skip
+            print(
+                json.dumps(
+                    {
+                        "client": name,
+                        "cpu_ms_per_request": round(statistics.median(cpu[name]), 3),
+                        "cpu_ms_min_max": [round(min(cpu[name]), 3), round(max(cpu[name]), 3)],
+                        "batch_wall_s": round(statistics.median(wall[name]), 3),
+                    }
+                ),
+                flush=True,
+            )
         print(f"httpx_vs_aiohttp_cpu={statistics.median(cpu['httpx']) / statistics.median(cpu['aiohttp']):.2f}")
     finally:
         server.terminate()

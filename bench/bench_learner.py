@@ -15,7 +15,16 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from moe_rl.config import ExperimentConfig
+from moe_rl.learner.dist import free_port, init_distributed
+from moe_rl.learner.logprobs import response_logprobs
+from moe_rl.learner.train_step import Learner
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -36,11 +45,17 @@ def parse() -> argparse.Namespace:
 
 
 def relaunch_under_torchrun(args: argparse.Namespace) -> int:
-    from moe_rl.learner.dist import free_port
 
     port = args.master_port or free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ranks or args.ep}",
-           f"--master_port={port}", __file__, *sys.argv[1:]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={args.ranks or args.ep}",
+        f"--master_port={port}",
+        __file__,
+        *sys.argv[1:],
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(args.threads)}
     return subprocess.call(cmd, env=env)
 
@@ -50,22 +65,17 @@ def main() -> None:
     if (args.ranks or args.ep) > 1 and "RANK" not in os.environ:
         sys.exit(relaunch_under_torchrun(args))
 
-    import warnings
-
     warnings.filterwarnings("ignore")
-    import torch
-    import torch.distributed as dist
 
     torch.set_num_threads(args.threads)
-    from moe_rl.config import ExperimentConfig
-    from moe_rl.learner.dist import init_distributed
-    from moe_rl.learner.logprobs import response_logprobs
-    from moe_rl.learner.train_step import Learner
 
-    cfg = ExperimentConfig.model_validate({
-        "model": {"moe_token_dispatcher_type": args.dispatcher}, "parallel": {"ep": args.ep},
-        "train": {"micro_batch_size": args.micro_batch},
-    })
+    cfg = ExperimentConfig.model_validate(
+        {
+            "model": {"moe_token_dispatcher_type": args.dispatcher},
+            "parallel": {"ep": args.ep},
+            "train": {"micro_batch_size": args.micro_batch},
+        }
+    )
     init_distributed(cfg.parallel)
     rank, world = dist.get_rank(), dist.get_world_size()
     learner = Learner(cfg, total_steps=1)
@@ -93,11 +103,15 @@ def main() -> None:
     tokens_per_iter = world * args.micro_batch * args.seq
     if rank == 0:
         m = cfg.model
-        print(f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_moe_experts} experts top-{m.moe_router_topk}, "
-              f"vocab {m.vocab_size}; ranks {world}, ep {args.ep}, dispatcher {args.dispatcher}, "
-              f"threads/rank {args.threads}, load avg {os.getloadavg()[0]:.1f}")
-        print(f"tokens/iter {tokens_per_iter}  median {median * 1e3:.1f} ms  best {times[0] * 1e3:.1f} ms  "
-              f"fwd+bwd tokens/s (median) {tokens_per_iter / median:,.0f}  (best) {tokens_per_iter / times[0]:,.0f}")
+        print(
+            f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_moe_experts} experts top-{m.moe_router_topk}, "
+            f"vocab {m.vocab_size}; ranks {world}, ep {args.ep}, dispatcher {args.dispatcher}, "
+            f"threads/rank {args.threads}, load avg {os.getloadavg()[0]:.1f}"
+        )
+        print(
+            f"tokens/iter {tokens_per_iter}  median {median * 1e3:.1f} ms  best {times[0] * 1e3:.1f} ms  "
+            f"fwd+bwd tokens/s (median) {tokens_per_iter / median:,.0f}  (best) {tokens_per_iter / times[0]:,.0f}"
+        )
     dist.destroy_process_group()
 
 

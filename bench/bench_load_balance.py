@@ -46,8 +46,19 @@ MODEL = ModelConfig(num_layers=2, vocab_size=512)
 def start_router(path: str, urls: list[str], policy: str, log: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": f"{path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-           "--policy", policy, "--worker-urls", *urls]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang_router.launch_router",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--policy",
+        policy,
+        "--worker-urls",
+        *urls,
+    ]
     proc = subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -83,8 +94,9 @@ def main() -> None:
         write_random_hf_checkpoint(MODEL, model_dir, seed=0)
         servers = []
         for core in (0, 1):
-            spec = ServerSpec(str(model_dir), cpu_threads=1, cpu_affinity=(core,), mem_fraction_static=0.2,
-                              startup_timeout_s=900)  # fmt: skip
+            spec = ServerSpec(
+                str(model_dir), cpu_threads=1, cpu_affinity=(core,), mem_fraction_static=0.2, startup_timeout_s=900
+            )
             servers.append(SGLangServer(spec, Path(tmp) / f"server_{core}.log").start())
         router = None
         try:
@@ -93,8 +105,16 @@ def main() -> None:
             sampling = SamplingSettings(max_new_tokens=args.new_tokens)
 
             def client(addresses, balance="least_outstanding"):
-                return RolloutClient(addresses, route_spec, MODEL.vocab_size, sampling, max_concurrency=args.concurrency,
-                                     return_sampling_mask=False, stop_token_ids=stop, load_balance=balance)  # fmt: skip
+                return RolloutClient(
+                    addresses,
+                    route_spec,
+                    MODEL.vocab_size,
+                    sampling,
+                    max_concurrency=args.concurrency,
+                    return_sampling_mask=False,
+                    stop_token_ids=stop,
+                    load_balance=balance,
+                )
 
             modes = {"round_robin": client(urls, "round_robin"), "least_outstanding": client(urls)}
             if args.router:
@@ -109,14 +129,17 @@ def main() -> None:
             walls, routes_ok = collections.defaultdict(list), {}
             names = list(modes)
             for r in range(args.rounds):
-                for name in names[r % len(names):] + names[: r % len(names)]:
+                for name in names[r % len(names) :] + names[: r % len(names)]:
                     t0 = time.perf_counter()
                     samples = modes[name].generate(prompts, n=1, step=r)
                     walls[name].append(time.perf_counter() - t0)
                     routes_ok[name] = all(s.routes is not None for s in samples)
                     lens = [len(s.response_ids) for s in samples]
-                    print(f"round {r} {name:24s} {walls[name][-1]:6.2f} s  {sum(lens)} tokens "
-                          f"(len {min(lens)}-{max(lens)})  load {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
+                    print(
+                        f"round {r} {name:24s} {walls[name][-1]:6.2f} s  {sum(lens)} tokens "
+                        f"(len {min(lens)}-{max(lens)})  load {os.getloadavg()[0]:.2f}",
+                        flush=True,
+                    )
         finally:
             if router is not None:
                 router.kill()
@@ -126,8 +149,10 @@ def main() -> None:
         if name not in walls:
             continue
         w = sorted(walls[name])
-        print(f"{name:24s} median {statistics.median(w):.2f} s (min {w[0]:.2f}, max {w[-1]:.2f}) over {len(w)} rounds; "
-              f"routes kept: {routes_ok[name]}")  # fmt: skip
+        print(
+            f"{name:24s} median {statistics.median(w):.2f} s (min {w[0]:.2f}, max {w[-1]:.2f}) over {len(w)} rounds; "
+            f"routes kept: {routes_ok[name]}"
+        )
     ratio = statistics.median(walls["round_robin"]) / statistics.median(walls["least_outstanding"])
     print(f"least_outstanding_vs_round_robin={ratio:.3f}")
 

@@ -29,24 +29,48 @@ def main(overrides: list[str]) -> None:
         model, out = Path(tmp) / "model", Path(tmp) / "run"
         load_before = os.getloadavg()
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, str(ROOT / "scripts/make_math_example.py"), "model", "--out", str(model)],
-                       check=True, cwd=ROOT, capture_output=True)  # fmt: skip
+        subprocess.run(
+            [sys.executable, str(ROOT / "scripts/make_math_example.py"), "model", "--out", str(model)],
+            check=True,
+            cwd=ROOT,
+            capture_output=True,
+        )
         t1 = time.perf_counter()
-        cmd = [sys.executable, "-m", "moe_rl.cli", "train", str(ROOT / "configs/math_cpu.yaml"), f"model.hf_path={model}",
-               f"train.output_dir={out}", "logging.progress=false", *overrides]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "moe_rl.cli",
+            "train",
+            str(ROOT / "configs/math_cpu.yaml"),
+            f"model.hf_path={model}",
+            f"train.output_dir={out}",
+            "logging.progress=false",
+            *overrides,
+        ]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         t2 = time.perf_counter()
         if proc.returncode:
             sys.exit(f"moe-rl train failed:\n{proc.stderr[-3000:]}")
         lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-        evals = [{"step": m["step"], "pass@1": m["eval/test/pass@1"], "pass@4": m.get("eval/test/pass@4")}
-                 for m in lines if "eval/test/pass@1" in m]  # fmt: skip
+        evals = [
+            {"step": m["step"], "pass@1": m["eval/test/pass@1"], "pass@4": m.get("eval/test/pass@4")}
+            for m in lines
+            if "eval/test/pass@1" in m
+        ]
         rewards = [m["reward/mean"] for m in lines if "reward/mean" in m]
         truncated = [m["response/truncated_frac"] for m in lines if "response/truncated_frac" in m]
-    result = {"build_s": round(t1 - t0, 1), "rl_s": round(t2 - t1, 1), "rl_steps": len(rewards), "evals": evals,
-              "reward_first3": sum(rewards[:3]) / 3, "reward_last3": sum(rewards[-3:]) / 3,
-              "truncated_first3": sum(truncated[:3]) / 3, "truncated_last3": sum(truncated[-3:]) / 3,
-              "load_before": load_before, "load_after": os.getloadavg()}  # fmt: skip
+    result = {
+        "build_s": round(t1 - t0, 1),
+        "rl_s": round(t2 - t1, 1),
+        "rl_steps": len(rewards),
+        "evals": evals,
+        "reward_first3": sum(rewards[:3]) / 3,
+        "reward_last3": sum(rewards[-3:]) / 3,
+        "truncated_first3": sum(truncated[:3]) / 3,
+        "truncated_last3": sum(truncated[-3:]) / 3,
+        "load_before": load_before,
+        "load_after": os.getloadavg(),
+    }
     print(json.dumps(result))
     print(f"math_pass1_gain={evals[-1]['pass@1'] - evals[0]['pass@1']:.3f}")
 

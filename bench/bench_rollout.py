@@ -14,6 +14,7 @@ The last line is `recording_throughput_ratio=<median>`.
 from __future__ import annotations
 
 import argparse
+import base64
 import os
 import statistics
 import tempfile
@@ -68,7 +69,6 @@ def wire_report(url: str, client: RolloutClient, prompt: list[int]) -> str:
 
 def route_decode_gbps(dtype: str, tokens: int = 8192, layers: int = 48, top_k: int = 8, experts: int = 128) -> float:
     """Client decode throughput of a Qwen3-30B-A3B-shaped reply, GB/s of int32-equivalent data."""
-    import base64
 
     rng = np.random.default_rng(0)
     routes = np.argsort(rng.random((tokens, layers, experts), dtype=np.float32), axis=-1)[..., :top_k]
@@ -99,12 +99,17 @@ def main() -> None:
         model_dir, prompts, make = make_clients(Path(tmp), args.concurrency, args.new_tokens)
         t0 = time.perf_counter()
         server_spec = ServerSpec(
-            str(model_dir), dtype=args.dtype, deterministic=args.deterministic, mem_fraction_static=0.3,
+            str(model_dir),
+            dtype=args.dtype,
+            deterministic=args.deterministic,
+            mem_fraction_static=0.3,
             startup_timeout_s=900,  # a shared, loaded machine can take minutes
         )
         with SGLangServer(server_spec, Path(tmp) / "server.log") as server:
-            print(f"server healthy after {time.perf_counter() - t0:.1f} s ({args.dtype}, "
-                  f"deterministic={args.deterministic}); load average {os.getloadavg()[0]:.1f}")  # fmt: skip
+            print(
+                f"server healthy after {time.perf_counter() - t0:.1f} s ({args.dtype}, "
+                f"deterministic={args.deterministic}); load average {os.getloadavg()[0]:.1f}"
+            )
             clients = make(server.url)
             for client in clients.values():  # warm-up: torch.compile of the seeded sampler, batch shapes
                 client.generate(prompts, n=1, step=10_000)
@@ -124,14 +129,20 @@ def main() -> None:
     plain, full = results["plain (logprobs)"], results["routes+masks"]
     ratios = sorted(f / p for f, p in zip(full, plain))
     for name, values in results.items():
-        print(f"median {name:18s}: {statistics.median(values):.0f} generated tok/s "
-              f"(min {min(values):.0f}, max {max(values):.0f}; {args.concurrency} concurrent)")  # fmt: skip
+        print(
+            f"median {name:18s}: {statistics.median(values):.0f} generated tok/s "
+            f"(min {min(values):.0f}, max {max(values):.0f}; {args.concurrency} concurrent)"
+        )
     q1, q3 = np.percentile(ratios, [25, 75])
-    print(f"route decode: uint8 {route_decode_gbps('uint8'):.1f} GB/s, int32 (upstream) "
-          f"{route_decode_gbps('int32'):.1f} GB/s int32-equivalent (8192 tokens x 48 layers x top-8)")  # fmt: skip
+    print(
+        f"route decode: uint8 {route_decode_gbps('uint8'):.1f} GB/s, int32 (upstream) "
+        f"{route_decode_gbps('int32'):.1f} GB/s int32-equivalent (8192 tokens x 48 layers x top-8)"
+    )
     print(f"load average during the pairs: {min(loads):.1f}-{max(loads):.1f} (2 cores)")
-    print(f"ratio per pair: {' '.join(f'{r:.3f}' for r in ratios)}; "
-          f"spread min {ratios[0]:.3f} / IQR {q1:.3f}-{q3:.3f} / max {ratios[-1]:.3f}")  # fmt: skip
+    print(
+        f"ratio per pair: {' '.join(f'{r:.3f}' for r in ratios)}; "
+        f"spread min {ratios[0]:.3f} / IQR {q1:.3f}-{q3:.3f} / max {ratios[-1]:.3f}"
+    )
     print(f"recording_throughput_ratio={statistics.median(ratios):.3f}")
 
 

@@ -20,15 +20,37 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
+from moe_rl.config.loader import load_config
+from moe_rl.learner.dist import init_distributed
+from moe_rl.learner.logprobs import response_logprobs
+from moe_rl.learner.model import build_model
+
 KEYS = ("rollout/tokens_per_s", "time/rollout_s", "time/old_logp_s", "time/train_s", "time/step_s")
 EXACT = ("offpolicy/log_ratio_abs_max", "offpolicy/kl_k3", "replay/rollout_vs_natural/response/flip_rate")
 
 
 def run(config: str, out: Path, steps: int, exact: bool, extra: list[str]) -> list[dict]:
-    cmd = [sys.executable, "-m", "moe_rl.cli", "train", config, f"train.output_dir={out}", f"train.steps={steps}",
-           f"rollout.true_on_policy={str(exact).lower()}", "rollout.dtype=float32", "train.minibatches_per_step=1",
-           "replay.keep_sampling_mask=false", "replay.routing=none", "checkpoint.save_interval=1000",
-           "logging.tensorboard=false", "logging.progress=false", "rollout.startup_timeout_s=900", *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "moe_rl.cli",
+        "train",
+        config,
+        f"train.output_dir={out}",
+        f"train.steps={steps}",
+        f"rollout.true_on_policy={str(exact).lower()}",
+        "rollout.dtype=float32",
+        "train.minibatches_per_step=1",
+        "replay.keep_sampling_mask=false",
+        "replay.routing=none",
+        "checkpoint.save_interval=1000",
+        "logging.tensorboard=false",
+        "logging.progress=false",
+        "rollout.startup_timeout_s=900",
+        *extra,
+    ]
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     print(f"# {'exact' if exact else 'stock'} run: {time.perf_counter() - t0:.0f} s wall", flush=True)
@@ -37,12 +59,6 @@ def run(config: str, out: Path, steps: int, exact: bool, extra: list[str]) -> li
 
 def learner_only(config: str, batch: int, seq: int, repeats: int = 3) -> None:
     """Median forward and forward+backward time of the learner on one ``[batch, seq]`` microbatch."""
-    import torch
-
-    from moe_rl.config.loader import load_config
-    from moe_rl.learner.dist import init_distributed
-    from moe_rl.learner.logprobs import response_logprobs
-    from moe_rl.learner.model import build_model
 
     torch.set_num_threads(1)
     base = load_config(config, ["rollout.dtype=float32", "replay.keep_sampling_mask=false"])
@@ -89,8 +105,10 @@ def main() -> None:
         a, b = (statistics.median(m[key] for m in rows[e][1:]) for e in (False, True))
         print(f"| {key} | {a:.3g} | {b:.3g} | {b / a:.2f}x |")
     for key in EXACT:
-        print(f"| {key} (max over steps) | {max(m[key] for m in rows[False]):.3g} | "
-              f"{max(m[key] for m in rows[True]):.3g} | |")
+        print(
+            f"| {key} (max over steps) | {max(m[key] for m in rows[False]):.3g} | "
+            f"{max(m[key] for m in rows[True]):.3g} | |"
+        )
 
 
 if __name__ == "__main__":

@@ -35,8 +35,22 @@ def record(seconds: float, out: Path, send_batch) -> None:
     pyspy = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy")
     if pyspy is None:
         raise SystemExit("py-spy not found next to this python or on PATH (it ships with the SGLang install)")
-    cmd = [pyspy, "record", "--pid", str(os.getpid()), "--subprocesses", "--nonblocking", "--rate", "100",
-           "--duration", str(int(seconds)), "--format", "raw", "--output", str(out)]  # fmt: skip
+    cmd = [
+        pyspy,
+        "record",
+        "--pid",
+        str(os.getpid()),
+        "--subprocesses",
+        "--nonblocking",
+        "--rate",
+        "100",
+        "--duration",
+        str(int(seconds)),
+        "--format",
+        "raw",
+        "--output",
+        str(out),
+    ]
     spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     time.sleep(1.0)
     batches = 0
@@ -50,8 +64,12 @@ def record(seconds: float, out: Path, send_batch) -> None:
 
 def role(process_label: str) -> str:
     label = process_label.lower()
-    for key, name in (("scheduler", "scheduler"), ("detokenizer", "detokenizer"), ("launch_server", "http+tokenizer"),
-                      ("profile_rollout", "client (bench)")):  # fmt: skip
+    for key, name in (
+        ("scheduler", "scheduler"),
+        ("detokenizer", "detokenizer"),
+        ("launch_server", "http+tokenizer"),
+        ("profile_rollout", "client (bench)"),
+    ):
         if key in label:
             return name
     return process_label[:40]
@@ -102,11 +120,15 @@ def summarize(paths: dict[str, Path], top: int) -> str:
         (a, (_, inc_a, tot_a)), (b, (_, inc_b, tot_b)) = (modes[0], data[modes[0]]), (modes[1], data[modes[1]])
         keys = set(inc_a) | set(inc_b)
         diff = sorted(keys, key=lambda k: -(inc_b[k] / tot_b - inc_a[k] / tot_a))
-        lines.append(f"## frames whose share grows most from '{a}' to '{b}' (percent of all busy samples; "
-                     "'self:' = time in that frame itself, else inclusive; entry frames omitted)")
+        lines.append(
+            f"## frames whose share grows most from '{a}' to '{b}' (percent of all busy samples; "
+            "'self:' = time in that frame itself, else inclusive; entry frames omitted)"
+        )
         for who, frame in diff[:top]:
-            lines.append(f"  {100 * inc_a[(who, frame)] / tot_a:5.1f}% -> {100 * inc_b[(who, frame)] / tot_b:5.1f}%  "
-                         f"[{who}] {frame}")  # fmt: skip
+            lines.append(
+                f"  {100 * inc_a[(who, frame)] / tot_a:5.1f}% -> {100 * inc_b[(who, frame)] / tot_b:5.1f}%  "
+                f"[{who}] {frame}"
+            )
     return "\n".join(lines)
 
 
@@ -122,8 +144,9 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, prompts, clients = make_clients(Path(tmp), args.concurrency, args.new_tokens)
-        spec = ServerSpec(str(model_dir), dtype=args.dtype, deterministic=True, mem_fraction_static=0.3,
-                          startup_timeout_s=900)
+        spec = ServerSpec(
+            str(model_dir), dtype=args.dtype, deterministic=True, mem_fraction_static=0.3, startup_timeout_s=900
+        )
         with SGLangServer(spec, Path(tmp) / "server.log") as server:
             clients = clients(server.url)
             for client in clients.values():

@@ -23,6 +23,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_weight_sync import MODELS
+
 from moe_rl.config import ExperimentConfig  # noqa: E402
 from moe_rl.learner.dist import destroy_distributed, init_distributed  # noqa: E402
 from moe_rl.learner.hf_convert import export_hf_state_dict  # noqa: E402
@@ -64,12 +66,12 @@ def main() -> None:
     url, v1, v2, out = sys.argv[1], sys.argv[2], sys.argv[3], Path(sys.argv[4])
     modes, repeats, bucket_mb, name = sys.argv[5].split(","), int(sys.argv[6]), int(sys.argv[7]), sys.argv[8]
     sys.path.insert(0, str(Path(__file__).parent))
-    from bench_weight_sync import MODELS
 
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg = ExperimentConfig(model=MODELS[name].model_dump(), parallel={"ep": world},
-                           checkpoint={"init_from_hf": v2}, train={"steps": 1})  # fmt: skip
+    cfg = ExperimentConfig(
+        model=MODELS[name].model_dump(), parallel={"ep": world}, checkpoint={"init_from_hf": v2}, train={"steps": 1}
+    )
     init_distributed(cfg.parallel)
     learner = Learner(cfg)
     rank0 = dist.get_rank() == 0
@@ -77,9 +79,16 @@ def main() -> None:
     rows = []
     for mode in modes:
         how, transport = mode.split("-")
-        ws = WeightSync(transport, cfg.model, export_dir=out.parent / f"export-{world}-{mode}", template_dir=v2,
-                        bucket_bytes=bucket_mb << 20, reference=reference, timeout_s=600,
-                        group_options={"backend": "gloo"})  # fmt: skip
+        ws = WeightSync(
+            transport,
+            cfg.model,
+            export_dir=out.parent / f"export-{world}-{mode}",
+            template_dir=v2,
+            bucket_bytes=bucket_mb << 20,
+            reference=reference,
+            timeout_s=600,
+            group_options={"backend": "gloo"},
+        )
         for r in range(repeats + 1):  # the first: warm-up (imports, the group's rendezvous)
             dist.barrier()
             with Peak() as peak:

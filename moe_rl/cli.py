@@ -7,11 +7,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import warnings
 
 from moe_rl.config import ConfigError, dump_config, load_config
+from moe_rl.config.memory_plan import launch_world, memory_plan
+from moe_rl.launch import render_launch
+from moe_rl.learner.dist import destroy_distributed
 from moe_rl.records import RecordError, RolloutBatch
 from moe_rl.records.summary import batch_summary
+from moe_rl.study.ablate import AblationError, run_ablation
+from moe_rl.study.attribute import run_attribute
+from moe_rl.study.diagnose import run_diagnose
+from moe_rl.study.summary import print_closing_summary
+from moe_rl.train.loop import train
+from moe_rl.train.stop_signal import REQUEUE_EXIT_CODE, StopRequest
 
 
 def _overrides(args) -> list[str]:
@@ -21,7 +32,6 @@ def _overrides(args) -> list[str]:
 
 def _split_validate_items(items: list[str]) -> tuple[list[str], list[str]]:
     """``config validate`` items: an existing path is a config, anything else with ``=`` an override."""
-    import os
 
     configs = [i for i in items if os.path.exists(i) or "=" not in i]
     return configs, [i for i in items if i not in configs]
@@ -64,7 +74,11 @@ def _config_validate(args) -> int:
             print(f"error: {path} cannot run:\n  " + "\n  ".join(report.problems), file=sys.stderr)
             failed += 1
         else:
-            model = "model not built yet" if unbuilt else f"{cfg.model.num_layers} layers, {cfg.model.num_moe_experts} experts"
+            model = (
+                "model not built yet"
+                if unbuilt
+                else f"{cfg.model.num_layers} layers, {cfg.model.num_moe_experts} experts"
+            )
             print(f"ok: {path} ({cfg.name}: {model}, routing={cfg.replay.routing}, loss={cfg.loss.type})")
         if not unbuilt:  # the plan needs the model's real sizes
             _print_memory_plan(cfg, path)
@@ -73,13 +87,14 @@ def _config_validate(args) -> int:
 
 def _print_memory_plan(cfg, path: str) -> None:
     """The per-GPU memory lines of ``cfg``'s launch layout (moe_rl.config.memory_plan), or why there are none."""
-    from moe_rl.config.memory_plan import launch_world, memory_plan
 
     world = launch_world(cfg)
     if world is None:
         ln = cfg.launch
-        print(f"{path}: no memory plan: launch.learner_nodes*launch.gpus_per_node = "
-              f"{ln.learner_nodes * ln.gpus_per_node} ranks do not fit the parallel sizes")  # fmt: skip
+        print(
+            f"{path}: no memory plan: launch.learner_nodes*launch.gpus_per_node = "
+            f"{ln.learner_nodes * ln.gpus_per_node} ranks do not fit the parallel sizes"
+        )
         return
     print(f"{path}: " + "\n  ".join(memory_plan(cfg).lines()))
 
@@ -101,33 +116,34 @@ def _records_inspect(args) -> int:
             continue
         print(json.dumps({"file": path, **batch_summary(batch)}, indent=2))
         if batch.fingerprint is None:
-            print(f"note: {path}: no architecture fingerprint or producing run (records from before format 2)",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"note: {path}: no architecture fingerprint or producing run (records from before format 2)",
+                file=sys.stderr,
+            )
     return 2 if failed else 0
 
 
 def _train(args) -> int:
-    from moe_rl.train.stop_signal import REQUEUE_EXIT_CODE, StopRequest
 
     cfg = load_config(args.config, _overrides(args))
     stop = StopRequest.for_config(cfg)
     with stop.installed():  # armed before the heavy imports: SLURM's warning may come at any time
         cfg = _checked_config(args, env=True)
-        from moe_rl.train.loop import train
-        from moe_rl.study.summary import print_closing_summary
 
         run_dir = train(cfg, stop)
     if stop.stopped_after is not None:
-        print(f"moe_rl: stopped after step {stop.stopped_after} of {cfg.train.steps} on SLURM's warning signal "
-              f"(launch.signal={cfg.launch.signal}); checkpoint written; exit {REQUEUE_EXIT_CODE}: requeue to resume",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"moe_rl: stopped after step {stop.stopped_after} of {cfg.train.steps} on SLURM's warning signal "
+            f"(launch.signal={cfg.launch.signal}); checkpoint written; exit {REQUEUE_EXIT_CODE}: requeue to resume",
+            file=sys.stderr,
+            flush=True,
+        )
         return REQUEUE_EXIT_CODE
     print_closing_summary(run_dir)
     return 0
 
 
 def _ablate(args) -> int:
-    from moe_rl.study.ablate import AblationError, run_ablation
 
     _checked_config(args, env=True)
     try:
@@ -139,7 +155,6 @@ def _ablate(args) -> int:
 
 
 def _launch(args) -> int:
-    from moe_rl.launch import render_launch
 
     # Config rules only: the machine checks run in the launched `moe-rl train` on the allocation.
     print(render_launch(_checked_config(args, env=False), dry_run=args.dry_run))
@@ -147,13 +162,10 @@ def _launch(args) -> int:
 
 
 def _diagnose(args) -> int:
-    from moe_rl.study.diagnose import run_diagnose
 
     cfg = _checked_config(args, env=True)
     out = args.out or f"{cfg.train.output_dir}/diagnose"
     if args.attribute:
-        from moe_rl.study.attribute import run_attribute
-
         kernels = [k for k in args.kernels.split(",") if k] if args.kernels else None
         run_attribute(cfg, args.prompts, out, kernels=kernels)
         with open(f"{out}/attribution.md") as table:
@@ -165,8 +177,14 @@ def _diagnose(args) -> int:
 
 
 def _add_set_alias(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--set", dest="set_overrides", action="append", default=[], metavar="a.b=value",
-                   help="an override, same as a positional a.b=value")  # fmt: skip
+    p.add_argument(
+        "--set",
+        dest="set_overrides",
+        action="append",
+        default=[],
+        metavar="a.b=value",
+        help="an override, same as a positional a.b=value",
+    )
 
 
 class _Parser(argparse.ArgumentParser):
@@ -187,8 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="moe-rl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    cfg = sub.add_parser("config", help="validate or print experiment configs").add_subparsers(dest="action", required=True)
-    p = cfg.add_parser("validate", help="validate YAML configs and run the preflight (config rules; --env: machine too)")
+    cfg = sub.add_parser("config", help="validate or print experiment configs").add_subparsers(
+        dest="action", required=True
+    )
+    p = cfg.add_parser(
+        "validate", help="validate YAML configs and run the preflight (config rules; --env: machine too)"
+    )
     p.add_argument("items", nargs="+", metavar="CONFIG|a.b=value", help="config paths, then overrides for each")
     _add_set_alias(p)
     p.add_argument("--env", action="store_true", help="also check this machine (GPU, TE, WORLD_SIZE, servers)")
@@ -200,8 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_config_show)
 
     rec = sub.add_parser("records", help="inspect rollout records files").add_subparsers(dest="action", required=True)
-    p = rec.add_parser("inspect", help="summary of records files (samples, tokens, route bytes, masks, "
-                                       "producing run, architecture fingerprint)")
+    p = rec.add_parser(
+        "inspect",
+        help="summary of records files (samples, tokens, route bytes, masks, producing run, architecture fingerprint)",
+    )
     p.add_argument("files", nargs="+")
     p.set_defaults(func=_records_inspect)
 
@@ -230,26 +254,37 @@ def build_parser() -> argparse.ArgumentParser:
     _add_set_alias(p)
     p.add_argument("--prompts", type=int, default=8, help="prompts to generate (x rollout.samples_per_prompt)")
     p.add_argument("--out", default=None, help="report directory (default: <train.output_dir>/diagnose)")
-    p.add_argument("--attribute", action="store_true", help="the true-on-policy kernel contract item by item: "
-                   "how much mismatch each item removes when turned on alone (docs/true_on_policy.md)")
+    p.add_argument(
+        "--attribute",
+        action="store_true",
+        help="the true-on-policy kernel contract item by item: "
+        "how much mismatch each item removes when turned on alone (docs/true_on_policy.md)",
+    )
     p.add_argument("--kernels", default=None, help="--attribute: comma-separated items (default: all of them)")
     p.set_defaults(func=_diagnose)
     return parser
 
 
 # Megatron-Core announces its CPU fallbacks on every import; they are expected here (docs/learner.md).
-QUIET_WARNINGS = (r".*Transformer Engine and Apex are not installed.*", r"Apex is not installed.*",
-                  r"full scope is deprecated.*")  # fmt: skip
+QUIET_WARNINGS = (
+    r".*Transformer Engine and Apex are not installed.*",
+    r"Apex is not installed.*",
+    r"full scope is deprecated.*",
+)
 
 
 # Errors that carry a complete message for the user, in modules a subcommand imports only when it needs them.
 USER_ERRORS = (
-    ("moe_rl.learner.checkpoint", "CheckpointError"), ("moe_rl.train.run_dir", "RunDirError"),
-    ("moe_rl.rollout.auth", "ServerKeyError"), ("moe_rl.sync.integrity", "WeightVersionError"),
-    ("moe_rl.data.loaders", "DataError"), ("moe_rl.reward.scorer", "RewardError"),
-    ("moe_rl.train.kl_alarm", "KLAlarmStop"), ("moe_rl.rollout.launcher", "ServerStartError"),
+    ("moe_rl.learner.checkpoint", "CheckpointError"),
+    ("moe_rl.train.run_dir", "RunDirError"),
+    ("moe_rl.rollout.auth", "ServerKeyError"),
+    ("moe_rl.sync.integrity", "WeightVersionError"),
+    ("moe_rl.data.loaders", "DataError"),
+    ("moe_rl.reward.scorer", "RewardError"),
+    ("moe_rl.train.kl_alarm", "KLAlarmStop"),
+    ("moe_rl.rollout.launcher", "ServerStartError"),
     ("moe_rl.sync.transport", "WeightSyncError"),
-)  # fmt: skip
+)
 
 
 def _loaded_error_types() -> tuple[type, ...]:
@@ -258,7 +293,6 @@ def _loaded_error_types() -> tuple[type, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import warnings
 
     for pattern in QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern, category=UserWarning)
@@ -271,8 +305,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         rc = 2  # every rank fails alike on these (decided on rank 0), so the groups can be torn down together
     except KeyboardInterrupt:  # servers were stopped and the lock released by the finally blocks on the way out
-        print("interrupted (Ctrl-C): stopped; rerun the same command to resume from the last checkpoint",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "interrupted (Ctrl-C): stopped; rerun the same command to resume from the last checkpoint", file=sys.stderr
+        )
         return 130
     _close_distributed()
     return rc
@@ -282,7 +317,6 @@ def _close_distributed() -> None:
     """Tear down the process groups a command opened (NCCL warns at exit about a group never destroyed)."""
     if "torch.distributed" not in sys.modules:  # config and launch commands never import torch
         return
-    from moe_rl.learner.dist import destroy_distributed
 
     destroy_distributed()
 

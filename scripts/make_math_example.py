@@ -21,8 +21,20 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import sys
 from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from moe_rl.config import ModelConfig, load_config
+from moe_rl.learner.dist import init_distributed
+from moe_rl.learner.hf_export import export_hf_checkpoint
+from moe_rl.learner.hf_init import write_random_hf_checkpoint
+from moe_rl.learner.train_step import Learner
+from moe_rl.train.warm_start import _nll_loss, teacher_forcing_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -45,10 +57,14 @@ def problems() -> list[dict]:
             for a in range(10):
                 for b in range(10):
                     q = f"{name} has {a} {thing}. {pron} gets {b} more. How many {thing} does {name} have now?"
-                    out.append({"prompt": q, "label": str(a + b), "solution": f"{a} + {b} = {a + b}. \\boxed{{{a + b}}}"})
+                    out.append(
+                        {"prompt": q, "label": str(a + b), "solution": f"{a} + {b} = {a + b}. \\boxed{{{a + b}}}"}
+                    )
                     if b <= a:
                         q = f"{name} has {a} {thing}. {pron} gives away {b}. How many {thing} does {name} have now?"
-                        out.append({"prompt": q, "label": str(a - b), "solution": f"{a} - {b} = {a - b}. \\boxed{{{a - b}}}"})
+                        out.append(
+                            {"prompt": q, "label": str(a - b), "solution": f"{a} - {b} = {a - b}. \\boxed{{{a - b}}}"}
+                        )
     return out
 
 
@@ -64,37 +80,39 @@ def write_data(out: Path, n_eval: int = 200, seed: int = 0) -> None:
 
 
 def build_tokenizer(texts: list[str], vocab_size: int = 384):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     core.train_from_iterator(texts, trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                  clean_up_tokenization_spaces=False)  # fmt: skip
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>", clean_up_tokenization_spaces=False
+    )
     tok.chat_template = CHAT_TEMPLATE
     return tok
 
 
 def write_model(data_dir: Path, out: Path, sft_steps: int, seed: int = 0) -> None:
-    import numpy as np
-
-    from moe_rl.config import ModelConfig, load_config
-    from moe_rl.learner.dist import init_distributed
-    from moe_rl.learner.hf_export import export_hf_checkpoint
-    from moe_rl.learner.hf_init import write_random_hf_checkpoint
-    from moe_rl.learner.train_step import Learner
-    from moe_rl.train.warm_start import _nll_loss, teacher_forcing_batch
 
     train = [json.loads(line) for line in open(data_dir / "train.jsonl")]
     tok = build_tokenizer([r["prompt"] for r in train] + [r["solution"] for r in train] + ["system user assistant"])
     vocab = -(-len(tok) // 64) * 64 + 64  # padded past the tokenizer, as Qwen pads its embeddings
-    model_cfg = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
-                            kv_channels=16, num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=64,
-                            vocab_size=vocab, seq_length=128)  # fmt: skip
+    model_cfg = ModelConfig(
+        num_layers=2,
+        hidden_size=64,
+        ffn_hidden_size=128,
+        num_attention_heads=4,
+        num_query_groups=2,
+        kv_channels=16,
+        num_moe_experts=8,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=64,
+        vocab_size=vocab,
+        seq_length=128,
+    )
     init = out.with_name(out.name + ".init")
     write_random_hf_checkpoint(model_cfg, init, seed=seed)
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
@@ -108,22 +126,32 @@ def write_model(data_dir: Path, out: Path, sft_steps: int, seed: int = 0) -> Non
     if sft_steps == 0:  # the untrained directory (the tests validate configs/math_cpu.yaml against it)
         init.replace(out)
         return
-    cfg = load_config(None, [f"model.hf_path={init}", "optim.lr=0.003", "optim.clip_grad=1.0", "train.output_dir=/tmp/x"])
+    cfg = load_config(
+        None, [f"model.hf_path={init}", "optim.lr=0.003", "optim.clip_grad=1.0", "train.output_dir=/tmp/x"]
+    )
     init_distributed(cfg.parallel, environ={})
     learner = Learner(cfg, total_steps=sft_steps)
     device = next(learner.module.parameters()).device
-    seqs = [(tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
-                                     tokenize=True, return_dict=False),
-             tok.encode(r["solution"], add_special_tokens=False) + [tok.eos_token_id]) for r in train]  # fmt: skip
+    seqs = [
+        (
+            tok.apply_chat_template(
+                [{"role": "user", "content": r["prompt"]}], add_generation_prompt=True, tokenize=True, return_dict=False
+            ),
+            tok.encode(r["solution"], add_special_tokens=False) + [tok.eos_token_id],
+        )
+        for r in train
+    ]
     rng = np.random.default_rng(seed)
     for step in range(sft_steps):
         batch = [seqs[i] for i in rng.choice(len(seqs), 64, replace=False)]
         stats = learner.train_step([teacher_forcing_batch(batch, tok.pad_token_id, device)], _nll_loss)
         if (step + 1) % 50 == 0 or step + 1 == sft_steps:
-            print(f"[sft] step {step + 1}/{sft_steps}: nll {stats.metrics['nll']:.3f}, "
-                  f"mean p(solution token) {stats.metrics['p_target']:.3f}", flush=True)  # fmt: skip
+            print(
+                f"[sft] step {step + 1}/{sft_steps}: nll {stats.metrics['nll']:.3f}, "
+                f"mean p(solution token) {stats.metrics['p_target']:.3f}",
+                flush=True,
+            )
     export_hf_checkpoint(learner.module, cfg.model, out, template_dir=init)
-    import shutil
 
     shutil.rmtree(init)
     print(f"wrote the SFT model to {out}")

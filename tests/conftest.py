@@ -9,6 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from moe_rl.config import ModelConfig, load_config
+from moe_rl.learner.hf_init import write_random_hf_checkpoint
+from moe_rl.rollout.launcher import ServerSpec, SGLangServer
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # One intra-op thread: the tiny models are dispatch-bound, and a second thread fights the SGLang
@@ -62,7 +66,6 @@ def device() -> torch.device:
 @pytest.fixture(scope="session")
 def tiny_model_cfg():
     """2-layer, 8-expert, top-2 Qwen3-MoE-shaped model config (the CPU test size)."""
-    from moe_rl.config import ModelConfig
 
     return ModelConfig(num_layers=2, hidden_size=64, num_moe_experts=8, moe_router_topk=2, vocab_size=512)
 
@@ -70,7 +73,6 @@ def tiny_model_cfg():
 @pytest.fixture(scope="session")
 def tiny_hf_dir(tmp_path_factory, tiny_model_cfg):
     """A random-init tiny Qwen3-MoE checkpoint (weights, config, tokenizer) written with save_pretrained."""
-    from moe_rl.learner.hf_init import write_random_hf_checkpoint
 
     return write_random_hf_checkpoint(tiny_model_cfg, tmp_path_factory.mktemp("tiny_hf"), seed=0)
 
@@ -80,9 +82,6 @@ def tiny_cpu_server(tmp_path_factory) -> str:
     """One SGLang server with configs/tiny_cpu.yaml's model and rollout settings (bf16, deterministic) for the
     end-to-end runs that are not about the server: they pass ``rollout.addresses=[<url>]`` and push their own weights
     at their start (a full sync), as with a server of their own. Its URL."""
-    from moe_rl.config import load_config
-    from moe_rl.learner.hf_init import write_random_hf_checkpoint
-    from moe_rl.rollout.launcher import ServerSpec, SGLangServer
 
     cfg = load_config(Path(__file__).parents[1] / "configs" / "tiny_cpu.yaml")
     root = tmp_path_factory.mktemp("tiny_cpu_server")

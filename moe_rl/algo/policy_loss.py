@@ -116,8 +116,9 @@ def _is_weights(cfg, loss_type, source, rollout, mask, keep, metrics):
         if level == "token":
             band, m = icepop_weights(source, rollout, mask, cfg.icepop_low, cfg.icepop_high, weighted)
         elif level in ("sequence", "geometric"):
-            band, m = sequence_icepop_weights(source, rollout, mask, cfg.icepop_low, cfg.icepop_high, weighted,
-                                              geometric=level == "geometric")  # fmt: skip
+            band, m = sequence_icepop_weights(
+                source, rollout, mask, cfg.icepop_low, cfg.icepop_high, weighted, geometric=level == "geometric"
+            )
         else:
             raise ValueError(f"correction.icepop_level: expected 'token', 'sequence' or 'geometric', got {level!r}")
         metrics = metrics | m
@@ -337,10 +338,31 @@ def compute_policy_loss(
     mask = check_mask(mask)
     rollout = check_logp("rollout_logp", rollout_logp.detach(), mask)
     _, source = _anchor_and_source(correction_cfg.mode, logp, old_logp, rollout, mask)
-    prepared = prepare_corrections(loss_cfg, correction_cfg, source, rollout, mask, norm_len=norm_len,
-                                   policy_logp=logp.detach(), advantages=advantages, generator=generator)  # fmt: skip
+    prepared = prepare_corrections(
+        loss_cfg,
+        correction_cfg,
+        source,
+        rollout,
+        mask,
+        norm_len=norm_len,
+        policy_logp=logp.detach(),
+        advantages=advantages,
+        generator=generator,
+    )
     den = prepared.denominator if loss_denominator is None else loss_denominator
-    total, metrics = policy_loss(loss_cfg, correction_cfg, logp, old_logp, rollout, advantages, mask,
-                                 prepared.keep, prepared.weights, den, ref_logp=ref_logp, entropy=entropy,
-                                 cov_selected=prepared.cov_selected)  # fmt: skip
+    total, metrics = policy_loss(
+        loss_cfg,
+        correction_cfg,
+        logp,
+        old_logp,
+        rollout,
+        advantages,
+        mask,
+        prepared.keep,
+        prepared.weights,
+        den,
+        ref_logp=ref_logp,
+        entropy=entropy,
+        cov_selected=prepared.cov_selected,
+    )
     return total, prepared.metrics | metrics

@@ -29,11 +29,18 @@ from moe_rl.algo.tensors import (
 Metrics = dict[str, torch.Tensor]
 
 RS_MODES = (
-    "token_k1", "token_k2", "token_k3",
-    "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
-    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
-    "seq_max_k2", "seq_max_k3",
-)  # fmt: skip
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
+)
 
 
 def token_divergence(log_rho: torch.Tensor, estimator: str) -> torch.Tensor:

@@ -22,11 +22,14 @@ class DataConfig(Section):
     eval_files: list[str] = Field(default_factory=list, description="held-out prompts (same keys)")
     prompt_key: str = Field("prompt", description="a string prompt, or a list of chat messages [{role, content}]")
     label_key: str = Field("label", description="the ground truth handed to the reward; dotted for nested fields")
-    apply_chat_template: bool = Field(True, description="tokenizer.apply_chat_template(messages, add_generation_prompt=True)")
+    apply_chat_template: bool = Field(
+        True, description="tokenizer.apply_chat_template(messages, add_generation_prompt=True)"
+    )
     system_prompt: str | None = Field(None, description="prepended as a system message (a row's own system turn wins)")
     chat_template_kwargs: dict[str, Any] = Field(
-        default_factory=dict, description="extra variables for the chat template, e.g. {enable_thinking: false} for "
-        "Qwen3 (verl: data.apply_chat_template_kwargs)"
+        default_factory=dict,
+        description="extra variables for the chat template, e.g. {enable_thinking: false} for "
+        "Qwen3 (verl: data.apply_chat_template_kwargs)",
     )
     max_prompt_tokens: int | None = Field(
         None, ge=1, description="a longer prompt is skipped when drawn (default: model.seq_length - max_new_tokens)"
@@ -39,8 +42,10 @@ class DataConfig(Section):
     def _template_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
         fixed = sorted(set(kwargs) & {"conversation", "add_generation_prompt", "tokenize", "return_dict"})
         if fixed:
-            raise ValueError(f"data.chat_template_kwargs sets {fixed}, which moe_rl fixes (the prompt ids are "
-                             "apply_chat_template(messages, add_generation_prompt=True, tokenize=True)); drop them")
+            raise ValueError(
+                f"data.chat_template_kwargs sets {fixed}, which moe_rl fixes (the prompt ids are "
+                "apply_chat_template(messages, add_generation_prompt=True, tokenize=True)); drop them"
+            )
         return kwargs
 
     @field_validator("train_files", "eval_files")
@@ -67,12 +72,14 @@ class RewardConfig(Section):
         "task", description="task = the built-in digit task's scorer (train.task)"
     )
     function: str | None = Field(
-        None, description="custom: 'pkg.module:fn' or 'path/to/file.py:fn', called as "
-        "fn(data_source=, solution_str=, ground_truth=, extra_info=) -> float | {'score': float, ...}"
+        None,
+        description="custom: 'pkg.module:fn' or 'path/to/file.py:fn', called as "
+        "fn(data_source=, solution_str=, ground_truth=, extra_info=) -> float | {'score': float, ...}",
     )
     math_mode: Literal["strict", "flexible"] = Field(
-        "strict", description="math: strict = only the last \\boxed{} or 'Answer:' line in the response's tail counts "
-        "(verl math_dapo); flexible = else the last number too (verl gsm8k method='flexible')"
+        "strict",
+        description="math: strict = only the last \\boxed{} or 'Answer:' line in the response's tail counts "
+        "(verl math_dapo); flexible = else the last number too (verl gsm8k method='flexible')",
     )
     timeout_s: float = Field(30.0, gt=0, description="per sample, measured in the worker from the call's own start")
     num_workers: int = Field(2, ge=1, description="reward worker processes")
@@ -80,5 +87,6 @@ class RewardConfig(Section):
         None, description="DAPO overlong shaping: {length, penalty}, added to every sample's reward"
     )
     on_error: Literal["raise", "zero"] = Field(
-        "raise", description="a reward that raises, times out or returns NaN: stop with an error, or score 0 and count it"
+        "raise",
+        description="a reward that raises, times out or returns NaN: stop with an error, or score 0 and count it",
     )

@@ -13,8 +13,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["HFModelError", "read_hf_config", "model_keys_from_hf", "same_value", "HF_ARCHITECTURES", "initial_weights_dir",
-           "side_files_dir"]
+__all__ = [
+    "HFModelError",
+    "read_hf_config",
+    "model_keys_from_hf",
+    "same_value",
+    "HF_ARCHITECTURES",
+    "initial_weights_dir",
+    "side_files_dir",
+]
 
 HF_ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
 # keys where None and the HF neutral value mean the same thing (GLM-4.5 writes n_group=1, scaling 1.0)
@@ -29,14 +36,17 @@ def read_hf_config(hf_path: str | Path) -> dict:
     """``DIR/config.json`` as a dict; HFModelError naming ``model.hf_path`` otherwise."""
     path = Path(hf_path).expanduser()
     if not path.is_dir():
-        raise HFModelError(f"model.hf_path={str(hf_path)!r} does not exist or is not a directory; expected a Hugging "
-                           "Face model directory (config.json, weights, tokenizer)")  # fmt: skip
+        raise HFModelError(
+            f"model.hf_path={str(hf_path)!r} does not exist or is not a directory; expected a Hugging "
+            "Face model directory (config.json, weights, tokenizer)"
+        )
     file = path / "config.json"
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise HFModelError(f"model.hf_path={str(hf_path)!r} has no config.json; expected a Hugging Face model "
-                           "directory") from None  # fmt: skip
+        raise HFModelError(
+            f"model.hf_path={str(hf_path)!r} has no config.json; expected a Hugging Face model directory"
+        ) from None
     except (OSError, ValueError) as exc:
         raise HFModelError(f"model.hf_path={str(hf_path)!r}: {file} is not readable JSON ({exc})") from None
     if not isinstance(data, dict):
@@ -51,8 +61,10 @@ def _architecture(hf: dict, where: str) -> str:
             return arch
     if hf.get("model_type") in HF_ARCHITECTURES:
         return HF_ARCHITECTURES[hf["model_type"]]
-    raise HFModelError(f"model.hf_path={where!r}: config.json has architectures={archs} model_type="
-                       f"{hf.get('model_type')!r}; expected one of {sorted(HF_ARCHITECTURES.values())}")  # fmt: skip
+    raise HFModelError(
+        f"model.hf_path={where!r}: config.json has architectures={archs} model_type="
+        f"{hf.get('model_type')!r}; expected one of {sorted(HF_ARCHITECTURES.values())}"
+    )
 
 
 def _rope(hf: dict) -> tuple[float, float]:
@@ -66,14 +78,21 @@ def _common(hf: dict) -> dict:
     theta, fraction = _rope(hf)
     heads = hf["num_attention_heads"]
     return {
-        "vocab_size": hf["vocab_size"], "hidden_size": hf["hidden_size"], "ffn_hidden_size": hf["intermediate_size"],
-        "num_layers": hf["num_hidden_layers"], "num_attention_heads": heads,
+        "vocab_size": hf["vocab_size"],
+        "hidden_size": hf["hidden_size"],
+        "ffn_hidden_size": hf["intermediate_size"],
+        "num_layers": hf["num_hidden_layers"],
+        "num_attention_heads": heads,
         "num_query_groups": hf.get("num_key_value_heads") or heads,
         "kv_channels": hf.get("head_dim") or hf["hidden_size"] // heads,
-        "seq_length": hf["max_position_embeddings"], "init_method_std": hf.get("initializer_range", 0.02),
-        "layernorm_epsilon": hf["rms_norm_eps"], "rotary_base": theta, "rotary_percent": fraction,
-        "moe_ffn_hidden_size": hf["moe_intermediate_size"], "moe_router_topk": hf["num_experts_per_tok"],
-    }  # fmt: skip
+        "seq_length": hf["max_position_embeddings"],
+        "init_method_std": hf.get("initializer_range", 0.02),
+        "layernorm_epsilon": hf["rms_norm_eps"],
+        "rotary_base": theta,
+        "rotary_percent": fraction,
+        "moe_ffn_hidden_size": hf["moe_intermediate_size"],
+        "moe_router_topk": hf["num_experts_per_tok"],
+    }
 
 
 def _qwen3_moe(hf: dict) -> dict:
@@ -82,13 +101,19 @@ def _qwen3_moe(hf: dict) -> dict:
     pattern = [0 if i in dense or (i + 1) % step else 1 for i in range(layers)]
     return _common(hf) | {
         "num_moe_experts": hf.get("num_experts", hf.get("num_local_experts")),
-        "qk_layernorm": True, "add_qkv_bias": bool(hf.get("attention_bias", False)),
-        "moe_router_score_function": "softmax", "moe_router_enable_expert_bias": False,
+        "qk_layernorm": True,
+        "add_qkv_bias": bool(hf.get("attention_bias", False)),
+        "moe_router_score_function": "softmax",
+        "moe_router_enable_expert_bias": False,
         "moe_router_pre_softmax": not hf.get("norm_topk_prob", True),
-        "moe_router_num_groups": None, "moe_router_group_topk": None, "moe_router_topk_scaling_factor": None,
-        "moe_shared_expert_intermediate_size": None, "first_k_dense_layers": 0,
-        "moe_layer_freq": 1 if all(pattern) else pattern, "hf_architecture": "Qwen3MoeForCausalLM",
-    }  # fmt: skip
+        "moe_router_num_groups": None,
+        "moe_router_group_topk": None,
+        "moe_router_topk_scaling_factor": None,
+        "moe_shared_expert_intermediate_size": None,
+        "first_k_dense_layers": 0,
+        "moe_layer_freq": 1 if all(pattern) else pattern,
+        "hf_architecture": "Qwen3MoeForCausalLM",
+    }
 
 
 def _glm4_moe(hf: dict) -> dict:
@@ -96,16 +121,20 @@ def _glm4_moe(hf: dict) -> dict:
     groups, group_topk = hf.get("n_group") or 1, hf.get("topk_group") or 1
     scaling = hf.get("routed_scaling_factor", 1.0)
     return _common(hf) | {
-        "num_moe_experts": hf["n_routed_experts"], "qk_layernorm": bool(hf.get("use_qk_norm", False)),
+        "num_moe_experts": hf["n_routed_experts"],
+        "qk_layernorm": bool(hf.get("use_qk_norm", False)),
         "add_qkv_bias": bool(hf.get("attention_bias", False)),
-        "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True, "moe_router_pre_softmax": False,
+        "moe_router_score_function": "sigmoid",
+        "moe_router_enable_expert_bias": True,
+        "moe_router_pre_softmax": False,
         "moe_router_num_groups": None if groups == 1 else groups,
         "moe_router_group_topk": None if groups == 1 else group_topk,
         "moe_router_topk_scaling_factor": None if scaling == 1.0 else float(scaling),
         "moe_shared_expert_intermediate_size": shared * hf["moe_intermediate_size"] or None,
-        "first_k_dense_layers": hf.get("first_k_dense_replace", 0), "moe_layer_freq": 1,
+        "first_k_dense_layers": hf.get("first_k_dense_replace", 0),
+        "moe_layer_freq": 1,
         "hf_architecture": "Glm4MoeForCausalLM",
-    }  # fmt: skip
+    }
 
 
 def model_keys_from_hf(hf: dict, where: str = "") -> dict:

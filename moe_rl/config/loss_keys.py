@@ -70,12 +70,16 @@ def ignored_loss_keys(cfg) -> Iterable[str]:
             continue
         value = getattr(loss, key)
         if key == "clip_high" and loss.type == "cispo":
-            yield (f"loss.clip_high={value} is ignored by loss.type='cispo' while loss.cispo_clip_high="
-                   f"{loss.cispo_clip_high} is set; expected only loss.cispo_clip_high")  # fmt: skip
+            yield (
+                f"loss.clip_high={value} is ignored by loss.type='cispo' while loss.cispo_clip_high="
+                f"{loss.cispo_clip_high} is set; expected only loss.cispo_clip_high"
+            )
             continue
         readers = ", ".join(t for t, keys in READS.items() if key in keys)
         fix = INSTEAD.get((loss.type, key), f"no loss.{key} (only loss.type {readers} read it)")
         yield f"loss.{key}={value} is ignored by loss.type={loss.type!r}; expected {fix}"
     if _given(loss, "norm_len") and loss.aggregation != "seq_mean_token_sum_norm":
-        yield (f"loss.norm_len={loss.norm_len} is ignored by loss.aggregation={loss.aggregation!r}; expected "
-               "loss.aggregation='seq_mean_token_sum_norm' (the only one with a fixed length normaliser) or no norm_len")  # fmt: skip
+        yield (
+            f"loss.norm_len={loss.norm_len} is ignored by loss.aggregation={loss.aggregation!r}; expected "
+            "loss.aggregation='seq_mean_token_sum_norm' (the only one with a fixed length normaliser) or no norm_len"
+        )

@@ -170,10 +170,16 @@ def rank_memory(cfg: ExperimentConfig, world: int, stage: int) -> RankMemory:
     master_and_moments = (4 if pbytes == 2 else 0) + 8
     checkpoint = per_shard * (pbytes + master_and_moments)
     return RankMemory(
-        stage=stage, dense_params=params.dense, expert_params=params.expert,
-        weights=n * pbytes, grads=n * GRAD_BYTES, optimizer=per_shard * opt.gpu,
-        activations=activation_bytes(cfg, stage), host_optimizer=per_shard * opt.host, checkpoint_host=checkpoint,
-    )  # fmt: skip
+        stage=stage,
+        dense_params=params.dense,
+        expert_params=params.expert,
+        weights=n * pbytes,
+        grads=n * GRAD_BYTES,
+        optimizer=per_shard * opt.gpu,
+        activations=activation_bytes(cfg, stage),
+        host_optimizer=per_shard * opt.host,
+        checkpoint_host=checkpoint,
+    )
 
 
 @dataclass(frozen=True)
@@ -196,8 +202,10 @@ class MemoryPlan:
         """The per-GPU lines ``config validate`` and ``launch --dry-run`` print (worst pipeline stage)."""
         w, node = self.worst, self.gpus_per_node
         stage = f", pipeline stage {w.stage} of {len(self.ranks)}" if len(self.ranks) > 1 else ""
-        head = (f"memory plan per GPU ({self.world} learner ranks from {self.world_from}: dp {self.dp}, expert dp "
-                f"{self.edp}{stage}; {_count(w.dense_params)} dense + {_count(w.expert_params)} expert params):")
+        head = (
+            f"memory plan per GPU ({self.world} learner ranks from {self.world_from}: dp {self.dp}, expert dp "
+            f"{self.edp}{stage}; {_count(w.dense_params)} dense + {_count(w.expert_params)} expert params):"
+        )
         recompute = "full" if self.recompute else "none"
         return [
             head,
@@ -229,8 +237,17 @@ def memory_plan(cfg: ExperimentConfig, world: int | None = None) -> MemoryPlan:
         world_from = "the process count"
     dp, edp = data_parallel_sizes(cfg, world)
     ranks = tuple(rank_memory(cfg, world, s) for s in range(cfg.parallel.pp))
-    return MemoryPlan(world, world_from, dp, edp, ln.gpu_memory_gb, ln.gpus_per_node, ranks,
-                      describe_optimizer(cfg, dp, edp), cfg.train.recompute == "full")  # fmt: skip
+    return MemoryPlan(
+        world,
+        world_from,
+        dp,
+        edp,
+        ln.gpu_memory_gb,
+        ln.gpus_per_node,
+        ranks,
+        describe_optimizer(cfg, dp, edp),
+        cfg.train.recompute == "full",
+    )
 
 
 def describe_optimizer(cfg: ExperimentConfig, dp: int, edp: int) -> str:
@@ -282,16 +299,29 @@ def _fixes(cfg: ExperimentConfig, plan: MemoryPlan) -> list[str]:
     if not o.use_distributed_optimizer:
         steps.append(("optim.use_distributed_optimizer=true", {"use_distributed_optimizer": True}))
     if not o.optimizer_cpu_offload or o.optimizer_offload_fraction < 1:
-        steps.append(("optim.optimizer_cpu_offload=true with optim.optimizer_offload_fraction=1",
-                      {"use_distributed_optimizer": True, "optimizer_cpu_offload": True,
-                       "optimizer_offload_fraction": 1.0}))  # fmt: skip
-        steps.append(("optim.optimizer_cpu_offload=true, optim.optimizer_offload_fraction=1 and "
-                      + "optim.use_precision_aware_optimizer=true",
-                      {"use_distributed_optimizer": True, "optimizer_cpu_offload": True,
-                       "optimizer_offload_fraction": 1.0, "use_precision_aware_optimizer": True}))  # fmt: skip
+        steps.append(
+            (
+                "optim.optimizer_cpu_offload=true with optim.optimizer_offload_fraction=1",
+                {"use_distributed_optimizer": True, "optimizer_cpu_offload": True, "optimizer_offload_fraction": 1.0},
+            )
+        )
+        steps.append(
+            (
+                "optim.optimizer_cpu_offload=true, optim.optimizer_offload_fraction=1 and "
+                + "optim.use_precision_aware_optimizer=true",
+                {
+                    "use_distributed_optimizer": True,
+                    "optimizer_cpu_offload": True,
+                    "optimizer_offload_fraction": 1.0,
+                    "use_precision_aware_optimizer": True,
+                },
+            )
+        )
     for words, change in steps:
         need = state_with(**change)
         fixes.append(f"{words} gives {need / GB:.1f} GB" + ("" if need <= limit else " (not enough)"))
-    fixes.append("more learner GPUs (launch.learner_nodes) shard the optimizer further; parallel.etp / parallel.ep / "
-                 "parallel.pp split the weights and gradients")  # fmt: skip
+    fixes.append(
+        "more learner GPUs (launch.learner_nodes) shard the optimizer further; parallel.etp / parallel.ep / "
+        "parallel.pp split the weights and gradients"
+    )
     return fixes

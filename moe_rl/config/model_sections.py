@@ -39,8 +39,9 @@ class ModelConfig(Section):
         None, description="Hugging Face model directory: architecture (config.json), initial weights and tokenizer"
     )
     build_command: str | None = Field(
-        None, description="the command that creates model.hf_path on a fresh clone (e.g. 'make math-example'): "
-        "config validate names it and checks the rest while the directory is missing; not part of the architecture"
+        None,
+        description="the command that creates model.hf_path on a fresh clone (e.g. 'make math-example'): "
+        "config validate names it and checks the rest while the directory is missing; not part of the architecture",
     )
     num_layers: int = Field(2, ge=1)
     hidden_size: int = Field(64, ge=1)
@@ -52,7 +53,9 @@ class ModelConfig(Section):
     vocab_size: int = Field(512, ge=2)
     seq_length: int = Field(256, ge=2, description="max positions (prompt + response)")
     rotary_base: float = Field(1_000_000.0, gt=0)
-    rotary_percent: float = Field(1.0, gt=0, le=1, description="fraction of each head dim that gets RoPE (GLM-4.5: 0.5)")
+    rotary_percent: float = Field(
+        1.0, gt=0, le=1, description="fraction of each head dim that gets RoPE (GLM-4.5: 0.5)"
+    )
     add_qkv_bias: bool = Field(False, description="bias on the q/k/v projections (GLM-4.5: true)")
     layernorm_epsilon: float = Field(1e-6, gt=0)
     init_method_std: float = Field(0.02, gt=0)
@@ -131,7 +134,9 @@ class ModelConfig(Section):
             raise ValueError("model.moe_router_num_groups and model.moe_router_group_topk must be set together")
         if groups is not None:
             if self.num_moe_experts % groups:
-                raise ValueError(f"model.moe_router_num_groups={groups} must divide num_moe_experts={self.num_moe_experts}")
+                raise ValueError(
+                    f"model.moe_router_num_groups={groups} must divide num_moe_experts={self.num_moe_experts}"
+                )
             if group_topk > groups:
                 raise ValueError(f"model.moe_router_group_topk={group_topk} must be <= moe_router_num_groups={groups}")
         if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
@@ -156,8 +161,9 @@ class PrecisionConfig(Section):
     params_dtype: Literal["float32", "bfloat16"] = "float32"
     fp8: FP8Config | None = None
     deterministic: bool = Field(
-        False, description="CUDA learner: deterministic kernels (torch.use_deterministic_algorithms, warning for ops "
+        False,
+        description="CUDA learner: deterministic kernels (torch.use_deterministic_algorithms, warning for ops "
         "without one; CUBLAS_WORKSPACE_CONFIG=:4096:8 unless set; Megatron's deterministic_mode, with "
         "NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 for Transformer Engine's attention), so a resumed run repeats a straight "
-        "one bit for bit. The CPU learner is deterministic without it"
+        "one bit for bit. The CPU learner is deterministic without it",
     )

@@ -24,7 +24,9 @@ ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"  # an environment variable name
 class RolloutConfig(Section):
     """SGLang rollout engine: where it is (or how to launch it) and how it samples."""
 
-    addresses: list[str] = Field(default_factory=list, description="http://host:port of running servers; empty = launch")
+    addresses: list[str] = Field(
+        default_factory=list, description="http://host:port of running servers; empty = launch"
+    )
     host: str = "127.0.0.1"
     port: int | None = Field(None, ge=1, le=65535, description="None = pick a free port")
     device: Literal["cpu", "cuda"] = "cpu"
@@ -42,21 +44,27 @@ class RolloutConfig(Section):
         "auto", description="distributed sync: the group's backend; auto = nccl for rollout.device cuda, else gloo"
     )
     weight_sync_master_address: str | None = Field(
-        None, description="distributed sync: the address the servers reach the learner's rank 0 at (SGLang's "
+        None,
+        description="distributed sync: the address the servers reach the learner's rank 0 at (SGLang's "
         "master_address); None = loopback when every server is on this host, else this host's address on the route "
-        "to the first server"
+        "to the first server",
     )
     weight_sync_master_port: int | None = Field(
-        None, ge=1, le=65535, description="distributed sync: the rendezvous port rank 0 listens on (SGLang's "
-        "master_port; must be free and reachable from the servers); None = a free port"
+        None,
+        ge=1,
+        le=65535,
+        description="distributed sync: the rendezvous port rank 0 listens on (SGLang's "
+        "master_port; must be free and reachable from the servers); None = a free port",
     )
     partial: bool = Field(
-        False, description="partial rollouts (async mode): a weight update pauses in-flight requests "
-        "(rollout.pause_mode) instead of waiting for them, so a response can span weight versions"
+        False,
+        description="partial rollouts (async mode): a weight update pauses in-flight requests "
+        "(rollout.pause_mode) instead of waiting for them, so a response can span weight versions",
     )
     pause_mode: Literal["retract", "abort", "in_place"] = Field(
-        "retract", description="rollout.partial: retract / abort re-prefill under the new weights (exact per-token "
-        "versions); in_place keeps the old-weight prefix KV (approximate, counted as async/kv_stale_tokens)"
+        "retract",
+        description="rollout.partial: retract / abort re-prefill under the new weights (exact per-token "
+        "versions); in_place keeps the old-weight prefix KV (approximate, counted as async/kv_stale_tokens)",
     )
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -65,38 +73,46 @@ class RolloutConfig(Section):
     samples_per_prompt: int = Field(4, ge=1)
     deterministic: bool = True
     true_on_policy: bool = Field(
-        False, description="exact-zero mismatch (miles' --true-on-policy-mode): the SGLang CPU server and the "
+        False,
+        description="exact-zero mismatch (miles' --true-on-policy-mode): the SGLang CPU server and the "
         "learner compute every forward with the shared row-invariant kernels of moe_rl.exact, so the learner "
-        "recomputes each rollout log-prob and router top-k bit for bit (docs/true_on_policy.md); slow"
+        "recomputes each rollout log-prob and router top-k bit for bit (docs/true_on_policy.md); slow",
     )
     true_on_policy_kernels: list[ExactKernel] | None = Field(
-        None, description="with true_on_policy: the items of the kernel contract to share (moe_rl.config.kernels; "
-        "default all). A subset is not exact: `moe-rl diagnose --attribute` uses it to measure each item alone"
+        None,
+        description="with true_on_policy: the items of the kernel contract to share (moe_rl.config.kernels; "
+        "default all). A subset is not exact: `moe-rl diagnose --attribute` uses it to measure each item alone",
     )
     seed: int = 0
     sampling_mask_max_tokens: int = Field(4096, ge=1)
     request_timeout_s: float = Field(120.0, gt=0)
     startup_timeout_s: float = Field(180.0, gt=0)
     max_concurrency: int = Field(
-        16, ge=1, description="requests in flight from the rollout client, all servers and all steps in flight "
-        "together (async: a freed slot goes to the oldest step's request)"
+        16,
+        ge=1,
+        description="requests in flight from the rollout client, all servers and all steps in flight "
+        "together (async: a freed slot goes to the oldest step's request)",
     )
     sleep_on_idle: bool = Field(
-        True, description="SGLang's --sleep-on-idle: an idle scheduler waits on its sockets instead of spinning a "
-        "core (it took 65-95% of a core from a co-located learner on 2 cores)"
+        True,
+        description="SGLang's --sleep-on-idle: an idle scheduler waits on its sockets instead of spinning a "
+        "core (it took 65-95% of a core from a co-located learner on 2 cores)",
     )
     server_cpus: list[int] = Field(
-        default_factory=list, description="CPU cores the servers this run launches are pinned to "
-        "(sched_setaffinity; e.g. the rollout cores of a node shared with the learner); [] = not pinned"
+        default_factory=list,
+        description="CPU cores the servers this run launches are pinned to "
+        "(sched_setaffinity; e.g. the rollout cores of a node shared with the learner); [] = not pinned",
     )
     process_cpus: list[int] = Field(
-        default_factory=list, description="train.rollout_mode=async: CPU cores of the rollout process (prompts, "
+        default_factory=list,
+        description="train.rollout_mode=async: CPU cores of the rollout process (prompts, "
         "reply decoding, rewards, records); [] = the trainer's cores and rollout.server_cpus together (the OS runs it "
-        "wherever one is free; docs/training.md)"
+        "wherever one is free; docs/training.md)",
     )
     load_balance: Literal["least_outstanding", "round_robin"] = Field(
-        "least_outstanding", description="which server a request goes to: the one with the fewest of the client's "
-        "requests in flight (ties: round robin), or plain round robin (bench/bench_load_balance.py)"
+        "least_outstanding",
+        description="which server a request goes to: the one with the fewest of the client's "
+        "requests in flight (ties: round robin), or plain round robin (bench/bench_load_balance.py)",
     )
     max_retries: int = Field(3, ge=0)
     mem_fraction_static: float = Field(0.05, gt=0, le=1)
@@ -111,8 +127,10 @@ class RolloutConfig(Section):
     health_timeout_s: float = Field(30.0, gt=0, le=600, description="a server silent this long counts as hung")
     max_server_restarts: int = Field(2, ge=0, description="restarts of a dead server this run launched")
     max_foreign_syncs: int = Field(
-        2, ge=0, description="re-syncs in a row after a batch made under weights the trainer did not push (label "
-        "or fingerprint); one more stops the run (exit code 2)"
+        2,
+        ge=0,
+        description="re-syncs in a row after a batch made under weights the trainer did not push (label "
+        "or fingerprint); one more stops the run (exit code 2)",
     )
 
 

@@ -27,8 +27,10 @@ class WarmStartConfig(Section):
     batch_size: int = Field(32, ge=1, description="prompts (with their correct answers) per step")
     seed: int = Field(0, description="model init and prompt sampling of the warm start")
     temperature: float = Field(
-        1.0, gt=0, description="the warm-started policy is the SFT policy at this temperature (output layer / T); "
-        "> 1 leaves it under-confident: its greedy answer right, its samples often wrong, so RL has room"
+        1.0,
+        gt=0,
+        description="the warm-started policy is the SFT policy at this temperature (output layer / T); "
+        "> 1 leaves it under-confident: its greedy answer right, its samples often wrong, so RL has room",
     )
     cache_dir: str = Field("~/.cache/moe_rl/warm_start", description="where the cached warm-start weights live")
 
@@ -49,22 +51,29 @@ class TrainConfig(Section):
     )
     warm_start: WarmStartConfig | None = Field(None, description="supervised phase before RL; None = start from init")
     filter_groups: bool = Field(
-        False, description="DAPO dynamic sampling: drop groups whose rewards are all equal and generate more prompts "
-        "until prompts_per_step informative groups are collected"
+        False,
+        description="DAPO dynamic sampling: drop groups whose rewards are all equal and generate more prompts "
+        "until prompts_per_step informative groups are collected",
     )
-    max_generation_rounds: int = Field(10, ge=1, description="filter_groups: generation rounds per step before giving up")
+    max_generation_rounds: int = Field(
+        10, ge=1, description="filter_groups: generation rounds per step before giving up"
+    )
     filter_groups_fallback: bool = Field(
-        False, description="filter_groups: when max_generation_rounds is reached, fill the batch with dropped groups "
-        "(counted) instead of failing"
+        False,
+        description="filter_groups: when max_generation_rounds is reached, fill the batch with dropped groups "
+        "(counted) instead of failing",
     )
     mask_truncated: bool = Field(False, description="drop responses that hit rollout.max_new_tokens from the loss")
     rollout_mode: Literal["sync", "async"] = Field(
-        "sync", description="sync: generate, then train, then sync; async: a producer on rank 0 generates the next "
-        "steps' batches while the learner trains (docs/training.md, 'sync -> async')"
+        "sync",
+        description="sync: generate, then train, then sync; async: a producer on rank 0 generates the next "
+        "steps' batches while the learner trains (docs/training.md, 'sync -> async')",
     )
     max_staleness: int = Field(
-        1, ge=0, description="async: a batch for RL step s is generated only by weights of version >= s - k, and "
-        "no sample older than that is trained on (0 = sync, step for step)"
+        1,
+        ge=0,
+        description="async: a batch for RL step s is generated only by weights of version >= s - k, and "
+        "no sample older than that is trained on (0 = sync, step for step)",
     )
 
 
@@ -83,8 +92,9 @@ class CheckpointConfig(Section):
     keep_last: int = Field(2, ge=1)
     resume: Literal["auto", "never"] = "auto"
     init_from_hf: str | None = Field(
-        None, description="HF checkpoint dir the initial weights come from (default: model.hf_path); architecture "
-        "and tokenizer still come from the model section"
+        None,
+        description="HF checkpoint dir the initial weights come from (default: model.hf_path); architecture "
+        "and tokenizer still come from the model section",
     )
     overwrite: bool = Field(False, description="with resume=never: discard a previous run in train.output_dir")
     allow_changes: list[str] = Field(
@@ -101,12 +111,20 @@ class SlurmConfig(Section):
     partition: str | None = None
     time: str = "24:00:00"
     gpu_memory_gb: float = Field(
-        80.0, gt=0, description="memory of one learner GPU (GB = 1e9 bytes): the memory plan refuses a layout whose "
-        "weights, gradients and optimizer state alone exceed it (moe_rl.config.memory_plan)"
+        80.0,
+        gt=0,
+        description="memory of one learner GPU (GB = 1e9 bytes): the memory plan refuses a layout whose "
+        "weights, gradients and optimizer state alone exceed it (moe_rl.config.memory_plan)",
     )
     signal: Literal["USR1", "USR2"] | None = Field(
-        "USR1", description="the warning SLURM sends signal_lead_s before the time limit (sbatch --signal=B:SIG@s); "
+        "USR1",
+        description="the warning SLURM sends signal_lead_s before the time limit (sbatch --signal=B:SIG@s); "
         "the learner finishes its step, checkpoints and the job requeues itself; None = no warning (SIGTERM is "
-        "not one: scancel sends it too, to every process at once)")
-    signal_lead_s: int = Field(300, ge=10, description="seconds between the warning and the time limit: one step, "
-                               "a checkpoint and stopping the servers must fit")
+        "not one: scancel sends it too, to every process at once)",
+    )
+    signal_lead_s: int = Field(
+        300,
+        ge=10,
+        description="seconds between the warning and the time limit: one step, "
+        "a checkpoint and stopping the servers must fit",
+    )

@@ -44,7 +44,9 @@ class ExperimentConfig(Section):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     eval: EvalConfig | None = Field(None, description="held-out evaluation during training; None = none")
     launch: SlurmConfig = Field(default_factory=SlurmConfig)
-    grid: dict[str, Any] | None = Field(None, description="ablation grid: config key -> values, checked by moe-rl ablate")
+    grid: dict[str, Any] | None = Field(
+        None, description="ablation grid: config key -> values, checked by moe-rl ablate"
+    )
 
     @property
     def ksm_is_noop(self) -> bool:
@@ -73,7 +75,9 @@ class ExperimentConfig(Section):
             raise ValueError(problem)
         if self.replay.routing != "none":
             if m.moe_router_fusion:
-                raise ValueError("model.moe_router_fusion=true bypasses router replay; set it false or replay.routing='none'")
+                raise ValueError(
+                    "model.moe_router_fusion=true bypasses router replay; set it false or replay.routing='none'"
+                )
             if m.moe_router_load_balancing_type == "sinkhorn":
                 raise ValueError("model.moe_router_load_balancing_type='sinkhorn' bypasses router replay")
             if m.moe_expert_capacity_factor is not None:

@@ -2,6 +2,7 @@
 datasets (``dataset``) and the resumable prompt stream the training loop draws from (``stream``)."""
 
 from moe_rl.data.loaders import DataError
-from moe_rl.data.stream import PromptItem, PromptStream, build_prompt_stream
+from moe_rl.data.prompt import PromptItem, PromptStream
+from moe_rl.data.stream import build_prompt_stream
 
 __all__ = ["DataError", "PromptItem", "PromptStream", "build_prompt_stream"]

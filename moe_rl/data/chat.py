@@ -11,7 +11,11 @@ row has its own system turn. With ``data.apply_chat_template`` the ids are exact
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
+
+from transformers import AutoTokenizer
 
 from moe_rl.data.loaders import DataError
 
@@ -26,16 +30,16 @@ def tokenizer_problem(tokenizer, hf_path: str) -> str | None:
     ids = tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
     if len(tokenizer) > 1 and ids:
         return None
-    return (f"model.hf_path={hf_path!r} has no usable tokenizer: AutoTokenizer loaded a {type(tokenizer).__name__} "
-            f"of {len(tokenizer)} token(s) that encodes {PROBE_TEXT!r} as {ids}; expected the model's tokenizer files "
-            "there (tokenizer.json, or vocab.json + merges.txt / tokenizer.model, with tokenizer_config.json)")
+    return (
+        f"model.hf_path={hf_path!r} has no usable tokenizer: AutoTokenizer loaded a {type(tokenizer).__name__} "
+        f"of {len(tokenizer)} token(s) that encodes {PROBE_TEXT!r} as {ids}; expected the model's tokenizer files "
+        "there (tokenizer.json, or vocab.json + merges.txt / tokenizer.model, with tokenizer_config.json)"
+    )
 
 
 def load_tokenizer(cfg):
     """The experiment's tokenizer: ``model.hf_path``'s (local files only), else the task tokenizer."""
     if cfg.model.hf_path:
-        from transformers import AutoTokenizer
-
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path, local_files_only=True)
         if (problem := tokenizer_problem(tokenizer, cfg.model.hf_path)) is not None:
             raise DataError(problem)
@@ -47,8 +51,6 @@ def load_tokenizer(cfg):
 
 def stop_token_ids(tokenizer, hf_path: str | None = None) -> list[int]:
     """Ids that end a response: the tokenizer's EOS and ``generation_config.json``'s ``eos_token_id``."""
-    import json
-    from pathlib import Path
 
     ids = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
     gen = Path(hf_path or "") / "generation_config.json"
@@ -68,12 +70,17 @@ def to_messages(prompt: Any, system_prompt: str | None, where: str) -> list[dict
     """A prompt field as chat messages (``where`` names file and row in errors)."""
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
-    elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m and "content" in m
-                                                     for m in prompt):  # fmt: skip
+    elif (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt)
+    ):
         messages = [dict(m) for m in prompt]
     else:
-        raise DataError(f"{where}: the prompt must be a string or a non-empty list of {{role, content}} messages, "
-                        f"got {type(prompt).__name__}")  # fmt: skip
+        raise DataError(
+            f"{where}: the prompt must be a string or a non-empty list of {{role, content}} messages, "
+            f"got {type(prompt).__name__}"
+        )
     if system_prompt is not None and not any(m["role"] == "system" for m in messages):  # the row's own wins
         messages.insert(0, {"role": "system", "content": system_prompt})
     return messages
@@ -83,10 +90,13 @@ def prompt_ids(tokenizer, prompt: Any, data_cfg, where: str) -> list[int]:
     """Token ids of one prompt field per ``data.apply_chat_template`` / ``system_prompt`` / ``chat_template_kwargs``."""
     if data_cfg.apply_chat_template:
         messages = to_messages(prompt, data_cfg.system_prompt, where)
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
-                                            **data_cfg.chat_template_kwargs)  # fmt: skip
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False, **data_cfg.chat_template_kwargs
+        )
         return [int(t) for t in ids]
     if not isinstance(prompt, str):
-        raise DataError(f"{where}: a {type(prompt).__name__} prompt needs data.apply_chat_template=true "
-                        "(only a string prompt is encoded as plain text)")  # fmt: skip
+        raise DataError(
+            f"{where}: a {type(prompt).__name__} prompt needs data.apply_chat_template=true "
+            "(only a string prompt is encoded as plain text)"
+        )
     return [int(t) for t in tokenizer.encode(prompt, add_special_tokens=True)]

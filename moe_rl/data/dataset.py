@@ -20,10 +20,17 @@ import numpy as np
 
 from moe_rl.data.chat import prompt_ids
 from moe_rl.data.loaders import MISSING, DataError, get_field, open_rows
-from moe_rl.data.stream import PromptItem
+from moe_rl.data.prompt import PromptItem
+from moe_rl.reward.custom import load_function
 
-__all__ = ["DatasetPrompts", "load_prompt_items", "prompt_token_limit", "reward_needs_label", "data_cache_dir",
-           "DATA_CACHE_DIR"]  # fmt: skip
+__all__ = [
+    "DatasetPrompts",
+    "load_prompt_items",
+    "prompt_token_limit",
+    "reward_needs_label",
+    "data_cache_dir",
+    "DATA_CACHE_DIR",
+]
 
 DATA_CACHE_DIR = "data_cache"  # <train.output_dir>/data_cache: memory-mapped Arrow copies of parquet files
 
@@ -44,7 +51,6 @@ def reward_needs_label(cfg) -> bool:
     is unchanged: it gets a label for every row)."""
     if cfg.reward.type != "custom" or not cfg.reward.function:
         return True
-    from moe_rl.reward.custom import load_function
 
     return getattr(load_function(cfg.reward.function), "needs_label", True) is not False
 
@@ -87,13 +93,21 @@ class DatasetPrompts:
         label = get_field(row, key)
         if label is not MISSING and label is not None:
             return label
-        what = f"has no field data.label_key={key!r} (its keys: {sorted(row)})" if label is MISSING \
-            else f"has a null data.label_key={key!r}"  # fmt: skip
+        what = (
+            f"has no field data.label_key={key!r} (its keys: {sorted(row)})"
+            if label is MISSING
+            else f"has a null data.label_key={key!r}"
+        )
         if self.needs_label:
-            raise DataError(f"{where} {what}; expected a label for every row (the reward compares the response with "
-                            "it; a custom reward function that needs none declares `needs_label = False`)")  # fmt: skip
-        self._note_first(self.unlabelled, f"data: {where} {what}: scored with ground_truth=None (the reward function "
-                         "declares needs_label=False); such samples are counted in reward/no_label")  # fmt: skip
+            raise DataError(
+                f"{where} {what}; expected a label for every row (the reward compares the response with "
+                "it; a custom reward function that needs none declares `needs_label = False`)"
+            )
+        self._note_first(
+            self.unlabelled,
+            f"data: {where} {what}: scored with ground_truth=None (the reward function "
+            "declares needs_label=False); such samples are counted in reward/no_label",
+        )
         self.unlabelled += 1
         return None
 
@@ -110,23 +124,37 @@ class DatasetPrompts:
         ids = prompt_ids(self.tokenizer, prompt, d, where)
         if len(ids) > self.limit:
             if d.overlong_prompts == "error":
-                raise DataError(f"{where}: the prompt has {len(ids)} tokens > {self.limit} (data.max_prompt_tokens, or "
-                                "model.seq_length - rollout.max_new_tokens); data.overlong_prompts='error'")  # fmt: skip
-            self._note_first(self.dropped, f"data: {where}: the prompt has {len(ids)} tokens > {self.limit}: skipped "
-                             "(data.overlong_prompts='drop'; each epoch's count is logged at its end)")  # fmt: skip
+                raise DataError(
+                    f"{where}: the prompt has {len(ids)} tokens > {self.limit} (data.max_prompt_tokens, or "
+                    "model.seq_length - rollout.max_new_tokens); data.overlong_prompts='error'"
+                )
+            self._note_first(
+                self.dropped,
+                f"data: {where}: the prompt has {len(ids)} tokens > {self.limit}: skipped "
+                "(data.overlong_prompts='drop'; each epoch's count is logged at its end)",
+            )
             self.dropped += 1
             return None
         source = row.get("data_source")
-        return PromptItem(ids=ids, label=label, data_source=str(source) if source is not None else Path(file).stem,
-                          extra_info=_extra_info(row, d), file=file, row=r)  # fmt: skip
+        return PromptItem(
+            ids=ids,
+            label=label,
+            data_source=str(source) if source is not None else Path(file).stem,
+            extra_info=_extra_info(row, d),
+            file=file,
+            row=r,
+        )
 
     def no_prompt_error(self) -> DataError:
-        return DataError(f"data.train_files={self.names}: no usable prompt (all {len(self)} rows are longer than "
-                         f"{self.limit} tokens)")  # fmt: skip
+        return DataError(
+            f"data.train_files={self.names}: no usable prompt (all {len(self)} rows are longer than "
+            f"{self.limit} tokens)"
+        )
 
 
-def load_prompt_items(files: list[str], tokenizer, cfg, log=print, limit: int | None = None,
-                      needs_label: bool = True) -> tuple[list[PromptItem], int]:  # fmt: skip
+def load_prompt_items(
+    files: list[str], tokenizer, cfg, log=print, limit: int | None = None, needs_label: bool = True
+) -> tuple[list[PromptItem], int]:
     """``(items, dropped)``: the kept rows of ``files`` in file order (the first ``limit`` of them), and how
     many were too long (eval sets and tests; training draws from a ``DatasetPrompts`` on demand)."""
     data = DatasetPrompts(files, tokenizer, cfg, needs_label=needs_label, log=None)
@@ -140,6 +168,8 @@ def load_prompt_items(files: list[str], tokenizer, cfg, log=print, limit: int | 
     if data.dropped and log is not None:
         log(f"data: dropped {data.dropped} prompt(s) longer than {data.limit} tokens (data.overlong_prompts='drop')")
     if not items:
-        raise DataError(f"data.train_files={list(files)}: no usable prompt ({data.dropped} dropped as longer than "
-                        f"{data.limit} tokens)")  # fmt: skip
+        raise DataError(
+            f"data.train_files={list(files)}: no usable prompt ({data.dropped} dropped as longer than "
+            f"{data.limit} tokens)"
+        )
     return items, data.dropped

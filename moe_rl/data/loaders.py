@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 __all__ = ["DataError", "Rows", "open_rows", "read_rows", "first_row", "get_field", "MISSING"]
 
@@ -86,8 +88,10 @@ class JsonlRows(Rows):
                 except UnicodeDecodeError as exc:
                     line = _line_number(path, base + exc.start)
                     byte = whole[exc.start : exc.start + 1].hex()
-                    raise DataError(f"{path}: line {line} is not valid UTF-8 ({exc.reason}: byte 0x{byte}); "
-                                    "expected a UTF-8 encoded .jsonl file") from None  # fmt: skip
+                    raise DataError(
+                        f"{path}: line {line} is not valid UTF-8 ({exc.reason}: byte 0x{byte}); "
+                        "expected a UTF-8 encoded .jsonl file"
+                    ) from None
                 starts.append(base + self._row_starts(whole))
                 base += cut
                 if not block:
@@ -138,7 +142,9 @@ class JsonRows(Rows):
         if isinstance(data, dict) and isinstance(data.get("data"), list):
             data = data["data"]
         if not isinstance(data, list):
-            raise DataError(f"{path}: expected a JSON list of row objects (or {{\"data\": [...]}}), got {type(data).__name__}")
+            raise DataError(
+                f'{path}: expected a JSON list of row objects (or {{"data": [...]}}), got {type(data).__name__}'
+            )
         self.rows = data
 
     def __len__(self) -> int:
@@ -158,8 +164,6 @@ class ParquetRows(Rows):
     key hashes the source's path, size and modification time (a changed file is copied again)."""
 
     def __init__(self, path: Path, cache_dir: Path | None):
-        import pyarrow as pa
-        import pyarrow.parquet as pq
 
         self.path = path
         stat = path.stat()
@@ -221,8 +225,6 @@ def _first_rows(path: Path, limit: int) -> list:
     """The first ``limit`` rows without indexing or copying the whole file (the preflight's look)."""
     suffix = path.suffix.lower()
     if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
         try:
             batch = next(pq.ParquetFile(path).iter_batches(batch_size=limit), None)
         except Exception as exc:  # noqa: BLE001 -- pyarrow raises several types for a bad file

@@ -15,35 +15,15 @@ its two implementations:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Protocol
-
 import numpy as np
+
+from moe_rl.data.dataset import DatasetPrompts, reward_needs_label
+from moe_rl.data.loaders import DataError
+from moe_rl.data.prompt import PromptItem, PromptStream
 
 __all__ = ["PromptItem", "PromptStream", "TaskStream", "DatasetStream", "build_prompt_stream", "DATA_SALT"]
 
 DATA_SALT = 0xDA7A  # keeps the shuffle's random stream apart from the per-step sampling streams
-
-
-@dataclass(frozen=True)
-class PromptItem:
-    """One prompt of a step: its token ids and what the reward needs, traced to its dataset file and row."""
-
-    ids: list[int]
-    label: Any = None
-    data_source: str = ""
-    extra_info: Any = None
-    file: str = ""  # "" for the built-in tasks
-    row: int = -1
-    task_prompt: Any = None  # the built-in task's Prompt (moe_rl.tasks.synthetic)
-
-
-class PromptStream(Protocol):
-    def next_prompts(self, step: int, n: int, round: int = 0) -> list[PromptItem]: ...
-
-    def state(self) -> dict | None: ...
-
-    def load_state(self, state: dict | None) -> None: ...
 
 
 class TaskStream:
@@ -56,8 +36,10 @@ class TaskStream:
         """Round 0 draws from ``default_rng([seed, step])``; later rounds of a step (dynamic sampling)
         from ``default_rng([seed, step, round])``."""
         rng = np.random.default_rng([self.seed, step] if round == 0 else [self.seed, step, round])
-        return [PromptItem(ids=p.ids, label=p.answer_text, data_source=self.task.name, task_prompt=p)
-                for p in self.task.sample_prompts(n, rng)]  # fmt: skip
+        return [
+            PromptItem(ids=p.ids, label=p.answer_text, data_source=self.task.name, task_prompt=p)
+            for p in self.task.sample_prompts(n, rng)
+        ]
 
     def state(self) -> None:
         return None
@@ -85,8 +67,9 @@ class DatasetStream:
         """Row order of ``epoch`` (a permutation of the items, or file order without shuffle)."""
         if self._order_epoch != epoch:
             n = len(self.items)
-            self._order = np.random.default_rng([self.seed, epoch, DATA_SALT]).permutation(n) if self.shuffle \
-                else np.arange(n)  # fmt: skip
+            self._order = (
+                np.random.default_rng([self.seed, epoch, DATA_SALT]).permutation(n) if self.shuffle else np.arange(n)
+            )
             self._order_epoch = epoch
         return self._order
 
@@ -110,8 +93,10 @@ class DatasetStream:
     def _epoch_done(self) -> None:
         dropped = getattr(self.items, "dropped", 0)
         if dropped and self.log is not None:
-            self.log(f"data: epoch {self.epoch} done; {dropped} prompt(s) longer than {self.items.limit} tokens "
-                     "skipped so far (data.overlong_prompts='drop')")  # fmt: skip
+            self.log(
+                f"data: epoch {self.epoch} done; {dropped} prompt(s) longer than {self.items.limit} tokens "
+                "skipped so far (data.overlong_prompts='drop')"
+            )
         self.epoch, self.index = self.epoch + 1, 0
 
     def state(self) -> dict:
@@ -121,10 +106,10 @@ class DatasetStream:
         if not state:
             return
         if int(state.get("size", len(self.items))) != len(self.items):
-            from moe_rl.data.loaders import DataError
-
-            raise DataError(f"the checkpoint's dataset position is for {state['size']} prompts; data.train_files now "
-                             f"yield {len(self.items)} (files changed)")  # fmt: skip
+            raise DataError(
+                f"the checkpoint's dataset position is for {state['size']} prompts; data.train_files now "
+                f"yield {len(self.items)} (files changed)"
+            )
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
 
 
@@ -134,7 +119,6 @@ def build_prompt_stream(cfg, tokenizer=None, log=print) -> PromptStream:
         from moe_rl.tasks.synthetic import DigitTask  # noqa: PLC0415  the task tokenizer imports transformers
 
         return TaskStream(DigitTask(cfg.train.task, cfg.model.vocab_size), cfg.train.seed)
-    from moe_rl.data.dataset import DatasetPrompts, reward_needs_label
 
     items = DatasetPrompts(cfg.data.train_files, tokenizer, cfg, needs_label=reward_needs_label(cfg), log=log)
     return DatasetStream(items, cfg.train.seed, cfg.data.shuffle, log=log)

@@ -19,25 +19,36 @@ def true_on_policy_settings(cfg) -> Iterable[str]:
     if not r.true_on_policy:
         return
     if r.device != "cpu":
-        yield (f"rollout.device={r.device!r} {_WHY}: the shared kernels are CPU kernels; SGLang's GPU kernels and "
-               "Megatron/TE's are not shared yet (docs/true_on_policy.md, 'path to GPUs'); expected 'cpu'")
+        yield (
+            f"rollout.device={r.device!r} {_WHY}: the shared kernels are CPU kernels; SGLang's GPU kernels and "
+            "Megatron/TE's are not shared yet (docs/true_on_policy.md, 'path to GPUs'); expected 'cpu'"
+        )
     if r.dtype != prec.params_dtype:
-        yield (f"rollout.dtype={r.dtype!r} with precision.params_dtype={prec.params_dtype!r} {_WHY}: both sides "
-               "must round in the same dtype; set them equal")
+        yield (
+            f"rollout.dtype={r.dtype!r} with precision.params_dtype={prec.params_dtype!r} {_WHY}: both sides "
+            "must round in the same dtype; set them equal"
+        )
     if r.weight_quantization != "none":
-        yield (f"rollout.weight_quantization={r.weight_quantization!r} {_WHY}: the learner trains unquantised "
-               "weights; expected 'none'")
+        yield (
+            f"rollout.weight_quantization={r.weight_quantization!r} {_WHY}: the learner trains unquantised "
+            "weights; expected 'none'"
+        )
     if prec.fp8 is not None:
         yield f"precision.fp8 {_WHY}: FP8 GEMMs are not among the shared kernels; expected null"
     if not r.deterministic:
-        yield (f"rollout.deterministic=false {_WHY}: the server's log-probs come from the deterministic "
-               "sampler's log_softmax(logits / t); expected true")
+        yield (
+            f"rollout.deterministic=false {_WHY}: the server's log-probs come from the deterministic "
+            "sampler's log_softmax(logits / t); expected true"
+        )
     if cfg.replay.keep_sampling_mask and (r.top_p < 1 or r.top_k != -1):
-        yield (f"replay.keep_sampling_mask=true {_WHY}: the server renormalises over the kept set in its "
-               "sampler, which the learner does not mirror bit for bit; set it false")
+        yield (
+            f"replay.keep_sampling_mask=true {_WHY}: the server renormalises over the kept set in its "
+            "sampler, which the learner does not mirror bit for bit; set it false"
+        )
     if r.partial and r.pause_mode == "in_place":
-        yield (f"rollout.pause_mode='in_place' {_WHY}: the kept KV was computed by older weights; use "
-               "'retract' or 'abort'")
+        yield (
+            f"rollout.pause_mode='in_place' {_WHY}: the kept KV was computed by older weights; use 'retract' or 'abort'"
+        )
     for key in ("tp", "pp", "cp"):
         if getattr(p, key) != 1:
             yield f"parallel.{key}={getattr(p, key)} {_WHY}: the shared kernels run unsharded layers; expected 1"
@@ -46,13 +57,19 @@ def true_on_policy_settings(cfg) -> Iterable[str]:
     if m.hf_architecture != "Qwen3MoeForCausalLM":
         yield f"model.hf_architecture={m.hf_architecture!r} {_WHY}: only Qwen3-MoE is covered"
     if m.moe_router_score_function != "softmax" or m.moe_router_pre_softmax:
-        yield (f"model.moe_router_score_function={m.moe_router_score_function!r} / moe_router_pre_softmax="
-               f"{m.moe_router_pre_softmax} {_WHY}: the shared router is top-k of the logits, then softmax")
+        yield (
+            f"model.moe_router_score_function={m.moe_router_score_function!r} / moe_router_pre_softmax="
+            f"{m.moe_router_pre_softmax} {_WHY}: the shared router is top-k of the logits, then softmax"
+        )
     for key in ("moe_router_enable_expert_bias", "add_qkv_bias"):
         if getattr(m, key):
             yield f"model.{key}=true {_WHY}: biases are not among the shared kernels; expected false"
-    for key in ("moe_router_num_groups", "moe_expert_capacity_factor", "moe_shared_expert_intermediate_size",
-                "moe_router_topk_scaling_factor"):
+    for key in (
+        "moe_router_num_groups",
+        "moe_expert_capacity_factor",
+        "moe_shared_expert_intermediate_size",
+        "moe_router_topk_scaling_factor",
+    ):
         if getattr(m, key, None) is not None:
             yield f"model.{key}={getattr(m, key)} {_WHY}: expected null"
     if m.rotary_percent != 1.0:

@@ -47,11 +47,11 @@ def install(runner, kernels: frozenset[str] | None = None) -> list[str]:
     hooked (one line per kind). Idempotent. ``kernels``: the contract's items to install (default
     ``MOE_RL_TRUE_ON_POLICY_KERNELS``, unset = all; a subset is for ``moe-rl diagnose --attribute``)."""
     on = kernels_from_env(os.environ.get(SERVER_ENV)) if kernels is None else kernels
-    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-    from sglang.srt.layers.layernorm import RMSNorm
-    from sglang.srt.layers.logits_processor import LogitsProcessor
-    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
-    from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: PLC0415 -- SGLang is optional (the rollout engine), heavy to import
+    from sglang.srt.layers.layernorm import RMSNorm  # noqa: PLC0415 -- SGLang is optional (the rollout engine), heavy to import
+    from sglang.srt.layers.logits_processor import LogitsProcessor  # noqa: PLC0415 -- SGLang is optional (the rollout engine), heavy to import
+    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod  # noqa: PLC0415 -- SGLang is optional (the rollout engine), heavy to import
+    from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding  # noqa: PLC0415 -- SGLang is optional (the rollout engine), heavy to import
 
     counts: dict[str, int] = {}
 
@@ -146,7 +146,7 @@ def _rope_forward(mod):
 def _moe_forward(block, name, router: bool = True, experts: bool = True):
     """``forward_normal`` of a MoE block: the shared router (``router``) and / or the shared experts and
     combine (``experts``); the other part stays SGLang's own (only ``moe-rl diagnose --attribute`` splits them)."""
-    from sglang.srt.layers.moe.topk import StandardTopKOutput, capture_routed_experts_if_allowed
+    from sglang.srt.layers.moe.topk import StandardTopKOutput, capture_routed_experts_if_allowed  # noqa: PLC0415 -- SGLang is optional (the rollout engine), heavy to import
 
     cfg = block.topk.topk_config
     if cfg.use_grouped_topk or not cfg.renormalize or cfg.correction_bias is not None or cfg.scoring_func != "softmax":
@@ -189,17 +189,43 @@ def _per_request(query, output, k_cache, v_cache, req_to_token, req_pool_indices
     return output
 
 
-def _sdpa_extend(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
-                 extend_prefix_lens, extend_seq_lens, encoder_lens=None, scaling=None, enable_gqa=False,
-                 causal=False, is_cross_attn=False, sliding_window_size=None):
+def _sdpa_extend(
+    query,
+    output,
+    k_cache,
+    v_cache,
+    req_to_token,
+    req_pool_indices,
+    seq_lens,
+    extend_prefix_lens,
+    extend_seq_lens,
+    encoder_lens=None,
+    scaling=None,
+    enable_gqa=False,
+    causal=False,
+    is_cross_attn=False,
+    sliding_window_size=None,
+):
     if encoder_lens is not None or is_cross_attn or not causal or sliding_window_size is not None:
         raise TrueOnPolicyError("only causal self-attention without a sliding window is covered")
     return _per_request(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_seq_lens)
 
 
-def _sdpa_decode(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
-                 encoder_lens=None, scaling=None, enable_gqa=False, causal=False, is_cross_attn=False,
-                 sliding_window_size=None):
+def _sdpa_decode(
+    query,
+    output,
+    k_cache,
+    v_cache,
+    req_to_token,
+    req_pool_indices,
+    seq_lens,
+    encoder_lens=None,
+    scaling=None,
+    enable_gqa=False,
+    causal=False,
+    is_cross_attn=False,
+    sliding_window_size=None,
+):
     if encoder_lens is not None or is_cross_attn or sliding_window_size is not None:
         raise TrueOnPolicyError("only causal self-attention without a sliding window is covered")
     ones = torch.ones_like(seq_lens)

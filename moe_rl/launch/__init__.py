@@ -13,6 +13,15 @@ from moe_rl.launch.plan import (
 from moe_rl.launch.script import render_launch, render_script
 
 __all__ = [
-    "HostlistError", "LaunchError", "LaunchPlan", "SrunStep", "build_launch_plan", "check_learner_world",
-    "expand_hostlist", "render_launch", "render_script", "rollout_gpus_per_server", "sbatch_args",
-]  # fmt: skip
+    "HostlistError",
+    "LaunchError",
+    "LaunchPlan",
+    "SrunStep",
+    "build_launch_plan",
+    "check_learner_world",
+    "expand_hostlist",
+    "render_launch",
+    "render_script",
+    "rollout_gpus_per_server",
+    "sbatch_args",
+]

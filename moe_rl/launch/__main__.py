@@ -16,6 +16,7 @@ from moe_rl.config import ConfigError, load_config
 from moe_rl.launch.plan import check_learner_world, sbatch_args
 from moe_rl.launch.serve import add_arguments as add_serve_arguments
 from moe_rl.launch.serve import serve
+from moe_rl.learner.hf_init import write_random_hf_checkpoint
 
 
 def write_initial_hf(cfg, out: Path) -> str:
@@ -23,7 +24,6 @@ def write_initial_hf(cfg, out: Path) -> str:
     directory and renamed into place; an existing one is kept (a requeued job serves the same files)."""
     if (out / "config.json").is_file():
         return f"kept {out}"
-    from moe_rl.learner.hf_init import write_random_hf_checkpoint
 
     out.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out, ignore_errors=True)  # an incomplete one (no config.json)
@@ -46,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, required=True)
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", metavar="a.b=value")
-    p = sub.add_parser("init-hf", help="write the random-init HF checkpoint a job's servers start from (kept if present)")
+    p = sub.add_parser(
+        "init-hf", help="write the random-init HF checkpoint a job's servers start from (kept if present)"
+    )
     p.add_argument("config")
     p.add_argument("out")
     p = sub.add_parser("serve", help="a rollout step's server on the first free port of a range (SLURM job script)")

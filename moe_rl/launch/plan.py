@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 
 from moe_rl.config import ConfigError, ExperimentConfig, dump_config
+from moe_rl.config.hf_model import initial_weights_dir
 from moe_rl.config.memory_plan import memory_plan
 from moe_rl.launch.hostlist import HostlistError, expand_hostlist
 from moe_rl.launch.serve import ROLLOUT_PORT_TRIES
@@ -188,7 +189,6 @@ def initial_served_dir(cfg: ExperimentConfig) -> tuple[str, bool]:
     """``(dir, generated)``: the HF checkpoint the servers start from. Without ``checkpoint.init_from_hf`` /
     ``model.hf_path`` the job writes a random-init one (the model section's architecture) to
     ``<train.output_dir>/hf/initial`` first; the learner pushes its own weights before the first rollout."""
-    from moe_rl.config.hf_model import initial_weights_dir
 
     given = initial_weights_dir(cfg)
     return (given, False) if given else (str(PurePosixPath(cfg.train.output_dir) / "hf" / "initial"), True)
@@ -201,8 +201,10 @@ def _rollout_steps(
     ln, notes = cfg.launch, []
     served, generated = initial_served_dir(cfg)
     if generated:
-        notes.append(f"no HF checkpoint configured: the job writes a random-init one to {served} for the servers "
-                     "to start from; the learner pushes its weights before the first rollout")  # fmt: skip
+        notes.append(
+            f"no HF checkpoint configured: the job writes a random-init one to {served} for the servers "
+            "to start from; the learner pushes its weights before the first rollout"
+        )
     per_server = rollout_gpus_per_server(cfg)
     if cfg.rollout.device == "cuda":
         if per_server > ln.gpus_per_node:
@@ -218,11 +220,12 @@ def _rollout_steps(
     # 0.0.0.0: the learner nodes connect from outside; same flags as the local launcher otherwise.
     # No key configured: the script draws a fresh admin key at run time (generated_key_env), never in a file.
     keys = {} if _configured_keys(cfg) else {"admin_api_key_env": RUN_ADMIN_KEY_ENV}
-    spec = ServerSpec.from_rollout_config(cfg.rollout, served, host="0.0.0.0",
-                                          port=ln.rollout_port, **keys)  # fmt: skip
+    spec = ServerSpec.from_rollout_config(cfg.rollout, served, host="0.0.0.0", port=ln.rollout_port, **keys)
     if keys:
-        notes.append(f"no rollout.api_key_env: a fresh random admin key for this job is exported as "
-                     f"{RUN_ADMIN_KEY_ENV} to the servers and the learner (never written to a file)")  # fmt: skip
+        notes.append(
+            f"no rollout.api_key_env: a fresh random admin key for this job is exported as "
+            f"{RUN_ADMIN_KEY_ENV} to the servers and the learner (never written to a file)"
+        )
     steps, urls = [], []
     for node in nodes:
         srun = ["--nodes=1", "--ntasks=1", f"--nodelist={node}"]
@@ -232,9 +235,17 @@ def _rollout_steps(
         # CPU engine switch + stand-ins (ahead of the job's own PYTHONPATH, if any); PYTHONUNBUFFERED
         env = tuple(server_env(spec, base={k: v for k, v in job_env.items() if k == "PYTHONPATH"}).items())
         # the first free port from launch.rollout_port on (a busy node: another job took it), published once healthy
-        serve = (PYTHON, "-m", "moe_rl.launch", "serve", f"--first-port={ln.rollout_port}",
-                 f"--port-tries={ROLLOUT_PORT_TRIES}", f"--port-file={rollout_port_file(log_dir, node)}",
-                 f"--startup-timeout={cfg.rollout.startup_timeout_s:g}", "--")  # fmt: skip
+        serve = (
+            PYTHON,
+            "-m",
+            "moe_rl.launch",
+            "serve",
+            f"--first-port={ln.rollout_port}",
+            f"--port-tries={ROLLOUT_PORT_TRIES}",
+            f"--port-file={rollout_port_file(log_dir, node)}",
+            f"--startup-timeout={cfg.rollout.startup_timeout_s:g}",
+            "--",
+        )
         command = (*serve, *server_command(spec, ln.rollout_port, PYTHON))
         steps.append(SrunStep("rollout", (node,), tuple(srun), command, env))
         urls.append(f"http://{node}:{ln.rollout_port}")
@@ -265,34 +276,63 @@ def _check_key_variables(cfg: ExperimentConfig, env: Mapping[str, str]) -> tuple
     return names
 
 
-def _learner_step(cfg: ExperimentConfig, nodes: list[str], addresses: list[str], config_path: str,
-                  job_id: str, log_dir: str, key_env: str | None = None) -> SrunStep:  # fmt: skip
+def _learner_step(
+    cfg: ExperimentConfig,
+    nodes: list[str],
+    addresses: list[str],
+    config_path: str,
+    job_id: str,
+    log_dir: str,
+    key_env: str | None = None,
+) -> SrunStep:
     """``torchrun`` on every learner node (c10d rendezvous at the first one) running ``moe-rl train``."""
     ln, p = cfg.launch, cfg.parallel
     srun = (
-        f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}", "--ntasks-per-node=1", f"--nodelist={','.join(nodes)}",
+        f"--nodes={len(nodes)}",
+        f"--ntasks={len(nodes)}",
+        "--ntasks-per-node=1",
+        f"--nodelist={','.join(nodes)}",
         # parallel.backend=gloo: a CPU learner, launch.gpus_per_node is then processes per node
         *(() if p.backend == "gloo" else (f"--gpus-per-node={ln.gpus_per_node}",)),
         "--kill-on-bad-exit=1",
-    )  # fmt: skip
+    )
     # Parallel sizes are repeated as overrides so the reviewed command shows the learner layout.
     addr_yaml = "[" + ",".join(f'"{a}"' for a in addresses) + "]"
     overrides = (
-        f"parallel.tp={p.tp}", f"parallel.pp={p.pp}", f"parallel.cp={p.cp}", f"parallel.ep={p.ep}",
-        f"parallel.etp={'null' if p.etp is None else p.etp}", f"rollout.addresses={addr_yaml}",
+        f"parallel.tp={p.tp}",
+        f"parallel.pp={p.pp}",
+        f"parallel.cp={p.cp}",
+        f"parallel.ep={p.ep}",
+        f"parallel.etp={'null' if p.etp is None else p.etp}",
+        f"rollout.addresses={addr_yaml}",
         *((f"rollout.admin_api_key_env={key_env}",) if key_env else ()),  # the job's generated key, by name
-    )  # fmt: skip
+    )
     # torchrun passes launch.signal on to the ranks (its default set lacks USR1/USR2) and gives them
     # launch.signal_lead_s to finish the step and checkpoint before it kills them.
-    signals = (f"--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIG{ln.signal}",
-               f"--shutdown-timeout={ln.signal_lead_s}") if ln.signal else ()  # fmt: skip
+    signals = (
+        (f"--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIG{ln.signal}", f"--shutdown-timeout={ln.signal_lead_s}")
+        if ln.signal
+        else ()
+    )
     command = (
         # one log per node, named by SLURM node name (srun's %N is the host name: several slurmd share a host)
-        "bash", "-c", LOG_PER_NODE, log_dir,
-        "torchrun", f"--nnodes={len(nodes)}", f"--nproc-per-node={ln.gpus_per_node}",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint={nodes[0]}:{ln.master_port}", f"--rdzv-id={job_id}", *signals,
-        "-m", "moe_rl.cli", "train", config_path, *overrides,
-    )  # fmt: skip
+        "bash",
+        "-c",
+        LOG_PER_NODE,
+        log_dir,
+        "torchrun",
+        f"--nnodes={len(nodes)}",
+        f"--nproc-per-node={ln.gpus_per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={nodes[0]}:{ln.master_port}",
+        f"--rdzv-id={job_id}",
+        *signals,
+        "-m",
+        "moe_rl.cli",
+        "train",
+        config_path,
+        *overrides,
+    )
     return SrunStep("learner", tuple(nodes), srun, command)
 
 
@@ -317,8 +357,10 @@ def build_launch_plan(cfg: ExperimentConfig, env: Mapping[str, str]) -> LaunchPl
     run_dir = cfg.train.output_dir
     log_dir = str(PurePosixPath(run_dir) / "launch" / f"logs-{job_id}")
     config_path = str(PurePosixPath(run_dir) / "launch" / f"config-{job_id}.yaml")
-    notes = [f"learner world {world} = {ln.learner_nodes} nodes x {ln.gpus_per_node} GPUs: "
-             f"dp {dp} (tp*pp*cp = {world // dp}), expert dp {edp} (etp*ep*pp = {world // edp})"]  # fmt: skip
+    notes = [
+        f"learner world {world} = {ln.learner_nodes} nodes x {ln.gpus_per_node} GPUs: "
+        f"dp {dp} (tp*pp*cp = {world // dp}), expert dp {edp} (etp*ep*pp = {world // edp})"
+    ]
     if len(nodes) > needed:
         notes.append(f"{len(nodes) - needed} allocated node(s) stay idle: {' '.join(nodes[needed:])}")
     rollout_nodes, learner_nodes = nodes[: ln.rollout_nodes], nodes[ln.rollout_nodes : needed]
@@ -343,7 +385,8 @@ def build_launch_plan(cfg: ExperimentConfig, env: Mapping[str, str]) -> LaunchPl
         rollout_addresses=tuple(addresses),
         rollout_port_files=tuple(rollout_port_file(log_dir, st.nodes[0]) for st in rollout_steps),
         learner_step=_with_export(
-            _learner_step(cfg, learner_nodes, addresses, config_path, job_id, log_dir, generated), key_vars),
+            _learner_step(cfg, learner_nodes, addresses, config_path, job_id, log_dir, generated), key_vars
+        ),
         startup_timeout_s=cfg.rollout.startup_timeout_s,
         sbatch_args=tuple(sbatch_args(cfg)),
         notes=tuple(notes + rollout_notes),
@@ -351,7 +394,8 @@ def build_launch_plan(cfg: ExperimentConfig, env: Mapping[str, str]) -> LaunchPl
         memory=tuple(memory_plan(cfg).lines()),  # world = launch.learner_nodes * launch.gpus_per_node
         log_dir=log_dir,
         init_hf=(PYTHON, "-m", "moe_rl.launch", "init-hf", config_path, initial_served_dir(cfg)[0])
-        if rollout_steps and initial_served_dir(cfg)[1] else (),
+        if rollout_steps and initial_served_dir(cfg)[1]
+        else (),
         stop_signal=ln.signal,
     )
 

@@ -102,8 +102,11 @@ def render_script(plan: LaunchPlan) -> str:
         *(f"# {line}" for line in plan.memory),
         "set -eo pipefail",
         f"mkdir -p {q(launch_dir)} {q(plan.log_dir)}",
-        *([f"rm -rf {q(str(Path(plan.rollout_port_files[0]).parent))}  # a requeued job's servers publish anew"]
-          if plan.rollout_port_files else []),
+        *(
+            [f"rm -rf {q(str(Path(plan.rollout_port_files[0]).parent))}  # a requeued job's servers publish anew"]
+            if plan.rollout_port_files
+            else []
+        ),
         f"cat > {q(plan.config_path)} <<'{CONFIG_HEREDOC_END}'",
         plan.config_yaml.rstrip("\n"),
         CONFIG_HEREDOC_END,
@@ -111,33 +114,47 @@ def render_script(plan: LaunchPlan) -> str:
         _HELPERS,
     ]
     if plan.stop_signal:
-        lines += [_STOP_HELPERS.replace("JOB_ID", q(plan.job_id)),
-                  f"trap 'on_stop {plan.stop_signal}' {plan.stop_signal}", ""]  # fmt: skip
+        lines += [
+            _STOP_HELPERS.replace("JOB_ID", q(plan.job_id)),
+            f"trap 'on_stop {plan.stop_signal}' {plan.stop_signal}",
+            "",
+        ]
     if plan.generated_key_env:  # drawn when the job runs: in no file, on no command line
-        lines += ["# a fresh random admin key for this job's rollout servers (srun --export=ALL hands it on)",
-                  f"export {plan.generated_key_env}=\"$(head -c 32 /dev/urandom | od -An -tx1 -v | tr -d ' \\n')\"",
-                  ""]  # fmt: skip
+        lines += [
+            "# a fresh random admin key for this job's rollout servers (srun --export=ALL hands it on)",
+            f"export {plan.generated_key_env}=\"$(head -c 32 /dev/urandom | od -An -tx1 -v | tr -d ' \\n')\"",
+            "",
+        ]
     if plan.init_hf:
-        lines += ["# the HF checkpoint the servers start from (random init of the model section; kept on requeue)",
-                  quote_argv(list(plan.init_hf)), ""]  # fmt: skip
+        lines += [
+            "# the HF checkpoint the servers start from (random init of the model section; kept on requeue)",
+            quote_argv(list(plan.init_hf)),
+            "",
+        ]
     for i, step in enumerate(plan.rollout_steps, 1):
-        lines += [f"# rollout server {i}/{len(plan.rollout_steps)} on {step.nodes[0]}",
-                  quote_argv(step.argv) + " &", f"rollout_pids+=($!) rollout_nodes+=({q(step.nodes[0])})", ""]  # fmt: skip
+        lines += [
+            f"# rollout server {i}/{len(plan.rollout_steps)} on {step.nodes[0]}",
+            quote_argv(step.argv) + " &",
+            f"rollout_pids+=($!) rollout_nodes+=({q(step.nodes[0])})",
+            "",
+        ]
     wait_s = int(plan.startup_timeout_s) * ROLLOUT_PORT_TRIES
     for step, port_file in zip(plan.rollout_steps, plan.rollout_port_files, strict=True):
         lines.append(f"wait_port {q(step.nodes[0])} {q(port_file)} {wait_s}")
     lines += [
         "",
-        (f"# learner: {len(plan.learner_step.nodes)} node(s), rendezvous at {plan.learner_step.nodes[0]}, "
-         f"logs {plan.log_dir}/learner-<node>.log"),
+        (
+            f"# learner: {len(plan.learner_step.nodes)} node(s), rendezvous at {plan.learner_step.nodes[0]}, "
+            f"logs {plan.log_dir}/learner-<node>.log"
+        ),
         _learner_command(plan) + " &",
         "learner_pid=$!",
         _WAIT_LEARNER.replace("LOG_DIR", plan.log_dir),
     ]
     if plan.stop_signal:
-        lines += ['if [[ -n $stop_signal ]]; then requeue_now; fi']
+        lines += ["if [[ -n $stop_signal ]]; then requeue_now; fi"]
     lines += [
-        'if ((learner_rc != 0)); then',
+        "if ((learner_rc != 0)); then",
         f'  echo "moe_rl: the learner step failed with exit code $learner_rc; its logs: {plan.log_dir}/learner-*.log" >&2',
         "fi",
         "exit $learner_rc",

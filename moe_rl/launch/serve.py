@@ -63,8 +63,14 @@ def _stop(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
 
 def _start(argv: list[str], port: int, timeout_s: float) -> tuple[subprocess.Popen, threading.Thread]:
     """The server on ``port``, healthy; ServerExited or TimeoutError otherwise (its group stopped)."""
-    proc = subprocess.Popen(with_port(argv, port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent)  # fmt: skip
+    proc = subprocess.Popen(
+        with_port(argv, port),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        preexec_fn=die_with_parent,
+    )
     seen: list[str] = []
     echo = threading.Thread(target=_copy_output, args=(proc, seen), daemon=True)
     echo.start()
@@ -100,9 +106,12 @@ def serve(argv: list[str], first_port: int, tries: int, port_file: Path, timeout
             if not exc.lost_port:
                 print(f"moe_rl serve: the server on port {port} {exc}", file=sys.stderr, flush=True)
                 return exc.code or 1
-            print(f"moe_rl serve: port {port} (or one of the server's auxiliary ports) was taken by another "
-                  f"process; trying port {port + 1} ({port + 1 - first_port + 1}/{tries})", file=sys.stderr,
-                  flush=True)  # fmt: skip
+            print(
+                f"moe_rl serve: port {port} (or one of the server's auxiliary ports) was taken by another "
+                f"process; trying port {port + 1} ({port + 1 - first_port + 1}/{tries})",
+                file=sys.stderr,
+                flush=True,
+            )
             continue
         except TimeoutError as exc:
             print(f"moe_rl serve: the server on port {port} was {exc}", file=sys.stderr, flush=True)

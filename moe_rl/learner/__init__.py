@@ -21,7 +21,21 @@ from moe_rl.learner.model import build_model, forward_logits, moe_routers, trans
 from moe_rl.learner.train_step import Learner, StepStats
 
 __all__ = [
-    "Learner", "StepStats", "apply_cpu_shims", "build_model", "destroy_distributed", "export_hf_checkpoint",
-    "forward_logits", "init_distributed", "latest_step", "launch_env", "load_checkpoint", "load_hf_weights",
-    "logprobs_from_logits", "moe_routers", "response_logprobs", "save_checkpoint", "transformer_config_from",
+    "Learner",
+    "StepStats",
+    "apply_cpu_shims",
+    "build_model",
+    "destroy_distributed",
+    "export_hf_checkpoint",
+    "forward_logits",
+    "init_distributed",
+    "latest_step",
+    "launch_env",
+    "load_checkpoint",
+    "load_hf_weights",
+    "logprobs_from_logits",
+    "moe_routers",
+    "response_logprobs",
+    "save_checkpoint",
+    "transformer_config_from",
 ]

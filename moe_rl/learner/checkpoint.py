@@ -36,6 +36,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from moe_rl.learner.global_state import (
     MODEL_FORMAT,
@@ -44,14 +46,22 @@ from moe_rl.learner.global_state import (
     GlobalStateError,
     load_model,
     load_optimizer,
-)  # fmt: skip
+)
 from moe_rl.learner.sharded_state import ShardedDir, rank_file, save_model_shards, save_optimizer_shards
 from moe_rl.learner.state_codec import StateCodecError, load_state, save_state
 
 __all__ = [
-    "CheckpointError", "save_checkpoint", "load_checkpoint", "latest_step", "checkpoint_steps", "completed_rl_step",
-    "rng_state", "set_rng_state", "layout", "refuse_pickles",
-]  # fmt: skip
+    "CheckpointError",
+    "save_checkpoint",
+    "load_checkpoint",
+    "latest_step",
+    "checkpoint_steps",
+    "completed_rl_step",
+    "rng_state",
+    "set_rng_state",
+    "layout",
+    "refuse_pickles",
+]
 
 logger = logging.getLogger(__name__)
 # 1 = torch.save pickles (refused); 2 = per-rank state dicts (same layout only); 3 = one global file per kind
@@ -68,7 +78,6 @@ class CheckpointError(RuntimeError):
 
 def rng_state() -> dict:
     """Every generator a step may draw from: python, numpy, torch CPU/CUDA, Megatron tracker (pickle-free)."""
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     version, internal, gauss = random.getstate()
     state = {
@@ -84,7 +93,6 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     """Restore what ``rng_state`` captured."""
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     py = state["python"]
     random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
@@ -117,8 +125,12 @@ def _all_ranks_agree(ok: bool) -> bool:
 
 def _write_error(exc: OSError, what: str, path: Path) -> CheckpointError:
     reason = errno.errorcode.get(exc.errno or 0, "error")
-    hint = {errno.ENOSPC: "the disk is full", errno.EACCES: "permission denied", errno.EROFS: "read-only file system",
-            errno.EDQUOT: "disk quota exceeded"}.get(exc.errno, exc.strerror or str(exc))  # fmt: skip
+    hint = {
+        errno.ENOSPC: "the disk is full",
+        errno.EACCES: "permission denied",
+        errno.EROFS: "read-only file system",
+        errno.EDQUOT: "disk quota exceeded",
+    }.get(exc.errno, exc.strerror or str(exc))
     return CheckpointError(f"cannot write {what} to {path}: {hint} ({reason}); check checkpoint.dir")
 
 
@@ -166,15 +178,23 @@ def completed_rl_step(ckpt_dir: str | Path) -> int | None:
 
 def layout() -> dict[str, int]:
     """This job's parallel sizes (as Megatron resolved them: etp None -> tp, dp from the world size)."""
-    from megatron.core import parallel_state as ps
 
-    return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
-            "ep": ps.get_expert_model_parallel_world_size(), "cp": ps.get_context_parallel_world_size(),
-            "etp": ps.get_expert_tensor_parallel_world_size(), "dp": ps.get_data_parallel_world_size()}  # fmt: skip
+    return {
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "ep": ps.get_expert_model_parallel_world_size(),
+        "cp": ps.get_context_parallel_world_size(),
+        "etp": ps.get_expert_tensor_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(),
+    }
 
 
 def save_checkpoint(
-    learner, ckpt_dir: str | Path, keep_last: int = 2, extra: dict | None = None, step: int | None = None,
+    learner,
+    ckpt_dir: str | Path,
+    keep_last: int = 2,
+    extra: dict | None = None,
+    step: int | None = None,
     files: dict[str, Path] | None = None,
 ) -> Path:
     """Save ``learner`` (collective: every rank calls it) as ``step_<step>``; returns the step directory.
@@ -203,12 +223,18 @@ def save_checkpoint(
     shard = {"format_version": FORMAT_VERSION, "step": step, "optimizer_step": learner.step, "rng": rng_state()}
     shard_path = tmp / f"rank_{rank:05d}.safetensors"
     for what, path, write in (  # every rank writes only what it owns: no gather, nothing through rank 0
-        (f"rank {rank}'s model weights", rank_file(tmp, "model", rank),
-         lambda p: save_model_shards(learner.module, p.parent)),
-        (f"rank {rank}'s optimizer state", rank_file(tmp, "optimizer", rank),
-         lambda p: save_optimizer_shards(learner.optimizer, learner.module, p.parent)),
+        (
+            f"rank {rank}'s model weights",
+            rank_file(tmp, "model", rank),
+            lambda p: save_model_shards(learner.module, p.parent),
+        ),
+        (
+            f"rank {rank}'s optimizer state",
+            rank_file(tmp, "optimizer", rank),
+            lambda p: save_optimizer_shards(learner.optimizer, learner.module, p.parent),
+        ),
         (f"rank {rank}'s RNG / step file", shard_path, lambda p: save_state(shard, p)),
-    ):  # fmt: skip
+    ):
         try:
             write(path)
         except OSError as exc:
@@ -216,9 +242,15 @@ def save_checkpoint(
             raise _write_error(exc, what, path) from None
     _barrier()
     if rank == 0:
-        meta = {"format_version": FORMAT_VERSION, "step": step, "optimizer_step": learner.step, "world_size": world,
-                "parallel": layout(), "distributed_optimizer": _distributed_optimizer(learner),
-                "extra": extra or {}}  # fmt: skip
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "optimizer_step": learner.step,
+            "world_size": world,
+            "parallel": layout(),
+            "distributed_optimizer": _distributed_optimizer(learner),
+            "extra": extra or {},
+        }
         try:
             for name, source in (files or {}).items():
                 (tmp / CARRIED_FILES).mkdir(exist_ok=True)
@@ -265,15 +297,20 @@ def _read_step_dir(d: Path, rank: int, world: int) -> tuple[dict, dict]:
         meta = json.loads((d / "meta.json").read_text())
     except (OSError, ValueError) as exc:
         raise StateCodecError(f"{d / 'meta.json'} is missing or not JSON ({exc})") from None
-    missing = [k for k in ("format_version", "step", "world_size", "parallel") if k not in meta] \
-        if isinstance(meta, dict) else ["(not a JSON object)"]  # fmt: skip
+    missing = (
+        [k for k in ("format_version", "step", "world_size", "parallel") if k not in meta]
+        if isinstance(meta, dict)
+        else ["(not a JSON object)"]
+    )
     if missing:
         raise StateCodecError(f"{d / 'meta.json'} lacks {missing}; not a moe_rl checkpoint")
     version = meta["format_version"]
     if version == 2:  # per-rank model/optimizer shards: the writing layout only
         if meta["world_size"] != world:
-            raise ValueError(f"{d} is a format-2 checkpoint saved by {meta['world_size']} ranks "
-                             f"(parallel={meta['parallel']}); it loads only on that layout; this job has {world}")  # fmt: skip
+            raise ValueError(
+                f"{d} is a format-2 checkpoint saved by {meta['world_size']} ranks "
+                f"(parallel={meta['parallel']}); it loads only on that layout; this job has {world}"
+            )
         return meta, load_state(d / f"rank_{rank:05d}.safetensors")
     if version not in (3, FORMAT_VERSION):
         raise StateCodecError(f"{d} has format_version {version}; expected {FORMAT_VERSION} (or 2, 3)")
@@ -354,8 +391,14 @@ def _apply(learner, d: Path, meta: dict, shard: dict, problems: list[str]) -> di
         set_rng_state(shard["rng"] if same else _portable_rng(shard["rng"]))
         meta["resharded_from"] = None if same else meta["parallel"]
         if not same and _rank_world()[0] == 0:
-            logger.warning("resharded checkpoint %s from %s (%d ranks) to %s (%d ranks); the RNG streams continue "
-                           "from rank 0's", d, meta["parallel"], meta["world_size"], layout(), _rank_world()[1])  # fmt: skip
+            logger.warning(
+                "resharded checkpoint %s from %s (%d ranks) to %s (%d ranks); the RNG streams continue from rank 0's",
+                d,
+                meta["parallel"],
+                meta["world_size"],
+                layout(),
+                _rank_world()[1],
+            )
     learner.step = int(shard["optimizer_step"])
     meta["fallback_from"] = problems
     meta["files_dir"] = str(d / CARRIED_FILES)  # what save_checkpoint(files=...) carried

@@ -37,6 +37,12 @@ import inspect
 from typing import Callable
 
 import torch
+from megatron.core import tensor_parallel
+from megatron.core.models.common.embeddings import rotary_pos_embedding
+from megatron.core.pipeline_parallel import p2p_communication
+from megatron.core.tensor_parallel import random as tp_random
+from megatron.core.transformer.moe import router, token_dispatcher
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
 from moe_rl.learner.mcore_compat import bind_te_general_gemm as _apply_te_general_gemm
 from moe_rl.learner.mcore_compat import need_te_general_gemm as _need_te_general_gemm
@@ -100,8 +106,6 @@ def _raises(fn: Callable[[], object]) -> bool:
 
 
 def _need_current_device() -> bool:
-    from megatron.core.models.common.embeddings import rotary_pos_embedding
-    from megatron.core.transformer.moe import router
 
     calls = _source_mentions(rotary_pos_embedding, "torch.cuda.current_device()") or (
         _source_mentions(router, "torch.cuda.current_device()")
@@ -124,16 +128,11 @@ def _apply_current_device() -> None:
 
 
 def _need_dispatcher_stream() -> bool:
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-    return (
-        getattr(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", _HOST_STREAM) is None
-        and _raises(torch.cuda.Stream)
-    )
+    return getattr(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", _HOST_STREAM) is None and _raises(torch.cuda.Stream)
 
 
 def _apply_dispatcher_stream() -> None:
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _HOST_STREAM
     # The dispatcher compares the current stream with its side stream; returning
@@ -145,7 +144,6 @@ def _apply_dispatcher_stream() -> None:
 
 
 def _need_split_sizes_numpy() -> bool:
-    from megatron.core.transformer.moe import token_dispatcher
 
     move = getattr(token_dispatcher, "maybe_move_tensor_to_cpu", None)
     if move is None or getattr(move, "_moe_rl_shim", False):
@@ -154,7 +152,6 @@ def _need_split_sizes_numpy() -> bool:
 
 
 def _apply_split_sizes_numpy() -> None:
-    from megatron.core.transformer.moe import token_dispatcher
 
     original = token_dispatcher.maybe_move_tensor_to_cpu
 
@@ -175,13 +172,11 @@ _EMPTY_RNG_STATE = torch.zeros(0, dtype=torch.uint8, device="cpu")
 
 
 def _need_cuda_rng_state() -> bool:
-    from megatron.core.tensor_parallel import random as tp_random
 
     return _raises(tp_random._get_cuda_rng_state)
 
 
 def _apply_cuda_rng_state() -> None:
-    from megatron.core.tensor_parallel import random as tp_random
 
     # There is no device generator on CPU; the CPU generator state is saved and
     # restored separately by the recompute code (``torch.get_rng_state``).
@@ -193,7 +188,6 @@ def _apply_cuda_rng_state() -> None:
 
 
 def _need_cuda_synchronize() -> bool:
-    from megatron.core.pipeline_parallel import p2p_communication
 
     return _source_mentions(p2p_communication, "torch.cuda.synchronize()") and _raises(torch.cuda.synchronize)
 
@@ -247,12 +241,9 @@ def seed_model_parallel_rng(seed: int) -> None:
     "inference" tracker forks the CPU generator instead, which is what dropout
     and init then draw from.
     """
-    from megatron.core import tensor_parallel
 
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     else:
-        tensor_parallel.model_parallel_cuda_manual_seed(
-            seed, inference_rng_tracker=True, force_reset_rng=True
-        )
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)

@@ -15,6 +15,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
+
+from moe_rl.learner.cpu_shims import apply_cpu_shims
+from moe_rl.learner.mcore_compat import apply_megatron_fixes
 
 __all__ = ["LaunchEnv", "launch_env", "init_distributed", "deterministic_kernels", "destroy_distributed", "free_port"]
 
@@ -99,10 +103,6 @@ def init_distributed(parallel_cfg, environ: dict[str, str] | None = None) -> Lau
     ("auto": gloo on CPU, nccl on GPU). Re-entrant: an existing default group is reused (the sizes must
     then match the config).
     """
-    from megatron.core import parallel_state
-
-    from moe_rl.learner.cpu_shims import apply_cpu_shims
-    from moe_rl.learner.mcore_compat import apply_megatron_fixes
 
     apply_cpu_shims()  # first: on CPU the shim set lists te_general_gemm itself
     apply_megatron_fixes()
@@ -155,7 +155,6 @@ def deterministic_kernels(enabled: bool) -> None:
 
 def destroy_distributed() -> None:
     """Tear down Megatron's groups and the default process group."""
-    from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
@@ -181,7 +180,6 @@ class RankComm:
     """The learner ranks' side of a sync: rank 0 broadcasts, gathers (``collective=False``: this process alone)."""
 
     def __init__(self, collective: bool):
-        import torch.distributed as dist
 
         self.dist = dist
         self.on = collective and dist.is_initialized() and dist.get_world_size() > 1

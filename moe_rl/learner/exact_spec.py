@@ -19,10 +19,14 @@ import itertools
 
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-from moe_rl.exact import kernels as K
 from moe_rl.config.kernels import KERNELS
+from moe_rl.exact import kernels as K
 
 ALL = frozenset(KERNELS)
 
@@ -35,6 +39,7 @@ __all__ = [
     "install_exact_hooks",
     "mask_positions",
 ]
+
 
 class ExactColumnParallelLinear(ColumnParallelLinear):
     """``ColumnParallelLinear`` (tp = 1) whose forward is ``kernels.linear``."""
@@ -79,14 +84,25 @@ def mask_positions(attention_mask: torch.Tensor, b: int, T: int) -> torch.Tensor
 class ExactCoreAttention(MegatronModule):
     """Core attention (rope + causal softmax attention) with ``kernels``; replaces DotProductAttention."""
 
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None, **_unused):
+    def __init__(
+        self,
+        config,
+        layer_number,
+        attn_mask_type,
+        attention_type,
+        attention_dropout=None,
+        softmax_scale=None,
+        cp_comm_type=None,
+        pg_collection=None,
+        **_unused,
+    ):
         super().__init__(config=config)
         self.rot_dim = config.kv_channels  # install_exact_hooks sets the model's rotary dim and base
         self.rotary_base = None
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("true-on-policy attention: packed_seq_params / attention_bias are not supported")
         if self.rotary_base is None:
@@ -108,7 +124,6 @@ class ExactCoreAttention(MegatronModule):
 
 def _swap(obj, table):
     """Replace, in a ModuleSpec tree, every ``module`` class found in ``table`` (in place)."""
-    from megatron.core.transformer.spec_utils import ModuleSpec
 
     if isinstance(obj, ModuleSpec):
         if obj.module in table:
@@ -129,8 +144,6 @@ def _swap(obj, table):
 def exact_layer_spec(spec, kernels: frozenset[str] = ALL):
     """The local (non-TE) block ``spec`` with kernels-backed linears, norms and core attention (those of
     them among the contract's ``kernels``)."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     table = {}
     if "linear" in kernels:
@@ -140,7 +153,8 @@ def exact_layer_spec(spec, kernels: frozenset[str] = ALL):
     if "rmsnorm" in kernels:
         table[WrappedTorchNorm] = ExactRMSNorm
         try:
-            from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+            from megatron.core.fusions.fused_layer_norm import FusedLayerNorm  # noqa: PLC0415 -- optional dependency (guarded by its ImportError)
+
             table[FusedLayerNorm] = ExactRMSNorm
         except ImportError:  # pragma: no cover - depends on the Megatron build
             pass
@@ -152,7 +166,6 @@ def install_exact_hooks(gpt, rotary_base: float, rotary_dim: int, kernels: froze
     """Per-instance hooks on the bare ``GPTModel`` ``build_model`` just built (before any wrapper): routers'
     gating (``router``) and the output layer (``lm_head``) use ``kernels``; every ``ExactCoreAttention`` gets the
     rotary base. With the whole contract, refuses a model the spec did not cover."""
-    from megatron.core.transformer.moe.router import TopKRouter
 
     leftovers = []
     for name, mod in gpt.named_modules():
@@ -161,7 +174,11 @@ def install_exact_hooks(gpt, rotary_base: float, rotary_dim: int, kernels: froze
         elif isinstance(mod, TopKRouter):
             if "router" in kernels:
                 mod.gating = _gating(mod)
-        elif type(mod) in (ColumnParallelLinear, RowParallelLinear) and name != "output_layer" or type(mod).__name__ in ("DotProductAttention", "RMSNorm", "LayerNorm"):
+        elif (
+            type(mod) in (ColumnParallelLinear, RowParallelLinear)
+            and name != "output_layer"
+            or type(mod).__name__ in ("DotProductAttention", "RMSNorm", "LayerNorm")
+        ):
             leftovers.append(name)
     if leftovers and kernels == ALL:
         raise ValueError(f"true-on-policy: modules outside the exact kernels: {leftovers}")

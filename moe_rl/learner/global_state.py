@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 from safetensors import SafetensorError, safe_open
 
 from moe_rl.learner.model import unwrap
@@ -40,13 +41,24 @@ from moe_rl.learner.ownership import (
     local_expert_range,
     stage_layer_offset,
     tp_rank_and_size,
-)  # fmt: skip
+)
 from moe_rl.learner.tp_shards import gather_tp_shards, tp_slice
 
 __all__ = [
-    "GlobalStateError", "Slot", "model_tensors", "gather_global", "gather_stages", "GlobalFile", "load_model",
-    "load_optimizer", "check_global_file", "optimizer_slots", "param_state", "MODEL_FORMAT", "OPTIMIZER_FORMAT",
-]  # fmt: skip
+    "GlobalStateError",
+    "Slot",
+    "model_tensors",
+    "gather_global",
+    "gather_stages",
+    "GlobalFile",
+    "load_model",
+    "load_optimizer",
+    "check_global_file",
+    "optimizer_slots",
+    "param_state",
+    "MODEL_FORMAT",
+    "OPTIMIZER_FORMAT",
+]
 
 MODEL_FORMAT, OPTIMIZER_FORMAT = "moe_rl.global_model/1", "moe_rl.global_optimizer/1"
 ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
@@ -59,7 +71,9 @@ class GlobalStateError(ValueError):
 def model_tensors(model) -> dict[str, torch.Tensor]:
     """The bare model's parameters and persistent buffers by state-dict name (``_extra_state`` left out)."""
     m = unwrap(model)
-    return {k: v for k, v in m.state_dict(keep_vars=True).items() if torch.is_tensor(v) and not k.endswith("_extra_state")}
+    return {
+        k: v for k, v in m.state_dict(keep_vars=True).items() if torch.is_tensor(v) and not k.endswith("_extra_state")
+    }
 
 
 # ------------------------------------------------------------------------------------- gathers (export)
@@ -69,7 +83,6 @@ def gather_global(model, local: Mapping[str, torch.Tensor], split: bool = True) 
     Every rank of the tp, etp and ep groups calls it with the same names. ``split=False`` for
     tensors that are not sharded along the parameter's tp dim: they are only gathered over the experts.
     """
-    from megatron.core import parallel_state as ps
 
     local = {canonical_name(n): t.detach() for n, t in local.items()}
     if split and (ps.get_tensor_model_parallel_world_size() > 1 or ps.get_expert_tensor_parallel_world_size() > 1):
@@ -93,7 +106,6 @@ def gather_global(model, local: Mapping[str, torch.Tensor], split: bool = True) 
 def gather_stages(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
     """Every pipeline stage's (globally named) tensors merged on the first rank of each pipeline group,
     None on the other stages; ``state`` itself without pipeline parallelism. Collective over pp."""
-    from megatron.core import parallel_state as ps
 
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return state
@@ -139,8 +151,10 @@ def _local_part(source, key: str, name: str, like: torch.Tensor, split: bool = T
     part = tp_slice(name, full, *tp_rank_and_size(name)) if split else full
     if part.shape != like.shape:
         on_rank = f" ({tuple(part.shape)} on this rank)" if part.shape != full.shape else ""
-        raise GlobalStateError(f"{source.where}: size mismatch for {key}: saved {tuple(full.shape)}{on_rank}, the "
-                               f"model expects {tuple(like.shape)}; the model config differs")  # fmt: skip
+        raise GlobalStateError(
+            f"{source.where}: size mismatch for {key}: saved {tuple(full.shape)}{on_rank}, the "
+            f"model expects {tuple(like.shape)}; the model config differs"
+        )
     return part
 
 
@@ -184,8 +198,10 @@ def optimizer_slots(optimizer) -> Iterator[Slot]:
         for opt in optimizer.chained_optimizers:
             yield from optimizer_slots(opt)
     elif hasattr(optimizer, "shard_fp32_groups"):  # DistributedOptimizer: this dp rank's range of each param
-        pairs = ((optimizer.model_float16_groups, optimizer.shard_fp32_from_float16_groups),
-                 (optimizer.model_fp32_groups, optimizer.shard_fp32_groups))  # fmt: skip
+        pairs = (
+            (optimizer.model_float16_groups, optimizer.shard_fp32_from_float16_groups),
+            (optimizer.model_fp32_groups, optimizer.shard_fp32_groups),
+        )
         for model_groups, shard_groups in pairs:
             for model_group, shard_group in zip(model_groups, shard_groups, strict=True):
                 for p, shard in zip(model_group, shard_group, strict=True):
@@ -201,8 +217,10 @@ def optimizer_slots(optimizer) -> Iterator[Slot]:
     elif hasattr(optimizer, "optimizer"):
         yield from optimizer_slots(optimizer.optimizer)
     else:
-        raise GlobalStateError(f"cannot read the state of a {type(optimizer).__name__} optimizer; expected a "
-                               "torch optimizer or Megatron's (Chained/Float16/FP32/Distributed) optimizer")  # fmt: skip
+        raise GlobalStateError(
+            f"cannot read the state of a {type(optimizer).__name__} optimizer; expected a "
+            "torch optimizer or Megatron's (Chained/Float16/FP32/Distributed) optimizer"
+        )
 
 
 def param_state(optimizer, param) -> dict:
@@ -229,8 +247,9 @@ def adam_state(name: str, slot: Slot) -> dict[str, torch.Tensor]:
     state = slot.opt.state.get(slot.main, {})
     unknown = set(state) - set(ADAM_KEYS)
     if unknown:
-        raise GlobalStateError(f"optimizer state of {name} has {sorted(unknown)}; only Adam's "
-                               f"{list(ADAM_KEYS)} can be checkpointed")  # fmt: skip
+        raise GlobalStateError(
+            f"optimizer state of {name} has {sorted(unknown)}; only Adam's {list(ADAM_KEYS)} can be checkpointed"
+        )
     out = {k: state[k] if k in state else torch.zeros_like(slot.main) for k in ("exp_avg", "exp_avg_sq")}
     out["step"] = torch.as_tensor(state.get("step", 0.0), dtype=torch.float32, device="cpu").detach().reshape(1)
     return out
@@ -239,7 +258,7 @@ def adam_state(name: str, slot: Slot) -> dict[str, torch.Tensor]:
 def _slot_part(source, key: str, name: str, slot: Slot) -> torch.Tensor:
     """This rank's part of global ``key`` shaped as ``slot.main`` (its flat range under the distributed optimizer)."""
     whole = _local_part(source, key, name, slot.param)
-    return whole.reshape(-1)[slot.flat_range[0]:slot.flat_range[1]] if slot.flat_range else whole
+    return whole.reshape(-1)[slot.flat_range[0] : slot.flat_range[1]] if slot.flat_range else whole
 
 
 def load_optimizer(optimizer, model, source) -> None:
@@ -256,8 +275,11 @@ def load_optimizer(optimizer, model, source) -> None:
             lo, hi = slot.flat_range or (0, slot.param.numel())
             if slot.separate_main:
                 key = f"main/{g}"
-                slot.main.copy_(_slot_part(source, key, g, slot) if key in source.keys
-                                else slot.param.detach().reshape(-1)[lo:hi].view_as(slot.main))  # fmt: skip
+                slot.main.copy_(
+                    _slot_part(source, key, g, slot)
+                    if key in source.keys
+                    else slot.param.detach().reshape(-1)[lo:hi].view_as(slot.main)
+                )
             like = slot.main.detach()
             step = _local_part(source, f"step/{g}", g, torch.empty(1, device="cpu"), split=False).reshape(())
             slot.opt.state[slot.main] = {

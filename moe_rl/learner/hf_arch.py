@@ -64,7 +64,9 @@ def _glm4_moe(m) -> list[str]:
             f"model.moe_ffn_hidden_size={m.moe_ffn_hidden_size} (GLM-4.5 has n_shared_experts >= 1 of that width)"
         )
     if m.moe_layer_pattern() != [0 if i < m.first_k_dense_layers else 1 for i in range(m.num_layers)]:
-        out.append(f"model.moe_layer_freq={m.moe_layer_freq} (GLM-4.5 has dense layers only first: use first_k_dense_layers)")
+        out.append(
+            f"model.moe_layer_freq={m.moe_layer_freq} (GLM-4.5 has dense layers only first: use first_k_dense_layers)"
+        )
     return out
 
 
@@ -75,5 +77,7 @@ def unsupported_for_hf(model_cfg) -> list[str]:
     """One ``model.<key>=<value> (<why>)`` entry per setting ``model.hf_architecture`` cannot hold."""
     out = _RULES[model_cfg.hf_architecture](model_cfg)
     if model_cfg.mtp_num_layers:
-        out.append(f"model.mtp_num_layers={model_cfg.mtp_num_layers} (moe_rl does not convert multi-token-prediction layers)")
+        out.append(
+            f"model.mtp_num_layers={model_cfg.mtp_num_layers} (moe_rl does not convert multi-token-prediction layers)"
+        )
     return out

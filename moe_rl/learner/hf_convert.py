@@ -26,9 +26,11 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 
 from moe_rl.learner.global_state import gather_global, gather_stages
+from moe_rl.learner.hf_init import write_hf_side_files
 from moe_rl.learner.model import unwrap
 from moe_rl.learner.ownership import (
     canonical_name,
@@ -37,7 +39,7 @@ from moe_rl.learner.ownership import (
     local_expert_range,
     stage_layer_offset,
     tp_rank_and_size,
-)  # fmt: skip
+)
 from moe_rl.learner.tp_shards import tp_slice
 
 __all__ = [
@@ -60,8 +62,14 @@ _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json
 
 
 def _side_files(template_dir: Path) -> list[Path]:
-    return sorted(p for p in template_dir.iterdir() if p.is_file() and not p.name.startswith(".")
-                  and not p.name.endswith(_WEIGHT_SUFFIXES) and p.name not in _WEIGHT_INDEXES)  # fmt: skip
+    return sorted(
+        p
+        for p in template_dir.iterdir()
+        if p.is_file()
+        and not p.name.startswith(".")
+        and not p.name.endswith(_WEIGHT_SUFFIXES)
+        and p.name not in _WEIGHT_INDEXES
+    )
 
 
 def _qkv_split_sizes(m) -> tuple[int, int, int]:
@@ -157,8 +165,9 @@ def hf_name_map(model_cfg) -> dict[str, tuple[str, tuple[str, ...]]]:
     return out
 
 
-def megatron_tensor_to_hf(mg_name: str, t: torch.Tensor, model_cfg,
-                          names: dict | None = None) -> list[tuple[str, torch.Tensor]]:  # fmt: skip
+def megatron_tensor_to_hf(
+    mg_name: str, t: torch.Tensor, model_cfg, names: dict | None = None
+) -> list[tuple[str, torch.Tensor]]:
     """One full Megatron tensor (global name, tp=1) -> its HF ``(name, tensor)`` pieces (``names``: ``hf_name_map``).
 
     A ``copy`` tensor is returned as it is (a view of the caller's tensor when that is one)."""
@@ -222,13 +231,17 @@ def load_hf_weights(model, hf_dir: str | Path, model_cfg) -> None:
             shard = tp_slice(src, full[src], *tp_rank_and_size(src))
             if shard.shape != tensor.shape:
                 on_rank = f" ({tuple(shard.shape)} on this tp rank)" if shard.shape != full[src].shape else ""
-                raise ValueError(f"{name}: HF tensor has shape {tuple(full[src].shape)}{on_rank}, "
-                                 f"model expects {tuple(tensor.shape)}")  # fmt: skip
+                raise ValueError(
+                    f"{name}: HF tensor has shape {tuple(full[src].shape)}{on_rank}, "
+                    f"model expects {tuple(tensor.shape)}"
+                )
             tensor.copy_(shard.to(tensor.dtype))
             loaded.add(name)
     params = {n for n, _ in unwrap(model).named_parameters()}
     if params - loaded:
-        raise KeyError(f"{len(params - loaded)} model parameters not found in {hf_dir}, e.g. {sorted(params - loaded)[:3]}")
+        raise KeyError(
+            f"{len(params - loaded)} model parameters not found in {hf_dir}, e.g. {sorted(params - loaded)[:3]}"
+        )
 
 
 def full_megatron_state_dict(model, grads: bool = False) -> dict[str, torch.Tensor]:
@@ -254,7 +267,6 @@ def write_side_files(out: Path, model_cfg, template_dir: Path | None) -> None:
         for f in _side_files(template_dir):
             shutil.copy2(f, out / f.name)
         return
-    from moe_rl.learner.hf_init import write_hf_side_files
 
     write_hf_side_files(model_cfg, out)
 
@@ -265,7 +277,6 @@ def export_hf_state_dict(model, model_cfg, dtype: torch.dtype | None = None) -> 
     Collective over the tp / ep / pp groups; returns the dict on rank 0, None elsewhere. The trainer never
     calls it: its syncs and exports stream bucket by bucket from the owning ranks (``hf_stream``, ``hf_export``).
     """
-    import torch.distributed as dist
 
     state = gather_stages(full_megatron_state_dict(model))
     if state is None or (dist.is_initialized() and dist.get_rank() != 0):

@@ -56,8 +56,13 @@ def begin_dir(out_dir: str | Path) -> Path:
     return Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
 
 
-def finish_dir(tmp: Path, out_dir: str | Path, writers: list[tuple[dict[str, str], int]], model_cfg,
-               template_dir: str | Path | None = None) -> Path:  # fmt: skip
+def finish_dir(
+    tmp: Path,
+    out_dir: str | Path,
+    writers: list[tuple[dict[str, str], int]],
+    model_cfg,
+    template_dir: str | Path | None = None,
+) -> Path:
     """Index (``writers``: every rank's ``(weight_map, total_size)``), side files, then ``tmp`` -> ``out_dir``."""
     weight_map = {n: f for wm, _ in writers for n, f in sorted(wm.items())}
     index = {
@@ -77,8 +82,13 @@ def finish_dir(tmp: Path, out_dir: str | Path, writers: list[tuple[dict[str, str
     return out
 
 
-def write_hf_checkpoint(hf: Mapping[str, torch.Tensor], model_cfg, out_dir: str | Path,
-                        template_dir: str | Path | None = None, bucket_bytes: int = 256 << 20) -> Path:  # fmt: skip
+def write_hf_checkpoint(
+    hf: Mapping[str, torch.Tensor],
+    model_cfg,
+    out_dir: str | Path,
+    template_dir: str | Path | None = None,
+    bucket_bytes: int = 256 << 20,
+) -> Path:
     """Write an HF state dict (this process) + side files to ``out_dir`` atomically, in bucket-sized files."""
     tmp = begin_dir(out_dir)
     writer = ShardWriter(tmp, "model-r00000")
@@ -87,9 +97,15 @@ def write_hf_checkpoint(hf: Mapping[str, torch.Tensor], model_cfg, out_dir: str 
     return finish_dir(tmp, out_dir, [(writer.weight_map, writer.total_size)], model_cfg, template_dir)
 
 
-def export_hf_checkpoint(model, model_cfg, out_dir: str | Path, template_dir: str | Path | None = None,
-                         dtype: torch.dtype | None = None, bucket_bytes: int = 256 << 20,
-                         transform: Callable[[dict], dict] | None = None) -> Path | None:  # fmt: skip
+def export_hf_checkpoint(
+    model,
+    model_cfg,
+    out_dir: str | Path,
+    template_dir: str | Path | None = None,
+    dtype: torch.dtype | None = None,
+    bucket_bytes: int = 256 << 20,
+    transform: Callable[[dict], dict] | None = None,
+) -> Path | None:
     """Write the model as an HF checkpoint dir (module docstring). Collective over every learner rank.
 
     ``dtype``: cast each tensor; ``transform``: applied to each bucket before it is written (the FP8 rollout

@@ -10,34 +10,50 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, Glm4MoeConfig, Qwen3MoeConfig
+
+from moe_rl.learner.hf_arch import unsupported_for_hf
 from moe_rl.tasks.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_task_tokenizer
 
 
 def _glm4_moe_config(m):
     """``Glm4MoeConfig`` (GLM-4.5) equivalent to ``m``."""
-    from transformers import Glm4MoeConfig
 
     return Glm4MoeConfig(
-        vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
-        num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
-        num_key_value_heads=m.num_query_groups, head_dim=m.kv_channels, max_position_embeddings=m.seq_length,
-        initializer_range=m.init_method_std, rms_norm_eps=m.layernorm_epsilon,
+        vocab_size=m.vocab_size,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.ffn_hidden_size,
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_query_groups,
+        head_dim=m.kv_channels,
+        max_position_embeddings=m.seq_length,
+        initializer_range=m.init_method_std,
+        rms_norm_eps=m.layernorm_epsilon,
         rope_parameters={"rope_type": "default", "rope_theta": m.rotary_base},
-        partial_rotary_factor=m.rotary_percent, attention_bias=m.add_qkv_bias, use_qk_norm=m.qk_layernorm,
-        tie_word_embeddings=False, moe_intermediate_size=m.moe_ffn_hidden_size, n_routed_experts=m.num_moe_experts,
+        partial_rotary_factor=m.rotary_percent,
+        attention_bias=m.add_qkv_bias,
+        use_qk_norm=m.qk_layernorm,
+        tie_word_embeddings=False,
+        moe_intermediate_size=m.moe_ffn_hidden_size,
+        n_routed_experts=m.num_moe_experts,
         n_shared_experts=m.moe_shared_expert_intermediate_size // m.moe_ffn_hidden_size,
-        num_experts_per_tok=m.moe_router_topk, n_group=m.moe_router_num_groups or 1,
-        topk_group=m.moe_router_group_topk or 1, routed_scaling_factor=m.moe_router_topk_scaling_factor or 1.0,
-        first_k_dense_replace=m.first_k_dense_layers, norm_topk_prob=True,
-        architectures=["Glm4MoeForCausalLM"], pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
-    )  # fmt: skip
+        num_experts_per_tok=m.moe_router_topk,
+        n_group=m.moe_router_num_groups or 1,
+        topk_group=m.moe_router_group_topk or 1,
+        routed_scaling_factor=m.moe_router_topk_scaling_factor or 1.0,
+        first_k_dense_replace=m.first_k_dense_layers,
+        norm_topk_prob=True,
+        architectures=["Glm4MoeForCausalLM"],
+        pad_token_id=PAD_ID,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+    )
 
 
 def hf_config_from_model_config(model_cfg):
     """HF config (``model.hf_architecture``) equivalent to ``model_cfg``."""
-    from transformers import Qwen3MoeConfig
-
-    from moe_rl.learner.hf_arch import unsupported_for_hf
 
     unsupported = unsupported_for_hf(model_cfg)
     if unsupported:
@@ -75,7 +91,6 @@ def hf_config_from_model_config(model_cfg):
 
 def write_hf_side_files(model_cfg, out_dir: str | Path) -> None:
     """Everything but the weights: ``config.json``, generation config and the task tokenizer."""
-    from transformers import GenerationConfig
 
     out_dir = Path(out_dir)
     hf_cfg = hf_config_from_model_config(model_cfg)
@@ -89,8 +104,6 @@ def write_random_hf_checkpoint(model_cfg, out_dir: str | Path, seed: int = 0, dt
 
     Score-correction biases (GLM-4.5) are drawn too, so conversions that drop them are caught.
     """
-    import torch
-    from transformers import AutoModelForCausalLM
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 from moe_rl.learner.hf_convert import hf_name_map, megatron_tensor_to_hf
 from moe_rl.learner.model import unwrap
@@ -51,7 +52,6 @@ def size_buckets(named: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[B
 
 
 def _ps():
-    from megatron.core import parallel_state as ps
 
     return ps
 
@@ -90,8 +90,9 @@ class HFStream:
         if not self.distributed:
             return True
         ps = _ps()
-        return (ps.get_expert_data_parallel_rank() if expert
-                else ps.get_data_parallel_rank(with_context_parallel=True)) == 0  # fmt: skip
+        return (
+            ps.get_expert_data_parallel_rank() if expert else ps.get_data_parallel_rank(with_context_parallel=True)
+        ) == 0
 
     def _units(self) -> Iterator[tuple[str, str, bool, int, int, bool]]:
         """``(local name, global name, expert, tp rank, tp size, split)`` of every tensor this rank helps send."""

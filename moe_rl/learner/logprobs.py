@@ -11,6 +11,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+from moe_rl.exact.kernels import token_logprobs
+from moe_rl.learner.model import forward_logits
 
 __all__ = ["logprobs_from_logits", "response_logprobs", "uses_exact"]
 
@@ -23,7 +28,6 @@ def uses_exact(model) -> bool:
 
 
 def _tp_group():
-    from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized() or ps.get_tensor_model_parallel_world_size() == 1:
         return None
@@ -34,7 +38,6 @@ def _all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
     """Differentiable sum over ``group``: backward is the identity on each rank's shard."""
     if group is None:
         return t
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
     return reduce_from_tensor_model_parallel_region(t, group=group)
 
@@ -68,7 +71,6 @@ def logprobs_from_logits(
     if exact:  # rollout.true_on_policy: SGLang's deterministic-sampler log-softmax, bit for bit
         if group is not None:
             raise ValueError("exact log-probs need unsharded logits (parallel.tp=1)")
-        from moe_rl.exact.kernels import token_logprobs
 
         lsm = token_logprobs(logits, temperature)
         picked = lsm.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
@@ -121,8 +123,8 @@ def response_logprobs(
     crosses a sample boundary. Select response tokens with the caller's mask. Inputs may be on any
     device; outputs are on the model's device.
     """
-    from moe_rl.learner.model import forward_logits
 
     logits = forward_logits(model, input_ids, segment_ids=segment_ids, padding_mask=padding_mask)
-    return logprobs_from_logits(logits, targets, temperature=temperature, with_entropy=with_entropy,
-                                exact=uses_exact(model))
+    return logprobs_from_logits(
+        logits, targets, temperature=temperature, with_entropy=with_entropy, exact=uses_exact(model)
+    )

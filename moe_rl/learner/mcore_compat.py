@@ -37,14 +37,28 @@ exist unchanged in all four.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 
 import torch
+from megatron.core import package_info
+from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.router import TopKRouter
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["SUPPORTED", "megatron_core_version", "check_megatron_core_version", "apply_megatron_fixes",
-           "need_te_general_gemm", "bind_te_general_gemm", "pipeline_schedule", "schedule_needs_host_device"]
+__all__ = [
+    "SUPPORTED",
+    "megatron_core_version",
+    "check_megatron_core_version",
+    "apply_megatron_fixes",
+    "need_te_general_gemm",
+    "bind_te_general_gemm",
+    "pipeline_schedule",
+    "schedule_needs_host_device",
+]
 
 SUPPORTED = ((0, 16, 1), (0, 20, 0))
 """Supported megatron-core releases: ``SUPPORTED[0] <= version < SUPPORTED[1]``."""
@@ -53,7 +67,6 @@ SUPPORTED = ((0, 16, 1), (0, 20, 0))
 def megatron_core_version() -> tuple[int, int, int]:
     """Imported megatron-core release as ``(major, minor, patch)``, from ``megatron.core.package_info``
     (also right for a source checkout on ``PYTHONPATH``, which has no package metadata)."""
-    from megatron.core import package_info
 
     return tuple(int(x) for x in (package_info.MAJOR, package_info.MINOR, package_info.PATCH))
 
@@ -73,9 +86,6 @@ def check_megatron_core_version(version: tuple[int, int, int] | None = None) -> 
 
 def need_te_general_gemm() -> bool:
     """True when ``router_gating_linear`` would hit an unbound ``te_general_gemm`` (0.16.x, no TE)."""
-    import inspect
-
-    from megatron.core.transformer.moe import moe_utils
 
     if hasattr(moe_utils, "te_general_gemm"):
         return False
@@ -87,7 +97,6 @@ def need_te_general_gemm() -> bool:
 
 def bind_te_general_gemm() -> None:
     """Bind the missing name to None: the router then takes its plain torch matmul branch."""
-    from megatron.core.transformer.moe import moe_utils
 
     moe_utils.te_general_gemm = None
 
@@ -108,7 +117,6 @@ def _expert_bias_counts_valid_tokens(self, routing_map: torch.Tensor, padding_ma
 
 def need_expert_bias_fix() -> bool:
     """megatron-core 0.16.1: ``TopKRouter._apply_expert_bias`` cannot broadcast its pad mask."""
-    from megatron.core.transformer.moe.router import TopKRouter
 
     method = TopKRouter._apply_expert_bias
     if method is _expert_bias_counts_valid_tokens:
@@ -121,7 +129,6 @@ def need_expert_bias_fix() -> bool:
 
 
 def fix_expert_bias() -> None:
-    from megatron.core.transformer.moe.router import TopKRouter
 
     TopKRouter._apply_expert_bias = _expert_bias_counts_valid_tokens
 
@@ -178,17 +185,18 @@ def optimizer_needs_host_device() -> bool:
     """
     if torch.cuda.is_available():
         return False
-    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
 
-    return ("'torch.cuda.FloatTensor'" in inspect.getsource(distrib_optimizer)
-            or "device='cuda'" in inspect.getsource(optimizer) or "device='cuda'" in inspect.getsource(clip_grads))  # fmt: skip
+    return (
+        "'torch.cuda.FloatTensor'" in inspect.getsource(distrib_optimizer)
+        or "device='cuda'" in inspect.getsource(optimizer)
+        or "device='cuda'" in inspect.getsource(clip_grads)
+    )
 
 
 def megatron_optimizer_device():
     """Context for building and stepping Megatron's DDP / optimizer on this machine: on a host without
     CUDA (and a release that hard-codes it) explicit ``device="cuda"`` tensors are created on the host and
     host tensors report ``torch.cuda.*`` types, only inside the call; elsewhere a no-op."""
-    import contextlib
 
     return _HostCudaTypes() if optimizer_needs_host_device() else contextlib.nullcontext()
 
@@ -206,7 +214,6 @@ def schedule_needs_host_device(schedule) -> bool:
 
 def pipeline_schedule():
     """Megatron's forward-backward schedule for this job's pp / vpp sizes, runnable on this machine."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     schedule = get_forward_backward_func()
     if not schedule_needs_host_device(schedule):

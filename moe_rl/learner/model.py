@@ -12,10 +12,18 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.moe.router import TopKRouter
 
+from moe_rl.exact.contract import kernels_of
+from moe_rl.exact.kernels import silu
 from moe_rl.learner.cpu_shims import apply_cpu_shims, seed_model_parallel_rng
 from moe_rl.learner.device import model_device
 from moe_rl.learner.fp8 import fp8_runtime_missing, fp8_transformer_fields, te_available
+from moe_rl.learner.mcore_compat import apply_megatron_fixes
 
 __all__ = [
     "transformer_config_from",
@@ -38,7 +46,6 @@ def use_transformer_engine() -> bool:
 
 def transformer_config_from(cfg):
     """Megatron ``TransformerConfig`` for ``cfg`` (an ``ExperimentConfig``); see ``transformer_config_kwargs``."""
-    from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(**transformer_config_kwargs(cfg))
 
@@ -70,7 +77,8 @@ def transformer_config_kwargs(cfg) -> dict:
         missing = fp8_runtime_missing()
         if missing:
             raise ValueError(
-                f"precision.fp8={prec.fp8.model_dump()} needs " + " and ".join(missing)
+                f"precision.fp8={prec.fp8.model_dump()} needs "
+                + " and ".join(missing)
                 + "; set precision.fp8=null on this machine"
             )
     params_dtype = _DTYPES[prec.params_dtype]
@@ -145,13 +153,11 @@ def transformer_config_kwargs(cfg) -> dict:
 
 def _true_on_policy(cfg) -> frozenset[str]:
     """The items of the true-on-policy kernel contract ``cfg`` turns on (none, all, or a subset)."""
-    from moe_rl.exact.contract import kernels_of
 
     return kernels_of(cfg.rollout)
 
 
 def _exact_silu():
-    from moe_rl.exact.kernels import silu
 
     return silu
 
@@ -166,7 +172,6 @@ def _pipeline_fields(pp: int, params_dtype: torch.dtype, on_gpu: bool) -> dict:
 
 
 def _layer_spec(tcfg, use_te: bool, exact: frozenset[str] = frozenset()):
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=use_te, normalization="RMSNorm")
     if exact:  # rollout.true_on_policy: the shared row-invariant kernels (moe_rl.exact)
@@ -186,10 +191,6 @@ def build_model(cfg, seed: int | None = None):
     so ep=1 and ep=2 builds differ in expert values: load the same weights (HF
     import or checkpoint) when runs must match.
     """
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-
-    from moe_rl.learner.mcore_compat import apply_megatron_fixes
 
     apply_cpu_shims()  # first: on CPU the shim set lists te_general_gemm itself
     apply_megatron_fixes()
@@ -198,8 +199,10 @@ def build_model(cfg, seed: int | None = None):
     use_te = use_transformer_engine()
     exact = _true_on_policy(cfg)
     if exact and use_te:
-        raise ValueError("rollout.true_on_policy runs the learner on the CPU kernels of moe_rl.exact; "
-                         "Transformer Engine on a GPU is not covered (see docs/true_on_policy.md)")
+        raise ValueError(
+            "rollout.true_on_policy runs the learner on the CPU kernels of moe_rl.exact; "
+            "Transformer Engine on a GPU is not covered (see docs/true_on_policy.md)"
+        )
     model = GPTModel(
         config=tcfg,
         transformer_layer_spec=_layer_spec(tcfg, use_te, exact),
@@ -302,7 +305,6 @@ def forward_logits(
 
 def moe_routers(model) -> list:
     """The ``TopKRouter`` of each MoE decoder layer, in layer order (dense layers skipped)."""
-    from megatron.core.transformer.moe.router import TopKRouter
 
     routers = []
     for layer in unwrap(model).decoder.layers:

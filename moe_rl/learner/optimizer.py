@@ -18,18 +18,30 @@ import math
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
 from moe_rl.learner.device import model_device
+from moe_rl.learner.fp8 import te_available
 from moe_rl.learner.mcore_compat import megatron_optimizer_device
 
-__all__ = ["wrap_ddp", "build_optimizer", "lr_at", "set_lr", "grad_norm_and_clip", "is_expert_param",
-           "uses_megatron_optimizer", "megatron_step"]  # fmt: skip
+__all__ = [
+    "wrap_ddp",
+    "build_optimizer",
+    "lr_at",
+    "set_lr",
+    "grad_norm_and_clip",
+    "is_expert_param",
+    "uses_megatron_optimizer",
+    "megatron_step",
+]
 
 
 def wrap_ddp(model, use_distributed_optimizer: bool = False):
     """Megatron DDP around ``model`` with fp32 grad buffers and no overlap (deterministic); with the distributed
     optimizer its grad buffers are reduce-scattered and its params all-gathered after each step."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_cfg = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=use_distributed_optimizer
@@ -45,15 +57,18 @@ def uses_megatron_optimizer(optim_cfg) -> bool:
 
 def _check_options(optim_cfg) -> None:
     """Options this machine cannot run, refused by name (preflight refuses the combinations earlier)."""
-    from moe_rl.learner.fp8 import te_available
 
     if optim_cfg.use_precision_aware_optimizer and not optim_cfg.optimizer_cpu_offload and not te_available():
-        raise ValueError("optim.use_precision_aware_optimizer=true needs Transformer Engine's FusedAdam (the "
-                         "lower-precision master and moments live in it), which this machine lacks; set it to "
-                         "false, or use it with optim.optimizer_cpu_offload=true on a GPU")  # fmt: skip
+        raise ValueError(
+            "optim.use_precision_aware_optimizer=true needs Transformer Engine's FusedAdam (the "
+            "lower-precision master and moments live in it), which this machine lacks; set it to "
+            "false, or use it with optim.optimizer_cpu_offload=true on a GPU"
+        )
     if optim_cfg.optimizer_cpu_offload and not torch.cuda.is_available():
-        raise ValueError("optim.optimizer_cpu_offload=true moves the optimizer state from the GPU to the host; "
-                         "this machine has no GPU (the state is on the host already): set it to false")  # fmt: skip
+        raise ValueError(
+            "optim.optimizer_cpu_offload=true moves the optimizer state from the GPU to the host; "
+            "this machine has no GPU (the state is on the host already): set it to false"
+        )
 
 
 def is_expert_param(param: torch.nn.Parameter) -> bool:
@@ -70,15 +85,19 @@ def build_optimizer(ddp_model, optim_cfg, params_dtype: torch.dtype):
     if optim_cfg.optimizer != "adam":
         raise ValueError(f"optim.optimizer={optim_cfg.optimizer!r}; expected 'adam'")
     if uses_megatron_optimizer(optim_cfg):
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
         _check_options(optim_cfg)
         mcfg = OptimizerConfig(
-            optimizer="adam", lr=optim_cfg.lr, min_lr=optim_cfg.min_lr,
-            weight_decay=optim_cfg.weight_decay, adam_beta1=optim_cfg.adam_beta1,
-            adam_beta2=optim_cfg.adam_beta2, adam_eps=optim_cfg.adam_eps,
-            clip_grad=optim_cfg.clip_grad, bf16=params_dtype == torch.bfloat16,
-            params_dtype=params_dtype, use_distributed_optimizer=optim_cfg.use_distributed_optimizer,
+            optimizer="adam",
+            lr=optim_cfg.lr,
+            min_lr=optim_cfg.min_lr,
+            weight_decay=optim_cfg.weight_decay,
+            adam_beta1=optim_cfg.adam_beta1,
+            adam_beta2=optim_cfg.adam_beta2,
+            adam_eps=optim_cfg.adam_eps,
+            clip_grad=optim_cfg.clip_grad,
+            bf16=params_dtype == torch.bfloat16,
+            params_dtype=params_dtype,
+            use_distributed_optimizer=optim_cfg.use_distributed_optimizer,
             optimizer_cpu_offload=optim_cfg.optimizer_cpu_offload,
             optimizer_offload_fraction=optim_cfg.optimizer_offload_fraction,
             use_precision_aware_optimizer=optim_cfg.use_precision_aware_optimizer,
@@ -95,11 +114,13 @@ def build_optimizer(ddp_model, optim_cfg, params_dtype: torch.dtype):
     for p in ddp_model.parameters():
         if p.requires_grad:
             (decay if p.dim() > 1 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": optim_cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": optim_cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(
-        groups, lr=optim_cfg.lr, betas=(optim_cfg.adam_beta1, optim_cfg.adam_beta2),
-        eps=optim_cfg.adam_eps, foreach=False,
+        groups,
+        lr=optim_cfg.lr,
+        betas=(optim_cfg.adam_beta1, optim_cfg.adam_beta2),
+        eps=optim_cfg.adam_eps,
+        foreach=False,
     )
 
 
@@ -154,8 +175,6 @@ def grad_norm_and_clip(ddp_model, max_norm: float) -> float:
     Data-parallel replicas hold identical grads after DDP's reduction and are
     not summed. ``max_norm <= 0`` only measures.
     """
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
     dense, expert, all_grads = [], [], []
     for p in ddp_model.parameters():

@@ -25,15 +25,27 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 from moe_rl.learner.model import unwrap
 from moe_rl.learner.tp_shards import tp_split_dim
 
 __all__ = [
-    "Box", "TensorSlice", "canonical_name", "expert_slot", "local_expert_range", "tp_rank_and_size",
-    "stage_layer_offset", "globalise_layer", "global_name", "tensor_slice", "local_slices", "writes_whole",
+    "Box",
+    "TensorSlice",
+    "canonical_name",
+    "expert_slot",
+    "local_expert_range",
+    "tp_rank_and_size",
+    "stage_layer_offset",
+    "globalise_layer",
+    "global_name",
+    "tensor_slice",
+    "local_slices",
+    "writes_whole",
     "replica_group",
-]  # fmt: skip
+]
 
 _TE_FUSED_NORMS = (
     (".self_attention.linear_qkv.layer_norm_weight", ".input_layernorm.weight"),
@@ -72,7 +84,6 @@ def expert_slot(name: str) -> tuple[str, int, str] | None:
 
 def local_expert_range(model) -> tuple[int, int]:
     """``(global id of this rank's first expert, experts per ep rank)``."""
-    from megatron.core import parallel_state as ps
 
     num_local = unwrap(model).config.num_moe_experts // ps.get_expert_model_parallel_world_size()
     return ps.get_expert_model_parallel_rank() * num_local, num_local
@@ -80,7 +91,6 @@ def local_expert_range(model) -> tuple[int, int]:
 
 def tp_rank_and_size(name: str) -> tuple[int, int]:
     """This rank's (rank, size) in the group that splits ``name``: etp for experts, tp for the rest."""
-    from megatron.core import parallel_state as ps
 
     if ".mlp.experts." in name:
         return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
@@ -157,8 +167,10 @@ def tensor_slice(local: str, name: str, shape: tuple[int, ...], rank: int, size:
     if swiglu:  # local [gate_r; up_r], global [gate_0..gate_{n-1}; up_0..up_{n-1}]
         half = shape[0] // 2
         box = (half, *shape[1:])
-        boxes = (Box(0, half, (rank * half, *zero[1:]), box),
-                 Box(half, shape[0], (full[0] // 2 + rank * half, *zero[1:]), box))  # fmt: skip
+        boxes = (
+            Box(0, half, (rank * half, *zero[1:]), box),
+            Box(half, shape[0], (full[0] // 2 + rank * half, *zero[1:]), box),
+        )
         return TensorSlice(local, name, full, boxes, True)
     offsets = tuple(rank * s if d == dim else 0 for d, s in enumerate(shape))
     return TensorSlice(local, name, full, (Box(0, rows, offsets, shape),), True)
@@ -177,7 +189,6 @@ def local_slices(model, tensors: Mapping[str, torch.Tensor]) -> dict[str, Tensor
 
 def replica_group(name: str):
     """The data-parallel group over which global tensor ``name``'s holders are replicas (expert-dp for experts)."""
-    from megatron.core import parallel_state as ps
 
     if ".mlp.experts." in name:
         return ps.get_expert_data_parallel_group()
@@ -191,7 +202,6 @@ def writes_whole(slices: Mapping[str, TensorSlice], nbytes: Mapping[str, int]) -
     each tensor goes to the replica with the fewest bytes so far (sorted by global name: every
     replica computes the same assignment from the same names and sizes, no communication).
     """
-    import torch.distributed as dist
 
     mine: set[str] = set()
     loads: dict[tuple[int, ...], list[int]] = {}

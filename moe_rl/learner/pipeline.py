@@ -24,30 +24,34 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 from moe_rl.learner.device import model_device
 from moe_rl.learner.mcore_compat import pipeline_schedule
 from moe_rl.learner.model import forward_logits
 
-__all__ = ["pipeline_size", "is_last_stage", "from_last_stage", "object_from_last_stage",
-           "pipeline_logprobs", "pipeline_train"]  # fmt: skip
+__all__ = [
+    "pipeline_size",
+    "is_last_stage",
+    "from_last_stage",
+    "object_from_last_stage",
+    "pipeline_logprobs",
+    "pipeline_train",
+]
 
 
 def pipeline_size() -> int:
     """Megatron's pipeline-parallel size (1 when Megatron is not initialised)."""
-    from megatron.core import parallel_state as ps
 
     return ps.get_pipeline_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
 
 
 def is_last_stage() -> bool:
-    from megatron.core import parallel_state as ps
 
     return pipeline_size() == 1 or ps.is_pipeline_last_stage()
 
 
 def _last_rank_and_group():
-    from megatron.core import parallel_state as ps
 
     return ps.get_pipeline_model_parallel_last_rank(), ps.get_pipeline_model_parallel_group()
 
@@ -79,16 +83,19 @@ def object_from_last_stage(obj):
 
 def _stage_forward(model, mb: dict) -> torch.Tensor:
     """A first / middle stage: the decoder layers it holds -> hidden states ``[S, B, H]`` for the next."""
-    return forward_logits(model, mb["input_ids"], segment_ids=mb.get("segment_ids"),
-                          padding_mask=mb.get("padding_mask"))
+    return forward_logits(
+        model, mb["input_ids"], segment_ids=mb.get("segment_ids"), padding_mask=mb.get("padding_mask")
+    )
 
 
 def _run(model, microbatches: list[dict], on_last, forward_only: bool) -> None:
     """Run ``microbatches`` through the schedule; ``on_last(model, mb) -> (output, loss_func)`` on the last stage."""
     vpp = getattr(model.config, "virtual_pipeline_model_parallel_size", None)
     if vpp:
-        raise NotImplementedError(f"virtual_pipeline_model_parallel_size={vpp}: moe_rl runs the non-interleaved "
-                                  "pipeline schedule only; build the model without virtual stages")  # fmt: skip
+        raise NotImplementedError(
+            f"virtual_pipeline_model_parallel_size={vpp}: moe_rl runs the non-interleaved "
+            "pipeline schedule only; build the model without virtual stages"
+        )
     last = is_last_stage()
 
     def forward_step(data_iterator, m):
@@ -101,9 +108,15 @@ def _run(model, microbatches: list[dict], on_last, forward_only: bool) -> None:
     # variable_seq_lengths: the stages exchange each microbatch's real shape; these are only upper bounds
     seq_length = max(mb["input_ids"].shape[1] for mb in microbatches)
     micro_batch_size = max(mb["input_ids"].shape[0] for mb in microbatches)
-    schedule(forward_step_func=forward_step, data_iterator=iter(microbatches), model=[model],
-             num_microbatches=len(microbatches), seq_length=seq_length, micro_batch_size=micro_batch_size,
-             forward_only=forward_only)  # fmt: skip
+    schedule(
+        forward_step_func=forward_step,
+        data_iterator=iter(microbatches),
+        model=[model],
+        num_microbatches=len(microbatches),
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+    )
 
 
 def pipeline_logprobs(model, microbatches: list[dict], logprob_fn, temperature: float) -> list[torch.Tensor]:
@@ -119,17 +132,19 @@ def pipeline_logprobs(model, microbatches: list[dict], logprob_fn, temperature: 
 
     _run(model, microbatches, on_last, forward_only=True)
     device = model_device(model)
-    return [from_last_stage(out[i] if out else None, mb["targets"].shape, torch.float32, device)
-            for i, mb in enumerate(microbatches)]  # fmt: skip
+    return [
+        from_last_stage(out[i] if out else None, mb["targets"].shape, torch.float32, device)
+        for i, mb in enumerate(microbatches)
+    ]
 
 
-def pipeline_train(model, microbatches: list[dict], logprob_fn, loss_fn, temperature: float,
-                   loss_scale: float) -> tuple[list[float], list[dict]]:  # fmt: skip
+def pipeline_train(
+    model, microbatches: list[dict], logprob_fn, loss_fn, temperature: float, loss_scale: float
+) -> tuple[list[float], list[dict]]:
     """Forward + backward of every microbatch; returns the last stage's ``(losses, metrics)`` on every stage.
 
     Each microbatch's gradient is that of ``loss_fn(...)[0] * loss_scale`` (see the module docstring).
     """
-    from megatron.core import parallel_state as ps
 
     n, cp = len(microbatches), ps.get_context_parallel_world_size()
     factor = float(loss_scale) * n / cp

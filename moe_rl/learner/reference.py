@@ -36,6 +36,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moe_rl.learner.checkpoint import rng_state, set_rng_state
+from moe_rl.learner.dist import decided_by_rank0
+from moe_rl.learner.global_state import MODEL_FORMAT, GlobalFile, GlobalStateError, load_model
+from moe_rl.learner.logprobs import response_logprobs
+from moe_rl.learner.model import build_model
+from moe_rl.learner.pipeline import pipeline_logprobs, pipeline_size
+from moe_rl.learner.sharded_state import ShardedDir, save_model_shards
+from moe_rl.learner.train_step import default_logprob_fn
+from moe_rl.replay.binding import RoutingReplay
+
 __all__ = ["ReferencePolicy", "reference_path", "reference_problem", "save_reference", "REFERENCE_DIR"]
 
 REFERENCE_DIR = "reference"
@@ -58,8 +68,6 @@ def reference_path(ckpt_dir: str | Path) -> Path:
 
 
 def _reference_source(ckpt_dir: str | Path):
-    from moe_rl.learner.global_state import MODEL_FORMAT, GlobalFile
-    from moe_rl.learner.sharded_state import ShardedDir
 
     path = reference_path(ckpt_dir)
     return GlobalFile(path, MODEL_FORMAT) if path.name == LEGACY_REFERENCE_FILE else ShardedDir(path.parent, "model")
@@ -93,7 +101,6 @@ def save_reference(policy: ReferencePolicy, ckpt_dir: str | Path, run_id: str) -
     Rank 0 decides whether this run's marker is already there; if not, it clears the directory,
     the weights are gathered and written, and rank 0 writes the marker last.
     """
-    from moe_rl.learner.dist import decided_by_rank0
 
     if decided_by_rank0(lambda: reference_problem(ckpt_dir, run_id)) is None:
         return False
@@ -146,8 +153,6 @@ class ReferencePolicy:
     @staticmethod
     def _build(cfg):
         """A fresh model of ``cfg``'s layout, built without disturbing any RNG stream the learner uses."""
-        from moe_rl.learner.checkpoint import rng_state, set_rng_state
-        from moe_rl.learner.model import build_model
 
         state = rng_state()
         try:
@@ -166,7 +171,6 @@ class ReferencePolicy:
     @classmethod
     def load(cls, cfg, ckpt_dir: str | Path, *, offload: bool = False) -> ReferencePolicy:
         """Rebuild π_ref from ``save``'s file, sliced for this job's layout; a clear error if missing or mismatched."""
-        from moe_rl.learner.global_state import GlobalStateError, load_model
 
         path = reference_path(ckpt_dir)
         if not path.is_file():
@@ -186,7 +190,6 @@ class ReferencePolicy:
         """Write the weights to ``<ckpt_dir>/reference/`` (collective: every rank calls it and writes the
         chunks it owns, ``sharded_state``; other files in the directory are kept). Completeness is the
         marker's job (``save_reference`` writes it last)."""
-        from moe_rl.learner.sharded_state import save_model_shards
 
         where = Path(ckpt_dir) / REFERENCE_DIR
         if _rank() == 0:
@@ -219,8 +222,6 @@ class ReferencePolicy:
         if routes is None:
             return contextlib.nullcontext()
         if self._replay is None:
-            from moe_rl.replay.binding import RoutingReplay
-
             self._replay = RoutingReplay(self.model)
         return self._replay.replay([routes], local=local, observe_natural=False)
 
@@ -242,21 +243,21 @@ class ReferencePolicy:
         local routes (``local_routes=True``) under R2 — so π_ref and π_old see the same experts;
         None = natural routing (``replay.routing: none``).
         """
-        from moe_rl.learner.logprobs import response_logprobs
-
-        from moe_rl.learner.pipeline import pipeline_logprobs, pipeline_size
 
         with self.on_device(), self._routing(routes, local_routes):
             if pipeline_size() > 1:  # this rank's stage of π_ref; the last stage's log-probs on every stage
-                from moe_rl.learner.train_step import default_logprob_fn
-
                 logp = pipeline_logprobs(self.model, [mb], logprob_fn or default_logprob_fn, temperature)[0]
             elif logprob_fn is not None:
                 logp, _ = logprob_fn(self.model, mb, temperature)
             else:
-                logp, _ = response_logprobs(self.model, mb["input_ids"], mb["targets"],
-                                            segment_ids=mb.get("segment_ids"), temperature=temperature,
-                                            with_entropy=False)  # fmt: skip
+                logp, _ = response_logprobs(
+                    self.model,
+                    mb["input_ids"],
+                    mb["targets"],
+                    segment_ids=mb.get("segment_ids"),
+                    temperature=temperature,
+                    with_entropy=False,
+                )
         return logp.detach()
 
     def close(self) -> None:

@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 
 from moe_rl.learner.global_state import (
@@ -33,16 +34,33 @@ from moe_rl.learner.global_state import (
     adam_state,
     model_tensors,
     named_slots,
-)  # fmt: skip
+)
 from moe_rl.learner.ownership import Box, TensorSlice, local_slices, tp_rank_and_size, writes_whole
 
-__all__ = ["ShardedDir", "save_model_shards", "save_optimizer_shards", "write_safetensors", "write_rank_file",
-           "rank_file", "read_global", "SHARD_FORMAT"]  # fmt: skip
+__all__ = [
+    "ShardedDir",
+    "save_model_shards",
+    "save_optimizer_shards",
+    "write_safetensors",
+    "write_rank_file",
+    "rank_file",
+    "read_global",
+    "SHARD_FORMAT",
+]
 
 SHARD_FORMAT = "moe_rl.sharded/1"
-_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-           torch.bool: "BOOL"}  # fmt: skip
+_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 _RANK_FILE = re.compile(r"^(model|optimizer)-r(\d{5})\.safetensors$")
 
 Entry = tuple[str, TensorSlice, torch.Tensor, "tuple[int, int] | None"]
@@ -82,32 +100,48 @@ def _chunks(entries: Iterable[Entry]) -> tuple[list[tuple[str, torch.Tensor]], l
     tensors, index = [], []
     for key, s, t, flat in entries:
         if flat is None:
-            pieces = [(box, None, t.reshape(box.shape) if not box.shape else t[box.row_start:box.row_stop])
-                      for box in s.boxes]  # fmt: skip
+            pieces = [
+                (box, None, t.reshape(box.shape) if not box.shape else t[box.row_start : box.row_stop])
+                for box in s.boxes
+            ]
         else:
             lo = flat[0]
-            pieces = [(box, (a, b), t.reshape(-1)[start - lo:start - lo + (b - a)])
-                      for box, a, b, start in s.flat_pieces(*flat)]  # fmt: skip
+            pieces = [
+                (box, (a, b), t.reshape(-1)[start - lo : start - lo + (b - a)])
+                for box, a, b, start in s.flat_pieces(*flat)
+            ]
         for box, ab, data in pieces:
             name = f"{key}@{len(index)}"
             tensors.append((name, data))
-            index.append({"key": name, "name": key, "shape": list(s.global_shape), "offsets": list(box.offsets),
-                          "box": list(box.shape), "flat": list(ab) if ab else None})  # fmt: skip
+            index.append(
+                {
+                    "key": name,
+                    "name": key,
+                    "shape": list(s.global_shape),
+                    "offsets": list(box.offsets),
+                    "box": list(box.shape),
+                    "flat": list(ab) if ab else None,
+                }
+            )
     return tensors, index
 
 
 def write_rank_file(directory: str | Path, kind: str, rank: int, world: int, entries: Iterable[Entry]) -> Path:
     """Write rank ``rank``'s (of ``world``) ``kind`` file: the chunks of ``entries`` and their JSON index."""
     tensors, index = _chunks(entries)
-    meta = {"format": SHARD_FORMAT, "kind": kind, "rank": str(rank), "world_size": str(world),
-            "chunks": json.dumps(index)}  # fmt: skip
+    meta = {
+        "format": SHARD_FORMAT,
+        "kind": kind,
+        "rank": str(rank),
+        "world_size": str(world),
+        "chunks": json.dumps(index),
+    }
     path = rank_file(directory, kind, rank)
     write_safetensors(path, tensors, meta)
     return path
 
 
 def _save(directory: Path, kind: str, entries: Iterable[Entry]) -> None:
-    import torch.distributed as dist
 
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     write_rank_file(directory, kind, rank, world, entries)
@@ -174,15 +208,19 @@ class ShardedDir:
             except (SafetensorError, OSError, ValueError) as exc:
                 raise GlobalStateError(f"{path} is not a readable safetensors rank file ({exc})") from None
             if meta.get("format") != SHARD_FORMAT or meta.get("kind") != kind or not isinstance(index, list):
-                raise GlobalStateError(f"{path} has format {meta.get('format')!r} / kind {meta.get('kind')!r}; "
-                                       f"expected {SHARD_FORMAT!r} / {kind!r}")  # fmt: skip
+                raise GlobalStateError(
+                    f"{path} has format {meta.get('format')!r} / kind {meta.get('kind')!r}; "
+                    f"expected {SHARD_FORMAT!r} / {kind!r}"
+                )
             worlds.add(meta.get("world_size"))
             self.handles.append(fh)
             for c in index:
                 self.chunks.setdefault(c["name"], []).append((fh, c))
         if len(worlds) != 1 or not str(next(iter(worlds))).isdigit() or int(next(iter(worlds))) != len(files):
-            raise GlobalStateError(f"{self.where}: {len(files)} rank files for a job of {sorted(map(str, worlds))} "
-                                   "ranks; a rank's file is missing")  # fmt: skip
+            raise GlobalStateError(
+                f"{self.where}: {len(files)} rank files for a job of {sorted(map(str, worlds))} "
+                "ranks; a rank's file is missing"
+            )
         self.keys = set(self.chunks)
 
     def full(self, key: str) -> torch.Tensor:
@@ -216,9 +254,11 @@ class ShardedDir:
             out[region] = box
             covered[region] += boxes[("cover", *offsets)]
         if not bool((covered == 1).all()):
-            raise GlobalStateError(f"{self.where}: {key} is not covered exactly once by the saved chunks "
-                                   f"({int((covered == 0).sum())} elements missing, {int((covered > 1).sum())} "
-                                   "written twice); the checkpoint is incomplete or corrupt")  # fmt: skip
+            raise GlobalStateError(
+                f"{self.where}: {key} is not covered exactly once by the saved chunks "
+                f"({int((covered == 0).sum())} elements missing, {int((covered > 1).sum())} "
+                "written twice); the checkpoint is incomplete or corrupt"
+            )
         return out
 
 

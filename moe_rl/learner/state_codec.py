@@ -48,7 +48,11 @@ def _encode(obj, path: str, tensors: dict[str, torch.Tensor], seen: set[int]):
     if isinstance(obj, (bytes, bytearray, io.BytesIO)):
         raw = obj.getvalue() if isinstance(obj, io.BytesIO) else bytes(obj)
         key = f"t{len(tensors)}"
-        tensors[key] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8, device="cpu")
+        tensors[key] = (
+            torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            if raw
+            else torch.zeros(0, dtype=torch.uint8, device="cpu")
+        )
         return {"__bytesio__" if isinstance(obj, io.BytesIO) else "__bytes__": key}
     if isinstance(obj, dict):
         if all(isinstance(k, str) and not k.startswith("__") for k in obj):
@@ -78,7 +82,7 @@ def _decode(node, tensors: dict[str, torch.Tensor], path: str):
     if not isinstance(node, dict):
         return node
     if len(node) == 1:
-        (tag, value), = node.items()
+        ((tag, value),) = node.items()
         if tag in ("__tensor__", "__ndarray__", "__bytes__", "__bytesio__"):
             if value not in tensors:
                 raise StateCodecError(f"{path} refers to tensor {value!r}, which the file does not hold")

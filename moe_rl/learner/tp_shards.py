@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["tp_split_dim", "gather_tp_shards", "merge_tp_shards", "tp_slice"]
 
@@ -55,7 +56,6 @@ def gather_tp_shards(local: Mapping[str, torch.Tensor], tp_group=None, etp_group
     Collective: every rank of ``tp_group`` (and of ``etp_group``, for expert weights) calls it with
     the same names. A group of None or size 1 leaves its tensors as they are.
     """
-    import torch.distributed as dist
 
     def size(group) -> int:
         return 1 if group is None else dist.get_world_size(group)

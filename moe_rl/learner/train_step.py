@@ -15,6 +15,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from megatron.core import parallel_state as ps
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from moe_rl.config.hf_model import initial_weights_dir, side_files_dir
 from moe_rl.learner.device import model_device, to_device
@@ -31,7 +34,7 @@ from moe_rl.learner.optimizer import (
     set_lr,
     uses_megatron_optimizer,
     wrap_ddp,
-)  # fmt: skip
+)
 from moe_rl.learner.pipeline import pipeline_logprobs, pipeline_size, pipeline_train
 
 __all__ = ["Microbatch", "LossFn", "LogprobFn", "StepStats", "Learner", "mean"]
@@ -51,8 +54,9 @@ replaces the full-softmax ``response_logprobs`` (e.g. Keep Sampling Mask renorma
 
 def default_logprob_fn(model, mb: Microbatch, temperature: float):
     """Full-vocabulary log-probs and entropy of ``mb["targets"]`` (see ``response_logprobs``)."""
-    return response_logprobs(model, mb["input_ids"], mb["targets"], segment_ids=mb.get("segment_ids"),
-                             temperature=temperature)
+    return response_logprobs(
+        model, mb["input_ids"], mb["targets"], segment_ids=mb.get("segment_ids"), temperature=temperature
+    )
 
 
 @dataclass
@@ -108,12 +112,15 @@ class Learner:
         ``template_dir`` (default ``model.hf_path``, else ``checkpoint.init_from_hf``) supplies config/tokenizer files.
         """
         template = template_dir if template_dir is not None else side_files_dir(self.cfg)
-        return export_hf_checkpoint(self.model, self.cfg.model, out_dir, template_dir=template,
-                                    bucket_bytes=self.cfg.rollout.weight_sync_bucket_mb << 20)
+        return export_hf_checkpoint(
+            self.model,
+            self.cfg.model,
+            out_dir,
+            template_dir=template,
+            bucket_bytes=self.cfg.rollout.weight_sync_bucket_mb << 20,
+        )
 
     def _set_aux_loss_scale(self, num_microbatches: int) -> None:
-        from megatron.core import parallel_state as ps
-        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
         # Megatron's schedule divides each microbatch loss by num_microbatches and
         # scales the aux-loss gradient to match (x cp size: the main loss is
@@ -122,17 +129,24 @@ class Learner:
         device = next(self.model.parameters()).device
         MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(cp / num_microbatches, device=device))
 
-    def forward_logprobs(self, microbatches: Sequence[Microbatch], logprob_fn: LogprobFn,
-                         temperature: float) -> list[torch.Tensor]:  # fmt: skip
+    def forward_logprobs(
+        self, microbatches: Sequence[Microbatch], logprob_fn: LogprobFn, temperature: float
+    ) -> list[torch.Tensor]:
         """Each microbatch's ``logp[B, T]`` from one forward of the current weights (no backward; the
         caller picks the mode and ``no_grad``). Under pp > 1: Megatron's schedule, on every stage."""
         if pipeline_size() > 1:
             return pipeline_logprobs(self.model, list(microbatches), logprob_fn, temperature)
         return [logprob_fn(self.model, mb, temperature)[0] for mb in microbatches]
 
-    def train_step(self, microbatches: Sequence[Microbatch], loss_fn: LossFn,
-                   temperature: float = 1.0, logprob_fn: LogprobFn | None = None,
-                   loss_scale: float | None = None, lr_scale: float = 1.0) -> StepStats:
+    def train_step(
+        self,
+        microbatches: Sequence[Microbatch],
+        loss_fn: LossFn,
+        temperature: float = 1.0,
+        logprob_fn: LogprobFn | None = None,
+        loss_scale: float | None = None,
+        lr_scale: float = 1.0,
+    ) -> StepStats:
         """Accumulate gradients over ``microbatches``, finalise them as Megatron does, clip, step.
 
         Each microbatch contributes ``loss * loss_scale`` (default ``1 / len(microbatches)``: a
@@ -151,12 +165,17 @@ class Learner:
         self.optimizer.zero_grad()
         device = model_device(self.model)
         if pipeline_size() > 1:  # the schedule sets the aux-loss scale itself (a [1] tensor: keep its shape)
-            losses, metrics = pipeline_train(self.model, [to_device(mb, device) for mb in microbatches],
-                                             logprob_fn or default_logprob_fn, loss_fn, temperature, scale)  # fmt: skip
+            losses, metrics = pipeline_train(
+                self.model,
+                [to_device(mb, device) for mb in microbatches],
+                logprob_fn or default_logprob_fn,
+                loss_fn,
+                temperature,
+                scale,
+            )
         else:
             self._set_aux_loss_scale(n)
             losses, metrics = self._accumulate(microbatches, loss_fn, temperature, logprob_fn, scale, device)
-        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
         finalize_model_grads([self.model])
         lr = lr_at(self.step, self.cfg.optim, self.total_steps) * float(lr_scale)  # lr_scale: e.g. VCPO's ESS rule
@@ -174,7 +193,10 @@ class Learner:
                 logp, entropy = logprob_fn(self.model, mb, temperature)
             else:
                 logp, entropy = response_logprobs(
-                    self.model, mb["input_ids"], mb["targets"], segment_ids=mb.get("segment_ids"),
+                    self.model,
+                    mb["input_ids"],
+                    mb["targets"],
+                    segment_ids=mb.get("segment_ids"),
                     temperature=temperature,
                 )
             loss, m = loss_fn(logp, entropy, mb)

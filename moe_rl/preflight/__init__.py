@@ -46,9 +46,13 @@ from moe_rl.preflight.sync import weight_sync_architecture, weight_sync_group, w
 from moe_rl.preflight.tasks import reward_fn_imports, task_and_lengths
 
 __all__ = [
-    "PreflightError", "PreflightReport", "config_problems", "environment_problems", "preflight",
+    "PreflightError",
+    "PreflightReport",
+    "config_problems",
+    "environment_problems",
+    "preflight",
     "run_preflight",
-]  # fmt: skip
+]
 
 
 class PreflightError(ConfigError):
@@ -89,10 +93,24 @@ def finite_numbers(cfg: ExperimentConfig) -> Iterable[str]:
 
 
 CONFIG_RULES: tuple[ConfigRule, ...] = (
-    finite_numbers, hf_model_directory, sampling_settings, task_and_lengths, reward_fn_imports, learner_features,
-    optimizer_options, weight_sync_architecture, weight_sync_group, ignored_loss_keys, data_files, reward_settings,
-    eval_and_filters, rollout_mode, partial_rollouts, memory_fits, true_on_policy_settings,
-)  # fmt: skip
+    finite_numbers,
+    hf_model_directory,
+    sampling_settings,
+    task_and_lengths,
+    reward_fn_imports,
+    learner_features,
+    optimizer_options,
+    weight_sync_architecture,
+    weight_sync_group,
+    ignored_loss_keys,
+    data_files,
+    reward_settings,
+    eval_and_filters,
+    rollout_mode,
+    partial_rollouts,
+    memory_fits,
+    true_on_policy_settings,
+)
 
 
 def config_problems(cfg: ExperimentConfig) -> PreflightReport:

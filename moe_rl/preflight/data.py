@@ -27,13 +27,17 @@ def _contradictions(cfg, derived: dict) -> Iterable[str]:
         if key == "moe_layer_freq":
             want = value if isinstance(value, list) else [1] * m.num_layers
             if m.moe_layer_pattern() != want and not m.first_k_dense_layers:
-                yield (f"model.moe_layer_freq={m.moe_layer_freq!r} contradicts {where}, which gives {value!r}; drop "
-                       f"model.moe_layer_freq (it is read from config.json) or set it to {value!r}")  # fmt: skip
+                yield (
+                    f"model.moe_layer_freq={m.moe_layer_freq!r} contradicts {where}, which gives {value!r}; drop "
+                    f"model.moe_layer_freq (it is read from config.json) or set it to {value!r}"
+                )
             continue
         mine = getattr(m, key)
         if not same_value(key, mine, value):
-            yield (f"model.{key}={mine!r} contradicts {where}, which gives {value!r}; drop model.{key} (it is read "
-                   f"from config.json) or set it to {value!r}")  # fmt: skip
+            yield (
+                f"model.{key}={mine!r} contradicts {where}, which gives {value!r}; drop model.{key} (it is read "
+                f"from config.json) or set it to {value!r}"
+            )
 
 
 def _tokenizer(hf_path: str):
@@ -48,8 +52,10 @@ def unbuilt_model(cfg) -> str | None:
     path, command = cfg.model.hf_path, cfg.model.build_command
     if not path or not command or Path(path).expanduser().exists():
         return None
-    return (f"model.hf_path={path!r} is not built yet: run `{command}` (model.build_command) to create it; "
-            "the architecture, weights and tokenizer are read from it")
+    return (
+        f"model.hf_path={path!r} is not built yet: run `{command}` (model.build_command) to create it; "
+        "the architecture, weights and tokenizer are read from it"
+    )
 
 
 def hf_model_directory(cfg) -> Iterable[str]:
@@ -57,8 +63,10 @@ def hf_model_directory(cfg) -> Iterable[str]:
     path = cfg.model.hf_path
     if not path:
         if cfg.data is not None:
-            yield ("data.train_files needs model.hf_path: dataset prompts are tokenised with the model's own "
-                   "tokenizer (the built-in task tokenizer only knows digits)")  # fmt: skip
+            yield (
+                "data.train_files needs model.hf_path: dataset prompts are tokenised with the model's own "
+                "tokenizer (the built-in task tokenizer only knows digits)"
+            )
         return
     if (unbuilt := unbuilt_model(cfg)) is not None:
         yield unbuilt
@@ -71,8 +79,10 @@ def hf_model_directory(cfg) -> Iterable[str]:
         return
     yield from _contradictions(cfg, derived)
     if hf.get("tie_word_embeddings"):
-        yield (f"model.hf_path={path!r}: config.json has tie_word_embeddings=true; the learner trains a separate "
-               "output layer (lm_head), expected an untied model")  # fmt: skip
+        yield (
+            f"model.hf_path={path!r}: config.json has tie_word_embeddings=true; the learner trains a separate "
+            "output layer (lm_head), expected an untied model"
+        )
     if not cfg.checkpoint.init_from_hf and not any(Path(path).expanduser().glob("*.safetensors")):
         yield f"model.hf_path={path!r} holds no *.safetensors weights; expected the model's weights (or set checkpoint.init_from_hf)"
     try:
@@ -84,8 +94,10 @@ def hf_model_directory(cfg) -> Iterable[str]:
         yield problem
         return
     if cfg.data is not None and cfg.data.apply_chat_template and not getattr(tokenizer, "chat_template", None):
-        yield (f"data.apply_chat_template=true but the tokenizer of model.hf_path={path!r} has no chat template; set "
-               "data.apply_chat_template=false or add one (chat_template.jinja, or 'chat_template' in tokenizer_config.json)")  # fmt: skip
+        yield (
+            f"data.apply_chat_template=true but the tokenizer of model.hf_path={path!r} has no chat template; set "
+            "data.apply_chat_template=false or add one (chat_template.jinja, or 'chat_template' in tokenizer_config.json)"
+        )
 
 
 def _first_row_problems(key: str, files: list[str], d, needs_label: bool) -> Iterable[str]:
@@ -103,8 +115,10 @@ def _first_row_problems(key: str, files: list[str], d, needs_label: bool) -> Ite
             if value is MISSING:
                 yield f"{name}={field!r} is not a field of the first row of {file} (its keys: {sorted(row)})"
             elif value is None and (name == "data.prompt_key" or needs_label):
-                yield (f"{name}={field!r} is null in the first row of {file}; expected a value in every row (a "
-                       "custom reward function that needs no label declares `needs_label = False`)")  # fmt: skip
+                yield (
+                    f"{name}={field!r} is null in the first row of {file}; expected a value in every row (a "
+                    "custom reward function that needs no label declares `needs_label = False`)"
+                )
 
 
 def _needs_label(cfg) -> bool:
@@ -126,31 +140,41 @@ def data_files(cfg) -> Iterable[str]:
         yield "data.system_prompt needs data.apply_chat_template=true (it is sent as a system message)"
     m, r = cfg.model, cfg.rollout
     if d.max_prompt_tokens is not None and d.max_prompt_tokens + r.max_new_tokens > m.seq_length:
-        yield (f"data.max_prompt_tokens={d.max_prompt_tokens} plus rollout.max_new_tokens={r.max_new_tokens} exceeds "
-               f"model.seq_length={m.seq_length}; expected data.max_prompt_tokens <= {m.seq_length - r.max_new_tokens}")  # fmt: skip
+        yield (
+            f"data.max_prompt_tokens={d.max_prompt_tokens} plus rollout.max_new_tokens={r.max_new_tokens} exceeds "
+            f"model.seq_length={m.seq_length}; expected data.max_prompt_tokens <= {m.seq_length - r.max_new_tokens}"
+        )
     elif m.seq_length - r.max_new_tokens < 1:
         yield f"rollout.max_new_tokens={r.max_new_tokens} leaves no room for a prompt in model.seq_length={m.seq_length}"
     if cfg.train.warm_start is not None:
-        yield ("train.warm_start is a supervised phase on the built-in digit task; with data.train_files expected "
-               "train.warm_start=null")  # fmt: skip
+        yield (
+            "train.warm_start is a supervised phase on the built-in digit task; with data.train_files expected "
+            "train.warm_start=null"
+        )
 
 
 def reward_settings(cfg) -> Iterable[str]:
     """The reward type fits the prompts, and a custom function imports with verl's signature."""
     rw = cfg.reward
     if cfg.data is not None and rw.type == "task":
-        yield ("reward.type='task' scores the built-in digit tasks (train.task); with data.train_files expected "
-               "'math', 'exact_match' or 'custom'")  # fmt: skip
+        yield (
+            "reward.type='task' scores the built-in digit tasks (train.task); with data.train_files expected "
+            "'math', 'exact_match' or 'custom'"
+        )
     if cfg.data is None and rw.type != "task":
-        yield (f"reward.type={rw.type!r} scores dataset labels; set data.train_files (the built-in task train.task="
-               f"{cfg.train.task!r} is scored by reward.type='task')")  # fmt: skip
+        yield (
+            f"reward.type={rw.type!r} scores dataset labels; set data.train_files (the built-in task train.task="
+            f"{cfg.train.task!r} is scored by reward.type='task')"
+        )
     if rw.type == "custom" and not rw.function:
         yield "reward.type='custom' needs reward.function ('pkg.module:fn' or 'path/to/file.py:fn')"
     if rw.function and rw.type != "custom":
         yield f"reward.function={rw.function!r} is only called with reward.type='custom' (got {rw.type!r})"
     if cfg.train.reward_fn and rw.type != "task":
-        yield (f"train.reward_fn={cfg.train.reward_fn!r} overrides the built-in task's score; with reward.type="
-               f"{rw.type!r} use reward.function")  # fmt: skip
+        yield (
+            f"train.reward_fn={cfg.train.reward_fn!r} overrides the built-in task's score; with reward.type="
+            f"{rw.type!r} use reward.function"
+        )
     if rw.type == "custom" and rw.function:
         try:
             load_function(rw.function)

@@ -39,8 +39,11 @@ def learner_features(cfg: ExperimentConfig) -> Iterable[str]:
     if p.cp > 1:
         yield f"parallel.cp={p.cp}: the training loop does not split sequences over context parallelism; expected 1"
     etp = p.tp if p.etp is None else p.etp
-    for key, value, split in (("model.vocab_size", m.vocab_size, p.tp), ("model.ffn_hidden_size", m.ffn_hidden_size, p.tp),
-                              ("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size, etp)):  # fmt: skip
+    for key, value, split in (
+        ("model.vocab_size", m.vocab_size, p.tp),
+        ("model.ffn_hidden_size", m.ffn_hidden_size, p.tp),
+        ("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size, etp),
+    ):
         if value % split:
             yield f"{key}={value} must be divisible by the {split} tensor-parallel shards it is split into (parallel.tp/etp)"
 
@@ -49,14 +52,20 @@ def optimizer_options(cfg: ExperimentConfig) -> Iterable[str]:
     """Megatron-Core's distributed-optimizer options that need each other (optimizer_config.py asserts, or
     the option has no effect): offload and precision-aware state live in the distributed optimizer."""
     o = cfg.optim
-    for key, on in (("optim.optimizer_cpu_offload", o.optimizer_cpu_offload),
-                    ("optim.use_precision_aware_optimizer", o.use_precision_aware_optimizer)):  # fmt: skip
+    for key, on in (
+        ("optim.optimizer_cpu_offload", o.optimizer_cpu_offload),
+        ("optim.use_precision_aware_optimizer", o.use_precision_aware_optimizer),
+    ):
         if on and not o.use_distributed_optimizer:
-            yield (f"{key}=true needs optim.use_distributed_optimizer=true (Megatron-Core keeps offloaded and "
-                   "lower-precision optimizer state only in its distributed optimizer)")  # fmt: skip
+            yield (
+                f"{key}=true needs optim.use_distributed_optimizer=true (Megatron-Core keeps offloaded and "
+                "lower-precision optimizer state only in its distributed optimizer)"
+            )
     if o.optimizer_offload_fraction != 1.0 and not o.optimizer_cpu_offload:
-        yield (f"optim.optimizer_offload_fraction={o.optimizer_offload_fraction} has no effect without "
-               "optim.optimizer_cpu_offload=true; expected 1.0 or offload on")  # fmt: skip
+        yield (
+            f"optim.optimizer_offload_fraction={o.optimizer_offload_fraction} has no effect without "
+            "optim.optimizer_cpu_offload=true; expected 1.0 or offload on"
+        )
 
 
 def pipeline_stages(cfg: ExperimentConfig) -> Iterable[str]:
@@ -68,17 +77,21 @@ def pipeline_stages(cfg: ExperimentConfig) -> Iterable[str]:
     if m.num_layers % pp:  # the schema refuses it ("parallel.pp=... must divide model.num_layers=...")
         return
     if m.moe_token_dispatcher_type == "allgather":
-        yield (f"model.moe_token_dispatcher_type='allgather' with parallel.pp={pp}: Megatron-Core refuses the "
-               "allgather dispatcher with variable_seq_lengths, which pipeline stages need for ragged microbatches; "
-               "expected 'alltoall'")  # fmt: skip
+        yield (
+            f"model.moe_token_dispatcher_type='allgather' with parallel.pp={pp}: Megatron-Core refuses the "
+            "allgather dispatcher with variable_seq_lengths, which pipeline stages need for ragged microbatches; "
+            "expected 'alltoall'"
+        )
     per_stage = m.num_layers // pp
     pattern = m.moe_layer_pattern()
     dense = [s for s in range(pp) if not any(pattern[s * per_stage : (s + 1) * per_stage])]
     if dense:
-        yield (f"parallel.pp={pp}: pipeline stage(s) {dense} would hold only dense layers "
-               f"(model.first_k_dense_layers={m.first_k_dense_layers}, model.moe_layer_freq={m.moe_layer_freq}, "
-               f"{per_stage} decoder layer(s) per stage); expected every stage to hold a MoE layer: "
-               "lower parallel.pp")  # fmt: skip
+        yield (
+            f"parallel.pp={pp}: pipeline stage(s) {dense} would hold only dense layers "
+            f"(model.first_k_dense_layers={m.first_k_dense_layers}, model.moe_layer_freq={m.moe_layer_freq}, "
+            f"{per_stage} decoder layer(s) per stage); expected every stage to hold a MoE layer: "
+            "lower parallel.pp"
+        )
 
 
 # --- environment rules --------------------------------------------------------------------------

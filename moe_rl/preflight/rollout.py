@@ -30,8 +30,10 @@ def sampling_settings(cfg: ExperimentConfig) -> Iterable[str]:
 def rollout_mode(cfg: ExperimentConfig) -> Iterable[str]:
     """Asynchronous rollouts need a producer: servers to generate from (docs/training.md, 'sync -> async')."""
     if cfg.train.rollout_mode == "async" and cfg.train.rollouts_from:
-        yield ("train.rollout_mode=async overlaps generation with training; train.rollouts_from trains on saved "
-               "records without servers (set train.rollout_mode=sync)")  # fmt: skip
+        yield (
+            "train.rollout_mode=async overlaps generation with training; train.rollouts_from trains on saved "
+            "records without servers (set train.rollout_mode=sync)"
+        )
 
 
 def partial_rollouts(cfg: ExperimentConfig) -> Iterable[str]:
@@ -51,8 +53,12 @@ def partial_rollout_notes(cfg: ExperimentConfig) -> Iterable[str]:
             "rollout.pause_mode=in_place is approximate: tokens sampled after a weight update attend to prefix KV the "
             "old weights computed, so they match no single weight version; they are recorded at the new version "
             "and counted as async/kv_stale_tokens (retract or abort re-prefill and are exact; docs/sglang.md)"
-            + ("; with rollout.deterministic=false the radix cache is on and not flushed at the update, so later "
-               "requests may reuse old-weight prefix KV that is not counted" if not cfg.rollout.deterministic else "")
+            + (
+                "; with rollout.deterministic=false the radix cache is on and not flushed at the update, so later "
+                "requests may reuse old-weight prefix KV that is not counted"
+                if not cfg.rollout.deterministic
+                else ""
+            )
         )
 
 

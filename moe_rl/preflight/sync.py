@@ -31,20 +31,29 @@ def weight_sync_group(cfg: ExperimentConfig) -> Iterable[str]:
     if r.weight_sync != "distributed":
         return
     if r.weight_sync_backend == "nccl" and r.device != "cuda":
-        yield (f"rollout.weight_sync_backend='nccl' with rollout.device={r.device!r}: a CPU SGLang server receives "
-               "weights over gloo only; expected rollout.weight_sync_backend='gloo' (or 'auto')")  # fmt: skip
+        yield (
+            f"rollout.weight_sync_backend='nccl' with rollout.device={r.device!r}: a CPU SGLang server receives "
+            "weights over gloo only; expected rollout.weight_sync_backend='gloo' (or 'auto')"
+        )
     for option, value in _server_options(r.extra_server_args, _GROUP_UNSUPPORTED):
-        yield (f"rollout.extra_server_args {option}{'' if value is None else ' ' + value} with "
-               "rollout.weight_sync='distributed': SGLang 0.5.23's weight-update group asserts one data-parallel "
-               "replica and ranks the server's processes by tp rank only (pipeline stages would collide); "
-               "expected that option left out (or at 1), or rollout.weight_sync='disk'")  # fmt: skip
+        yield (
+            f"rollout.extra_server_args {option}{'' if value is None else ' ' + value} with "
+            "rollout.weight_sync='distributed': SGLang 0.5.23's weight-update group asserts one data-parallel "
+            "replica and ranks the server's processes by tp rank only (pipeline stages would collide); "
+            "expected that option left out (or at 1), or rollout.weight_sync='disk'"
+        )
 
 
 # SGLang server options the distributed weight update cannot serve: name -> (takes a value, refused unless == "1")
 _GROUP_UNSUPPORTED = {
-    "--dp-size": True, "--data-parallel-size": True, "--attn-dp-size": True, "--attention-data-parallel-size": True,
-    "--pp-size": True, "--pipeline-parallel-size": True, "--enable-dp-attention": False,
-}  # fmt: skip
+    "--dp-size": True,
+    "--data-parallel-size": True,
+    "--attn-dp-size": True,
+    "--attention-data-parallel-size": True,
+    "--pp-size": True,
+    "--pipeline-parallel-size": True,
+    "--enable-dp-attention": False,
+}
 
 
 def _server_options(args: list[str], table: dict[str, bool]) -> Iterable[tuple[str, str | None]]:
@@ -71,8 +80,12 @@ def weight_sync_rendezvous(cfg: ExperimentConfig, environ: Mapping[str, str]) ->
         return
     port = r.weight_sync_master_port
     if port is not None and environ.get("RANK", "0") == "0" and not port_is_free(port):
-        yield (f"rollout.weight_sync_master_port={port} is in use on this host; rank 0 listens there for the "
-               "weight-update group's rendezvous: expected a free port (or null: pick one)")  # fmt: skip
+        yield (
+            f"rollout.weight_sync_master_port={port} is in use on this host; rank 0 listens there for the "
+            "weight-update group's rendezvous: expected a free port (or null: pick one)"
+        )
     if group_options(r)["backend"] == "nccl" and not torch.cuda.is_available():
-        yield ("rollout.weight_sync='distributed' over nccl broadcasts from the learner's GPU, and this machine has "
-               "none; expected rollout.weight_sync_backend='gloo' with CPU servers, or another rollout.weight_sync")  # fmt: skip
+        yield (
+            "rollout.weight_sync='distributed' over nccl broadcasts from the learner's GPU, and this machine has "
+            "none; expected rollout.weight_sync_backend='gloo' with CPU servers, or another rollout.weight_sync"
+        )

@@ -13,6 +13,16 @@ from moe_rl.records.routes import (
 from moe_rl.records.sglang_meta import DecodedMeta, RouteSpec, decode_sglang_meta
 
 __all__ = [
-    "DecodedMeta", "RecordError", "RolloutBatch", "RolloutSample", "RouteSpec", "check_distinct_experts",
-    "compact_routes", "decode_sglang_meta", "pad_routes", "route_dtype", "routes_to_wire", "wire_to_routes",
+    "DecodedMeta",
+    "RecordError",
+    "RolloutBatch",
+    "RolloutSample",
+    "RouteSpec",
+    "check_distinct_experts",
+    "compact_routes",
+    "decode_sglang_meta",
+    "pad_routes",
+    "route_dtype",
+    "routes_to_wire",
+    "wire_to_routes",
 ]

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import tempfile
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -125,7 +126,8 @@ class RolloutBatch:
             num_experts=num_experts if routes is not None else None,
             mask_ids=mask_ids,
             mask_offsets=mask_offsets,
-            sampling_logp=None if samples[0].sampling_logp is None
+            sampling_logp=None
+            if samples[0].sampling_logp is None
             else np.concatenate([np.asarray(s.sampling_logp, np.float32) for s in samples]),
             data_files=[s.data_file for s in samples] if any(s.data_file for s in samples) else None,
             data_rows=np.array([s.data_row for s in samples], np.int64) if any(s.data_file for s in samples) else None,
@@ -167,10 +169,18 @@ class RolloutBatch:
     # ------------------------------------------------------------------ validation
     def _sample_count(self) -> int:
         """The number of samples most per-sample arrays agree on (so the error names the odd one out)."""
-        from collections import Counter
 
-        counts = [len(a) for a in (self.prompt_lens, self.response_lens, self.rewards, self.group_ids,
-                                   self.weight_versions, self.finish_reasons)]  # fmt: skip
+        counts = [
+            len(a)
+            for a in (
+                self.prompt_lens,
+                self.response_lens,
+                self.rewards,
+                self.group_ids,
+                self.weight_versions,
+                self.finish_reasons,
+            )
+        ]
         return Counter(counts).most_common(1)[0][0]
 
     def validate(self, model_cfg=None) -> None:
@@ -183,13 +193,25 @@ class RolloutBatch:
         With ``model_cfg`` it also checks ids, lengths and route shapes against the model.
         """
         n = self._sample_count()
-        integer_arrays = ("prompt_ids", "prompt_lens", "response_ids", "response_lens", "group_ids", "mask_ids", "mask_offsets")
+        integer_arrays = (
+            "prompt_ids",
+            "prompt_lens",
+            "response_ids",
+            "response_lens",
+            "group_ids",
+            "mask_ids",
+            "mask_offsets",
+        )
         for name in integer_arrays:
             arr = getattr(self, name)
             if arr is not None and (arr.ndim != 1 or arr.dtype.kind not in "iu"):
                 raise RecordError(f"{name} must be a 1-D integer array, got {arr.dtype} with shape {arr.shape}")
-        for name, arr in (("prompt_lens", self.prompt_lens), ("response_lens", self.response_lens),
-                          ("rewards", self.rewards), ("group_ids", self.group_ids)):  # fmt: skip
+        for name, arr in (
+            ("prompt_lens", self.prompt_lens),
+            ("response_lens", self.response_lens),
+            ("rewards", self.rewards),
+            ("group_ids", self.group_ids),
+        ):
             if len(arr) != n:
                 raise RecordError(f"{name} has {len(arr)} entries; expected one per sample ({n})")
         if len(self.weight_versions) != n or len(self.finish_reasons) != n:
@@ -210,7 +232,9 @@ class RolloutBatch:
                 raise RecordError(f"{name} has shape {values.shape}; expected {self.response_ids.shape}")
             bad = ~np.isfinite(values)
             if bad.any():
-                raise RecordError(f"{name} has {int(bad.sum())} non-finite values (first at flat token {int(np.argmax(bad))})")
+                raise RecordError(
+                    f"{name} has {int(bad.sum())} non-finite values (first at flat token {int(np.argmax(bad))})"
+                )
             bad = values > LOGPROB_TOLERANCE
             if bad.any():
                 t = int(np.argmax(bad))
@@ -236,8 +260,10 @@ class RolloutBatch:
             sizes = np.diff(offs)
             if (sizes < 1).any():
                 t = int(np.argmax(sizes < 1))
-                raise RecordError(f"mask_offsets must grow by >= 1 per token (every kept set holds the sampled token); "
-                                  f"token {t} has a kept set of size {int(sizes[t])}")  # fmt: skip
+                raise RecordError(
+                    f"mask_offsets must grow by >= 1 per token (every kept set holds the sampled token); "
+                    f"token {t} has a kept set of size {int(sizes[t])}"
+                )
         if model_cfg is not None:
             self._validate_against_model(model_cfg)
 
@@ -256,7 +282,11 @@ class RolloutBatch:
 
     def _validate_against_model(self, model_cfg) -> None:
         vocab = model_cfg.vocab_size
-        for name, ids in (("prompt_ids", self.prompt_ids), ("response_ids", self.response_ids), ("mask_ids", self.mask_ids)):
+        for name, ids in (
+            ("prompt_ids", self.prompt_ids),
+            ("response_ids", self.response_ids),
+            ("mask_ids", self.mask_ids),
+        ):
             if ids is not None and ids.size and (ids.min() < 0 or ids.max() >= vocab):
                 raise RecordError(f"{name} must be in [0, model.vocab_size={vocab}), got [{ids.min()}, {ids.max()}]")
         lengths = self.prompt_lens.astype(np.int64) + self.response_lens
@@ -272,10 +302,14 @@ class RolloutBatch:
                 f"model.first_k_dense_layers={m.first_k_dense_layers})"
             )
         if shape[2] != m.moe_router_topk:
-            raise RecordError(f"routes has shape {shape}: records were made with top-{shape[2]} routing; "
-                              f"model.moe_router_topk={m.moe_router_topk}")  # fmt: skip
+            raise RecordError(
+                f"routes has shape {shape}: records were made with top-{shape[2]} routing; "
+                f"model.moe_router_topk={m.moe_router_topk}"
+            )
         if self.num_experts != model_cfg.num_moe_experts:
-            raise RecordError(f"records were made for {self.num_experts} experts; model.num_moe_experts={model_cfg.num_moe_experts}")
+            raise RecordError(
+                f"records were made for {self.num_experts} experts; model.num_moe_experts={model_cfg.num_moe_experts}"
+            )
         compact_routes(self.routes, model_cfg.num_moe_experts)
         check_distinct_experts(self.routes)
 
@@ -285,10 +319,14 @@ class RolloutBatch:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {
-            "prompt_ids": self.prompt_ids, "prompt_lens": self.prompt_lens,
-            "response_ids": self.response_ids, "response_lens": self.response_lens,
-            "rollout_logp": self.rollout_logp, "rewards": self.rewards, "group_ids": self.group_ids,
-        }  # fmt: skip
+            "prompt_ids": self.prompt_ids,
+            "prompt_lens": self.prompt_lens,
+            "response_ids": self.response_ids,
+            "response_lens": self.response_lens,
+            "rollout_logp": self.rollout_logp,
+            "rewards": self.rewards,
+            "group_ids": self.group_ids,
+        }
         for name in ("routes", "mask_ids", "mask_offsets", "sampling_logp", "token_versions"):
             if getattr(self, name) is not None:
                 tensors[name] = getattr(self, name)
@@ -311,7 +349,9 @@ class RolloutBatch:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         os.close(fd)
         try:
-            save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, tmp, metadata={"moe_rl": json.dumps(meta)})
+            save_file(
+                {k: np.ascontiguousarray(v) for k, v in tensors.items()}, tmp, metadata={"moe_rl": json.dumps(meta)}
+            )
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
@@ -362,8 +402,12 @@ class RolloutBatch:
         if num_experts is not None and (not isinstance(num_experts, int) or isinstance(num_experts, bool)):
             raise RecordError(f"metadata num_experts must be an integer, got {num_experts!r}")
         fingerprint, run_id = meta.get("fingerprint"), meta.get("run_id")
-        if fingerprint is not None and not (isinstance(fingerprint, dict) and all(isinstance(k, str) for k in fingerprint)):
-            raise RecordError(f"metadata fingerprint must be a mapping of field names, got {type(fingerprint).__name__}")
+        if fingerprint is not None and not (
+            isinstance(fingerprint, dict) and all(isinstance(k, str) for k in fingerprint)
+        ):
+            raise RecordError(
+                f"metadata fingerprint must be a mapping of field names, got {type(fingerprint).__name__}"
+            )
         if run_id is not None and not isinstance(run_id, str):
             raise RecordError(f"metadata run_id must be a string, got {run_id!r}")
         data_files = None

@@ -16,26 +16,56 @@ import json
 from collections.abc import Mapping
 
 __all__ = [
-    "ARCHITECTURE_FIELDS", "TRAINING_ONLY_FIELDS", "TOKENIZER_KEY", "architecture_fingerprint", "fingerprint_diff",
-    "fingerprint_id", "vocab_digest",
-]  # fmt: skip
+    "ARCHITECTURE_FIELDS",
+    "TRAINING_ONLY_FIELDS",
+    "TOKENIZER_KEY",
+    "architecture_fingerprint",
+    "fingerprint_diff",
+    "fingerprint_id",
+    "vocab_digest",
+]
 
 ARCHITECTURE_FIELDS = (
-    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-    "qk_layernorm", "vocab_size", "rotary_base", "rotary_percent", "add_qkv_bias", "layernorm_epsilon",
-    "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_router_score_function",
-    "moe_router_pre_softmax", "moe_router_enable_expert_bias", "moe_router_num_groups", "moe_router_group_topk",
-    "moe_router_topk_scaling_factor", "moe_layer_freq", "first_k_dense_layers",
-    "moe_shared_expert_intermediate_size", "hf_architecture",
-)  # fmt: skip
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "qk_layernorm",
+    "vocab_size",
+    "rotary_base",
+    "rotary_percent",
+    "add_qkv_bias",
+    "layernorm_epsilon",
+    "num_moe_experts",
+    "moe_router_topk",
+    "moe_ffn_hidden_size",
+    "moe_router_score_function",
+    "moe_router_pre_softmax",
+    "moe_router_enable_expert_bias",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
+    "moe_router_topk_scaling_factor",
+    "moe_layer_freq",
+    "first_k_dense_layers",
+    "moe_shared_expert_intermediate_size",
+    "hf_architecture",
+)
 TRAINING_ONLY_FIELDS = (
     "seq_length",  # a length limit, checked per sample by RolloutBatch.validate(model)
-    "init_method_std", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_load_balancing_type",
-    "moe_token_dispatcher_type", "moe_expert_capacity_factor", "moe_router_fusion", "moe_router_dtype",
+    "init_method_std",
+    "moe_aux_loss_coeff",
+    "moe_z_loss_coeff",
+    "moe_router_load_balancing_type",
+    "moe_token_dispatcher_type",
+    "moe_expert_capacity_factor",
+    "moe_router_fusion",
+    "moe_router_dtype",
     "mtp_num_layers",  # extra prediction heads: the main head's log-probs and routes do not depend on them
     "hf_path",  # where the model was read from: its architecture is in the fields above, its tokenizer in tokenizer.vocab
     "build_command",  # how hf_path is created on a fresh clone
-)  # fmt: skip
+)
 TOKENIZER_KEY = "tokenizer.vocab"
 
 
@@ -67,9 +97,12 @@ def fingerprint_id(fingerprint: Mapping) -> str:
 def fingerprint_diff(records: Mapping, learner: Mapping) -> list[str]:
     """One ``"key: <records' value> in the records, <learner's value> here"`` per differing key; a key
     that only one side carries differs too (shown as ``absent``)."""
+
     def show(side: Mapping, key: str) -> str:
         return json.dumps(side[key]) if key in side else "absent"
 
-    return [f"{key}: {show(records, key)} in the records, {show(learner, key)} here"
-            for key in sorted(set(records) | set(learner))
-            if key not in records or key not in learner or records[key] != learner[key]]  # fmt: skip
+    return [
+        f"{key}: {show(records, key)} in the records, {show(learner, key)} here"
+        for key in sorted(set(records) | set(learner))
+        if key not in records or key not in learner or records[key] != learner[key]
+    ]

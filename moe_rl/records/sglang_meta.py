@@ -168,11 +168,15 @@ def decode_sampling_logprobs(meta_info: dict, response_len: int) -> np.ndarray |
     if values is None:
         return None
     if any(isinstance(v, (list, tuple)) for v in values):
-        raise RecordError("output_token_sampling_logprobs must be one float per token (sampling_logprobs_mode='selected')")
+        raise RecordError(
+            "output_token_sampling_logprobs must be one float per token (sampling_logprobs_mode='selected')"
+        )
     return _checked_logprobs("output_token_sampling_logprobs", values)
 
 
-def decode_routes(meta_info: dict, prompt_len: int, response_len: int, spec: RouteSpec, start_len: int = 0) -> np.ndarray:
+def decode_routes(
+    meta_info: dict, prompt_len: int, response_len: int, spec: RouteSpec, start_len: int = 0
+) -> np.ndarray:
     """``routed_experts`` -> compact ``[P + R - 1 - start_len, L_moe, K]`` (dense layers dropped)."""
     encoded = meta_info.get("routed_experts")
     if encoded is None:
@@ -203,19 +207,28 @@ def wire_payload_sizes(meta_info: dict, num_hidden_layers: int, top_k: int) -> d
         raw = _b64decode_field("routed_experts", encoded)
         dtype = WIRE_ROUTE_DTYPES[meta_info.get("routed_experts_dtype", "int32")]
         entries = len(raw) // dtype.itemsize
-        out.update(route_dtype=dtype.name, route_payload_bytes_per_entry=len(raw) / entries,
-                   route_base64_bytes_per_entry=len(encoded) / entries)  # fmt: skip
+        out.update(
+            route_dtype=dtype.name,
+            route_payload_bytes_per_entry=len(raw) / entries,
+            route_base64_bytes_per_entry=len(encoded) / entries,
+        )
     if "output_token_sampling_mask_ids" in meta_info:
         encoded = meta_info["output_token_sampling_mask_ids"]
         num_ids = int(sum(meta_info["output_token_sampling_mask_lengths"]))
         sent = len(encoded) + len(json.dumps(meta_info["output_token_sampling_mask_lengths"]))
-        out.update(mask_form=f"base64 {meta_info.get('output_token_sampling_mask_dtype', 'int32')} + lengths",
-                   mask_payload_bytes_per_id=len(_b64decode_field("ids", encoded)) / num_ids, mask_sent_bytes_per_id=sent / num_ids)
+        out.update(
+            mask_form=f"base64 {meta_info.get('output_token_sampling_mask_dtype', 'int32')} + lengths",
+            mask_payload_bytes_per_id=len(_b64decode_field("ids", encoded)) / num_ids,
+            mask_sent_bytes_per_id=sent / num_ids,
+        )
     elif "output_token_sampling_mask" in meta_info:
         masks = meta_info["output_token_sampling_mask"]
         num_ids = sum(len(m) for m in masks)
-        out.update(mask_form="JSON lists", mask_payload_bytes_per_id=4.0,  # int32 in the server
-                   mask_sent_bytes_per_id=len(json.dumps(masks, separators=(",", ":"))) / num_ids)
+        out.update(
+            mask_form="JSON lists",
+            mask_payload_bytes_per_id=4.0,  # int32 in the server
+            mask_sent_bytes_per_id=len(json.dumps(masks, separators=(",", ":"))) / num_ids,
+        )
     return out
 
 

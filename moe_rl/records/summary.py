@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from moe_rl.records.batch import RolloutBatch
+from moe_rl.records.fingerprint import fingerprint_id
 from moe_rl.records.versions import token_version_summary
 
 __all__ = ["batch_summary"]
@@ -23,16 +24,18 @@ def batch_summary(batch: RolloutBatch) -> dict:
         "fingerprint": batch.fingerprint,
     }
     if batch.fingerprint is not None:
-        from moe_rl.records.fingerprint import fingerprint_id
-
         out["fingerprint_id"] = fingerprint_id(batch.fingerprint)
     if batch.routes is not None:
         out.update(
-            route_rows=int(batch.routes.shape[0]), moe_layers=int(batch.routes.shape[1]), top_k=int(batch.routes.shape[2]),
-            num_experts=batch.num_experts, route_dtype=str(batch.routes.dtype),
-            bytes_per_route_entry=batch.routes.dtype.itemsize, route_bytes=int(batch.routes.nbytes),
+            route_rows=int(batch.routes.shape[0]),
+            moe_layers=int(batch.routes.shape[1]),
+            top_k=int(batch.routes.shape[2]),
+            num_experts=batch.num_experts,
+            route_dtype=str(batch.routes.dtype),
+            bytes_per_route_entry=batch.routes.dtype.itemsize,
+            route_bytes=int(batch.routes.nbytes),
             route_bytes_int32_wire=int(batch.routes.size * 4),
-        )  # fmt: skip
+        )
     if batch.mask_offsets is not None:
         sizes = np.diff(batch.mask_offsets)
         out.update(mask_size_mean=float(sizes.mean()), mask_size_min=int(sizes.min()), mask_size_max=int(sizes.max()))

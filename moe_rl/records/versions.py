@@ -19,9 +19,15 @@ import numpy as np
 from moe_rl.records.routes import RecordError
 
 __all__ = [
-    "VersionLabel", "version_label", "parse_version_label", "version_number", "stack_token_versions",
-    "check_token_versions", "token_versions_of", "token_version_summary",
-]  # fmt: skip
+    "VersionLabel",
+    "version_label",
+    "parse_version_label",
+    "version_number",
+    "stack_token_versions",
+    "check_token_versions",
+    "token_versions_of",
+    "token_version_summary",
+]
 
 _LABEL = re.compile(r"step-(\d+)(?:-([0-9a-z]+))?(\.partial)?")
 
@@ -81,8 +87,10 @@ def check_token_versions(batch) -> None:
     if tv is None:
         return
     if tv.ndim != 1 or tv.dtype.kind not in "iu" or tv.shape != batch.response_ids.shape:
-        raise RecordError(f"token_versions must be a 1-D integer array with one entry per response token "
-                          f"({batch.response_ids.shape[0]}), got {tv.dtype} with shape {tv.shape}")  # fmt: skip
+        raise RecordError(
+            f"token_versions must be a 1-D integer array with one entry per response token "
+            f"({batch.response_ids.shape[0]}), got {tv.dtype} with shape {tv.shape}"
+        )
     if tv.size and tv.min() < 0:
         raise RecordError(f"token_versions has a negative version ({int(tv.min())})")
     ends = np.cumsum(batch.response_lens.astype(np.int64))
@@ -90,8 +98,10 @@ def check_token_versions(batch) -> None:
         version = _sample_version(label)
         r = tv[ends[i] - batch.response_lens[i] : ends[i]]
         if version is not None and r.size and int(r.max()) > version:
-            raise RecordError(f"sample {i}: token_versions reach {int(r.max())}, newer than its weight_version "
-                              f"{label!r} (the version that finished it)")  # fmt: skip
+            raise RecordError(
+                f"sample {i}: token_versions reach {int(r.max())}, newer than its weight_version "
+                f"{label!r} (the version that finished it)"
+            )
 
 
 def token_versions_of(batch) -> np.ndarray | None:

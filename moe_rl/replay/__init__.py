@@ -15,10 +15,21 @@ from moe_rl.replay.layout import (
 from moe_rl.replay.metrics import FlipCounter, expert_set_flips
 
 __all__ = [
-    "RoutingReplay", "RouteCapture", "ReplayError", "unsupported_router_options",
-    "ReplayDriver", "MicrobatchRoutes", "ROUTING_MODES",
-    "KeptSets", "KeepMaskResult", "keep_mask_logprobs",
-    "pack_microbatch_routes", "to_megatron_layout", "from_megatron_layout",
-    "context_parallel_shard", "sequence_parallel_shard",
-    "FlipCounter", "expert_set_flips",
+    "RoutingReplay",
+    "RouteCapture",
+    "ReplayError",
+    "unsupported_router_options",
+    "ReplayDriver",
+    "MicrobatchRoutes",
+    "ROUTING_MODES",
+    "KeptSets",
+    "KeepMaskResult",
+    "keep_mask_logprobs",
+    "pack_microbatch_routes",
+    "to_megatron_layout",
+    "from_megatron_layout",
+    "context_parallel_shard",
+    "sequence_parallel_shard",
+    "FlipCounter",
+    "expert_set_flips",
 ]

@@ -19,11 +19,12 @@ import contextlib
 from typing import Iterator, Sequence
 
 import torch
-from megatron.core.utils import unwrap_model
+from megatron.core import parallel_state
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+from megatron.core.utils import unwrap_model
 
-from moe_rl.replay.layer_hook import ReplayError, RouteCapture, LayerReplay, PassState
+from moe_rl.replay.layer_hook import LayerReplay, PassState, ReplayError, RouteCapture
 from moe_rl.replay.layout import (
     check_routes,
     context_parallel_shard,
@@ -197,14 +198,10 @@ class RoutingReplay:
         tcfg = self.config
         routes = routes[:, :, self.moe_layer_ids]
         if tcfg.context_parallel_size > 1:
-            from megatron.core import parallel_state
-
             cp_rank = parallel_state.get_context_parallel_rank()
             routes = context_parallel_shard(routes, tcfg.context_parallel_size, cp_rank)
         per_layer = to_megatron_layout(routes)
         if tcfg.sequence_parallel and tcfg.tensor_model_parallel_size > 1:
-            from megatron.core import parallel_state
-
             tp_rank = parallel_state.get_tensor_model_parallel_rank()
             per_layer = sequence_parallel_shard(per_layer, routes.shape[0], tcfg.tensor_model_parallel_size, tp_rank)
         return per_layer.to(device)

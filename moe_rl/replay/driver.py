@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
 from megatron.core.utils import unwrap_model
 
 from moe_rl.config.rollout_sections import replay_correction_problem
@@ -269,13 +271,15 @@ class DispatchShard:
 
     @classmethod
     def of(cls, tcfg) -> DispatchShard:
-        from megatron.core import parallel_state as ps
 
         sp = bool(tcfg.sequence_parallel) and tcfg.tensor_model_parallel_size > 1
         cp = tcfg.context_parallel_size > 1
-        return cls(tp_size=tcfg.tensor_model_parallel_size if sp else 1,
-                   tp_rank=ps.get_tensor_model_parallel_rank() if sp else 0,
-                   cp_size=tcfg.context_parallel_size, cp_rank=ps.get_context_parallel_rank() if cp else 0)  # fmt: skip
+        return cls(
+            tp_size=tcfg.tensor_model_parallel_size if sp else 1,
+            tp_rank=ps.get_tensor_model_parallel_rank() if sp else 0,
+            cp_size=tcfg.context_parallel_size,
+            cp_rank=ps.get_context_parallel_rank() if cp else 0,
+        )
 
     def positions(self, x: torch.Tensor | None) -> torch.Tensor | None:
         """``x[B, S, ...]`` -> the positions this rank routes, ``[B, S_local, ...]``."""
@@ -287,7 +291,6 @@ class DispatchShard:
 
     def groups(self) -> list:
         """The process groups over which the blocks of one sequence are spread (summed after the dp sum)."""
-        from megatron.core import parallel_state as ps
 
         out = []
         if self.tp_size > 1:
@@ -299,7 +302,6 @@ class DispatchShard:
 
 def _pipeline_group():
     """Megatron's pipeline-parallel group when pp > 1 (each stage holds some of the MoE layers), else None."""
-    from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized() or ps.get_pipeline_model_parallel_world_size() == 1:
         return None
@@ -312,7 +314,6 @@ def gather_stage_flips(layer_ids, flips: torch.Tensor, group) -> tuple[list[int]
     Collective over the pipeline group: all stages saw the same tokens of the microbatch, each through
     its own MoE layers, so the per-token "any layer flipped" count needs the whole row of layers.
     """
-    import torch.distributed as dist
 
     parts = [None] * dist.get_world_size(group)
     dist.all_gather_object(parts, (list(layer_ids), flips.cpu()), group=group)

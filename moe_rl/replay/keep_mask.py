@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
 __all__ = ["KeptSets", "keep_mask_logprobs", "KeepMaskResult", "VocabShard"]
 
@@ -82,7 +84,6 @@ class VocabShard:
         size = logits.shape[-1]
         if tp_group is None:
             return cls(0, size, size)
-        import torch.distributed as dist
 
         return cls(dist.get_rank(tp_group) * size, size, size * dist.get_world_size(tp_group), tp_group)
 
@@ -90,7 +91,6 @@ class VocabShard:
         """Sum over shards; the gradient passes through unchanged (every rank holds the same loss)."""
         if self.group is None:
             return x
-        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
         return reduce_from_tensor_model_parallel_region(x, group=self.group)
 
@@ -99,7 +99,6 @@ class VocabShard:
         x = x.detach()
         if self.group is None:
             return x
-        import torch.distributed as dist
 
         x = x.clone()
         dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
@@ -113,8 +112,9 @@ class VocabShard:
         return torch.log(self.sum(torch.exp(z - m[:, None]).sum(dim=-1))) + m
 
 
-def _check(logits: torch.Tensor, targets: torch.Tensor, kept: KeptSets | None, temperature: float,
-           V: int | None = None) -> None:  # fmt: skip
+def _check(
+    logits: torch.Tensor, targets: torch.Tensor, kept: KeptSets | None, temperature: float, V: int | None = None
+) -> None:
     if logits.dim() != 2:
         raise ValueError(f"logits must be [N, V]; got shape {tuple(logits.shape)}")
     N = logits.shape[0]

@@ -143,9 +143,9 @@ class RouteCapture:
 
     def _freeze(self) -> None:
         self._frozen = {
-            "recorded": [list(l.recorded) for l in self.layers],
-            "natural": [list(l.natural) for l in self.layers],
-            "applied": [list(l.applied) for l in self.layers],
+            "recorded": [list(layer.recorded) for layer in self.layers],
+            "natural": [list(layer.natural) for layer in self.layers],
+            "applied": [list(layer.applied) for layer in self.layers],
             "shapes": list(self.layers[0].shapes) if self.layers else [],
         }
 

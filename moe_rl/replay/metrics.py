@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["expert_set_flips", "routes_vs_map_flips", "FlipCounter"]
 
@@ -76,7 +77,6 @@ class FlipCounter:
 
     def all_reduce(self, group=None) -> None:
         """Sum the counts over ``group`` (data-parallel ranks see different tokens); in place."""
-        import torch.distributed as dist
 
         if not dist.is_initialized() or dist.get_world_size(group) == 1:
             return

@@ -2,6 +2,6 @@
 (``custom``), the worker-process pool that runs them under a timeout (``pool``) and the scorer the
 training loop calls (``scorer``)."""
 
-from moe_rl.reward.scorer import RewardError, Rewarder, Scores, build_rewarder
+from moe_rl.reward.scorer import Rewarder, RewardError, Scores, build_rewarder
 
 __all__ = ["RewardError", "Rewarder", "Scores", "build_rewarder"]

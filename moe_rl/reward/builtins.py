@@ -22,8 +22,18 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["MATH_MODES", "TAIL_CHARS", "exact_match_score", "extract_answer", "last_boxed", "math_flexible_score",
-           "math_score", "normalize"]  # fmt: skip
+from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+__all__ = [
+    "MATH_MODES",
+    "TAIL_CHARS",
+    "exact_match_score",
+    "extract_answer",
+    "last_boxed",
+    "math_flexible_score",
+    "math_score",
+    "normalize",
+]
 
 TAIL_CHARS = 300  # verl 0.9.1 math_dapo.compute_score / gsm8k._SOLUTION_CLIP_CHARS
 MATH_MODES = ("strict", "flexible")
@@ -71,16 +81,15 @@ def extract_answer(text: str, mode: str = "strict") -> str | None:
 
 
 def _parse(text: str):
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
 
     return parse(f"${text}$", extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()])
 
 
-def math_score(data_source=None, solution_str: str = "", ground_truth=None, extra_info=None,
-               mode: str = "strict") -> float:  # fmt: skip
+def math_score(
+    data_source=None, solution_str: str = "", ground_truth=None, extra_info=None, mode: str = "strict"
+) -> float:
     """1.0 when the response's final answer (``extract_answer(solution_str, mode)``) equals ``ground_truth``
     symbolically (math-verify), else 0.0. Strict by default: an unmarked answer scores 0."""
-    from math_verify import verify
 
     answer = extract_answer(solution_str, mode)
     if answer is None:

@@ -15,8 +15,11 @@ from pathlib import Path
 
 __all__ = ["load_function", "BUILTIN_FUNCTIONS"]
 
-BUILTIN_FUNCTIONS = {"math": "moe_rl.reward.builtins:math_score", "math_flexible": "moe_rl.reward.builtins:math_flexible_score",
-                     "exact_match": "moe_rl.reward.builtins:exact_match_score"}  # fmt: skip
+BUILTIN_FUNCTIONS = {
+    "math": "moe_rl.reward.builtins:math_score",
+    "math_flexible": "moe_rl.reward.builtins:math_flexible_score",
+    "exact_match": "moe_rl.reward.builtins:exact_match_score",
+}
 VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
 
 
@@ -34,9 +37,13 @@ def load_function(spec: str):
     """The callable ``spec`` names; ValueError naming ``reward.function`` when it cannot be used."""
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
-        raise ValueError(f"reward.function={spec!r} must look like 'package.module:function' or 'path/to/file.py:function'")
+        raise ValueError(
+            f"reward.function={spec!r} must look like 'package.module:function' or 'path/to/file.py:function'"
+        )
     try:
-        module = _from_file(Path(target).expanduser(), spec) if target.endswith(".py") else importlib.import_module(target)
+        module = (
+            _from_file(Path(target).expanduser(), spec) if target.endswith(".py") else importlib.import_module(target)
+        )
     except ValueError:
         raise
     except Exception as exc:  # noqa: BLE001 -- a user module failing at import time: one clear error
@@ -51,6 +58,8 @@ def load_function(spec: str):
     takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     missing = [a for a in VERL_ARGS if a not in params]
     if missing and not takes_kwargs:
-        raise ValueError(f"reward.function={spec!r} does not take {missing}; expected verl's signature "
-                         "fn(data_source, solution_str, ground_truth, extra_info)")  # fmt: skip
+        raise ValueError(
+            f"reward.function={spec!r} does not take {missing}; expected verl's signature "
+            "fn(data_source, solution_str, ground_truth, extra_info)"
+        )
     return fn

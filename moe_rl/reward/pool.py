@@ -53,8 +53,11 @@ def _normalise(value) -> tuple[float, dict[str, float]]:
     if isinstance(value, dict):
         if "score" not in value:
             raise ValueError(f"returned a dict without 'score' (keys {sorted(map(str, value))})")
-        extras = {str(k): float(v) for k, v in value.items()
-                  if k != "score" and isinstance(v, numbers.Real) and not isinstance(v, bool)}  # fmt: skip
+        extras = {
+            str(k): float(v)
+            for k, v in value.items()
+            if k != "score" and isinstance(v, numbers.Real) and not isinstance(v, bool)
+        }
         value = value["score"]
     shape = getattr(value, "shape", None)
     if isinstance(value, bool) or shape not in (None, ()) or not isinstance(value, numbers.Real) and shape is None:
@@ -74,7 +77,7 @@ def _worker(conn, spec: str) -> None:
     Per call it sends ``("started", index, t0)`` and then ``("done", index, result, error, elapsed)``.
     """
     try:
-        from moe_rl.reward.custom import load_function
+        from moe_rl.reward.custom import load_function  # noqa: PLC0415 -- optional dependency (guarded by its ImportError)
 
         fn = load_function(spec)
     except BaseException as exc:  # noqa: BLE001 -- reported to the parent, which raises it

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moe_rl.reward.custom import BUILTIN_FUNCTIONS
+from moe_rl.reward.pool import RewardPool
 
 __all__ = ["RewardError", "Rewarder", "Scores", "build_rewarder", "function_spec"]
 
@@ -68,16 +69,26 @@ class PoolRewarder(Rewarder):
     """A verl-signature function in worker processes (``reward.timeout_s`` per call)."""
 
     def __init__(self, reward_cfg, tokenizer, log=print):
-        from moe_rl.reward.pool import RewardPool
 
-        self.spec, self.on_error, self.tokenizer, self.log = function_spec(reward_cfg), reward_cfg.on_error, tokenizer, log
+        self.spec, self.on_error, self.tokenizer, self.log = (
+            function_spec(reward_cfg),
+            reward_cfg.on_error,
+            tokenizer,
+            log,
+        )
         self.pool = RewardPool(self.spec, reward_cfg.num_workers, reward_cfg.timeout_s)
 
     def calls(self, prompts, responses) -> list[dict]:
         """The keyword arguments of each call (verl's names)."""
-        return [dict(data_source=p.data_source, solution_str=self.tokenizer.decode(list(np.asarray(r).tolist()),
-                                                                                   skip_special_tokens=True),
-                     ground_truth=p.label, extra_info=p.extra_info) for p, r in zip(prompts, responses)]  # fmt: skip
+        return [
+            dict(
+                data_source=p.data_source,
+                solution_str=self.tokenizer.decode(list(np.asarray(r).tolist()), skip_special_tokens=True),
+                ground_truth=p.label,
+                extra_info=p.extra_info,
+            )
+            for p, r in zip(prompts, responses)
+        ]
 
     def score(self, prompts, responses) -> Scores:
         try:  # start: imports the function in every worker (once); map: also in any replacement
@@ -91,11 +102,15 @@ class PoolRewarder(Rewarder):
             where = f"{p.file} row {p.row}" if p.file else f"sample {k}"
             message = f"reward function {self.spec!r} {why} on {where} (data_source={p.data_source!r})"
             if self.on_error == "raise":
-                raise RewardError(message + f"; {len(errors)} of {len(outcomes)} samples failed "
-                                  "(reward.on_error='zero' scores them 0 instead)")  # fmt: skip
+                raise RewardError(
+                    message + f"; {len(errors)} of {len(outcomes)} samples failed "
+                    "(reward.on_error='zero' scores them 0 instead)"
+                )
             if self.log is not None:
-                self.log(f"reward: {len(errors)} of {len(outcomes)} samples scored 0 (reward.on_error='zero'); "
-                         f"first: {message}")  # fmt: skip
+                self.log(
+                    f"reward: {len(errors)} of {len(outcomes)} samples scored 0 (reward.on_error='zero'); "
+                    f"first: {message}"
+                )
         metrics = {"reward/errors": float(len(errors))}
         keys = sorted({key for o in outcomes for key in o.extras})
         for key in keys:

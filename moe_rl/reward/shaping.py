@@ -19,7 +19,9 @@ __all__ = ["overlong_penalties"]
 def overlong_penalties(lengths: Sequence[int], max_new_tokens: int, buffer: int, penalty: float) -> np.ndarray:
     """Per-sample penalty (<= 0) for response ``lengths`` (tokens) under a ``buffer`` before ``max_new_tokens``."""
     if not 1 <= buffer <= max_new_tokens:
-        raise ValueError(f"reward.overlong_buffer.length={buffer} must be in [1, rollout.max_new_tokens={max_new_tokens}]")
+        raise ValueError(
+            f"reward.overlong_buffer.length={buffer} must be in [1, rollout.max_new_tokens={max_new_tokens}]"
+        )
     expected = max_new_tokens - buffer
     exceed = np.asarray(lengths, dtype=np.float64) - expected
     return np.minimum(-exceed / buffer * penalty, 0.0)

@@ -45,12 +45,16 @@ class ServerKeys:
     generated: bool = False  # a fresh admin key for this run's own servers (``for_run``)
 
     def __repr__(self) -> str:
-        hidden = {k: "<redacted>" if v else None for k, v in (("api_key", self.api_key), ("admin_api_key", self.admin_api_key))}
+        hidden = {
+            k: "<redacted>" if v else None
+            for k, v in (("api_key", self.api_key), ("admin_api_key", self.admin_api_key))
+        }
         return f"ServerKeys({hidden})"
 
     @classmethod
-    def from_env_names(cls, api_key_env: str | None, admin_api_key_env: str | None,
-                       environ: Mapping[str, str] | None = None) -> ServerKeys:  # fmt: skip
+    def from_env_names(
+        cls, api_key_env: str | None, admin_api_key_env: str | None, environ: Mapping[str, str] | None = None
+    ) -> ServerKeys:
         environ = os.environ if environ is None else environ
         values = []
         for field, name in (("rollout.api_key_env", api_key_env), ("rollout.admin_api_key_env", admin_api_key_env)):

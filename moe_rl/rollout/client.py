@@ -128,7 +128,9 @@ class RolloutClient:
         self.backoff_s = backoff_s
         self.headers = dict(headers or {})  # Authorization when the servers have an API key (auth.py)
         self.health_timeout_s = health_timeout_s  # a server silent this long aborts the batch (health.py)
-        self.stop_token_ids = None if stop_token_ids is None else [int(t) for t in stop_token_ids]  # the tokenizer's EOS
+        self.stop_token_ids = (
+            None if stop_token_ids is None else [int(t) for t in stop_token_ids]
+        )  # the tokenizer's EOS
         self.pause_mode = None if pause_mode is None else check_pause_mode(pause_mode)
         self.max_continuations = max_continuations
         self.partial_counters = PartialCounters()  # drained by the trainer: async/kv_stale_tokens, ...
@@ -264,11 +266,11 @@ class RolloutClient:
                     raise group.exceptions[0] from None
                 return [t.result() for t in tasks]
 
-            return await run_watched(whole_batch(), self.addresses, self.health_timeout_s, self.headers,
-                                     self._replied)  # fmt: skip
+            return await run_watched(whole_batch(), self.addresses, self.health_timeout_s, self.headers, self._replied)
 
-    async def _one(self, http, gate, prompt, group_id, seed, start,
-                   counters: PartialCounters | None = None) -> RolloutSample:  # fmt: skip
+    async def _one(
+        self, http, gate, prompt, group_id, seed, start, counters: PartialCounters | None = None
+    ) -> RolloutSample:
         budget, counters = self.sampling.max_new_tokens, counters or self.partial_counters
         async with gate:
             sample, aborted = await self._attempts(http, prompt, group_id, seed, start, budget, counters)
@@ -296,8 +298,9 @@ class RolloutClient:
             counters.partial_samples += 1
         return sample
 
-    async def _attempts(self, http, prompt, group_id, seed, start, max_new_tokens,
-                        counters: PartialCounters | None = None) -> tuple[RolloutSample | None, bool]:  # fmt: skip
+    async def _attempts(
+        self, http, prompt, group_id, seed, start, max_new_tokens, counters: PartialCounters | None = None
+    ) -> tuple[RolloutSample | None, bool]:
         """One request with retries: (sample, whether a pause aborted it); the sample is None when a pause
         aborted the request before its first token or while it sat in the waiting queue (``is_queued_abort``:
         no routes in the reply, nothing to continue from): it is sent again whole."""
@@ -317,7 +320,8 @@ class RolloutClient:
                 sample = self._to_sample(reply, prompt, group_id, url, start)
                 if self.pause_mode == "in_place":
                     (counters or self.partial_counters).kv_stale_tokens += kv_stale_tokens(
-                        reply["meta_info"], len(sample.response_ids))  # fmt: skip
+                        reply["meta_info"], len(sample.response_ids)
+                    )
                 return sample, paused
             except _Retryable as err:
                 errors.append(f"attempt {attempt + 1} at {url}: {err}")
@@ -356,8 +360,9 @@ class RolloutClient:
         try:
             reply = json.loads(raw)
         except ValueError as err:
-            raise RolloutResponseError(f"{url}/generate replied with non-JSON: "
-                                       f"{raw[:300].decode(errors='replace')!r}") from err  # fmt: skip
+            raise RolloutResponseError(
+                f"{url}/generate replied with non-JSON: {raw[:300].decode(errors='replace')!r}"
+            ) from err
         if not isinstance(reply, dict) or not isinstance(reply.get("meta_info"), dict) or "output_ids" not in reply:
             raise RolloutResponseError(f"{url}/generate reply lacks 'output_ids'/'meta_info': {str(reply)[:300]}")
         return reply
@@ -365,8 +370,10 @@ class RolloutClient:
     def _to_sample(self, reply: dict, prompt: np.ndarray, group_id: int, url: str, start: int = 0) -> RolloutSample:
         meta = reply["meta_info"]
         finish = meta.get("finish_reason")
-        if isinstance(finish, dict) and finish.get("type") == "abort" and not (
-            self.pause_mode == "abort" and is_pause_abort(meta)
+        if (
+            isinstance(finish, dict)
+            and finish.get("type") == "abort"
+            and not (self.pause_mode == "abort" and is_pause_abort(meta))
         ):
             raise RolloutRequestError(f"{url} aborted the generation: {finish.get('message', finish)}")
         if meta.get("prompt_tokens", len(prompt)) != len(prompt):

@@ -36,13 +36,16 @@ class ServerHungError(RuntimeError):
     """A server stopped answering ``/health``; ``address`` names it."""
 
     def __init__(self, address: str, silent_s: float, timeout_s: float):
-        super().__init__(f"rollout server {address} has not answered /health for {silent_s:.0f} s "
-                         f"(rollout.health_timeout_s={timeout_s:g}); it is hung or overloaded")  # fmt: skip
+        super().__init__(
+            f"rollout server {address} has not answered /health for {silent_s:.0f} s "
+            f"(rollout.health_timeout_s={timeout_s:g}); it is hung or overloaded"
+        )
         self.address = address
 
 
-async def watch_health(addresses: Sequence[str], timeout_s: float, headers: dict | None = None,
-                       replied: Mapping[str, float] | None = None) -> None:  # fmt: skip
+async def watch_health(
+    addresses: Sequence[str], timeout_s: float, headers: dict | None = None, replied: Mapping[str, float] | None = None
+) -> None:
     """Watch every address until one is silent for ``timeout_s``, then raise ServerHungError (never returns).
 
     ``replied``: address -> ``time.monotonic()`` of its last reply, kept by the caller while this runs; an address
@@ -73,8 +76,13 @@ async def watch_health(addresses: Sequence[str], timeout_s: float, headers: dict
                     raise ServerHungError(address, now - last_ok[address], timeout_s)
 
 
-async def run_watched(work: Awaitable[T], addresses: Sequence[str], timeout_s: float | None,
-                      headers: dict | None = None, replied: Mapping[str, float] | None = None) -> T:  # fmt: skip
+async def run_watched(
+    work: Awaitable[T],
+    addresses: Sequence[str],
+    timeout_s: float | None,
+    headers: dict | None = None,
+    replied: Mapping[str, float] | None = None,
+) -> T:
     """Await ``work`` while watching ``addresses`` (``replied``: see ``watch_health``); a hung server cancels it and
     raises ServerHungError."""
     if not timeout_s:

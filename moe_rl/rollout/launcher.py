@@ -147,23 +147,37 @@ def lost_a_bind(log_text: str) -> bool:
 
 def server_command(spec: ServerSpec, port: int, python: str = sys.executable) -> list[str]:
     """The server argv for `spec` on `port`: SGLang's launch_server through `sglang_entry` (keys by variable)."""
-    keys = [*(("--api-key-env", spec.api_key_env) if spec.api_key_env else ()),
-            *(("--admin-api-key-env", spec.admin_api_key_env) if spec.admin_api_key_env else ())]  # fmt: skip
+    keys = [
+        *(("--api-key-env", spec.api_key_env) if spec.api_key_env else ()),
+        *(("--admin-api-key-env", spec.admin_api_key_env) if spec.admin_api_key_env else ()),
+    ]
     cmd = [
-        python, "-m", "moe_rl.rollout.sglang_entry", *keys,
-        "--model-path", spec.model_path,
-        "--device", spec.device,
-        "--host", spec.host,
-        "--port", str(port),
-        "--dtype", spec.dtype,
-        "--random-seed", str(spec.seed),
-        "--mem-fraction-static", str(spec.mem_fraction_static),
-        "--max-total-tokens", str(spec.max_total_tokens),
-        "--sampling-mask-max-tokens", str(spec.sampling_mask_max_tokens),
+        python,
+        "-m",
+        "moe_rl.rollout.sglang_entry",
+        *keys,
+        "--model-path",
+        spec.model_path,
+        "--device",
+        spec.device,
+        "--host",
+        spec.host,
+        "--port",
+        str(port),
+        "--dtype",
+        spec.dtype,
+        "--random-seed",
+        str(spec.seed),
+        "--mem-fraction-static",
+        str(spec.mem_fraction_static),
+        "--max-total-tokens",
+        str(spec.max_total_tokens),
+        "--sampling-mask-max-tokens",
+        str(spec.sampling_mask_max_tokens),
         # Routing replay (R2/R3) needs the router's top-k of every forwarded token.
         "--enable-return-routed-experts",
         "--skip-server-warmup",
-    ]  # fmt: skip
+    ]
     if spec.deterministic:
         # Batch-invariant numerics + per-request `sampling_seed`; without the flag the seed is ignored.
         cmd.append("--enable-deterministic-inference")
@@ -174,8 +188,19 @@ def server_command(spec: ServerSpec, port: int, python: str = sys.executable) ->
 
 # The learner's launcher (torchrun / torch.distributed) describes *its* process group in these; a
 # server started from rank 0 that inherits them joins that rendezvous and never becomes healthy.
-_LEARNER_DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                      "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
+_LEARNER_DIST_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -215,8 +240,10 @@ def _pin(pid: int, cpus: Sequence[int]) -> None:
     try:
         os.sched_setaffinity(pid, set(cpus))
     except OSError as exc:
-        raise ServerStartError(f"rollout.server_cpus={list(cpus)}: cannot pin the server to these cores ({exc}); "
-                               f"this machine allows {sorted(os.sched_getaffinity(0))}") from None  # fmt: skip
+        raise ServerStartError(
+            f"rollout.server_cpus={list(cpus)}: cannot pin the server to these cores ({exc}); "
+            f"this machine allows {sorted(os.sched_getaffinity(0))}"
+        ) from None
 
 
 def _read_from(path: Path, offset: int) -> str:
@@ -240,7 +267,9 @@ class SGLangServer:
     log_path: Path
     url: str = ""
     process: subprocess.Popen | None = field(default=None, repr=False)
-    shm_files: dict[Path, int] = field(default_factory=dict, repr=False)  # path -> inode; removed when the group is gone
+    shm_files: dict[Path, int] = field(
+        default_factory=dict, repr=False
+    )  # path -> inode; removed when the group is gone
     secret_env: dict[str, str] = field(default_factory=dict, repr=False)  # a generated key (auth.RUN_ADMIN_KEY_ENV)
     _log_start: int = field(default=0, repr=False)  # where this start's lines begin in the (appended) log
 
@@ -255,8 +284,12 @@ class SGLangServer:
         """
         environ = {**os.environ, **self.secret_env}
         keys = ServerKeys.from_env_names(self.spec.api_key_env, self.spec.admin_api_key_env, environ)  # unset: fail now
-        if (self.spec.device == "cpu" and self.spec.deterministic and self.spec.dtype == "float32"
-                and not self.spec.true_on_policy):
+        if (
+            self.spec.device == "cpu"
+            and self.spec.deterministic
+            and self.spec.dtype == "float32"
+            and not self.spec.true_on_policy
+        ):
             logger.warning(
                 "deterministic rollouts on CPU are bit-exact across batch compositions only in bfloat16: "
                 "fp32 CPU matmuls change kernels with the batch size (docs/sglang.md)"
@@ -271,9 +304,15 @@ class SGLangServer:
                 if attempt == BIND_TRIES:
                     raise
                 lost, port = port, free_port(self.spec.host) if ours else port
-                logger.warning("SGLang server on port %d lost a port to another process before binding it (%s); "
-                               "start %d/%d on port %d", lost, err.args[0].splitlines()[0], attempt + 1, BIND_TRIES,
-                               port)  # fmt: skip
+                logger.warning(
+                    "SGLang server on port %d lost a port to another process before binding it (%s); "
+                    "start %d/%d on port %d",
+                    lost,
+                    err.args[0].splitlines()[0],
+                    attempt + 1,
+                    BIND_TRIES,
+                    port,
+                )
         raise AssertionError("unreachable")
 
     def _start_once(self, port: int, keys: ServerKeys) -> SGLangServer:
@@ -335,8 +374,12 @@ class SGLangServer:
         except httpx.HTTPError as err:
             problem = f"{type(err).__name__}: {err}"
         if problem is not None:
-            logger.warning("SGLang server at %s: /freeze_gc failed (%s); each weight push's cache flush may then "
-                           "collect the whole heap (~0.3 s on CPU)", self.url, problem)  # fmt: skip
+            logger.warning(
+                "SGLang server at %s: /freeze_gc failed (%s); each weight push's cache flush may then "
+                "collect the whole heap (~0.3 s on CPU)",
+                self.url,
+                problem,
+            )
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None

@@ -161,9 +161,11 @@ def is_pause_abort(meta_info: dict) -> bool:
     a running request ("Aborted") or one still in the waiting queue ("Abort in waiting queue", no tokens)."""
     finish = meta_info.get("finish_reason")
     return (
-        isinstance(finish, dict) and finish.get("type") == "abort"
-        and finish.get("message") in PAUSE_ABORT_MESSAGES and finish.get("status_code") is None
-    )  # fmt: skip
+        isinstance(finish, dict)
+        and finish.get("type") == "abort"
+        and finish.get("message") in PAUSE_ABORT_MESSAGES
+        and finish.get("status_code") is None
+    )
 
 
 def is_queued_abort(meta_info: dict) -> bool:
@@ -203,14 +205,15 @@ def stitch(head: RolloutSample, tail: RolloutSample) -> RolloutSample:
         response_ids=np.concatenate([head.response_ids, tail.response_ids]).astype(np.int32),
         rollout_logp=np.concatenate([head.rollout_logp, tail.rollout_logp]).astype(np.float32),
         routes=cat(head.routes, tail.routes),
-        sampling_mask=None if head.sampling_mask is None or tail.sampling_mask is None
+        sampling_mask=None
+        if head.sampling_mask is None or tail.sampling_mask is None
         else [*head.sampling_mask, *tail.sampling_mask],
         sampling_logp=cat(head.sampling_logp, tail.sampling_logp),
         group_id=head.group_id,
         weight_version=tail.weight_version,
         finish_reason=tail.finish_reason,
         token_versions=cat(head.token_versions, tail.token_versions),
-    )  # fmt: skip
+    )
 
 
 # ----------------------------------------------------------------------------------- counters

@@ -104,15 +104,25 @@ class ServerPool:
                     f"{self.max_restarts} restarts are used; log {s.log_path}:\n{log_tail(s.log_path)}"
                 )
             self.restarted.append(s.url)
-            logger.warning("rollout server %s failed (exit code %s); restart %d/%d, log %s",
-                           s.url, code, self.restarts, self.max_restarts, s.log_path)  # fmt: skip
+            logger.warning(
+                "rollout server %s failed (exit code %s); restart %d/%d, log %s",
+                s.url,
+                code,
+                self.restarts,
+                self.max_restarts,
+                s.log_path,
+            )
             s.restart()
         return [s.url for s in chosen]
 
 
 @contextlib.contextmanager
 def rollout_server_pool(
-    rollout, model_path: str | Path, log_dir: str | Path, num_servers: int = 1, keys: ServerKeys | None = None,
+    rollout,
+    model_path: str | Path,
+    log_dir: str | Path,
+    num_servers: int = 1,
+    keys: ServerKeys | None = None,
     **spec_overrides,
 ) -> Iterator[ServerPool]:
     """Yield a ServerPool: `rollout.addresses` as given, else `num_servers` local servers.

@@ -24,6 +24,7 @@ first thing in ``main`` when ``MOE_RL_PARENT_PID`` is set).
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
 
@@ -34,7 +35,7 @@ from moe_rl.rollout.orphan_guard import watch_parent
 def _tqdm_without_a_semaphore() -> None:
     """tqdm's write lock without its multiprocessing part (runs in every process that imports this module)."""
     try:
-        from tqdm.std import TqdmDefaultWriteLock
+        from tqdm.std import TqdmDefaultWriteLock  # noqa: PLC0415 -- optional dependency (guarded by its ImportError)
     except ImportError:
         return
     if not hasattr(TqdmDefaultWriteLock, "mp_lock"):
@@ -46,7 +47,6 @@ _tqdm_without_a_semaphore()
 
 def _keep_start_method(method: str) -> None:
     """Make SGLang's ``mp.set_start_method("spawn", force=True)`` set ``method`` instead."""
-    import multiprocessing
 
     real = multiprocessing.set_start_method
 
@@ -94,11 +94,11 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"error: {name} (the {field} variable) is not set or empty")
         keys[field] = os.environ[name]
 
-    import sglang.srt.entrypoints.engine as engine
-    from sglang.launch_server import run_server
-    from sglang.srt.plugins import load_plugins
-    from sglang.srt.server_args import prepare_server_args
-    from sglang.srt.utils import kill_process_tree
+    import sglang.srt.entrypoints.engine as engine  # noqa: PLC0415 -- SGLang is optional (the rollout engine), heavy to import
+    from sglang.launch_server import run_server  # noqa: PLC0415 -- SGLang is optional (the rollout engine), heavy to import
+    from sglang.srt.plugins import load_plugins  # noqa: PLC0415 -- SGLang is optional (the rollout engine), heavy to import
+    from sglang.srt.server_args import prepare_server_args  # noqa: PLC0415 -- SGLang is optional (the rollout engine), heavy to import
+    from sglang.srt.utils import kill_process_tree  # noqa: PLC0415 -- SGLang is optional (the rollout engine), heavy to import
 
     if method := os.environ.get("MOE_RL_SGLANG_START_METHOD"):
         _keep_start_method(method)

@@ -30,8 +30,11 @@ def group_shm_files(pgid: int, shm_dir: Path = SHM_DIR) -> dict[Path, int]:
         try:
             if os.getpgid(int(proc.name)) != pgid:
                 continue
-            inodes.update(int(fields[4]) for line in (proc / "maps").read_text().splitlines()
-                          if len(fields := line.split(maxsplit=5)) == 6 and fields[5].startswith(f"{shm_dir}/"))  # fmt: skip
+            inodes.update(
+                int(fields[4])
+                for line in (proc / "maps").read_text().splitlines()
+                if len(fields := line.split(maxsplit=5)) == 6 and fields[5].startswith(f"{shm_dir}/")
+            )
         except (OSError, ProcessLookupError, ValueError):
             continue
         for fd in (proc / "fd").glob("*"):

@@ -16,7 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from moe_rl.records import RolloutBatch
+from moe_rl.rollout.partial import PartialCounters
 from moe_rl.source.step_samples import round_group_ids
+from moe_rl.sync.integrity import generate_checked
 
 __all__ = ["BatchMaker", "records_path"]
 
@@ -29,16 +31,28 @@ class BatchMaker:
     """``make(step, served_version, drawn) -> path``; called on rank 0 by the sync loop or the async producer
     (``drawn()`` once the step takes no more prompts; several steps may be made at once in async mode)."""
 
-    def __init__(self, cfg, samples, records, records_dir: Path, client, version: Callable[[int], str],
-                 resync: Callable[[int], int | None], weight_sync: Callable[[], object | None],
-                 restart: Callable | None):  # fmt: skip
+    def __init__(
+        self,
+        cfg,
+        samples,
+        records,
+        records_dir: Path,
+        client,
+        version: Callable[[int], str],
+        resync: Callable[[int], int | None],
+        weight_sync: Callable[[], object | None],
+        restart: Callable | None,
+    ):
         self.cfg, self.samples, self.records, self.records_dir = cfg, samples, records, Path(records_dir)
         self.client, self.version, self.resync, self.weight_sync, self.restart = (
-            client, version, resync, weight_sync, restart)  # fmt: skip
+            client,
+            version,
+            resync,
+            weight_sync,
+            restart,
+        )
 
     def __call__(self, step: int, served: int, drawn: Callable[[], None] = lambda: None) -> Path:
-        from moe_rl.sync.integrity import generate_checked
-        from moe_rl.rollout.partial import PartialCounters
 
         n, client, partial = self.cfg.rollout.samples_per_prompt, self.client, self.cfg.rollout.partial
         if (ws := self.weight_sync()) is not None:
@@ -58,11 +72,14 @@ class BatchMaker:
         def generate(prompts, round_):
             ids, groups = [p.ids for p in prompts], round_group_ids(round_, len(prompts))
             return generate_checked(  # the served weight version only; a dead server we launched restarts
-                lambda: client.generate(ids, n, step=step, group_ids=groups, counters=counters), lambda: self.version(now["served"]),
-                resync=resync, restart=self.restart,
+                lambda: client.generate(ids, n, step=step, group_ids=groups, counters=counters),
+                lambda: self.version(now["served"]),
+                resync=resync,
+                restart=self.restart,
                 newer_ok=partial,  # a partial rollout ends under the weights pushed meanwhile
-                check_served=check_served, max_foreign_syncs=self.cfg.rollout.max_foreign_syncs,
-            )  # fmt: skip
+                check_served=check_served,
+                max_foreign_syncs=self.cfg.rollout.max_foreign_syncs,
+            )
 
         samples, sample_metrics = self.samples.make(step, generate, drawn)
         batch = self.records.stamp(RolloutBatch.from_samples(samples, num_experts=self.cfg.model.num_moe_experts))

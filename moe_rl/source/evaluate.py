@@ -21,6 +21,11 @@ from pathlib import Path
 
 import numpy as np
 
+from moe_rl.data.dataset import load_prompt_items, reward_needs_label
+from moe_rl.data.prompt import PromptItem
+from moe_rl.rollout.client import RolloutClient
+from moe_rl.sync.integrity import check_weight_versions
+
 __all__ = ["pass_at_k", "eval_due", "Evaluator", "EVAL_STEP_BASE", "EVAL_SALT"]
 
 EVAL_STEP_BASE = 1 << 30  # eval sampling seeds: sample_seed(rollout.seed, EVAL_STEP_BASE + step, prompt, sample)
@@ -52,18 +57,23 @@ class Evaluator:
     def _sets(self, tokenizer, prompts, log) -> list[tuple[str, list]]:
         cfg, e = self.cfg, self.cfg.eval
         if cfg.data is not None:
-            from moe_rl.data.dataset import load_prompt_items, reward_needs_label
-
             needs_label = reward_needs_label(cfg)
-            return [(Path(f).stem, load_prompt_items([f], tokenizer, cfg, log=log, limit=e.max_prompts,
-                                                     needs_label=needs_label)[0])
-                    for f in cfg.data.eval_files]  # fmt: skip
-        from moe_rl.data.stream import PromptItem
+            return [
+                (
+                    Path(f).stem,
+                    load_prompt_items([f], tokenizer, cfg, log=log, limit=e.max_prompts, needs_label=needs_label)[0],
+                )
+                for f in cfg.data.eval_files
+            ]
 
         task = prompts.task  # the built-in task's stream (moe_rl.data.stream.TaskStream)
         rng = np.random.default_rng([cfg.train.seed, EVAL_SALT])
-        drawn = task.sample_prompts(e.task_prompts if e.max_prompts is None else min(e.max_prompts, e.task_prompts), rng)
-        return [("task", [PromptItem(ids=p.ids, label=p.answer_text, data_source=task.name, task_prompt=p) for p in drawn])]
+        drawn = task.sample_prompts(
+            e.task_prompts if e.max_prompts is None else min(e.max_prompts, e.task_prompts), rng
+        )
+        return [
+            ("task", [PromptItem(ids=p.ids, label=p.answer_text, data_source=task.name, task_prompt=p) for p in drawn])
+        ]
 
     def due(self, step: int) -> bool:
         """Evaluate after ``step`` RL steps (0: before the first)?"""
@@ -71,17 +81,19 @@ class Evaluator:
 
     def client(self, train_client):
         """A client for ``train_client``'s servers sampling at ``eval.temperature``, asking for no routes or masks."""
-        from moe_rl.rollout.client import RolloutClient
 
         return RolloutClient.from_config(
-            self.cfg, train_client.addresses, sampling=replace(train_client.sampling, temperature=self.cfg.eval.temperature),
-            route_spec=None, return_sampling_mask=False, headers=train_client.headers,
+            self.cfg,
+            train_client.addresses,
+            sampling=replace(train_client.sampling, temperature=self.cfg.eval.temperature),
+            route_spec=None,
+            return_sampling_mask=False,
+            headers=train_client.headers,
             stop_token_ids=train_client.stop_token_ids,
-        )  # fmt: skip
+        )
 
     def run(self, train_client, step: int, expected_version: str | None = None) -> dict[str, float]:
         """Generate, score and summarise every eval set at the served weights (after ``step`` RL steps)."""
-        from moe_rl.sync.integrity import check_weight_versions
 
         e, client, out = self.cfg.eval, self.client(train_client), {}
         k = e.samples_per_prompt
@@ -89,7 +101,9 @@ class Evaluator:
             samples = client.generate([p.ids for p in items], k, step=EVAL_STEP_BASE + step)
             if expected_version is not None:
                 check_weight_versions([s.weight_version for s in samples], expected_version)
-            scores = self.rewarder.score([items[i // k] for i in range(len(samples))], [s.response_ids for s in samples])
+            scores = self.rewarder.score(
+                [items[i // k] for i in range(len(samples))], [s.response_ids for s in samples]
+            )
             rewards = np.asarray(scores.rewards, dtype=np.float64).reshape(len(items), k)
             correct = (rewards >= e.pass_threshold).sum(axis=1)
             out[f"eval/{name}/reward_mean"] = float(rewards.mean())

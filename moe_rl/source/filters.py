@@ -62,13 +62,17 @@ class Collected:
         self.rewards.extend(rewards)
 
     def metrics(self) -> dict[str, float]:
-        return {"filter/rounds": float(self.rounds), "filter/groups_seen": float(self.groups_seen),
-                "filter/informative_frac": self.informative_frac,
-                "filter/fallback_groups": float(self.groups_filled)}  # fmt: skip
+        return {
+            "filter/rounds": float(self.rounds),
+            "filter/groups_seen": float(self.groups_seen),
+            "filter/informative_frac": self.informative_frac,
+            "filter/fallback_groups": float(self.groups_filled),
+        }
 
 
-def collect_groups(generate: Callable[[int], GroupRound], want: int, group_size: int, max_rounds: int,
-                   fallback: bool = False) -> Collected:  # fmt: skip
+def collect_groups(
+    generate: Callable[[int], GroupRound], want: int, group_size: int, max_rounds: int, fallback: bool = False
+) -> Collected:
     """Call ``generate(round)`` until ``want`` informative groups are kept (module docstring)."""
     out, dropped = Collected(), []
     while len(out.prompts) < want:
@@ -90,8 +94,11 @@ def collect_groups(generate: Callable[[int], GroupRound], want: int, group_size:
         out.groups_seen += len(keep)
         out.groups_informative += int(keep.sum())
         for g, ok in enumerate(keep):
-            group = (got.prompts[g], got.samples[g * group_size : (g + 1) * group_size],
-                     got.rewards[g * group_size : (g + 1) * group_size])  # fmt: skip
+            group = (
+                got.prompts[g],
+                got.samples[g * group_size : (g + 1) * group_size],
+                got.rewards[g * group_size : (g + 1) * group_size],
+            )
             if not ok:
                 dropped.append(group)
             elif len(out.prompts) < want:

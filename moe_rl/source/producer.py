@@ -38,6 +38,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from moe_rl.data.loaders import DataError
+from moe_rl.reward.scorer import RewardError
+from moe_rl.rollout.partial import paused_generation
+
 __all__ = ["InlineBatches", "AsyncProducer", "pending_records", "push_section", "raise_batch_failure"]
 
 MakeBatch = Callable[[int, int, Callable[[], None]], Path]  # (step, served version, drawn) -> step's records file
@@ -46,8 +50,6 @@ MakeBatch = Callable[[int, int, Callable[[], None]], Path]  # (step, served vers
 def _user_errors() -> tuple[type, ...]:
     """Errors whose message is complete for the user (file and row, or function and sample): re-raised as they
     are, so the CLI prints one line (datasets are read when drawn, in the producer thread in async mode)."""
-    from moe_rl.data.loaders import DataError
-    from moe_rl.reward.scorer import RewardError
 
     return (DataError, RewardError)
 
@@ -97,9 +99,16 @@ class AsyncProducer:
 
     mode = "async"
 
-    def __init__(self, make: MakeBatch, start_step: int, end_step: int, max_staleness: int, served_version: int,
-                 stream_state: Callable[[], dict | None] = lambda: None,
-                 pending: dict[int, Path] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        make: MakeBatch,
+        start_step: int,
+        end_step: int,
+        max_staleness: int,
+        served_version: int,
+        stream_state: Callable[[], dict | None] = lambda: None,
+        pending: dict[int, Path] | None = None,
+    ):
         self.make, self.k = make, int(max_staleness)
         self.end = end_step
         self.served = int(served_version)
@@ -149,8 +158,9 @@ class AsyncProducer:
                     self._idle_since = None
                 self._making.add(step)
                 self._drawing, served, self.next = step, self.served, step + 1
-                worker = threading.Thread(target=self._make_one, args=(step, served), daemon=True,
-                                          name=f"moe_rl-rollout-step-{step}")  # fmt: skip
+                worker = threading.Thread(
+                    target=self._make_one, args=(step, served), daemon=True, name=f"moe_rl-rollout-step-{step}"
+                )
                 self._workers = [w for w in self._workers if w.is_alive()] + [worker]
             worker.start()
 
@@ -274,7 +284,6 @@ def push_section(source, rollout, addresses, keys, before: Callable[[], None] = 
             before()
             yield {}
         return
-    from moe_rl.rollout.partial import paused_generation
 
     with source.exclusive(wait_for_batch=False, serve=True):
         before()
@@ -291,8 +300,10 @@ def pending_records(resume_meta: dict, records_dir: Path) -> dict[int, Path]:
         name = f"step_{int(step):06d}.safetensors"
         source = Path(resume_meta["files_dir"]) / name
         if not source.is_file():
-            raise FileNotFoundError(f"{source}: the checkpoint lists step {step}'s finished records but does not "
-                                    "hold them (a damaged checkpoint); start over or restore the file")  # fmt: skip
+            raise FileNotFoundError(
+                f"{source}: the checkpoint lists step {step}'s finished records but does not "
+                "hold them (a damaged checkpoint); start over or restore the file"
+            )
         target = Path(records_dir) / name
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{name}.resume.tmp")

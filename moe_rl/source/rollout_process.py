@@ -126,8 +126,9 @@ class RolloutProcess:
         if not done():
             if self._error is not None:
                 raise_batch_failure(self._error[0], self._error[1], "the rollout process")
-            raise RuntimeError(f"the rollout process exited (code {self.proc.exitcode}) while the learner waited for "
-                               f"{what}")  # fmt: skip
+            raise RuntimeError(
+                f"the rollout process exited (code {self.proc.exitcode}) while the learner waited for {what}"
+            )
 
     def _ask(self, what: str, *args, serve: bool = False):
         req = next(self._ids)
@@ -167,15 +168,17 @@ class RolloutProcess:
         """Until the process has its prompts, rewards and eval sets (a bad dataset or reward raises here)."""
         deadline = time.monotonic() + START_TIMEOUT_S
         with self._cond:
-            self._wait(lambda: self._started or self._error is not None or time.monotonic() > deadline, False,
-                       "it to start")  # fmt: skip
+            self._wait(
+                lambda: self._started or self._error is not None or time.monotonic() > deadline, False, "it to start"
+            )
             if self._error is not None:
                 raise self._error[1]
             if not self._started:
                 raise RuntimeError(f"the rollout process did not start within {START_TIMEOUT_S:.0f} s")
 
-    def begin(self, addresses, keys, start_step: int, served_version: int, pending: dict[int, Path], weights,
-              pool) -> None:  # fmt: skip
+    def begin(
+        self, addresses, keys, start_step: int, served_version: int, pending: dict[int, Path], weights, pool
+    ) -> None:
         """The servers are up: the process makes its client and its producer (steps from ``start_step``); its asks are
         answered by rank 0's ``weights`` (``WeightPusher``) and ``pool`` (``ServerPool``)."""
         self._weights, self._pool, self._addresses = weights, pool, list(addresses)

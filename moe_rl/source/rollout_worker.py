@@ -23,11 +23,20 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import pickle
 import signal
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from moe_rl.data import build_prompt_stream
+from moe_rl.data.chat import load_tokenizer, stop_token_ids
+from moe_rl.reward import build_rewarder
+from moe_rl.rollout.client import RolloutClient
+from moe_rl.sync.checks import check_servable
+from moe_rl.sync.integrity import version_label
+from moe_rl.sync.served_weights import PushedWeights
 
 __all__ = ["WorkerSpec", "PromptSide", "BatchRestarts", "worker_main", "portable_error"]
 
@@ -59,9 +68,6 @@ class PromptSide:
 
     @classmethod
     def build(cls, cfg, data_state: dict | None) -> PromptSide:
-        from moe_rl.data import build_prompt_stream
-        from moe_rl.data.chat import load_tokenizer
-        from moe_rl.reward import build_rewarder
         from moe_rl.source.step_samples import StepSamples  # noqa: PLC0415  imported after worker_main's pinning
 
         tokenizer = load_tokenizer(cfg) if cfg.data is not None else None  # the built-in tasks: task ids
@@ -77,14 +83,12 @@ class PromptSide:
 
     def stop_tokens(self, cfg) -> dict:
         """Dataset prompts: responses end at the tokenizer's EOS ids (the built-in tasks: the server's default)."""
-        from moe_rl.data.chat import stop_token_ids
 
         return {"stop_token_ids": stop_token_ids(self.tokenizer, cfg.model.hf_path)} if self.tokenizer else {}
 
 
 def portable_error(exc: BaseException) -> BaseException:
     """``exc`` if it survives pickling (a DataError keeps its one-line message), else a RuntimeError naming it."""
-    import pickle
 
     try:
         pickle.loads(pickle.dumps(exc))
@@ -97,7 +101,6 @@ class _ServedView:
     """The learner's record of what the servers hold, as the batch maker checks it (``WeightSync``'s two checks)."""
 
     def __init__(self, keys):
-        from moe_rl.sync.served_weights import PushedWeights
 
         self.invalid: dict[str, str] = {}
         self.pushed = PushedWeights(keys)
@@ -108,7 +111,6 @@ class _ServedView:
             self.pushed.remember(state["label"], state["tensors"])
 
     def check_servable(self, addresses) -> None:
-        from moe_rl.sync.checks import check_servable
 
         check_servable(self.invalid, addresses)
 
@@ -191,22 +193,34 @@ class _Worker:
         self._reply(req, self._begin, addresses, keys, start, served, pending, state)
 
     def _begin(self, addresses, keys, start: int, served: int, pending: dict, state) -> None:
-        from moe_rl.rollout.client import RolloutClient
         from moe_rl.source.batch_maker import BatchMaker  # noqa: PLC0415  imported after worker_main's pinning
         from moe_rl.source.producer import AsyncProducer  # noqa: PLC0415  imported after worker_main's pinning
-        from moe_rl.sync.integrity import version_label
 
         cfg = self.cfg
         self.view = _ServedView(keys)
         if state is not None:
             self.view.update(state)
         self.client = RolloutClient.from_config(cfg, addresses, headers=keys.headers(), **self.side.stop_tokens(cfg))
-        self.maker = BatchMaker(cfg, self.side.samples, self.records, Path(self.spec.records_dir), self.client,
-                                lambda s: version_label(s, self.spec.nonce), resync=self._resync,
-                                weight_sync=lambda: self.view if self.view.pushed.by_label else None,
-                                restart=self.restarts)  # fmt: skip
-        self.producer = AsyncProducer(self._make, start, cfg.train.steps, cfg.train.max_staleness, served,
-                                      self.side.prompts.state, {int(s): Path(p) for s, p in pending.items()})  # fmt: skip
+        self.maker = BatchMaker(
+            cfg,
+            self.side.samples,
+            self.records,
+            Path(self.spec.records_dir),
+            self.client,
+            lambda s: version_label(s, self.spec.nonce),
+            resync=self._resync,
+            weight_sync=lambda: self.view if self.view.pushed.by_label else None,
+            restart=self.restarts,
+        )
+        self.producer = AsyncProducer(
+            self._make,
+            start,
+            cfg.train.steps,
+            cfg.train.max_staleness,
+            served,
+            self.side.prompts.state,
+            {int(s): Path(p) for s, p in pending.items()},
+        )
 
     def _make(self, step: int, served: int, drawn) -> Path:
         """The producer's ``make``: the batch maker's records, announced to the learner (or its failure)."""
@@ -294,8 +308,10 @@ def worker_main(conn, spec: WorkerSpec) -> None:
             try:
                 os.sched_setaffinity(0, spec.cpus)
             except OSError as err:
-                raise ValueError(f"rollout.process_cpus={spec.cpus}: cannot pin the rollout process there ({err}); "
-                                 f"expected cores of {sorted(os.sched_getaffinity(0))}") from None  # fmt: skip
+                raise ValueError(
+                    f"rollout.process_cpus={spec.cpus}: cannot pin the rollout process there ({err}); "
+                    f"expected cores of {sorted(os.sched_getaffinity(0))}"
+                ) from None
         worker = _Worker(conn, spec)
     except BaseException as exc:  # noqa: BLE001 -- a bad dataset or reward: the trainer raises it
         conn.send(("failed", None, portable_error(exc)))

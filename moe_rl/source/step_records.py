@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from moe_rl.data.chat import load_tokenizer
 from moe_rl.records import RecordError, RolloutBatch
 from moe_rl.records.fingerprint import architecture_fingerprint, fingerprint_diff
 
@@ -37,8 +38,6 @@ def prompt_tokenizer(cfg):
     """What tokenises this config's prompts, for the fingerprint (the same whether records are generated
     or read back): ``model.hf_path``'s tokenizer for dataset prompts, else the built-in task's vocabulary."""
     if cfg.data is not None:
-        from moe_rl.data.chat import load_tokenizer
-
         return load_tokenizer(cfg)
     from moe_rl.tasks.synthetic import DigitTask  # noqa: PLC0415  the task tokenizer imports transformers
 
@@ -83,8 +82,10 @@ class StepRecords:
         except RecordError as exc:
             raise RecordError(f"{prefix}{path}: {exc}") from None
         if batch.fingerprint is not None and (diff := fingerprint_diff(batch.fingerprint, self.fingerprint)):
-            raise RecordError(f"{prefix}{path}: records were made by another architecture ({'; '.join(diff)}); "
-                              f"train on records from a model with this model section")  # fmt: skip
+            raise RecordError(
+                f"{prefix}{path}: records were made by another architecture ({'; '.join(diff)}); "
+                f"train on records from a model with this model section"
+            )
 
     def load(self, path: str | Path) -> RolloutBatch:
         """``path``'s records on every rank, checked (a collective when several ranks run)."""
@@ -105,8 +106,10 @@ class StepRecords:
                 try:
                     batch = RolloutBatch.load(path, sha256=digest)
                 except RecordError as exc:
-                    error = (f"{self._prefix}{exc}: rank {rank} does not see the file rank 0 read (a stale copy from "
-                             f"an earlier session, or one not yet visible on this node's filesystem)")  # fmt: skip
+                    error = (
+                        f"{self._prefix}{exc}: rank {rank} does not see the file rank 0 read (a stale copy from "
+                        f"an earlier session, or one not yet visible on this node's filesystem)"
+                    )
             verdicts = [None] * world
             dist.all_gather_object(verdicts, None if rank == 0 else error)
             error = error or next((e for e in verdicts if e is not None), None)
@@ -122,11 +125,19 @@ class StepRecords:
         if _world()[0] != 0:
             return
         if batch.run_id is None:
-            logger.warning("%s has no fingerprint or producing run (records from before format 2): checked against "
-                           "model.* shapes only; training on it as off-policy data", path)  # fmt: skip
+            logger.warning(
+                "%s has no fingerprint or producing run (records from before format 2): checked against "
+                "model.* shapes only; training on it as off-policy data",
+                path,
+            )
         else:
-            logger.warning("%s was produced by run %s, not this run (%s): training on another run's records as "
-                           "off-policy data (metric records/other_run = 1)", path, batch.run_id, self.run_id)  # fmt: skip
+            logger.warning(
+                "%s was produced by run %s, not this run (%s): training on another run's records as "
+                "off-policy data (metric records/other_run = 1)",
+                path,
+                batch.run_id,
+                self.run_id,
+            )
 
     def step_metrics(self, batch: RolloutBatch) -> dict[str, float]:
         """``records/other_run``: 1 when the step's records come from another (or an unknown) run."""

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from moe_rl.reward.shaping import overlong_penalties
 from moe_rl.source.filters import Collected, GroupRound, collect_groups
 
 __all__ = ["StepSamples", "round_group_ids"]
@@ -40,14 +41,15 @@ class StepSamples:
         drawn()
         samples = generate(prompts, round_)
         with self._scoring:
-            scores = self.rewarder.score([prompts[k // n] for k in range(len(samples))], [s.response_ids for s in samples])
+            scores = self.rewarder.score(
+                [prompts[k // n] for k in range(len(samples))], [s.response_ids for s in samples]
+            )
         rewards = np.asarray(scores.rewards, dtype=np.float64)
         ob = cfg.reward.overlong_buffer
         if ob is not None:
-            from moe_rl.reward.shaping import overlong_penalties
-
-            penalty = overlong_penalties([len(s.response_ids) for s in samples], cfg.rollout.max_new_tokens, ob.length,
-                                         ob.penalty)  # fmt: skip
+            penalty = overlong_penalties(
+                [len(s.response_ids) for s in samples], cfg.rollout.max_new_tokens, ob.length, ob.penalty
+            )
             rewards = rewards + penalty
             metrics["reward/overlong_penalty_mean"].append(float(penalty.mean()))
             metrics["reward/overlong_frac"].append(float((penalty < 0).mean()))
@@ -66,8 +68,13 @@ class StepSamples:
         cfg, per_round = self.cfg, defaultdict(list)
         t = cfg.train
         if t.filter_groups:
-            got = collect_groups(lambda r: self._round(step, r, generate, per_round), t.prompts_per_step,
-                                 cfg.rollout.samples_per_prompt, t.max_generation_rounds, t.filter_groups_fallback)  # fmt: skip
+            got = collect_groups(
+                lambda r: self._round(step, r, generate, per_round),
+                t.prompts_per_step,
+                cfg.rollout.samples_per_prompt,
+                t.max_generation_rounds,
+                t.filter_groups_fallback,
+            )
             drawn()
         else:
             one = self._round(step, 0, generate, per_round, drawn)

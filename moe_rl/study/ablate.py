@@ -42,7 +42,11 @@ from moe_rl.config import (
     save_config,
     validate_tree,
 )
+from moe_rl.learner.hf_init import write_random_hf_checkpoint
+from moe_rl.rollout.auth import RUN_ADMIN_KEY_ENV
+from moe_rl.rollout.server_pool import rollout_server_pool
 from moe_rl.study.report import write_report
+from moe_rl.train.loop import train  # heavy (torch, Megatron): only when actually running
 
 DEFAULT_GRID: dict[str, list[Any]] = {
     "replay.routing": ["none", "r2", "r3"],
@@ -163,8 +167,9 @@ def cell_name(settings: dict[str, Any], grid_keys: list[str]) -> str:
     return "__".join(f"{short[k]}-{_value_text(settings[k])}" for k in grid_keys)
 
 
-def expand_grid(config_path: str | Path, overrides: list[str] | None = None,
-                out_dir: str | Path | None = None) -> tuple[list[Cell], Path]:  # fmt: skip
+def expand_grid(
+    config_path: str | Path, overrides: list[str] | None = None, out_dir: str | Path | None = None
+) -> tuple[list[Cell], Path]:
     """All cells of the config's grid (overrides apply to the base and may set ``grid.*``) and the out dir.
 
     Each cell's ``train.output_dir`` is ``<out_dir>/<cell name>`` (``/seed-<s>`` per seed with
@@ -238,9 +243,6 @@ def _shared_rollout_servers(cells: list[Cell], out_dir: Path) -> Iterator[dict |
     if first.rollout.addresses or len(same) > 1:
         yield None
         return
-    from moe_rl.learner.hf_init import write_random_hf_checkpoint
-    from moe_rl.rollout.auth import RUN_ADMIN_KEY_ENV
-    from moe_rl.rollout.server_pool import rollout_server_pool
 
     init_dir = write_random_hf_checkpoint(first.model, out_dir / "server_init", seed=first.train.seed)
     with rollout_server_pool(first.rollout, init_dir, out_dir / "logs") as pool, _environ(pool.keys.server_env()):
@@ -248,15 +250,15 @@ def _shared_rollout_servers(cells: list[Cell], out_dir: Path) -> Iterator[dict |
         yield {"addresses": pool.addresses, **keyed}
 
 
-def run_ablation(config_path: str | Path, overrides: list[str] | None = None,
-                 out_dir: str | Path | None = None) -> Path:  # fmt: skip
+def run_ablation(
+    config_path: str | Path, overrides: list[str] | None = None, out_dir: str | Path | None = None
+) -> Path:
     """Train every valid cell in grid order, refresh the report after each, return ``report.md``.
 
     Cells run in this process one after another (``moe_rl.train.loop.train(cfg)``); a cell that raises is
     recorded in the report and the grid goes on, then ``AblationError`` lists the failures.
     """
     cells, out_dir = expand_grid(config_path, overrides, out_dir)
-    from moe_rl.train.loop import train  # heavy (torch, Megatron): only when actually running
 
     notes = [f"skipped {_run_label(c)}: {c.skip_reason}" for c in cells if c.skip_reason]
     runnable = [c for c in cells if c.config is not None]

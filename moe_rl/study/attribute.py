@@ -19,8 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
-from moe_rl.config import ExperimentConfig
+from moe_rl.config import ConfigError, ExperimentConfig
 from moe_rl.config.kernels import KERNELS
+from moe_rl.exact.preflight import true_on_policy_settings
+from moe_rl.study.diagnose import generate, learner_logprobs, measure
+from moe_rl.train.loop import RLTrainer
 
 __all__ = ["COLUMNS", "attribution_rows", "render_table", "run_attribute"]
 
@@ -38,26 +41,33 @@ def attribution_rows(kernels: list[str] | None = None) -> list[tuple[str, frozen
     own); the whole contract but that item (``-item``: the mismatch it alone leaves); ``all``."""
     items = list(KERNELS) if kernels is None else kernels
     full = frozenset(KERNELS)
-    return [("stock", None), *((f"+{k}", frozenset({k})) for k in items),
-            *((f"-{k}", full - {k}) for k in items), ("all", full)]  # fmt: skip
+    return [
+        ("stock", None),
+        *((f"+{k}", frozenset({k})) for k in items),
+        *((f"-{k}", full - {k}) for k in items),
+        ("all", full),
+    ]
 
 
 def _row_config(cfg: ExperimentConfig, items: frozenset[str] | None, scratch: Path) -> ExperimentConfig:
-    rollout = cfg.rollout.model_copy(update={
-        "true_on_policy": items is not None, "true_on_policy_kernels": None if items is None else sorted(items),
-    })  # fmt: skip
-    return cfg.model_copy(update={
-        "rollout": rollout,
-        # one batch, generated here and now: the sync source (async would start a rollout process)
-        "train": cfg.train.model_copy(update={"output_dir": str(scratch), "rollout_mode": "sync"}),
-        "replay": cfg.replay.model_copy(update={"routing": "r3"}),  # binds the routers: flips are measured
-        "logging": cfg.logging.model_copy(update={"progress": False, "tensorboard": False}),
-    })  # fmt: skip
+    rollout = cfg.rollout.model_copy(
+        update={
+            "true_on_policy": items is not None,
+            "true_on_policy_kernels": None if items is None else sorted(items),
+        }
+    )
+    return cfg.model_copy(
+        update={
+            "rollout": rollout,
+            # one batch, generated here and now: the sync source (async would start a rollout process)
+            "train": cfg.train.model_copy(update={"output_dir": str(scratch), "rollout_mode": "sync"}),
+            "replay": cfg.replay.model_copy(update={"routing": "r3"}),  # binds the routers: flips are measured
+            "logging": cfg.logging.model_copy(update={"progress": False, "tensorboard": False}),
+        }
+    )
 
 
 def _measure_row(cfg: ExperimentConfig, num_prompts: int) -> dict:
-    from moe_rl.study.diagnose import generate, learner_logprobs, measure
-    from moe_rl.train.loop import RLTrainer
 
     trainer = RLTrainer(cfg)
     try:
@@ -79,8 +89,6 @@ def _measure_row(cfg: ExperimentConfig, num_prompts: int) -> dict:
 
 def _check_exact_settings(cfg: ExperimentConfig, kernels: list[str] | None = None) -> None:
     """ConfigError (one message, the CLI prints it) for unknown ``kernels`` or a config that cannot be exact."""
-    from moe_rl.config import ConfigError
-    from moe_rl.exact.preflight import true_on_policy_settings
 
     unknown = sorted(set(kernels or ()) - KERNELS.keys())
     if unknown:
@@ -88,12 +96,15 @@ def _check_exact_settings(cfg: ExperimentConfig, kernels: list[str] | None = Non
     full = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"true_on_policy": True})})
     problems = list(true_on_policy_settings(full))
     if problems:
-        raise ConfigError("diagnose --attribute turns the true-on-policy kernels on, and this config cannot be exact:\n"
-                          + "\n".join(f"  - {p}" for p in problems))  # fmt: skip
+        raise ConfigError(
+            "diagnose --attribute turns the true-on-policy kernels on, and this config cannot be exact:\n"
+            + "\n".join(f"  - {p}" for p in problems)
+        )
 
 
-def run_attribute(cfg: ExperimentConfig, num_prompts: int, out_dir: str | Path,
-                  kernels: list[str] | None = None) -> dict:  # fmt: skip
+def run_attribute(
+    cfg: ExperimentConfig, num_prompts: int, out_dir: str | Path, kernels: list[str] | None = None
+) -> dict:
     """Measure every row of ``attribution_rows(kernels)`` (2 x items + 2 server starts); writes
     ``attribution.json`` and ``attribution.md`` in ``out_dir`` and returns ``{"rows": {name: numbers}, ...}``."""
     _check_exact_settings(cfg, kernels)
@@ -106,10 +117,14 @@ def run_attribute(cfg: ExperimentConfig, num_prompts: int, out_dir: str | Path,
         shutil.rmtree(scratch, ignore_errors=True)
         print(f"attribute: {name}: " + ", ".join(f"{k}={rows[name][k]:.3g}" for k in COLUMNS), flush=True)
     numbers = {
-        "config": {"rollout.dtype": cfg.rollout.dtype, "precision.params_dtype": cfg.precision.params_dtype,
-                   "prompts": num_prompts, "samples_per_prompt": cfg.rollout.samples_per_prompt},
+        "config": {
+            "rollout.dtype": cfg.rollout.dtype,
+            "precision.params_dtype": cfg.precision.params_dtype,
+            "prompts": num_prompts,
+            "samples_per_prompt": cfg.rollout.samples_per_prompt,
+        },
         "rows": rows,
-    }  # fmt: skip
+    }
     (out_dir / "attribution.json").write_text(json.dumps(numbers, indent=1))
     (out_dir / "attribution.md").write_text(render_table(numbers))
     return numbers
@@ -128,9 +143,12 @@ def render_table(numbers: dict) -> str:
     for name, r in rows.items():
         cells = [f"{r[k]:.3g}" if name == "stock" else f"{r[k]:.3g} ({_removed(r[k], stock[k])})" for k in COLUMNS]
         label = {"stock": "none (stock)", "all": "all (true-on-policy)"}.get(name) or (
-            f"`{name[1:]}` alone" if name[0] == "+" else f"all but `{name[1:]}`")
+            f"`{name[1:]}` alone" if name[0] == "+" else f"all but `{name[1:]}`"
+        )
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {r['tokens']} |")
     c = numbers["config"]
-    return (f"rollout.dtype={c['rollout.dtype']}, precision.params_dtype={c['precision.params_dtype']}, "
-            f"{c['prompts']} prompts x {c['samples_per_prompt']} samples. In parentheses: the share of the stock "
-            "value the row removes (negative: it grew).\n\n" + "\n".join(lines) + "\n")  # fmt: skip
+    return (
+        f"rollout.dtype={c['rollout.dtype']}, precision.params_dtype={c['precision.params_dtype']}, "
+        f"{c['prompts']} prompts x {c['samples_per_prompt']} samples. In parentheses: the share of the stock "
+        "value the row removes (negative: it grew).\n\n" + "\n".join(lines) + "\n"
+    )

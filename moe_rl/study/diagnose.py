@@ -21,7 +21,13 @@ import torch
 from moe_rl.algo import metrics_to_floats, offpolicy_metrics
 from moe_rl.config import ExperimentConfig
 from moe_rl.records import RolloutBatch, RouteSpec
+from moe_rl.rollout.client import RolloutClient
+from moe_rl.rollout.server_pool import rollout_server_pool
+from moe_rl.study.diagnose_report import write_report
+from moe_rl.sync.transport import update_weights_from_disk
 from moe_rl.train.batching import build_microbatch
+from moe_rl.train.logprob import make_logprob_fn
+from moe_rl.train.loop import RLTrainer
 
 SETTINGS = {  # name -> (replay rollout routes, keep sampling mask)
     "natural": (False, False),
@@ -34,9 +40,6 @@ NUM_POSITION_BUCKETS = 8
 
 def generate(trainer, num_prompts: int) -> RolloutBatch:
     """One rollout batch of ``num_prompts`` x samples_per_prompt with routes and kept sets, persisted."""
-    from moe_rl.rollout.client import RolloutClient
-    from moe_rl.rollout.server_pool import rollout_server_pool
-    from moe_rl.sync.transport import update_weights_from_disk
 
     cfg = trainer.cfg
     hf_dir = trainer.weights.export()  # applies rollout.weight_quantization (mismatch injection)
@@ -45,7 +48,10 @@ def generate(trainer, num_prompts: int) -> RolloutBatch:
         # labelled as the trainer's step 0, which trainer.rollout checks every sample against (issue 16)
         update_weights_from_disk(addresses, hf_dir, trainer.weights.version(0), keys=pool.keys)
         client = RolloutClient.from_config(
-            cfg, addresses, route_spec=RouteSpec.from_model_config(cfg.model), return_sampling_mask=True,
+            cfg,
+            addresses,
+            route_spec=RouteSpec.from_model_config(cfg.model),
+            return_sampling_mask=True,
             headers=pool.keys.headers(),
         )
         trainer.cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"prompts_per_step": num_prompts})})
@@ -61,17 +67,22 @@ def learner_logprobs(trainer, batch: RolloutBatch, replay_routes: bool, keep_mas
     Returns ``logp``/``mu`` as padded ``[N, R_max]`` float64 arrays (mu: the engine's full-vocab
     log-prob, or its kept-set-renormalised one under KSM), ``mask[N, R_max]`` and ``flips``.
     """
-    from moe_rl.train.logprob import make_logprob_fn
 
     cfg = trainer.cfg
     driver = trainer.driver
     ids = list(range(len(batch)))
     mbs = [
-        build_microbatch(batch, ids[i : i + cfg.train.micro_batch_size], torch.zeros(len(batch)),
-                         num_experts=cfg.model.num_moe_experts, kept_logp=keep_mask, with_kept_sets=keep_mask,
-                         device=trainer.device)
+        build_microbatch(
+            batch,
+            ids[i : i + cfg.train.micro_batch_size],
+            torch.zeros(len(batch)),
+            num_experts=cfg.model.num_moe_experts,
+            kept_logp=keep_mask,
+            with_kept_sets=keep_mask,
+            device=trainer.device,
+        )
         for i in range(0, len(ids), cfg.train.micro_batch_size)
-    ]  # fmt: skip
+    ]
     logprob_fn = make_logprob_fn(keep_mask, with_entropy=False)
     R = int(batch.response_lens.max())
     logp, mu = np.zeros((len(batch), R)), np.zeros((len(batch), R))
@@ -113,7 +124,9 @@ def measure(setting: dict) -> dict:
     numbers["tokens_with_flip"] = flips.get("replay/rollout_vs_natural/response/tokens_with_flip", float("nan"))
     numbers["dispatched_flip_rate"] = flips.get("replay/rollout_vs_dispatched/response/flip_rate", float("nan"))
     numbers["flip_rate_per_layer"] = {
-        k.rsplit("/", 1)[1]: v for k, v in flips.items() if k.startswith("replay/rollout_vs_natural/response/flip_rate/")
+        k.rsplit("/", 1)[1]: v
+        for k, v in flips.items()
+        if k.startswith("replay/rollout_vs_natural/response/flip_rate/")
     }
     numbers["by_position"] = position_profile(setting["logp"], setting["mu"], setting["mask"])
     return numbers
@@ -121,19 +134,20 @@ def measure(setting: dict) -> dict:
 
 def run_diagnose(cfg: ExperimentConfig, num_prompts: int, out_dir: str | Path) -> dict:
     """Generate, recompute under every setting, write the report; returns all numbers (also ``numbers.json``)."""
-    from moe_rl.train.loop import RLTrainer
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     # The trainer's run directory (HF export, checkpoints, server logs) is scratch: the report folder
     # gets the report, the numbers and the rollout records only. Kept (and named) if the diagnosis fails.
     scratch = Path(tempfile.mkdtemp(prefix="moe_rl_diagnose_"))
-    cfg = cfg.model_copy(update={
-        # one batch, generated here and now: the sync source (async would start a rollout process)
-        "train": cfg.train.model_copy(update={"output_dir": str(scratch), "rollout_mode": "sync"}),
-        "replay": cfg.replay.model_copy(update={"routing": "r3"}),  # bind replay; each setting picks its routing
-        "logging": cfg.logging.model_copy(update={"progress": False, "tensorboard": False}),
-    })  # fmt: skip
+    cfg = cfg.model_copy(
+        update={
+            # one batch, generated here and now: the sync source (async would start a rollout process)
+            "train": cfg.train.model_copy(update={"output_dir": str(scratch), "rollout_mode": "sync"}),
+            "replay": cfg.replay.model_copy(update={"routing": "r3"}),  # bind replay; each setting picks its routing
+            "logging": cfg.logging.model_copy(update={"progress": False, "tensorboard": False}),
+        }
+    )
     try:
         numbers = _diagnose_in(RLTrainer(cfg), cfg, num_prompts, out_dir)
     except BaseException:
@@ -145,7 +159,6 @@ def run_diagnose(cfg: ExperimentConfig, num_prompts: int, out_dir: str | Path) -
 
 def _diagnose_in(trainer, cfg: ExperimentConfig, num_prompts: int, out_dir: Path) -> dict:
     """The diagnosis proper on a built trainer; releases it (routers, run lock) whatever happens."""
-    from moe_rl.study.diagnose_report import write_report
 
     try:
         batch = generate(trainer, num_prompts)

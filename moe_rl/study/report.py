@@ -19,6 +19,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from matplotlib.figure import Figure  # no pyplot: no global figure state, Agg canvas on savefig
+from matplotlib.ticker import MaxNLocator
+
 # (metrics.jsonl key, label) of every metric the report tabulates and plots, in column order.
 REPORT_METRICS: tuple[tuple[str, str], ...] = (
     ("reward/mean", "reward"),
@@ -117,8 +120,6 @@ def _write_atomic(path: Path, data: str | bytes) -> None:
 
 def _plot(key: str, label: str, curves: Mapping[str, list[Series]], path: Path) -> None:
     """One PNG: ``label`` against step, one line per cell (mean over its runs, ± std band for several)."""
-    from matplotlib.figure import Figure  # no pyplot: no global figure state, Agg canvas on savefig
-    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(7, 4.2), dpi=110)
     ax = fig.subplots()
@@ -126,11 +127,18 @@ def _plot(key: str, label: str, curves: Mapping[str, list[Series]], path: Path) 
         rows = band(runs)
         steps, means = [r[0] for r in rows], [r[1] for r in rows]
         label_n = cell if len(runs) == 1 else f"{cell} (n={len(runs)})"
-        (line,) = ax.plot(steps, means, marker="o" if len(rows) < 30 else None, markersize=3, linewidth=1.4,
-                          label=label_n)  # fmt: skip
+        (line,) = ax.plot(
+            steps, means, marker="o" if len(rows) < 30 else None, markersize=3, linewidth=1.4, label=label_n
+        )
         if len(runs) > 1:
-            ax.fill_between(steps, [m - r[2] for m, r in zip(means, rows)], [m + r[2] for m, r in zip(means, rows)],
-                            color=line.get_color(), alpha=0.18, linewidth=0)  # fmt: skip
+            ax.fill_between(
+                steps,
+                [m - r[2] for m, r in zip(means, rows)],
+                [m + r[2] for m, r in zip(means, rows)],
+                color=line.get_color(),
+                alpha=0.18,
+                linewidth=0,
+            )
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel(label)
@@ -147,8 +155,9 @@ def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
 
 
-def _pivot(grid_keys: list[str], settings: Mapping[str, Mapping[str, Any]], finals: Mapping[str, str],
-           label: str) -> list[str]:  # fmt: skip
+def _pivot(
+    grid_keys: list[str], settings: Mapping[str, Mapping[str, Any]], finals: Mapping[str, str], label: str
+) -> list[str]:
     """Final ``label`` (formatted) as grid key 1 (rows) x grid key 2 (columns), e.g. routing x N (seed 001)."""
     rk, ck = grid_keys
     cells = [c for c in finals if c in settings]
@@ -207,8 +216,17 @@ def write_report(
         grid_vals = [json.dumps(settings.get(cell, {}).get(k)) for k in grid_keys]
         for k in keys:
             row = summary[cell][k]
-            writer.writerow([cell, *grid_vals, k, *("" if v is None else repr(v) for v in row[:2]), row[5],
-                             *("" if v is None else repr(v) for v in row[2:4]), row[4]])  # fmt: skip
+            writer.writerow(
+                [
+                    cell,
+                    *grid_vals,
+                    k,
+                    *("" if v is None else repr(v) for v in row[:2]),
+                    row[5],
+                    *("" if v is None else repr(v) for v in row[2:4]),
+                    row[4],
+                ]
+            )
     _write_atomic(out_dir / "summary.csv", buf.getvalue())
 
     plots = []
@@ -236,8 +254,9 @@ def write_report(
     labels = [label for _, label in metrics]
     for title, idx in (("Final value (last step)", 0), ("Mean over steps", 1)):
         md += [f"## {title}{over}", ""]
-        md += _md_table(["cell", *labels], [[c, *(_fmt(summary[c][k][idx], summary[c][k][idx + 2]) for k in keys)]
-                                            for c in data])  # fmt: skip
+        md += _md_table(
+            ["cell", *labels], [[c, *(_fmt(summary[c][k][idx], summary[c][k][idx + 2]) for k in keys)] for c in data]
+        )
         md.append("")
     if plots:
         md += ["## Curves", ""] + [f"![{label}]({rel})" for _, label, rel in plots] + [""]

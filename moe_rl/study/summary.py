@@ -9,6 +9,7 @@ TensorBoard command. It only reads what the trainer wrote; it computes no traini
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -40,13 +41,14 @@ def _first_last(series: list[tuple[int, float]], fmt: str) -> str:
 
 def _eval_metrics(metrics_path: Path) -> list[tuple[str, str, str]]:
     """The eval section's pass@k and reward keys present in ``metrics.jsonl`` (names depend on the eval sets)."""
-    import json
 
     keys = set()
     for line in metrics_path.read_text().splitlines():
         if '"eval/' in line:
-            keys |= {k for k in json.loads(line) if k.startswith("eval/") and ("/pass@" in k or k.endswith("/reward_mean"))}
-    return [(k, f"eval {k[len('eval/'):]}", ".3f") for k in sorted(keys)]
+            keys |= {
+                k for k in json.loads(line) if k.startswith("eval/") and ("/pass@" in k or k.endswith("/reward_mean"))
+            }
+    return [(k, f"eval {k[len('eval/') :]}", ".3f") for k in sorted(keys)]
 
 
 def closing_summary(run_dir: str | Path, plots: bool = True) -> str:
@@ -69,8 +71,9 @@ def closing_summary(run_dir: str | Path, plots: bool = True) -> str:
         lines.append(f"  checkpoints      {run_dir / 'checkpoints'} ({', '.join(ckpts)})")
     records = sorted((run_dir / "rollouts").glob("step_*.safetensors"))
     if records:
-        lines.append(f"  rollout records  {run_dir / 'rollouts'} ({len(records)} files; "
-                     f"`moe-rl records inspect {records[-1]}`)")  # fmt: skip
+        lines.append(
+            f"  rollout records  {run_dir / 'rollouts'} ({len(records)} files; `moe-rl records inspect {records[-1]}`)"
+        )
     if (run_dir / "hf" / "current").exists():
         lines.append(f"  HF weights       {run_dir / 'hf' / 'current'}")
     if plots:

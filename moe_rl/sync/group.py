@@ -47,8 +47,11 @@ def default_backend(server_device: str) -> str:
 def group_options(rollout) -> dict:
     """WeightGroup's keyword arguments from a RolloutConfig (``weight_sync_backend: auto`` resolved)."""
     backend = rollout.weight_sync_backend
-    return {"backend": default_backend(rollout.device) if backend == "auto" else backend,
-            "master_address": rollout.weight_sync_master_address, "master_port": rollout.weight_sync_master_port}
+    return {
+        "backend": default_backend(rollout.device) if backend == "auto" else backend,
+        "master_address": rollout.weight_sync_master_address,
+        "master_port": rollout.weight_sync_master_port,
+    }
 
 
 def master_address_for(addresses: Sequence[str], configured: str | None = None) -> str:
@@ -78,8 +81,16 @@ def port_is_free(port: int, host: str = "") -> bool:
 def _new_group(store, rank: int, world_size: int, backend: str, group_name: str, timeout: timedelta):
     """A process group over ``store`` exactly as SGLang's ``init_custom_process_group`` builds its side
     (same store prefixes), without touching this process's default group (the learner's own)."""
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
-                                      group_name=group_name, backend_options=None, timeout=timeout)  # fmt: skip
+    pg, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        Backend(backend),
+        PrefixStore(group_name, store),
+        group_name=group_name,
+        backend_options=None,
+        timeout=timeout,
+    )
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 
@@ -89,9 +100,17 @@ class WeightGroup:
 
     _names = itertools.count()  # group names unique within this process
 
-    def __init__(self, addresses: Sequence[str], *, backend: str = "gloo", master_address: str | None = None,
-                 master_port: int | None = None, timeout_s: float = 600.0, keys: ServerKeys | None = None,
-                 headers: dict | None = None):  # fmt: skip
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        *,
+        backend: str = "gloo",
+        master_address: str | None = None,
+        master_port: int | None = None,
+        timeout_s: float = 600.0,
+        keys: ServerKeys | None = None,
+        headers: dict | None = None,
+    ):
         self.addresses = [a.rstrip("/") for a in addresses]
         self.backend = backend
         self.master_address = master_address_for(self.addresses, master_address)
@@ -122,8 +141,9 @@ class WeightGroup:
         world = 1 + sum(ranks)
         self.group_name = f"{GROUP_PREFIX}_{next(self._names)}"
         timeout = timedelta(seconds=self.timeout_s)
-        self.store = torch.distributed.TCPStore("0.0.0.0", self.master_port, world, is_master=True, timeout=timeout,
-                                                wait_for_workers=False)  # fmt: skip
+        self.store = torch.distributed.TCPStore(
+            "0.0.0.0", self.master_port, world, is_master=True, timeout=timeout, wait_for_workers=False
+        )
         port, offsets = self.store.port, [1 + sum(ranks[:i]) for i in range(len(ranks))]
         joined: dict = {}
 
@@ -135,30 +155,49 @@ class WeightGroup:
 
         thread = threading.Thread(target=join, name=f"{self.group_name}-rendezvous", daemon=True)
         thread.start()
-        bodies = {a: {"master_address": self.master_address, "master_port": port, "rank_offset": off,
-                      "world_size": world, "group_name": self.group_name, "backend": self.backend}
-                  for a, off in zip(self.addresses, offsets)}  # fmt: skip
+        bodies = {
+            a: {
+                "master_address": self.master_address,
+                "master_port": port,
+                "rank_offset": off,
+                "world_size": world,
+                "group_name": self.group_name,
+                "backend": self.backend,
+            }
+            for a, off in zip(self.addresses, offsets)
+        }
         refused = self._on_every_server("init_weights_update_group", bodies)
         if refused:  # a refused server never joins: the rendezvous thread gives up after the timeout
             self.store = None
-            raise WeightSyncError(f"weight-update group {self.group_name} (tcp://{self.master_address}:{port}, "
-                                  f"backend {self.backend}) not created: " + "; ".join(refused.values()))  # fmt: skip
+            raise WeightSyncError(
+                f"weight-update group {self.group_name} (tcp://{self.master_address}:{port}, "
+                f"backend {self.backend}) not created: " + "; ".join(refused.values())
+            )
         thread.join(self.timeout_s)
         if "group" not in joined:
             self.store = None
-            raise WeightSyncError(f"weight-update group {self.group_name}: the servers joined but this side did not "
-                                  f"({joined.get('error', 'timed out')})")  # fmt: skip
+            raise WeightSyncError(
+                f"weight-update group {self.group_name}: the servers joined but this side did not "
+                f"({joined.get('error', 'timed out')})"
+            )
         self.group = joined["group"]
-        logger.info("weight-update group %s open: %d server rank(s), tcp://%s:%d, %s", self.group_name, world - 1,
-                    self.master_address, port, self.backend)  # fmt: skip
+        logger.info(
+            "weight-update group %s open: %d server rank(s), tcp://%s:%d, %s",
+            self.group_name,
+            world - 1,
+            self.master_address,
+            port,
+            self.backend,
+        )
 
     def close(self) -> None:
         """Destroy the group on every server (best effort: a dead server has none) and here."""
         if self.group is None:
             return
         with contextlib.suppress(WeightSyncError):
-            self._on_every_server("destroy_weights_update_group", {a: {"group_name": self.group_name}
-                                                                    for a in self.addresses})  # fmt: skip
+            self._on_every_server(
+                "destroy_weights_update_group", {a: {"group_name": self.group_name} for a in self.addresses}
+            )
         with contextlib.suppress(Exception):
             torch.distributed.destroy_process_group(self.group)
         self.group = self.store = None
@@ -183,8 +222,12 @@ class WeightGroup:
         """One bucket: the request to every server and, meanwhile, rank 0's broadcasts; refusals by address."""
         tensors = [t.detach().to(self.device).contiguous() for _, t in group]
         with ThreadPoolExecutor(len(self.addresses), thread_name_prefix=f"{self.group_name}-bucket") as pool:
-            futures = {a: pool.submit(transport.post_admin, a, "update_weights_from_distributed", body, self.timeout_s,
-                                      self.headers) for a in self.addresses}  # fmt: skip
+            futures = {
+                a: pool.submit(
+                    transport.post_admin, a, "update_weights_from_distributed", body, self.timeout_s, self.headers
+                )
+                for a in self.addresses
+            }
             works = [torch.distributed.broadcast(t, src=0, group=self.group, async_op=True) for t in tensors]
             refused = _refusals(futures)  # a server replies after it received (and loaded) the whole bucket
             try:  # done when every server received; else it may never be (the group is closed after this)
@@ -199,8 +242,10 @@ class WeightGroup:
     def _on_every_server(self, endpoint: str, bodies: Mapping[str, dict]) -> dict[str, str]:
         """POST ``endpoint`` to every server concurrently; ``{address: message}`` of those that refused."""
         with ThreadPoolExecutor(len(bodies), thread_name_prefix=f"{GROUP_PREFIX}-http") as pool:
-            futures = {a: pool.submit(transport.post_admin, a, endpoint, body, self.timeout_s, self.headers)
-                       for a, body in bodies.items()}  # fmt: skip
+            futures = {
+                a: pool.submit(transport.post_admin, a, endpoint, body, self.timeout_s, self.headers)
+                for a, body in bodies.items()
+            }
             return {a: f"{a}/{endpoint}: {message}" for a, message in _refusals(futures).items()}
 
     def _check_admin(self, address: str) -> None:
@@ -209,14 +254,18 @@ class WeightGroup:
         probe = {"group_name": f"{GROUP_PREFIX}_probe"}
         ok, message = transport.post_admin(address, "destroy_weights_update_group", probe, self.timeout_s, self.headers)
         if not ok and not message.startswith("HTTP 400"):
-            raise WeightSyncError(f"{address}/destroy_weights_update_group refused ({message}): the weight-update "
-                                  "group needs the servers' admin key (rollout.admin_api_key_env, or the run's own) "
-                                  "and an SGLang with /init_weights_update_group")  # fmt: skip
+            raise WeightSyncError(
+                f"{address}/destroy_weights_update_group refused ({message}): the weight-update "
+                "group needs the servers' admin key (rollout.admin_api_key_env, or the run's own) "
+                "and an SGLang with /init_weights_update_group"
+            )
 
     def _tp_size(self, address: str) -> int:
         """Server ranks that join the group (``tp_size`` in ``/server_info``; one per tensor-parallel rank)."""
         try:
-            resp = httpx.get(f"{address}/server_info", timeout=60, headers=self.headers, verify=tls())  # admin (patch 0009)
+            resp = httpx.get(
+                f"{address}/server_info", timeout=60, headers=self.headers, verify=tls()
+            )  # admin (patch 0009)
             resp.raise_for_status()
             return int(resp.json().get("tp_size") or 1)
         except (httpx.HTTPError, ValueError) as err:

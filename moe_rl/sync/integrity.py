@@ -23,9 +23,16 @@ from moe_rl.rollout.client import RolloutError
 from moe_rl.rollout.health import ServerHungError
 
 __all__ = [
-    "WeightVersionError", "VersionLabel", "version_label", "parse_version_label", "version_number",
-    "check_weight_versions", "generate_checked", "ForeignWeightsError", "ForeignWeightsStop",
-]  # fmt: skip
+    "WeightVersionError",
+    "VersionLabel",
+    "version_label",
+    "parse_version_label",
+    "version_number",
+    "check_weight_versions",
+    "generate_checked",
+    "ForeignWeightsError",
+    "ForeignWeightsStop",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +76,9 @@ def _newer_of_same_run(found: str, expected: str) -> bool:
 def check_weight_versions(versions: Sequence[str], expected: str, newer_ok: bool = False) -> None:
     """Raise WeightVersionError unless every entry of ``versions`` is ``expected`` (``newer_ok``: or a later
     complete sync of the same run: partial rollouts finish under the weights pushed while they ran)."""
-    other = Counter(str(v) for v in versions if str(v) != expected and not (newer_ok and _newer_of_same_run(v, expected)))
+    other = Counter(
+        str(v) for v in versions if str(v) != expected and not (newer_ok and _newer_of_same_run(v, expected))
+    )
     if other:
         found = ", ".join(f"{v!r} x{n} ({_why(v, expected)})" for v, n in sorted(other.items()))
         raise WeightVersionError(
@@ -104,11 +113,16 @@ def generate_checked(
             raise err
         if resyncs >= max_foreign_syncs:
             again = "once" if resyncs == 1 else f"{resyncs} times in a row (rollout.max_foreign_syncs)"
-            raise ForeignWeightsStop(f"{err} (still after re-syncing and regenerating {again}); stopping: "
-                                     "the batch is not trained on") from None  # fmt: skip
+            raise ForeignWeightsStop(
+                f"{err} (still after re-syncing and regenerating {again}); stopping: the batch is not trained on"
+            ) from None
         resyncs += 1
-        logger.warning("%s; the batch is not trained on: re-syncing the weights and regenerating (%d/%d)",
-                       err, resyncs, max_foreign_syncs)  # fmt: skip
+        logger.warning(
+            "%s; the batch is not trained on: re-syncing the weights and regenerating (%d/%d)",
+            err,
+            resyncs,
+            max_foreign_syncs,
+        )
         resync()
 
     while True:

@@ -193,8 +193,9 @@ def begin(addresses: Sequence[str], headers: dict, timeout_s: float) -> dict[str
     stale = [a for a, m in refused.items() if "already open" in m]
     if stale:
         _each(stale, "end_weight_update", {}, headers, timeout_s)
-        refused = {a: m for a, m in refused.items() if a not in stale} | _each(stale, "begin_weight_update", {},
-                                                                               headers, timeout_s)  # fmt: skip
+        refused = {a: m for a, m in refused.items() if a not in stale} | _each(
+            stale, "begin_weight_update", {}, headers, timeout_s
+        )
     return refused
 
 
@@ -206,10 +207,14 @@ def publish(
     addresses: Sequence[str], version: str, flush_cache: bool, headers: dict, timeout_s: float
 ) -> dict[str, str]:
     """Label every server ``version`` (no request aborted) and, unless paused in place, flush its cache."""
-    refused = _each(addresses, "update_weight_version", {"new_version": str(version), "abort_all_requests": False},
-                    headers, timeout_s)  # fmt: skip
+    refused = _each(
+        addresses,
+        "update_weight_version",
+        {"new_version": str(version), "abort_all_requests": False},
+        headers,
+        timeout_s,
+    )
     if flush_cache:
         for address in [a for a in addresses if a not in refused]:
             refused |= transport.flush_server_cache(address, headers, timeout_s)
     return refused
-

@@ -42,7 +42,7 @@ __all__ = [
     "fingerprint_entry",
     "fingerprint_tensors",
     "served_entries",
-]  # fmt: skip
+]
 
 FINGERPRINT_SUFFIXES = ("norm.weight", "mlp.gate.weight")
 KEEP_PUSHES = 4  # labels remembered by default: the current one and a few before it (async: max_staleness + 2)
@@ -79,8 +79,13 @@ def served_entries(address: str, keys: ServerKeys | None, timeout_s: float = 60.
     """Every server rank's fingerprint entries; ForeignWeightsStop when the server cannot say (one line)."""
     why = None
     try:
-        resp = httpx.post(f"{address}/weights_checker", json={"action": "fingerprint"}, timeout=timeout_s,
-                          headers=keys.headers(admin=True) if keys else {}, verify=tls())  # fmt: skip
+        resp = httpx.post(
+            f"{address}/weights_checker",
+            json={"action": "fingerprint"},
+            timeout=timeout_s,
+            headers=keys.headers(admin=True) if keys else {},
+            verify=tls(),
+        )
         ranks = resp.json().get("ranks") if resp.status_code == 200 else None
         if not ranks or not all(isinstance(r.get("checksums"), dict) for r in ranks):
             why = f"HTTP {resp.status_code}: {resp.text[:200]}"

@@ -110,8 +110,9 @@ class WeightSync:
         self.max_foreign_syncs = max_foreign_syncs  # None: a failed push raises its WeightSyncError at once
 
     @classmethod
-    def from_config(cls, cfg, addresses: Sequence[str], export_dir: str | Path | None = None,
-                    keys: ServerKeys | None = None) -> WeightSync:  # fmt: skip
+    def from_config(
+        cls, cfg, addresses: Sequence[str], export_dir: str | Path | None = None, keys: ServerKeys | None = None
+    ) -> WeightSync:
         """The sync for an ExperimentConfig and the servers in use (``auto`` looks at their hosts).
 
         ``keys``: the servers' keys (a run's generated admin key); default: the configured variables."""
@@ -128,12 +129,18 @@ class WeightSync:
             )
         init = initial_weights_dir(cfg)
         return cls(
-            mode, cfg.model, export_dir=export_dir, template_dir=side_files_dir(cfg),
+            mode,
+            cfg.model,
+            export_dir=export_dir,
+            template_dir=side_files_dir(cfg),
             weight_quantization=r.weight_quantization,
-            bucket_bytes=r.weight_sync_bucket_mb << 20, reference=reference_from_hf_dir(init) if init else None,
-            keys=ServerKeys.from_rollout_config(r) if keys is None else keys, group_options=group_options(r),
-            max_foreign_syncs=r.max_foreign_syncs, keep_pushes=cfg.train.max_staleness + 2,
-        )  # fmt: skip
+            bucket_bytes=r.weight_sync_bucket_mb << 20,
+            reference=reference_from_hf_dir(init) if init else None,
+            keys=ServerKeys.from_rollout_config(r) if keys is None else keys,
+            group_options=group_options(r),
+            max_foreign_syncs=r.max_foreign_syncs,
+            keep_pushes=cfg.train.max_staleness + 2,
+        )
 
     def check_servable(self, addresses: Sequence[str]) -> None:
         """Raise ServerInvalidError if a failed sync left any of `addresses` half-updated."""
@@ -149,7 +156,9 @@ class WeightSync:
         raises WeightSyncError on every rank. ``flush_cache=False`` only inside an ``in_place`` pause."""
         t0, comm = time.perf_counter(), RankComm(collective=True)
         header = comm.bcast(self._header(addresses, version) if comm.rank0 else None)
-        stream = HFStream(model_module, self.model_cfg, self.bucket_bytes, gather_experts=header["mode"] == "distributed")
+        stream = HFStream(
+            model_module, self.model_cfg, self.bucket_bytes, gather_experts=header["mode"] == "distributed"
+        )
         plan, bad = stream.plan(), stream.nonfinite()
         checked = comm.gather((plan, bad))
         verdict = self._check_plans(checked) if comm.rank0 else None
@@ -158,8 +167,9 @@ class WeightSync:
         self._stream(stream, comm, header, flush_cache)
         return time.perf_counter() - t0
 
-    def push(self, hf_state: Mapping[str, torch.Tensor], addresses: Sequence[str], version: str,
-             flush_cache: bool = True) -> None:  # fmt: skip
+    def push(
+        self, hf_state: Mapping[str, torch.Tensor], addresses: Sequence[str], version: str, flush_cache: bool = True
+    ) -> None:
         """Check, (quantise,) and load a ready HF state dict into every server as ``version`` from this process
         alone (tests, benchmarks, tools; the trainer streams with ``sync``). ``flush_cache`` as in ``sync``."""
         check_weights(hf_state, self.reference)  # raises before anything is sent
@@ -170,7 +180,9 @@ class WeightSync:
     def load_dir(self, hf_dir: str | Path, addresses: Sequence[str], version: str) -> None:
         """Load an HF checkpoint dir (the run's export) into every server as ``version``, remembered like a push."""
         addresses = [a.rstrip("/") for a in addresses]
-        self._again(version, lambda: update_weights_from_disk(addresses, hf_dir, version, self.timeout_s, keys=self.keys))
+        self._again(
+            version, lambda: update_weights_from_disk(addresses, hf_dir, version, self.timeout_s, keys=self.keys)
+        )
         self.version = str(version)
         self.pushed.remember_hf_dir(version, hf_dir)
 
@@ -179,8 +191,12 @@ class WeightSync:
         """What rank 0 tells every rank at the start of a sync."""
         if not version:
             raise ValueError("weight version is empty; expected a label such as 'step-12'")
-        return {"mode": self.mode, "addresses": [a.rstrip("/") for a in addresses], "version": str(version),
-                "headers": self.keys.headers(admin=True) if self.keys else {}}  # fmt: skip
+        return {
+            "mode": self.mode,
+            "addresses": [a.rstrip("/") for a in addresses],
+            "version": str(version),
+            "headers": self.keys.headers(admin=True) if self.keys else {},
+        }
 
     def _check_plans(self, checked: list) -> str | None:
         """Rank 0: every rank's ``(plan, first non-finite tensor)`` -> None, or why nothing may be sent."""
@@ -220,7 +236,8 @@ class WeightSync:
             if comm.rank0:
                 ws.end([a for a in addresses if a not in start["refused"]], headers, self.timeout_s)
             return False, f"weight sync to version {version!r} failed: " + "; ".join(
-                f"{a} keeps its previous weights: {m}" for a, m in start["refused"].items())
+                f"{a} keeps its previous weights: {m}" for a, m in start["refused"].items()
+            )
         sender = self._sender(mode, stream, start, header) if stream.sender else None
         fingerprints: dict = {}
         for stage in range(stream.stages):  # pipeline stages take turns (one source and group each)
@@ -245,8 +262,9 @@ class WeightSync:
         options = dict(self.group_options)
         if options.get("master_port"):
             options["master_port"] += stream.stage  # one rendezvous port per pipeline stage's source
-        self.group = WeightGroup.reuse(self.group, header["addresses"], timeout_s=self.timeout_s,
-                                       headers=header["headers"], **options)  # fmt: skip
+        self.group = WeightGroup.reuse(
+            self.group, header["addresses"], timeout_s=self.timeout_s, headers=header["headers"], **options
+        )
         return ws.GroupSender(self.group, *args)
 
     def _finish(self, header: dict, start: dict, reports: list, flush_cache: bool) -> tuple[bool, str] | None:
@@ -254,10 +272,17 @@ class WeightSync:
         mode, addresses, version, headers = header["mode"], header["addresses"], header["version"], header["headers"]
         sent = [r for r, _ in reports if r is not None]
         if mode == "disk":
-            path = finish_dir(Path(start["tmp"]), self.export_dir, [(r["weight_map"], r["total_size"]) for r in sent],
-                              self.model_cfg, self.template_dir)  # fmt: skip
+            path = finish_dir(
+                Path(start["tmp"]),
+                self.export_dir,
+                [(r["weight_map"], r["total_size"]) for r in sent],
+                self.model_cfg,
+                self.template_dir,
+            )
             try:
-                update_weights_from_disk(addresses, path, version, self.timeout_s, keys=self.keys, flush_cache=flush_cache)
+                update_weights_from_disk(
+                    addresses, path, version, self.timeout_s, keys=self.keys, flush_cache=flush_cache
+                )
             except WeightSyncError as err:
                 return bool(getattr(err, "foreign_label", False)), str(err)
             self._done(version)
@@ -304,9 +329,13 @@ class WeightSync:
                     raise
                 what = "foreign weights: " if getattr(err, "foreign_label", False) else ""
                 if attempt == self.max_foreign_syncs:
-                    raise ForeignWeightsStop(f"{what}the push of {version!r} failed {attempt + 1} time(s) in a row "
-                                             f"(rollout.max_foreign_syncs={self.max_foreign_syncs}): {err}") from None  # fmt: skip
-                logger.warning("%s%s; pushing %r again (%d/%d)", what, err, version, attempt + 1, self.max_foreign_syncs)
+                    raise ForeignWeightsStop(
+                        f"{what}the push of {version!r} failed {attempt + 1} time(s) in a row "
+                        f"(rollout.max_foreign_syncs={self.max_foreign_syncs}): {err}"
+                    ) from None
+                logger.warning(
+                    "%s%s; pushing %r again (%d/%d)", what, err, version, attempt + 1, self.max_foreign_syncs
+                )
 
     def close(self) -> None:
         """Tear down this rank's distributed weight-update group (servers and here); a later sync opens a new one."""

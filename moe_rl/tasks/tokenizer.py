@@ -6,6 +6,7 @@ filler tokens up to the model's vocab size. Text is whitespace-separated tokens.
 
 from __future__ import annotations
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
@@ -24,7 +25,6 @@ def task_vocab(vocab_size: int) -> dict[str, int]:
 
 def build_task_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     """A fast WordLevel tokenizer over ``task_vocab(vocab_size)`` with whitespace splitting."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     core = Tokenizer(models.WordLevel(vocab=task_vocab(vocab_size), unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

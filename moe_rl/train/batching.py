@@ -27,8 +27,14 @@ from moe_rl.replay.driver import MicrobatchRoutes
 from moe_rl.replay.keep_mask import KeptSets
 from moe_rl.replay.layout import pack_microbatch_routes
 
-__all__ = ["Microbatch", "build_microbatch", "response_rows", "response_row_mask", "check_ksm_records",
-           "kept_set_outside_fraction"]  # fmt: skip
+__all__ = [
+    "Microbatch",
+    "build_microbatch",
+    "response_rows",
+    "response_row_mask",
+    "check_ksm_records",
+    "kept_set_outside_fraction",
+]
 
 
 def _response_offsets(batch: RolloutBatch) -> np.ndarray:
@@ -66,7 +72,8 @@ def check_ksm_records(batch: RolloutBatch) -> None:
         missing.append("the kept-set log-probs (meta_info 'output_token_sampling_logprobs')")
     if missing:
         raise RecordError(
-            "replay.keep_sampling_mask=true but the rollout records lack " + " and ".join(missing)
+            "replay.keep_sampling_mask=true but the rollout records lack "
+            + " and ".join(missing)
             + "; the rollout request must set return_sampling_mask=true (the client does when "
             "replay.keep_sampling_mask is on), or set replay.keep_sampling_mask=false"
         )

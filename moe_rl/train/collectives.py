@@ -9,19 +9,18 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 __all__ = ["dp_group", "dp_rank_and_size", "all_gather_rows", "barrier", "is_main_process"]
 
 
 def dp_group():
     """Megatron's data-parallel group (None when Megatron is not initialised)."""
-    from megatron.core import parallel_state as ps
 
     return ps.get_data_parallel_group() if ps.model_parallel_is_initialized() else None
 
 
 def dp_rank_and_size() -> tuple[int, int]:
-    from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
         return 0, 1

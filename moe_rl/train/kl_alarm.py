@@ -46,8 +46,9 @@ class KLAlarm:
         return self.threshold is not None
 
     @staticmethod
-    def batch_kl_k3(batch, rows: torch.Tensor, width: int, kept_logp: bool,
-                    staleness: torch.Tensor | None = None) -> float | None:
+    def batch_kl_k3(
+        batch, rows: torch.Tensor, width: int, kept_logp: bool, staleness: torch.Tensor | None = None
+    ) -> float | None:
         """``offpolicy/kl_k3`` of the batch's fresh tokens: ``rows[N, R]`` (π_old) against the rollout log-probs,
         over the response tokens whose ``staleness[N, R]`` is 0 (all of them when None); None when there is no such
         token. Rank 0's value on every rank."""
@@ -61,8 +62,9 @@ class KLAlarm:
             torch.distributed.broadcast_object_list(value, src=0)  # gloo or NCCL alike
         return value[0]
 
-    def verdict(self, step: int, batch, rows: torch.Tensor, width: int, kept_logp: bool,
-                staleness: torch.Tensor | None) -> tuple[bool, dict[str, float]]:
+    def verdict(
+        self, step: int, batch, rows: torch.Tensor, width: int, kept_logp: bool, staleness: torch.Tensor | None
+    ) -> tuple[bool, dict[str, float]]:
         """(skip this step?, its row's ``alarm/*`` metrics): ``batch_kl_k3`` then ``check``."""
         kl = self.batch_kl_k3(batch, rows, width, kept_logp, staleness)
         if kl is None:  # async, every token stale: its KL holds the policy's own updates (module docstring)
@@ -84,7 +86,12 @@ class KLAlarm:
                 "not come from the weights the learner holds (foreign or half-applied weights, another model, a "
                 "rollout dtype or kernel change); stopping. Check the server and its weights, then resume"
             )
-        logger.warning("kl alarm: step %d not trained on: offpolicy/kl_k3=%.3g > correction.kl_alarm=%g (%d in a row, "
-                       "stop at %d)", step, kl, self.threshold, self.in_row, self.max_in_row)  # fmt: skip
+        logger.warning(
+            "kl alarm: step %d not trained on: offpolicy/kl_k3=%.3g > correction.kl_alarm=%g (%d in a row, stop at %d)",
+            step,
+            kl,
+            self.threshold,
+            self.in_row,
+            self.max_in_row,
+        )
         return True
-

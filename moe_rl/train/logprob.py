@@ -9,6 +9,7 @@ rollout's kept set, so μ, π_old and π_θ all live on the same truncated suppo
 from __future__ import annotations
 
 import torch
+from megatron.core import parallel_state as ps
 
 from moe_rl.learner.logprobs import logprobs_from_logits, uses_exact
 from moe_rl.learner.model import forward_logits
@@ -50,7 +51,6 @@ def kept_set_entropy(logits: torch.Tensor, targets: torch.Tensor, kept: KeptSets
 
 def _tp_group():
     """Megatron's tensor-parallel group when the vocabulary is sharded over it (tp > 1), else None."""
-    from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized() or ps.get_tensor_model_parallel_world_size() == 1:
         return None
@@ -67,8 +67,9 @@ def make_logprob_fn(keep_sampling_mask: bool, with_entropy: bool):
     def logprob_fn(model, mb: dict, temperature: float):
         logits = forward_logits(model, mb["input_ids"], padding_mask=mb.get("padding_mask"))
         if not keep_sampling_mask:
-            return logprobs_from_logits(logits, mb["targets"], temperature=temperature, with_entropy=with_entropy,
-                                        exact=uses_exact(model))
+            return logprobs_from_logits(
+                logits, mb["targets"], temperature=temperature, with_entropy=with_entropy, exact=uses_exact(model)
+            )
         B, T, V = logits.shape
         targets = mb["targets"].clamp(min=0).reshape(-1)  # pad targets (-1) are outside the loss mask
         flat = logits.reshape(B * T, V)

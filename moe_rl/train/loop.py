@@ -31,9 +31,15 @@ import torch
 
 from moe_rl.config import ExperimentConfig, save_config
 from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint
-from moe_rl.learner.train_step import mean
+from moe_rl.learner.dist import init_distributed
+from moe_rl.learner.reference import save_reference
+from moe_rl.learner.train_step import Learner, mean
 from moe_rl.preflight import config_problems
 from moe_rl.records import RecordError, RolloutBatch
+from moe_rl.replay.driver import ReplayDriver
+from moe_rl.rollout.auth import ServerKeys
+from moe_rl.rollout.client import RolloutClient
+from moe_rl.rollout.server_pool import ServerPool, rollout_server_pool
 from moe_rl.source.batch_maker import BatchMaker, records_path
 from moe_rl.source.evaluate import eval_due
 from moe_rl.source.producer import InlineBatches, pending_records
@@ -46,11 +52,12 @@ from moe_rl.train.kl_alarm import KLAlarm
 from moe_rl.train.logprob import make_logprob_fn
 from moe_rl.train.metrics_log import MetricsLogger
 from moe_rl.train.plan import plan_step
-from moe_rl.train.run_dir import reference_policy
+from moe_rl.train.run_dir import guard_run_dir, reference_policy, run_complete_message
 from moe_rl.train.run_identity import resolve_run_id, version_nonce, write_checkpoint_identity, write_run_id
 from moe_rl.train.staleness import StepStaleness
 from moe_rl.train.stop_signal import StopRequest
 from moe_rl.train.update import StepInputs, old_logprob_rows, reference_rows, step_advantages, update_minibatch
+from moe_rl.train.warm_start import apply_warm_start
 from moe_rl.train.weight_push import WeightPusher
 
 __all__ = ["ROLLOUTS_DIR", "RLTrainer", "check_supported", "train"]
@@ -68,10 +75,6 @@ class RLTrainer:
     """One experiment's learner, replay driver, task and sinks; ``run()`` drives the steps."""
 
     def __init__(self, cfg: ExperimentConfig, stop: StopRequest | None = None):
-        from moe_rl.learner.dist import init_distributed
-        from moe_rl.learner.train_step import Learner
-        from moe_rl.replay.driver import ReplayDriver
-        from moe_rl.train.run_dir import guard_run_dir
 
         check_supported(cfg)
         self.cfg = cfg
@@ -106,8 +109,6 @@ class RLTrainer:
         self.stop = StopRequest(None) if stop is None else stop  # train(): launch.signal's, armed (train.stop_signal)
         self.server_keys, self.server_pool = None, None  # set by run(): auth (a generated key by default), restarts
         if meta is None:  # a fresh run starts from the cached supervised warm start (train.warm_start)
-            from moe_rl.train.warm_start import apply_warm_start
-
             apply_warm_start(self.learner, cfg)
         self.driver = ReplayDriver.from_config(self.learner.module, cfg)
         self.records = StepRecords.for_trainer(cfg, self.run_id)  # loads check records against the model
@@ -117,8 +118,11 @@ class RLTrainer:
             self.prompt_side = PromptSide.build(cfg, data_state)
         self.logprob_fn = make_logprob_fn(cfg.ksm_active, with_entropy=cfg.loss.entropy_coef > 0)
         self.device = next(self.learner.model.parameters()).device
-        self.reference = reference_policy(cfg, self.learner, self.ckpt_dir, self.run_id, meta is not None) \
-            if cfg.loss.kl_coef else None  # fmt: skip
+        self.reference = (
+            reference_policy(cfg, self.learner, self.ckpt_dir, self.run_id, meta is not None)
+            if cfg.loss.kl_coef
+            else None
+        )
         self._reference_saved = False  # save_reference checks the marker itself (rank 0) the first time
         self.kl_alarm = KLAlarm(cfg.correction.kl_alarm, cfg.correction.kl_alarm_max_in_row)
         self.plan(self.start_step)  # an impossible split fails here, before any server starts
@@ -130,9 +134,16 @@ class RLTrainer:
         cfg = self.cfg
         dp_rank, dp_size = dp_rank_and_size()
         n = cfg.train.prompts_per_step * cfg.rollout.samples_per_prompt
-        return plan_step(n, minibatches=cfg.train.minibatches_per_step, micro_batch_size=cfg.train.micro_batch_size,
-                         epochs=cfg.train.epochs_per_step, dp_rank=dp_rank, dp_size=dp_size, seed=cfg.train.seed,
-                         step=step)  # fmt: skip
+        return plan_step(
+            n,
+            minibatches=cfg.train.minibatches_per_step,
+            micro_batch_size=cfg.train.micro_batch_size,
+            epochs=cfg.train.epochs_per_step,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            seed=cfg.train.seed,
+            step=step,
+        )
 
     @property
     def from_records(self) -> bool:
@@ -144,8 +155,9 @@ class RLTrainer:
         path = records_path(self.records_dir, step)
         if self.from_records:
             if not path.is_file():
-                raise FileNotFoundError(f"train.rollouts_from={self.cfg.train.rollouts_from}: no records for step {step} "
-                                        f"(expected {path})")  # fmt: skip
+                raise FileNotFoundError(
+                    f"train.rollouts_from={self.cfg.train.rollouts_from}: no records for step {step} (expected {path})"
+                )
             return self.records.load(path)
         made = self.weights.calls.on_rank0(lambda: self._make_batch(client, step))  # a re-sync on the way runs on all
         return self.records.load(path if made is None else made)  # every rank: the bytes rank 0 wrote, checked
@@ -155,10 +167,17 @@ class RLTrainer:
         return (self.source or InlineBatches(self._batch_maker(client), step)).batch(step)
 
     def _batch_maker(self, client):
-        return BatchMaker(self.cfg, self.prompt_side.samples, self.records, self.records_dir, client, self.weights.version,
-                          resync=lambda v: self.weights.resync(client.addresses, v),
-                          weight_sync=lambda: self.weights.sync,
-                          restart=self.server_pool.restart if self.server_pool else None)  # fmt: skip
+        return BatchMaker(
+            self.cfg,
+            self.prompt_side.samples,
+            self.records,
+            self.records_dir,
+            client,
+            self.weights.version,
+            resync=lambda v: self.weights.resync(client.addresses, v),
+            weight_sync=lambda: self.weights.sync,
+            restart=self.server_pool.restart if self.server_pool else None,
+        )
 
     def step(self, client, step: int) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
@@ -169,15 +188,26 @@ class RLTrainer:
         rewards = torch.from_numpy(batch.rewards).double()
         plan = self.plan(step)
         if plan.num_samples != len(batch):
-            raise RecordError(f"{self.records_dir}: step {step} has {len(batch)} samples; the config asks for "
-                              f"{plan.num_samples} (train.prompts_per_step x rollout.samples_per_prompt)")  # fmt: skip
+            raise RecordError(
+                f"{self.records_dir}: step {step} has {len(batch)} samples; the config asks for "
+                f"{plan.num_samples} (train.prompts_per_step x rollout.samples_per_prompt)"
+            )
         truncated = torch.tensor([f == "length" for f in batch.finish_reasons], dtype=torch.bool)
         width = int(batch.response_lens.max())
-        stale = StepStaleness(batch, step, width, cfg.train.max_staleness if cfg.train.rollout_mode == "async" else None)
-        inputs = StepInputs(batch, torch.zeros(len(batch), device="cpu"), width, self.device, step, cfg.train.seed,
-                            trainable=~truncated if cfg.train.mask_truncated else None,
-                            token_keep=stale.token_keep(cfg.correction.max_token_staleness),
-                            staleness=stale.rows if stale.known else None)  # fmt: skip
+        stale = StepStaleness(
+            batch, step, width, cfg.train.max_staleness if cfg.train.rollout_mode == "async" else None
+        )
+        inputs = StepInputs(
+            batch,
+            torch.zeros(len(batch), device="cpu"),
+            width,
+            self.device,
+            step,
+            cfg.train.seed,
+            trainable=~truncated if cfg.train.mask_truncated else None,
+            token_keep=stale.token_keep(cfg.correction.max_token_staleness),
+            staleness=stale.rows if stale.known else None,
+        )
         self.driver.begin_step()
         t1 = time.perf_counter()
         old = ref = None
@@ -185,8 +215,11 @@ class RLTrainer:
         if cfg.correction.mode == "decoupled":
             old = old_logprob_rows(cfg, self.learner, self.driver, self.logprob_fn, plan, inputs)
         if self.kl_alarm.enabled:  # bypass mode: one forward pass at the current weights to measure it
-            pi = old if old is not None else old_logprob_rows(cfg, self.learner, self.driver, self.logprob_fn, plan,
-                                                              inputs)  # fmt: skip
+            pi = (
+                old
+                if old is not None
+                else old_logprob_rows(cfg, self.learner, self.driver, self.logprob_fn, plan, inputs)
+            )
             skip, alarm_row = self.kl_alarm.verdict(step, batch, pi, width, cfg.ksm_active, inputs.staleness)
             if skip:  # not trained on: the row says why (alarm/*), not offpolicy/kl_k3
                 return alarm_row | {"reward/mean": float(rewards.mean()), "time/rollout_s": t_rollout}
@@ -195,29 +228,37 @@ class RLTrainer:
         t_old = time.perf_counter() - t1
         inputs.advantages = step_advantages(cfg, batch, rewards, old, inputs.width)
         t2 = time.perf_counter()
-        results = [update_minibatch(cfg, self.learner, self.driver, self.logprob_fn, mb, inputs, old, ref, epoch)
-                   for epoch, mb in plan.updates()]  # fmt: skip
+        results = [
+            update_minibatch(cfg, self.learner, self.driver, self.logprob_fn, mb, inputs, old, ref, epoch)
+            for epoch, mb in plan.updates()
+        ]
         t_train = time.perf_counter() - t2
-        metrics = mean([r.metrics | {"train/loss": r.loss, "train/grad_norm": r.grad_norm, "train/lr": r.lr}
-                        for r in results])  # fmt: skip
+        metrics = mean(
+            [r.metrics | {"train/loss": r.loss, "train/grad_norm": r.grad_norm, "train/lr": r.lr} for r in results]
+        )
         metrics |= self.driver.step_metrics(group=dp_group())
         metrics |= batch.extra.get("reward_metrics", {})  # reward/errors, reward/<key> of a reward function
         metrics |= {
-            "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()), "reward/max": float(rewards.max()),
+            "reward/mean": float(rewards.mean()),
+            "reward/std": float(rewards.std()),
+            "reward/max": float(rewards.max()),
             "response/len_mean": float(batch.response_lens.mean()),
             "response/len_max": float(batch.response_lens.max()),
             "response/truncated_frac": float(truncated.double().mean()),
             "response/masked_truncated": float(truncated.sum()) if cfg.train.mask_truncated else 0.0,
             "ksm/outside_mask_frac": kept_set_outside_fraction(batch) if cfg.ksm_active else 0.0,
-            **self.records.step_metrics(batch), **stale.metrics(), **alarm_row,
-            "time/rollout_s": t_rollout, "time/old_logp_s": t_old, "time/train_s": t_train,
+            **self.records.step_metrics(batch),
+            **stale.metrics(),
+            **alarm_row,
+            "time/rollout_s": t_rollout,
+            "time/old_logp_s": t_old,
+            "time/train_s": t_train,
             "rollout/tokens_per_s": float(batch.response_lens.sum()) / max(t_rollout, 1e-9),
-        }  # fmt: skip
+        }
         return metrics
 
     def _save_reference(self) -> None:
         """The reference weights, with this run's completion marker, before the first checkpoint (once)."""
-        from moe_rl.learner.reference import save_reference
 
         if self.reference is not None and not self._reference_saved:
             save_reference(self.reference, self.ckpt_dir, self.run_id)
@@ -226,15 +267,14 @@ class RLTrainer:
     # ------------------------------------------------------------------ loop
     def _servers(self):
         """Rank 0's server pool (restartable), or an empty one (other ranks, records-replay mode)."""
-        from moe_rl.rollout.server_pool import ServerPool, rollout_server_pool
 
         if self.from_records or not self.is_main:
             return contextlib.nullcontext(ServerPool())
-        return rollout_server_pool(self.cfg.rollout, self.weights.export(), self.run_dir / "logs", keys=self.server_keys)
+        return rollout_server_pool(
+            self.cfg.rollout, self.weights.export(), self.run_dir / "logs", keys=self.server_keys
+        )
 
     def run(self) -> Path:
-        from moe_rl.rollout.auth import ServerKeys
-        from moe_rl.train.run_dir import run_complete_message
 
         cfg = self.cfg
         if (done := run_complete_message(self.start_step, cfg.train.steps)) is not None:
@@ -242,8 +282,9 @@ class RLTrainer:
                 print(done, flush=True)
             self.close()
             return self.run_dir
-        logger = MetricsLogger(self.run_dir, cfg.logging, cfg.train.steps, self.start_step, self.is_main, cfg.name,
-                               run_id=self.run_id)  # fmt: skip
+        logger = MetricsLogger(
+            self.run_dir, cfg.logging, cfg.train.steps, self.start_step, self.is_main, cfg.name, run_id=self.run_id
+        )
         # the configured key variables (an unset one fails before any server), else a fresh admin key for the
         # servers this run launches (docs/operations.md); held in memory, handed to the servers' environment
         self.server_keys = ServerKeys.for_run(cfg.rollout)
@@ -326,12 +367,17 @@ class RLTrainer:
         (SLURM's warning, ``launch.signal``); True when the run stops here (``stop.stopped_after``)."""
         cfg = self.cfg
         stopping = self.stop.agreed() and step < cfg.train.steps
-        if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0 or step == cfg.train.steps \
-                or stopping:  # fmt: skip
+        if (
+            cfg.checkpoint.save_interval
+            and step % cfg.checkpoint.save_interval == 0
+            or step == cfg.train.steps
+            or stopping
+        ):
             self._save_reference()  # first: no checkpoint exists without its reference
             extra, files = self._checkpoint_contents(step)
-            save_checkpoint(self.learner, self.ckpt_dir, cfg.checkpoint.keep_last, extra=extra, step=step,
-                            files=files)  # dirs named by RL step
+            save_checkpoint(
+                self.learner, self.ckpt_dir, cfg.checkpoint.keep_last, extra=extra, step=step, files=files
+            )  # dirs named by RL step
         if stopping:
             self.stop.stopped_after = step
         return stopping
@@ -348,23 +394,33 @@ class RLTrainer:
 
     def _rollout_process(self, data_state: dict | None):
         """Async mode: rank 0's rollout process (``moe_rl.source.rollout_process``), started with its prompts."""
-        return RolloutProcess.spawn(WorkerSpec(self.cfg, self.run_id, self.weights.nonce, str(self.records_dir),
-                                               data_state, process_cpus(self.cfg.rollout), os.getpid()))  # fmt: skip
+        return RolloutProcess.spawn(
+            WorkerSpec(
+                self.cfg,
+                self.run_id,
+                self.weights.nonce,
+                str(self.records_dir),
+                data_state,
+                process_cpus(self.cfg.rollout),
+                os.getpid(),
+            )
+        )
 
     def _begin_source(self, addresses: list[str]):
         """Rank 0: the batch source meets the servers (a resumed checkpoint's pending records first); sync: the
         client, for the inline batches and eval (None in async mode: the rollout process has its own)."""
-        from moe_rl.rollout.client import RolloutClient
 
         pending = pending_records(self.resume_meta, self.records_dir)
         client = None
         if self.source is None:  # sync: the API key (a generated one by default); dataset prompts stop at EOS
-            client = RolloutClient.from_config(self.cfg, addresses, headers=self.server_keys.headers(),
-                                               **self.prompt_side.stop_tokens(self.cfg))  # fmt: skip
+            client = RolloutClient.from_config(
+                self.cfg, addresses, headers=self.server_keys.headers(), **self.prompt_side.stop_tokens(self.cfg)
+            )
             self.source = InlineBatches(self._batch_maker(client), self.start_step, pending)
         else:
-            self.source.begin(addresses, self.server_keys, self.start_step, self.start_step, pending, self.weights,
-                              self.server_pool)  # fmt: skip
+            self.source.begin(
+                addresses, self.server_keys, self.start_step, self.start_step, pending, self.weights, self.server_pool
+            )
         return client
 
     def close(self) -> None:

@@ -13,6 +13,9 @@ import math
 import os
 from pathlib import Path
 
+from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
+
 METRICS_FILE = "metrics.jsonl"
 PROGRESS_KEYS = {
     "reward": "reward/mean",
@@ -46,8 +49,13 @@ def truncate_metrics(path: Path, last_step: int) -> None:
 def wandb_init_kwargs(logging_cfg, run_dir: str | Path, run_name: str, run_id: str | None) -> dict:
     """``wandb.init`` arguments: the run id as wandb's id with ``resume="allow"``, so a resumed run logs into
     the wandb run it started (a new id would start a new wandb run on every resume)."""
-    kwargs = {"project": logging_cfg.wandb_project, "name": run_name, "dir": str(run_dir),
-              "mode": logging_cfg.wandb_mode, "resume": "allow"}  # fmt: skip
+    kwargs = {
+        "project": logging_cfg.wandb_project,
+        "name": run_name,
+        "dir": str(run_dir),
+        "mode": logging_cfg.wandb_mode,
+        "resume": "allow",
+    }
     return kwargs | ({"id": run_id} if run_id else {})
 
 
@@ -59,8 +67,16 @@ def read_metrics(path: str | Path) -> list[dict]:
 class MetricsLogger:
     """Writes one record per step to every enabled sink; a no-op on non-zero ranks."""
 
-    def __init__(self, run_dir: str | Path, logging_cfg, total_steps: int, start_step: int = 0,
-                 enabled: bool = True, run_name: str = "moe_rl", run_id: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        run_dir: str | Path,
+        logging_cfg,
+        total_steps: int,
+        start_step: int = 0,
+        enabled: bool = True,
+        run_name: str = "moe_rl",
+        run_id: str | None = None,
+    ):
         self.enabled = enabled
         self.path = Path(run_dir) / METRICS_FILE
         self._tb = self._wandb = self._bar = None
@@ -70,16 +86,12 @@ class MetricsLogger:
         truncate_metrics(self.path, start_step)
         self._jsonl = open(self.path, "a") if logging_cfg.jsonl else None  # noqa: SIM115 - closed in close()
         if logging_cfg.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
             self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=start_step + 1)
         if logging_cfg.wandb and logging_cfg.wandb_mode != "disabled":
-            import wandb  # optional extra: pip install moe_rl[wandb]
+            import wandb  # optional extra: pip install moe_rl[wandb]  # noqa: PLC0415 -- wandb is optional
 
             self._wandb = wandb.init(**wandb_init_kwargs(logging_cfg, run_dir, run_name, run_id))
         if logging_cfg.progress:
-            from tqdm import tqdm
-
             self._bar = tqdm(total=total_steps, initial=start_step, desc="moe-rl", unit="step", dynamic_ncols=True)
 
     def log(self, step: int, metrics: dict, progress: bool = True) -> None:

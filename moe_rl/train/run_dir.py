@@ -43,9 +43,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import yaml
+from pydantic import ValidationError
 
+from moe_rl.config import ExperimentConfig
+from moe_rl.learner.checkpoint import checkpoint_steps
 from moe_rl.learner.dist import decided_by_rank0
+from moe_rl.learner.reference import REFERENCE_DIR, ReferencePolicy, reference_problem
+from moe_rl.train.metrics_log import step_of
 from moe_rl.train.run_identity import CKPT_IDENTITY_FILE, RUN_ID_FILE, read_checkpoint_identity, read_run_id
 
 logger = logging.getLogger(__name__)
@@ -58,13 +64,28 @@ METRICS_FILE = "metrics.jsonl"
 # the parallel layout and whether the optimizer state is sharded (checkpoints are layout-free:
 # moe_rl.learner.checkpoint reshards them on load, into or out of the distributed optimizer).
 RESUME_SAFE_KEYS = (
-    "rollout.addresses", "rollout.host", "rollout.port", "launch.rollout_port", "launch.master_port",
-    "rollout.request_timeout_s", "rollout.startup_timeout_s", "rollout.health_timeout_s",
-    "rollout.max_server_restarts", "rollout.api_key_env", "rollout.admin_api_key_env", "logging.*", "train.steps",
-    "checkpoint.allow_changes", "checkpoint.overwrite", "parallel.*", "model.build_command",
-    "optim.use_distributed_optimizer", "rollout.max_foreign_syncs", "correction.kl_alarm",
+    "rollout.addresses",
+    "rollout.host",
+    "rollout.port",
+    "launch.rollout_port",
+    "launch.master_port",
+    "rollout.request_timeout_s",
+    "rollout.startup_timeout_s",
+    "rollout.health_timeout_s",
+    "rollout.max_server_restarts",
+    "rollout.api_key_env",
+    "rollout.admin_api_key_env",
+    "logging.*",
+    "train.steps",
+    "checkpoint.allow_changes",
+    "checkpoint.overwrite",
+    "parallel.*",
+    "model.build_command",
+    "optim.use_distributed_optimizer",
+    "rollout.max_foreign_syncs",
+    "correction.kl_alarm",
     "correction.kl_alarm_max_in_row",
-)  # fmt: skip
+)
 
 
 class RunDirError(RuntimeError):
@@ -101,8 +122,9 @@ class RunLock:
             ) from None
         previous = os.read(fd, 4096).decode(errors="replace").strip()
         if previous:  # the holder died without releasing: the kernel dropped its flock
-            logger.warning("taking over the stale lock %s left by %s (no longer running)",
-                           self.path, self.holder_text(self.path))  # fmt: skip
+            logger.warning(
+                "taking over the stale lock %s left by %s (no longer running)", self.path, self.holder_text(self.path)
+            )
         record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(record).encode(), 0)
@@ -160,9 +182,6 @@ _ABSENT = "<absent>"
 def _with_defaults(saved_tree: dict) -> dict[str, object]:
     """The saved config as today's schema reads it (keys added since it was saved at their defaults);
     empty when it no longer validates (then every difference counts)."""
-    from pydantic import ValidationError
-
-    from moe_rl.config import ExperimentConfig
 
     try:
         return _flatten(ExperimentConfig.model_validate(saved_tree).model_dump(mode="json"))
@@ -174,8 +193,11 @@ def config_differences(saved_tree: dict, cfg) -> list[tuple[str, object, object]
     """``(key, saved, new)`` for every dotted key whose value differs (``<absent>`` for a missing key); a key
     the saved config lacks (added to the schema since) whose new value is its default is no difference."""
     old, new = _flatten(saved_tree), _flatten(cfg.model_dump(mode="json"))
-    diffs = [(k, old.get(k, _ABSENT), new.get(k, _ABSENT)) for k in sorted(old.keys() | new.keys())
-             if old.get(k, _ABSENT) != new.get(k, _ABSENT)]  # fmt: skip
+    diffs = [
+        (k, old.get(k, _ABSENT), new.get(k, _ABSENT))
+        for k in sorted(old.keys() | new.keys())
+        if old.get(k, _ABSENT) != new.get(k, _ABSENT)
+    ]
     if any(k not in old for k, _, _ in diffs):
         defaults = _with_defaults(saved_tree)
         diffs = [d for d in diffs if d[0] in old or d[0] not in defaults or defaults[d[0]] != d[2]]
@@ -188,7 +210,6 @@ def is_allowed_change(key: str, allowed: tuple[str, ...] | list[str]) -> bool:
 
 def previous_run(run_dir: Path, ckpt_dir: Path) -> list[str]:
     """What in ``run_dir`` shows an earlier run (empty list: a fresh directory)."""
-    from moe_rl.learner.checkpoint import checkpoint_steps
 
     found = []
     if (run_dir / CONFIG_FILE).is_file():
@@ -215,7 +236,6 @@ STEPS_REASON = (
 
 def check_checkpoint_owner(run_dir: Path, ckpt_dir: Path) -> None:
     """Refuse checkpoints in ``ckpt_dir`` that another run (or no known run) wrote (module docstring)."""
-    from moe_rl.learner.checkpoint import checkpoint_steps
 
     if not checkpoint_steps(ckpt_dir):
         return
@@ -244,8 +264,6 @@ def trained_no_step(run_dir: Path, ckpt_dir: Path) -> bool:
     """True when ``run_dir`` holds only what a trainer's start that trained no step leaves: its ``run_id``
     (so a ``config.yaml`` someone put there is never taken for one), no checkpoint and no metrics line of
     a step >= 1 (an evaluation before the first step logs step 0)."""
-    from moe_rl.learner.checkpoint import checkpoint_steps
-    from moe_rl.train.metrics_log import step_of
 
     if read_run_id(run_dir) is None or checkpoint_steps(ckpt_dir):
         return False
@@ -265,8 +283,11 @@ def forget_failed_start(run_dir: Path, ckpt_dir: Path) -> None:
         (ckpt_dir / CKPT_IDENTITY_FILE).unlink(missing_ok=True)
     for name in (CONFIG_FILE, METRICS_FILE, RUN_ID_FILE):
         (run_dir / name).unlink(missing_ok=True)
-    logger.warning("train.output_dir=%s holds only what an earlier start that trained no step left (no checkpoint, "
-                   "no step's metrics): starting fresh", run_dir)  # fmt: skip
+    logger.warning(
+        "train.output_dir=%s holds only what an earlier start that trained no step left (no checkpoint, "
+        "no step's metrics): starting fresh",
+        run_dir,
+    )
 
 
 def check_resume(cfg, run_dir: Path, ckpt_dir: Path) -> None:
@@ -297,13 +318,18 @@ def check_resume(cfg, run_dir: Path, ckpt_dir: Path) -> None:
         raise RunDirError(f"cannot read the previous run's {saved_path} to compare settings: {exc}") from None
     diffs = config_differences(saved, cfg)
     allowed = (*RESUME_SAFE_KEYS, *ck.allow_changes)
-    unsafe = [d for d in diffs if not is_allowed_change(d[0], allowed)
-              or (schedule_bound_steps(d[0], cfg) and not is_allowed_change(d[0], ck.allow_changes))]  # fmt: skip
+    unsafe = [
+        d
+        for d in diffs
+        if not is_allowed_change(d[0], allowed)
+        or (schedule_bound_steps(d[0], cfg) and not is_allowed_change(d[0], ck.allow_changes))
+    ]
     lines = [f"  {'!' if d in unsafe else ' '} {k}: {old!r} -> {new!r}" for d in diffs for k, old, new in [d]]
     if unsafe:
         keys = ",".join(k for k, _, _ in unsafe)
-        reasons = [STEPS_REASON.format(style=cfg.optim.lr_decay_style) for k, _, _ in unsafe
-                   if schedule_bound_steps(k, cfg)]  # fmt: skip
+        reasons = [
+            STEPS_REASON.format(style=cfg.optim.lr_decay_style) for k, _, _ in unsafe if schedule_bound_steps(k, cfg)
+        ]
         raise RunDirError(
             f"resuming {run_dir} with changed settings ({len(unsafe)} not safe to change, marked !):\n"
             + "\n".join(lines + [f"  ({r})" for r in reasons])
@@ -312,22 +338,28 @@ def check_resume(cfg, run_dir: Path, ckpt_dir: Path) -> None:
         )
     if diffs:
         reshard = any(k.startswith("parallel.") for k, _, _ in diffs)
-        logger.warning("resuming %s with changed operational settings%s:\n%s", run_dir,
-                       " (parallel layout changed: the checkpoint is resharded to the new layout)" if reshard else "",
-                       "\n".join(lines))  # fmt: skip
+        logger.warning(
+            "resuming %s with changed operational settings%s:\n%s",
+            run_dir,
+            " (parallel layout changed: the checkpoint is resharded to the new layout)" if reshard else "",
+            "\n".join(lines),
+        )
 
 
 def discard_previous_run(run_dir: Path, ckpt_dir: Path) -> None:
     """checkpoint.overwrite: remove the old checkpoints, their reference policy and identity, metrics and
     config (logged)."""
-    from moe_rl.learner.checkpoint import checkpoint_steps
-    from moe_rl.learner.reference import REFERENCE_DIR
 
     for step in checkpoint_steps(ckpt_dir):
         shutil.rmtree(ckpt_dir / f"step_{step:08d}")
     shutil.rmtree(ckpt_dir / REFERENCE_DIR, ignore_errors=True)
-    for path in (ckpt_dir / "latest", ckpt_dir / CKPT_IDENTITY_FILE, run_dir / METRICS_FILE, run_dir / CONFIG_FILE,
-                 run_dir / RUN_ID_FILE):  # fmt: skip
+    for path in (
+        ckpt_dir / "latest",
+        ckpt_dir / CKPT_IDENTITY_FILE,
+        run_dir / METRICS_FILE,
+        run_dir / CONFIG_FILE,
+        run_dir / RUN_ID_FILE,
+    ):
         path.unlink(missing_ok=True)
     logger.warning("checkpoint.overwrite=true: discarded the previous run in %s", run_dir)
 
@@ -381,10 +413,6 @@ def run_complete_message(start_step: int, total_steps: int) -> str | None:
 def reference_policy(cfg, learner, ckpt_dir: Path, run_id: str, resumed: bool):
     """π_ref for ``loss.kl_coef > 0``: the weights at the start of RL; on resume this run's saved
     reference or nothing (never rebuilt from the resumed weights). Rank 0 decides, all ranks follow."""
-    import torch
-
-    from moe_rl.learner.dist import decided_by_rank0
-    from moe_rl.learner.reference import ReferencePolicy, reference_problem
 
     offload = torch.cuda.is_available()
     if not resumed:

@@ -16,8 +16,19 @@ import secrets
 import tempfile
 from pathlib import Path
 
-__all__ = ["RUN_ID_FILE", "CKPT_IDENTITY_FILE", "new_run_id", "read_run_id", "write_run_id", "resolve_run_id",
-           "read_checkpoint_identity", "write_checkpoint_identity", "version_nonce"]
+from moe_rl.learner.dist import decided_by_rank0
+
+__all__ = [
+    "RUN_ID_FILE",
+    "CKPT_IDENTITY_FILE",
+    "new_run_id",
+    "read_run_id",
+    "write_run_id",
+    "resolve_run_id",
+    "read_checkpoint_identity",
+    "write_checkpoint_identity",
+    "version_nonce",
+]
 
 RUN_ID_FILE = "run_id"
 CKPT_IDENTITY_FILE = "run.json"  # in checkpoint.dir: which run (id, output dir) writes its checkpoints
@@ -70,7 +81,6 @@ def write_checkpoint_identity(ckpt_dir: str | Path, run_id: str, output_dir: str
 
 def resolve_run_id(run_dir: str | Path, resumed: bool) -> str:
     """This run's id on every rank: rank 0 reads it (resume) or draws a new one, then broadcasts it."""
-    from moe_rl.learner.dist import decided_by_rank0
 
     return decided_by_rank0(lambda: (read_run_id(run_dir) if resumed else None) or new_run_id())
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from moe_rl.algo import LOG_RATIO_BOUND
 from moe_rl.records import RolloutBatch
 from moe_rl.records.versions import token_versions_of
 
@@ -36,10 +37,14 @@ class StepStaleness:
                 self.rows[i, :n] = torch.from_numpy(stale[end - n : end]).to("cpu")
         self.valid = valid = torch.arange(width, device="cpu")[None, :] < torch.from_numpy(lens).to("cpu")[:, None]
         oldest = torch.where(valid, self.rows, torch.zeros_like(self.rows)).amax(dim=1)
-        self.dropped = (oldest > max_staleness) if (self.known and max_staleness is not None) else \
-            torch.zeros(len(batch), dtype=torch.bool, device="cpu")  # fmt: skip
-        self.spans = torch.tensor([bool((self.rows[i, :n] != self.rows[i, 0]).any()) for i, n in enumerate(lens)],
-                                  device="cpu")  # fmt: skip
+        self.dropped = (
+            (oldest > max_staleness)
+            if (self.known and max_staleness is not None)
+            else torch.zeros(len(batch), dtype=torch.bool, device="cpu")
+        )
+        self.spans = torch.tensor(
+            [bool((self.rows[i, :n] != self.rows[i, 0]).any()) for i, n in enumerate(lens)], device="cpu"
+        )
 
     def token_keep(self, max_token_staleness: int | None) -> torch.Tensor | None:
         """``[N, R]`` bool: tokens the loss may see (guard and ``correction.max_token_staleness``); None = all."""
@@ -56,15 +61,16 @@ class StepStaleness:
             return {}
         tokens = self.rows[self.valid].double()
         return {
-            "async/staleness_mean": float(tokens.mean()), "async/staleness_max": float(tokens.max()),
-            "async/partial_frac": float(self.spans.double().mean()), "async/dropped_stale": float(self.dropped.sum()),
-        }  # fmt: skip
+            "async/staleness_mean": float(tokens.mean()),
+            "async/staleness_max": float(tokens.max()),
+            "async/partial_frac": float(self.spans.double().mean()),
+            "async/dropped_stale": float(self.dropped.sum()),
+        }
 
 
 @torch.no_grad()
 def staleness_kl_metrics(source: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, stale: torch.Tensor) -> dict:
     """``offpolicy/kl_k3/staleness_<n>``: mean(ρ − log ρ − 1), log ρ = source − μ, over the tokens ``n`` old."""
-    from moe_rl.algo import LOG_RATIO_BOUND
 
     lr = (source - mu).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).double()
     k3 = torch.expm1(lr) - lr

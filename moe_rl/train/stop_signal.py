@@ -19,6 +19,9 @@ import sys
 import threading
 from collections.abc import Iterator
 
+import torch
+import torch.distributed as dist
+
 REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later" -- stopped cleanly, a checkpoint is written
 
 
@@ -38,8 +41,11 @@ class StopRequest:
         if self.received is not None:  # the same warning again (slurmstepd's copy and torchrun's forward)
             return
         self.received = signum
-        print(f"moe_rl: got {signal.Signals(signum).name}: finishing the step in progress, then checkpoint and stop",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"moe_rl: got {signal.Signals(signum).name}: finishing the step in progress, then checkpoint and stop",
+            file=sys.stderr,
+            flush=True,
+        )
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[StopRequest]:
@@ -56,11 +62,8 @@ class StopRequest:
     def agreed(self) -> bool:
         """Whether any rank was signalled (collective when torch.distributed is initialised: every rank calls it)."""
         flag = self.received is not None
-        import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
-            import torch
-
             device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
             t = torch.tensor([int(flag)], dtype=torch.int64, device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)

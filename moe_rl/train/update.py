@@ -20,9 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from moe_rl.algo import needs_policy_prepass, policy_loss, prepare_corrections
+from moe_rl.algo import compute_advantages, needs_policy_prepass, policy_loss, prepare_corrections
+from moe_rl.algo.advantages import logit_grad_sq_norm
 from moe_rl.algo.tensors import masked_sum
 from moe_rl.algo.variance_control import ess_lr_scale
 from moe_rl.learner.pipeline import from_last_stage, is_last_stage, object_from_last_stage
@@ -61,10 +63,17 @@ class MinibatchResult:
 def _microbatches(cfg, inputs: StepInputs, id_groups) -> list[Microbatch]:
     ksm = cfg.ksm_active
     return [
-        build_microbatch(inputs.batch, ids, inputs.advantages, num_experts=cfg.model.num_moe_experts,
-                         kept_logp=ksm, with_kept_sets=ksm, device=inputs.device)
+        build_microbatch(
+            inputs.batch,
+            ids,
+            inputs.advantages,
+            num_experts=cfg.model.num_moe_experts,
+            kept_logp=ksm,
+            with_kept_sets=ksm,
+            device=inputs.device,
+        )
         for ids in id_groups
-    ]  # fmt: skip
+    ]
 
 
 def _rows_by_sample(plan_ids_per_rank, gathered: torch.Tensor, num_samples: int) -> torch.Tensor:
@@ -114,8 +123,7 @@ def reference_rows(cfg, reference, driver, logprob_fn, plan: StepPlan, inputs: S
                 routes = m.routes.rollout
             elif driver.mode == "r2":
                 routes, local = driver.r2_routes(m.routes), True
-            logp = reference.logprobs(m.tensors, cfg.rollout.temperature, logprob_fn, routes=routes,
-                                      local_routes=local)  # fmt: skip
+            logp = reference.logprobs(m.tensors, cfg.rollout.temperature, logprob_fn, routes=routes, local_routes=local)
             rows.append(m.to_rows(logp.float(), inputs.width))
     gathered = all_gather_rows(torch.cat(rows), dp_group())
     per_rank = [[i for mb in plan.minibatches for i in mb.shares[r]] for r in range(plan.dp_size)]
@@ -124,7 +132,6 @@ def reference_rows(cfg, reference, driver, logprob_fn, plan: StepPlan, inputs: S
 
 def _generator(inputs: StepInputs, mb_plan: MinibatchPlan, epoch: int) -> torch.Generator:
     """Seeded from (train.seed, step, epoch, minibatch): every rank draws the same (it sees the same rows)."""
-    import numpy as np
 
     seed = int(np.random.SeedSequence([inputs.seed, inputs.step, epoch, mb_plan.index]).generate_state(1)[0])
     return torch.Generator().manual_seed(seed)
@@ -140,9 +147,17 @@ def _rows_from_last_stage(logp: list, entropy: list, n: int, width: int, dev):
     return logp_rows, from_last_stage(torch.cat(entropy) if last else None, (n, width), torch.float32, dev)
 
 
-def update_minibatch(cfg, learner, driver, logprob_fn, mb_plan: MinibatchPlan, inputs: StepInputs,
-                     old_rows: torch.Tensor | None, ref_rows: torch.Tensor | None = None,
-                     epoch: int = 0) -> MinibatchResult:  # fmt: skip
+def update_minibatch(
+    cfg,
+    learner,
+    driver,
+    logprob_fn,
+    mb_plan: MinibatchPlan,
+    inputs: StepInputs,
+    old_rows: torch.Tensor | None,
+    ref_rows: torch.Tensor | None = None,
+    epoch: int = 0,
+) -> MinibatchResult:
     """One optimizer step on ``mb_plan`` (see the module docstring for the three phases)."""
     dev, width = inputs.device, inputs.width
     ids = list(mb_plan.sample_ids)
@@ -169,8 +184,18 @@ def update_minibatch(cfg, learner, driver, logprob_fn, mb_plan: MinibatchPlan, i
     source = old if old is not None else (policy if policy is not None else mu)  # plain bypass: nothing reads it
     norm_len = getattr(cfg.loss, "norm_len", None) or cfg.rollout.max_new_tokens
     generator = _generator(inputs, mb_plan, epoch)
-    prep = prepare_corrections(cfg.loss, cfg.correction, source, mu, mask, norm_len=norm_len, policy_logp=policy,
-                               advantages=adv, generator=generator, loss_mask=loss_mask)  # fmt: skip
+    prep = prepare_corrections(
+        cfg.loss,
+        cfg.correction,
+        source,
+        mu,
+        mask,
+        norm_len=norm_len,
+        policy_logp=policy,
+        advantages=adv,
+        generator=generator,
+        loss_mask=loss_mask,
+    )
     lr_scale, vcpo = 1.0, {}
     if getattr(cfg.optim, "ess_lr_scaling", False):
         scale, vcpo = ess_lr_scale(masked_sum(source - mu, mask, dim=1), mask.any(dim=1), cfg.optim.ess_lr_min_scale)
@@ -188,9 +213,22 @@ def update_minibatch(cfg, learner, driver, logprob_fn, mb_plan: MinibatchPlan, i
         old_t = None if old is None else m.from_rows(old[rows])
         ref_t = None if ref is None else m.from_rows(ref[rows])
         cov = None if prep.cov_selected is None else m.from_rows(prep.cov_selected[rows])
-        loss, _ = policy_loss(cfg.loss, cfg.correction, logp, old_t, t["rollout_logp"], t["advantages"], t["mask"],
-                              keep, weights, prep.denominator, entropy=entropy, ref_logp=ref_t, cov_selected=cov,
-                              generator=generator)  # fmt: skip
+        loss, _ = policy_loss(
+            cfg.loss,
+            cfg.correction,
+            logp,
+            old_t,
+            t["rollout_logp"],
+            t["advantages"],
+            t["mask"],
+            keep,
+            weights,
+            prep.denominator,
+            entropy=entropy,
+            ref_logp=ref_t,
+            cov_selected=cov,
+            generator=generator,
+        )
         seen_logp.append(m.to_rows(logp.detach().float(), width))
         if entropy is not None:
             seen_entropy.append(m.to_rows(entropy.detach().float(), width))
@@ -200,17 +238,36 @@ def update_minibatch(cfg, learner, driver, logprob_fn, mb_plan: MinibatchPlan, i
         m.tensors["microbatch"] = m
     dp_size = 1 if group is None else torch.distributed.get_world_size(group)
     with driver.update_pass(routes):
-        stats = learner.train_step([m.tensors for m in mbs], loss_fn, cfg.rollout.temperature, logprob_fn,
-                                   loss_scale=dp_size, lr_scale=lr_scale)  # fmt: skip
+        stats = learner.train_step(
+            [m.tensors for m in mbs],
+            loss_fn,
+            cfg.rollout.temperature,
+            logprob_fn,
+            loss_scale=dp_size,
+            lr_scale=lr_scale,
+        )
 
     # phase 3: exact minibatch metrics from the gathered detached π_θ (pp > 1: the last stage's rows)
     n_rows = sum(len(m.sample_ids) for m in mbs)
     seen_logp, seen_entropy = _rows_from_last_stage(seen_logp, seen_entropy, n_rows, width, dev)
     logp_rows = all_gather_rows(seen_logp, group)
     ent_rows = all_gather_rows(seen_entropy, group) if seen_entropy is not None else None
-    _, metrics = policy_loss(cfg.loss, cfg.correction, logp_rows, old, mu, adv, mask, prep.keep, prep.weights,
-                             prep.denominator, entropy=ent_rows, ref_logp=ref, cov_selected=prep.cov_selected,
-                             generator=_generator(inputs, mb_plan, epoch))  # fmt: skip
+    _, metrics = policy_loss(
+        cfg.loss,
+        cfg.correction,
+        logp_rows,
+        old,
+        mu,
+        adv,
+        mask,
+        prep.keep,
+        prep.weights,
+        prep.denominator,
+        entropy=ent_rows,
+        ref_logp=ref,
+        cov_selected=prep.cov_selected,
+        generator=_generator(inputs, mb_plan, epoch),
+    )
     metrics = {k: float(v) for k, v in (prep.metrics | vcpo | metrics).items()}
     if inputs.staleness is not None and source is not mu:  # bypass without a pre-pass has no π to compare
         metrics |= staleness_kl_metrics(source, mu, mask, inputs.staleness[ids].to(dev))
@@ -219,8 +276,6 @@ def update_minibatch(cfg, learner, driver, logprob_fn, mb_plan: MinibatchPlan, i
 
 def step_advantages(cfg, batch: RolloutBatch, rewards: torch.Tensor, old: torch.Tensor | None, width: int):
     """Per-sample advantages ``[N]`` of a step; VCPO's baseline reads π_old (or μ in bypass mode)."""
-    from moe_rl.algo import compute_advantages
-    from moe_rl.algo.advantages import logit_grad_sq_norm
 
     ids = list(range(len(batch)))
     extra = {"lengths": torch.as_tensor(batch.response_lens.astype("int64"), device="cpu")}

@@ -30,15 +30,27 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
-__all__ = ["warm_start_key", "sft_microbatch", "teacher_forcing_batch", "train_warm_start", "temper", "apply_warm_start", "cache_path"]
+import moe_rl
+from moe_rl.learner.model import build_model
+from moe_rl.learner.train_step import Learner
+
+__all__ = [
+    "warm_start_key",
+    "sft_microbatch",
+    "teacher_forcing_batch",
+    "train_warm_start",
+    "temper",
+    "apply_warm_start",
+    "cache_path",
+]
 
 # Modules whose source decides the warm-start weights (besides this one): the task and the model build.
 _CODE_FILES = ("train/warm_start.py", "tasks/synthetic.py", "tasks/tokenizer.py", "learner/model.py")
 
 
 def _code_version() -> str:
-    import moe_rl
 
     root = Path(moe_rl.__file__).parent
     digest = hashlib.sha256(moe_rl.__version__.encode())
@@ -75,7 +87,6 @@ def _barrier() -> None:
 def _read_shard(directory: Path, rank: int) -> tuple[dict | None, str | None]:
     """This rank's view of the cache (its own shard and ``meta.json`` in its own directory): ``(weights, None)``
     when both read back whole, ``(None, None)`` when either is absent, ``(None, why)`` when one is damaged."""
-    from safetensors.torch import load_file
 
     path, meta_path = directory / f"rank_{rank:05d}.safetensors", directory / "meta.json"
     if not (meta_path.is_file() and path.is_file()):
@@ -175,8 +186,6 @@ def train_warm_start(cfg, log=None) -> tuple[dict[str, torch.Tensor], list[dict]
     ``init_distributed`` must have run. Collective when world > 1 (every rank sees the same data;
     DDP averages identical gradients).
     """
-    from moe_rl.learner.model import build_model
-    from moe_rl.learner.train_step import Learner
     from moe_rl.tasks.synthetic import DigitTask  # noqa: PLC0415  the task tokenizer imports transformers
 
     ws = cfg.train.warm_start
@@ -191,10 +200,11 @@ def train_warm_start(cfg, log=None) -> tuple[dict[str, torch.Tensor], list[dict]
         stats = learner.train_step([sft_microbatch(prompts, device)], _nll_loss)
         history.append({"step": step + 1, "nll": stats.metrics["nll"], "p_target": stats.metrics["p_target"]})
         if log and ((step + 1) % 10 == 0 or step + 1 == ws.steps):
-            log(f"[warm start] step {step + 1}/{ws.steps}: nll {stats.metrics['nll']:.3f}, "
-                f"mean p(answer token) {stats.metrics['p_target']:.3f}")  # fmt: skip
-    weights = {k: v.detach().cpu().contiguous() for k, v in learner.module.state_dict().items()
-               if torch.is_tensor(v)}  # fmt: skip
+            log(
+                f"[warm start] step {step + 1}/{ws.steps}: nll {stats.metrics['nll']:.3f}, "
+                f"mean p(answer token) {stats.metrics['p_target']:.3f}"
+            )
+    weights = {k: v.detach().cpu().contiguous() for k, v in learner.module.state_dict().items() if torch.is_tensor(v)}
     return temper(weights, ws.temperature), history
 
 
@@ -211,7 +221,6 @@ def temper(weights: dict[str, torch.Tensor], temperature: float) -> dict[str, to
 
 
 def _save_atomic(weights: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    from safetensors.torch import save_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -220,14 +229,15 @@ def _save_atomic(weights: dict[str, torch.Tensor], path: Path, metadata: dict[st
 
 
 def _load_into(module: torch.nn.Module, path: Path, weights: dict[str, torch.Tensor] | None = None) -> None:
-    from safetensors.torch import load_file
 
     weights = load_file(str(path)) if weights is None else weights
     missing, unexpected = module.load_state_dict(weights, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
-        raise ValueError(f"warm-start cache {path} does not fit model.*: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}; delete it or change train.warm_start.cache_dir")  # fmt: skip
+        raise ValueError(
+            f"warm-start cache {path} does not fit model.*: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}; delete it or change train.warm_start.cache_dir"
+        )
 
 
 def apply_warm_start(learner, cfg) -> dict | None:
@@ -248,19 +258,29 @@ def apply_warm_start(learner, cfg) -> dict | None:
     cached, missing, damaged, weights = decide_cache_hit(directory, rank, world)
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if rank == 0 else None
     if log and damaged:
-        log(f"[warm start] the cache file {'; '.join(damaged)} is damaged: rebuilding the warm start (train."
-            "warm_start.cache_dir)")  # fmt: skip
+        log(
+            f"[warm start] the cache file {'; '.join(damaged)} is damaged: rebuilding the warm start (train."
+            "warm_start.cache_dir)"
+        )
     if not cached:
         if log and world > 1 and len(missing) < world:
-            log(f"[warm start] ranks {missing} have no cached shard under {directory} (train.warm_start.cache_dir "
-                "is not shared between nodes?): every rank trains the warm start again")
+            log(
+                f"[warm start] ranks {missing} have no cached shard under {directory} (train.warm_start.cache_dir "
+                "is not shared between nodes?): every rank trains the warm start again"
+            )
         weights, history = train_warm_start(cfg, log)
         _save_atomic(weights, path, {"key": directory.name, "rank": str(rank)})
         _barrier()
         meta = None
         if rank == 0:
-            meta = {"key": directory.name, "world_size": world, "seconds": time.perf_counter() - t0,
-                    "warm_start": ws.model_dump(mode="json"), "task": cfg.train.task, "history": history}  # fmt: skip
+            meta = {
+                "key": directory.name,
+                "world_size": world,
+                "seconds": time.perf_counter() - t0,
+                "warm_start": ws.model_dump(mode="json"),
+                "task": cfg.train.task,
+                "history": history,
+            }
             _write_meta(meta_path, meta)
         meta = _broadcast_meta(meta)
         if rank != 0 and not meta_path.is_file():  # a node-local cache_dir: each node keeps a complete copy
@@ -269,8 +289,13 @@ def apply_warm_start(learner, cfg) -> dict | None:
     else:
         meta = _broadcast_meta(json.loads(meta_path.read_text()) if rank == 0 else None)
     _load_into(learner.module, path, weights)
-    info = {"path": str(directory), "cached": cached, "seconds": time.perf_counter() - t0,
-            "nll_first": meta["history"][0]["nll"], "nll_last": meta["history"][-1]["nll"]}  # fmt: skip
+    info = {
+        "path": str(directory),
+        "cached": cached,
+        "seconds": time.perf_counter() - t0,
+        "nll_first": meta["history"][0]["nll"],
+        "nll_last": meta["history"][-1]["nll"],
+    }
     if log:
         how = "loaded from cache" if cached else f"trained {ws.steps} steps in {info['seconds']:.1f} s"
         tempered = f"; RL starts from it at temperature {ws.temperature:g}" if ws.temperature != 1.0 else ""

@@ -24,6 +24,7 @@ from pathlib import Path
 from moe_rl.config.hf_model import side_files_dir
 from moe_rl.learner.hf_export import export_hf_checkpoint
 from moe_rl.rollout.auth import ServerKeys
+from moe_rl.source.producer import push_section
 from moe_rl.sync.checks import quantize_state_dict
 from moe_rl.sync.integrity import version_label
 from moe_rl.sync.weight_sync import WeightSync
@@ -74,9 +75,14 @@ class WeightPusher:
     def export(self) -> Path:
         """Export the learner as an HF dir for SGLang (collective); the path of the live copy."""
         fmt = self.cfg.rollout.weight_quantization
-        export_hf_checkpoint(self.learner.module, self.cfg.model, self.export_dir, template_dir=side_files_dir(self.cfg),
-                             bucket_bytes=self.cfg.rollout.weight_sync_bucket_mb << 20,
-                             transform=None if fmt == "none" else lambda named: quantize_state_dict(named, fmt))  # fmt: skip
+        export_hf_checkpoint(
+            self.learner.module,
+            self.cfg.model,
+            self.export_dir,
+            template_dir=side_files_dir(self.cfg),
+            bucket_bytes=self.cfg.rollout.weight_sync_bucket_mb << 20,
+            transform=None if fmt == "none" else lambda named: quantize_state_dict(named, fmt),
+        )
         barrier()
         return self.export_dir
 
@@ -117,7 +123,6 @@ class WeightPusher:
                 self._revive_dead()
                 yield {}
             return
-        from moe_rl.source.producer import push_section
 
         section = push_section(self.source, self.cfg.rollout, addresses, self.keys, before=self._revive_dead)
         with section as push_kwargs, self._lock:
@@ -170,8 +175,12 @@ class WeightPusher:
         ws = self.sync
         if ws is None or ws.version is None:
             return None
-        return {"invalid": dict(ws.invalid), "label": ws.version, "tensors": ws.pushed.by_label.get(ws.version),
-                "version": self.live}
+        return {
+            "invalid": dict(ws.invalid),
+            "label": ws.version,
+            "tensors": ws.pushed.by_label.get(ws.version),
+            "version": self.live,
+        }
 
     def export_final(self) -> None:
         """``<run>/hf/current`` holds the final weights whatever the sync path (a disk sync wrote them already)."""

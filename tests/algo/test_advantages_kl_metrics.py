@@ -41,6 +41,7 @@ def test_rloo_is_reward_minus_mean_of_the_others():
 
 def test_compute_advantages_follows_the_config_section():
     rewards = torch.tensor([1.0, 0.0, 3.0, 5.0])
+
     def cfg(name):
         return SimpleNamespace(estimator=name, eps=1e-6)
 
@@ -118,9 +119,18 @@ def test_offpolicy_metrics_hand_worked_constant_ratio():
 def test_offpolicy_metrics_has_every_documented_key():
     keys = set(offpolicy_metrics(*_constant_ratio_batch()))
     required = {
-        "kl_k1", "kl_k3", "chi2_token", "chi2_seq", "ess", "ppl_old", "ppl_rollout", "ppl_ratio",
-        "prob_pearson", "prob_abs_diff_mean", "prob_abs_diff_max",
-    }  # fmt: skip
+        "kl_k1",
+        "kl_k3",
+        "chi2_token",
+        "chi2_seq",
+        "ess",
+        "ppl_old",
+        "ppl_rollout",
+        "ppl_ratio",
+        "prob_pearson",
+        "prob_abs_diff_mean",
+        "prob_abs_diff_max",
+    }
     assert {f"offpolicy/{k}" for k in required} <= keys
 
 

@@ -40,8 +40,9 @@ def _batch(device, seed=0, scale=0.3):
 
 def _brute_force_m2po(lr, mask, tau):
     """Remove the largest (log ρ)² one at a time until the kept mean is ≤ τ."""
-    items = sorted(((lr[i, j].item() ** 2, i * mask.shape[1] + j) for i, j in mask.nonzero().tolist()),
-                   key=lambda v: v[0])  # fmt: skip
+    items = sorted(
+        ((lr[i, j].item() ** 2, i * mask.shape[1] + j) for i, j in mask.nonzero().tolist()), key=lambda v: v[0]
+    )
     while items and sum(v for v, _ in items) / len(items) > tau:
         items.pop()
     return {k for _, k in items}
@@ -98,7 +99,9 @@ def test_m2po_budget_is_over_the_tokens_that_survive_rejection(device):
     assert prep.metrics["m2po/m2_before"].item() == pytest.approx(0.245**2)
     assert prep.metrics["m2po/m2_after"].item() == 0.0
     # with a looser budget the kept tokens' mean is what m2_after reports
-    prep = prepare_corrections(LossConfig(), CorrectionConfig(m2po_tau=0.07, token_veto_threshold=0.1), roll + lr, roll, mask)
+    prep = prepare_corrections(
+        LossConfig(), CorrectionConfig(m2po_tau=0.07, token_veto_threshold=0.1), roll + lr, roll, mask
+    )
     assert prep.keep.tolist() == [[False] * 3, [True] * 3]
     assert prep.metrics["m2po/m2_after"].item() == pytest.approx(0.245**2)
 
@@ -132,8 +135,9 @@ def test_chained_rejection_is_the_and_of_single_criteria(device):
 
 
 def test_rejection_list_parses_from_the_command_line_and_drives_the_loss(device):
-    tree = apply_overrides({}, ["correction.rejection=[{mode: seq_mean_k3, upper: 0.01}, "
-                                "{mode: token_k1, lower: 0.5, upper: 2.0}]"])  # fmt: skip
+    tree = apply_overrides(
+        {}, ["correction.rejection=[{mode: seq_mean_k3, upper: 0.01}, {mode: token_k1, lower: 0.5, upper: 2.0}]"]
+    )
     cfg = CorrectionConfig(**tree["correction"])
     assert [c.mode for c in cfg.rejection] == ["seq_mean_k3", "token_k1"]
     old, roll, mask = _batch(device, seed=3)

@@ -19,6 +19,7 @@ from moe_rl.algo import (
     reinforce_pp_advantages,
     rloo_advantages,
 )
+from moe_rl.config import LossConfig
 
 F64 = torch.float64
 IDS = [7, 7, 7, 3, 3, 9, 1, 1, 1, 1]  # groups of 3, 2, 1 (singleton), 4 — not contiguous-sized
@@ -126,8 +127,9 @@ def test_opob_baseline_and_its_logit_gradient_proxy(device):
     got = logit_grad_sq_norm(logp, mask, sum_p_sq=(logp_all.exp() ** 2).sum(-1))
     torch.testing.assert_close(got, expected)
     cfg = SimpleNamespace(estimator="vcpo_opob", eps=1e-6)
-    torch.testing.assert_close(compute_advantages(cfg, r, group_ids=torch.tensor(IDS, device=device),
-                                                  is_weights=w, grad_sq_norms=gn), adv)  # fmt: skip
+    torch.testing.assert_close(
+        compute_advantages(cfg, r, group_ids=torch.tensor(IDS, device=device), is_weights=w, grad_sq_norms=gn), adv
+    )
     with pytest.raises(ValueError, match="grad_sq_norms"):
         compute_advantages(cfg, r, group_ids=torch.tensor(IDS, device=device))
 
@@ -141,8 +143,12 @@ def test_kl_abs_and_straight_through_forms(device, est):
     kl = kl_penalty(logp, ref, est)
     base = est.removesuffix("_plus")
     xs = x[0].tolist()
-    fwd = {"abs": [abs(v) for v in xs], "k1": xs, "k2": [0.5 * v * v for v in xs],
-           "k3": [math.expm1(max(-20, min(20, -v))) - max(-20, min(20, -v)) for v in xs]}[base]  # fmt: skip
+    fwd = {
+        "abs": [abs(v) for v in xs],
+        "k1": xs,
+        "k2": [0.5 * v * v for v in xs],
+        "k3": [math.expm1(max(-20, min(20, -v))) - max(-20, min(20, -v)) for v in xs],
+    }[base]
     assert kl[0].tolist() == pytest.approx(fwd, rel=1e-12)
     (grad,) = torch.autograd.grad(kl.sum(), logp)
     expected_grad = [math.copysign(1.0, v) if v != 0 else 0.0 for v in xs] if est == "abs" else xs  # k2's gradient
@@ -150,7 +156,6 @@ def test_kl_abs_and_straight_through_forms(device, est):
 
 
 def test_defaults_follow_verl_unless_a_seed_gives_a_reason():
-    from moe_rl.config import LossConfig
 
     loss = LossConfig()
     assert loss.kl_cov_coef == 0.1  # verl ppo_kl_coef; no paper value (docs/algo.md "Porting a verl config")

@@ -4,6 +4,8 @@ covariance losses' selection and the sequence-level losses."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -30,16 +32,21 @@ def _minibatch(device):
 def test_microbatch_split_equals_one_batch(device, loss_type):
     logp, old, roll, adv, mask = _minibatch(device)
     loss_cfg = LossConfig(type=loss_type, clip_cov_ratio=0.1, clip_cov_lb=-1.0, clip_cov_ub=1.0, kl_cov_ratio=0.1)
-    corr = CorrectionConfig(m2po_tau=0.05, is_level="token", is_batch_normalize=True,
-                            rejection=[{"mode": "seq_mean_k3", "upper": 0.02}, {"mode": "token_k1", "lower": 0.6, "upper": 1.7}])  # fmt: skip
+    corr = CorrectionConfig(
+        m2po_tau=0.05,
+        is_level="token",
+        is_batch_normalize=True,
+        rejection=[{"mode": "seq_mean_k3", "upper": 0.02}, {"mode": "token_k1", "lower": 0.6, "upper": 1.7}],
+    )
     assert needs_policy_prepass(corr, loss_cfg) == (loss_type in ("clip_cov", "kl_cov"))  # M2PO reads π_old/μ here
 
     x = logp.clone().requires_grad_(True)
     whole, _ = compute_policy_loss(loss_cfg, corr, x, old, roll, adv, mask, generator=torch.Generator().manual_seed(3))
     (g_whole,) = torch.autograd.grad(whole, x)
 
-    prep = prepare_corrections(loss_cfg, corr, old, roll, mask, policy_logp=logp, advantages=adv,
-                               generator=torch.Generator().manual_seed(3))  # fmt: skip
+    prep = prepare_corrections(
+        loss_cfg, corr, old, roll, mask, policy_logp=logp, advantages=adv, generator=torch.Generator().manual_seed(3)
+    )
     if loss_type in ("clip_cov", "kl_cov"):
         assert prep.cov_selected is not None and bool(prep.cov_selected.any())
     y = logp.clone().requires_grad_(True)
@@ -47,8 +54,19 @@ def test_microbatch_split_equals_one_batch(device, loss_type):
     for rows in (slice(0, 3), slice(3, 8)):
         sel = None if prep.cov_selected is None else prep.cov_selected[rows]
         w = None if prep.weights is None else prep.weights[rows]
-        part, _ = policy_loss(loss_cfg, corr, y[rows], old[rows], roll[rows], adv[rows], mask[rows], prep.keep[rows], w,
-                              prep.denominator, cov_selected=sel)  # fmt: skip
+        part, _ = policy_loss(
+            loss_cfg,
+            corr,
+            y[rows],
+            old[rows],
+            roll[rows],
+            adv[rows],
+            mask[rows],
+            prep.keep[rows],
+            w,
+            prep.denominator,
+            cov_selected=sel,
+        )
         total = total + part
     (g_split,) = torch.autograd.grad(total, y)
     torch.testing.assert_close(total.detach(), whole.detach())
@@ -57,11 +75,11 @@ def test_microbatch_split_equals_one_batch(device, loss_type):
 
 def test_prepass_runs_whenever_bypass_reads_the_policy():
     """Bypass mode measures M2PO and VCPO's ESS on sg[π_θ]/μ: both need the pre-pass; decoupled reads π_old/μ."""
-    from types import SimpleNamespace
 
     plain = CorrectionConfig(mode="bypass", icepop=False)
     assert not needs_policy_prepass(plain, LossConfig())
     assert needs_policy_prepass(plain, LossConfig(), SimpleNamespace(ess_lr_scaling=True))
     assert needs_policy_prepass(CorrectionConfig(mode="bypass", icepop=False, m2po_tau=0.04), LossConfig())
-    assert not needs_policy_prepass(CorrectionConfig(mode="decoupled", m2po_tau=0.04), LossConfig(),
-                                    SimpleNamespace(ess_lr_scaling=True))  # fmt: skip
+    assert not needs_policy_prepass(
+        CorrectionConfig(mode="decoupled", m2po_tau=0.04), LossConfig(), SimpleNamespace(ess_lr_scaling=True)
+    )

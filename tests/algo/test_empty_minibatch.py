@@ -10,6 +10,7 @@ so each rejection below removes every token by itself.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -106,27 +107,59 @@ def test_every_loss_and_aggregation_on_an_all_rejected_or_all_masked_minibatch(l
         # all rejected: a token_k1 criterion (+ M2PO, which used to raise on the empty keep set)
         logp, old, mu, adv = _inputs(mode, 1.0, device)
         correction = CorrectionConfig(mode=mode, m2po_tau=0.04, **REJECT_ALL)
-        loss, metrics = compute_policy_loss(cfg, correction, logp, old, mu, adv, MASK, logp.detach(),
-                                            torch.ones(MASK.shape, dtype=torch.float64, device=device))  # fmt: skip
+        loss, metrics = compute_policy_loss(
+            cfg,
+            correction,
+            logp,
+            old,
+            mu,
+            adv,
+            MASK,
+            logp.detach(),
+            torch.ones(MASK.shape, dtype=torch.float64, device=device),
+        )
         _assert_graph_connected_zero(loss, logp, metrics)
         # all masked: no rejection, the loss mask removes every token (the trainer's three phases)
         logp, old, mu, adv = _inputs(mode, 0.0, device)
         correction = CorrectionConfig(mode=mode, m2po_tau=0.04, is_level="token")
         source = old if old is not None else logp.detach()
-        prep = prepare_corrections(cfg, correction, source, mu, MASK, policy_logp=logp.detach(), advantages=adv,
-                                   loss_mask=torch.zeros_like(MASK))  # fmt: skip
+        prep = prepare_corrections(
+            cfg,
+            correction,
+            source,
+            mu,
+            MASK,
+            policy_logp=logp.detach(),
+            advantages=adv,
+            loss_mask=torch.zeros_like(MASK),
+        )
         for rows in ([0], [1, 2]):  # two microbatches, each with the global denominator
             lp = logp.detach()[rows].requires_grad_(True)
-            loss, metrics = policy_loss(cfg, correction, lp, None if old is None else old[rows], mu[rows], adv[rows],
-                                        MASK[rows], prep.keep[rows], None if prep.weights is None else
-                                        prep.weights[rows], prep.denominator, ref_logp=lp.detach(),
-                                        entropy=torch.ones(lp.shape, dtype=torch.float64, device=device),
-                                        cov_selected=None if prep.cov_selected is None else prep.cov_selected[rows])  # fmt: skip
+            loss, metrics = policy_loss(
+                cfg,
+                correction,
+                lp,
+                None if old is None else old[rows],
+                mu[rows],
+                adv[rows],
+                MASK[rows],
+                prep.keep[rows],
+                None if prep.weights is None else prep.weights[rows],
+                prep.denominator,
+                ref_logp=lp.detach(),
+                entropy=torch.ones(lp.shape, dtype=torch.float64, device=device),
+                cov_selected=None if prep.cov_selected is None else prep.cov_selected[rows],
+            )
             _assert_graph_connected_zero(loss, lp, prep.metrics | metrics)
         # the surrogate itself, handed an empty kept set
         logp, old, mu, adv = _inputs(mode, 0.0, device)
-        x = LossInputs(logp, mu if old is None else old, adv[:, None].expand_as(MASK), torch.zeros_like(MASK),
-                       generator=torch.Generator().manual_seed(0))  # fmt: skip
+        x = LossInputs(
+            logp,
+            mu if old is None else old,
+            adv[:, None].expand_as(MASK),
+            torch.zeros_like(MASK),
+            generator=torch.Generator().manual_seed(0),
+        )
         loss, metrics = surrogate_loss(cfg, x)
         _assert_graph_connected_zero(loss, logp, metrics)
 
@@ -135,8 +168,11 @@ def test_m2po_on_an_empty_kept_set_keeps_nothing_and_reports_zero(device):
     zeros = torch.zeros(2, 3, device=device)
     keep, metrics = m2po_mask(zeros, zeros, zeros.bool(), 0.04)
     assert not bool(keep.any())
-    assert {k: float(v) for k, v in metrics.items()} == {"m2po/masked_frac": 0.0, "m2po/m2_before": 0.0,
-                                                         "m2po/m2_after": 0.0}  # fmt: skip
+    assert {k: float(v) for k, v in metrics.items()} == {
+        "m2po/masked_frac": 0.0,
+        "m2po/m2_before": 0.0,
+        "m2po/m2_after": 0.0,
+    }
 
 
 def test_issue_40_smallest_m2po_case(device):
@@ -144,14 +180,26 @@ def test_issue_40_smallest_m2po_case(device):
     t = lambda x: torch.tensor(x, dtype=torch.float64, device=device)  # noqa: E731
     logp = t([[0.0]]).requires_grad_(True)
     correction = CorrectionConfig(m2po_tau=0.04, rejection=[{"mode": "token_k1", "lower": 0.5, "upper": 2.0}])
-    loss, metrics = compute_policy_loss(LossConfig(), correction, logp, t([[0.0]]), t([[-3.0]]), t([1.0]),
-                                        torch.tensor([[True]], device=device))  # fmt: skip
+    loss, metrics = compute_policy_loss(
+        LossConfig(), correction, logp, t([[0.0]]), t([[-3.0]]), t([1.0]), torch.tensor([[True]], device=device)
+    )
     _assert_graph_connected_zero(loss, logp, metrics)
 
 
 def test_compute_policy_loss_keeps_its_positional_signature():
-    import inspect
 
     params = list(inspect.signature(compute_policy_loss).parameters)
-    assert params == ["loss_cfg", "correction_cfg", "logp", "old_logp", "rollout_logp", "advantages", "mask",
-                      "ref_logp", "entropy", "loss_denominator", "norm_len", "generator"]  # fmt: skip
+    assert params == [
+        "loss_cfg",
+        "correction_cfg",
+        "logp",
+        "old_logp",
+        "rollout_logp",
+        "advantages",
+        "mask",
+        "ref_logp",
+        "entropy",
+        "loss_denominator",
+        "norm_len",
+        "generator",
+    ]

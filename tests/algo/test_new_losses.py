@@ -35,7 +35,9 @@ def _edge_batch(device, seed=0):
     """Rows: full, length-1, all-masked, +30 and −30 log-ratio tokens mixed with ordinary ones."""
     g = torch.Generator().manual_seed(seed)
     b, t = 5, 6
-    mask = torch.tensor([[1] * 6, [1, 0, 0, 0, 0, 0], [0] * 6, [1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    mask = torch.tensor(
+        [[1] * 6, [1, 0, 0, 0, 0, 0], [0] * 6, [1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.bool
+    )
     old = -torch.rand(b, t, generator=g, dtype=F64) * 3 - 0.05
     lp = (old + 0.3 * torch.randn(b, t, generator=g, dtype=F64)).clamp(max=-1e-3)  # valid log-probs
     old[3, 1], lp[3, 1] = -31.0, -1.0  # log-ratio +30 between two valid log-probs
@@ -46,7 +48,9 @@ def _edge_batch(device, seed=0):
 
 
 def _token_mean(per_token, mask):
-    return sum(per_token[i][j] for i in range(mask.shape[0]) for j in range(mask.shape[1]) if mask[i, j]) / int(mask.sum())
+    return sum(per_token[i][j] for i in range(mask.shape[0]) for j in range(mask.shape[1]) if mask[i, j]) / int(
+        mask.sum()
+    )
 
 
 def _seq_mean_token_mean(per_token, mask):

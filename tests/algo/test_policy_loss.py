@@ -94,8 +94,9 @@ def test_decoupled_icepop_weighted_on_gspo_token(batch):
 
 def test_icepop_with_token_tis_is_band_mask_times_truncated_weight(batch):
     logp, old, roll, adv, mask = batch
-    corr = CorrectionConfig(mode="decoupled", is_level="token", is_threshold=1.1, icepop=True, icepop_low=0.8,
-                            icepop_high=1.25)  # fmt: skip
+    corr = CorrectionConfig(
+        mode="decoupled", is_level="token", is_threshold=1.1, icepop=True, icepop_low=0.8, icepop_high=1.25
+    )
     loss, m = compute_policy_loss(LossConfig(type="ppo_clip"), corr, logp, old, roll, adv, mask)
     rho = torch.exp(old - roll)
     w = rho.clamp(max=1.1) * ((rho >= 0.8) & (rho <= 1.25)).to(F64)  # one ratio factor, not two
@@ -110,8 +111,9 @@ def test_every_shipped_config_runs_through_the_entry_point(path, batch):
     cfg = load_config(path)
     logp, old, roll, adv, mask = batch
     old_in = old if cfg.correction.mode == "decoupled" else None
-    loss, m = compute_policy_loss(cfg.loss, cfg.correction, logp, old_in, roll, adv, mask, ref_logp=roll,
-                                  entropy=torch.zeros_like(roll))  # fmt: skip
+    loss, m = compute_policy_loss(
+        cfg.loss, cfg.correction, logp, old_in, roll, adv, mask, ref_logp=roll, entropy=torch.zeros_like(roll)
+    )
     loss.backward()
     assert torch.isfinite(loss) and bool(torch.isfinite(logp.grad).all())
     assert all(math.isfinite(v) for v in metrics_to_floats(m).values())

@@ -36,9 +36,9 @@ def batches(draw):
     t = draw(st.integers(1, 8))
     n = b * t
     roll = torch.tensor(draw(st.lists(LOGP, min_size=n, max_size=n)), dtype=torch.float64).reshape(b, t)
-    drift = torch.tensor(
-        draw(st.lists(st.floats(-12.0, 12.0), min_size=n, max_size=n)), dtype=torch.float64
-    ).reshape(b, t)
+    drift = torch.tensor(draw(st.lists(st.floats(-12.0, 12.0), min_size=n, max_size=n)), dtype=torch.float64).reshape(
+        b, t
+    )
     mask = torch.tensor(draw(st.lists(st.booleans(), min_size=n, max_size=n))).reshape(b, t)
     mask[draw(st.integers(0, b - 1)), draw(st.integers(0, t - 1))] = True
     adv = torch.tensor(draw(st.lists(st.floats(-3.0, 3.0), min_size=b, max_size=b)), dtype=torch.float64)

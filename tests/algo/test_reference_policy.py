@@ -3,16 +3,24 @@ world 1), no gradients, unchanged by learner steps, safetensors round trip, repl
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
+from moe_rl.algo import compute_policy_loss
+from moe_rl.config import CorrectionConfig, LossConfig
+from moe_rl.learner.dist import init_distributed
+from moe_rl.learner.logprobs import response_logprobs
+from moe_rl.learner.model import build_model
+from moe_rl.learner.reference import ReferencePolicy, reference_path, reference_problem, save_reference
+from moe_rl.learner.train_step import Learner
 from tests.learner.conftest import make_cfg
 from tests.learner.test_train_step import fixed_batch
 
 
 @pytest.fixture(scope="module")
 def megatron_world():
-    from moe_rl.learner.dist import init_distributed
 
     return init_distributed(make_cfg().parallel, environ={})
 
@@ -22,17 +30,12 @@ def _nll(logp, entropy, mb):
 
 
 def _learner_logp(learner, mb):
-    from moe_rl.learner.logprobs import response_logprobs
 
     with torch.no_grad():
         return response_logprobs(learner.module, mb["input_ids"], mb["targets"], with_entropy=False)[0]
 
 
 def test_reference_is_the_initial_policy_frozen_and_kl_is_logged(megatron_world, device):
-    from moe_rl.algo import compute_policy_loss
-    from moe_rl.config import CorrectionConfig, LossConfig
-    from moe_rl.learner.reference import ReferencePolicy
-    from moe_rl.learner.train_step import Learner
 
     cfg = make_cfg(optim={"lr": 1e-2})
     learner = Learner(cfg, total_steps=4)
@@ -54,17 +57,21 @@ def test_reference_is_the_initial_policy_frozen_and_kl_is_logged(megatron_world,
     mask = torch.ones_like(moved, dtype=torch.bool)
     logp = moved.clone().double().requires_grad_(True)
     loss_cfg = LossConfig(kl_coef=0.01, kl_estimator="k3")
-    _, m = compute_policy_loss(loss_cfg, CorrectionConfig(), logp, moved.double(), moved.double(),
-                               torch.zeros(mask.shape[0], dtype=torch.float64, device=device), mask,
-                               ref_logp=ref_logp.double())  # fmt: skip
+    _, m = compute_policy_loss(
+        loss_cfg,
+        CorrectionConfig(),
+        logp,
+        moved.double(),
+        moved.double(),
+        torch.zeros(mask.shape[0], dtype=torch.float64, device=device),
+        mask,
+        ref_logp=ref_logp.double(),
+    )
     x = (ref_logp - moved).double()
     assert m["loss/kl_ref"].item() == pytest.approx((torch.expm1(x) - x).mean().item(), rel=1e-6)  # float32 metric
 
 
 def test_reference_saves_as_safetensors_and_reloads(megatron_world, tmp_path, device):
-    from moe_rl.learner.model import build_model
-    from moe_rl.learner.reference import ReferencePolicy, reference_path
-    from moe_rl.learner.train_step import Learner
 
     cfg = make_cfg()
     learner = Learner(cfg, total_steps=2, model=build_model(cfg, seed=11))
@@ -81,8 +88,6 @@ def test_reference_saves_as_safetensors_and_reloads(megatron_world, tmp_path, de
 
 
 def test_reference_replays_the_given_routes(megatron_world, device):
-    from moe_rl.learner.reference import ReferencePolicy
-    from moe_rl.learner.train_step import Learner
 
     cfg = make_cfg()
     learner = Learner(cfg, total_steps=2)
@@ -101,10 +106,6 @@ def test_reference_replays_the_given_routes(megatron_world, device):
 def test_reference_lifecycle_marker_run_id_and_interrupted_saves(megatron_world, tmp_path, device):
     """Issue 21 item 3: a reference is this run's only with its completion marker; a stale one (another run,
     an interrupted save) is replaced by the next save and reported, never silently used."""
-    import json
-
-    from moe_rl.learner.reference import ReferencePolicy, reference_path, reference_problem, save_reference
-    from moe_rl.learner.train_step import Learner
 
     cfg = make_cfg()
     learner = Learner(cfg, total_steps=1)

@@ -38,8 +38,10 @@ def _literal(model, field: str) -> tuple[str, ...]:
 
 
 def _differences(registered, allowed) -> str:
-    return (f"registered but not allowed by the config: {sorted(set(registered) - set(allowed))}; "
-            f"allowed by the config but not registered: {sorted(set(allowed) - set(registered))}")  # fmt: skip
+    return (
+        f"registered but not allowed by the config: {sorted(set(registered) - set(allowed))}; "
+        f"allowed by the config but not registered: {sorted(set(allowed) - set(registered))}"
+    )
 
 
 def test_registered_losses_are_exactly_the_config_loss_types():

@@ -48,8 +48,13 @@ from moe_rl.config import CorrectionConfig, LossConfig
 MASK_CPU = torch.tensor(
     [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0]], dtype=torch.bool
 )
-AGG = {"token_mean": "token-mean", "seq_mean_token_mean": "seq-mean-token-mean", "token_sum": "token-sum",
-       "seq_mean_token_sum": "seq-mean-token-sum", "seq_mean_token_sum_norm": "seq-mean-token-sum-norm"}  # fmt: skip
+AGG = {
+    "token_mean": "token-mean",
+    "seq_mean_token_mean": "seq-mean-token-mean",
+    "token_sum": "token-sum",
+    "seq_mean_token_sum": "seq-mean-token-sum",
+    "seq_mean_token_sum_norm": "seq-mean-token-sum-norm",
+}
 
 
 def _data(device, seed=0, spread=0.3, dtype=torch.float64):
@@ -104,12 +109,15 @@ def test_aggregation_equals_verl_agg_loss(ours, verl, device):
     g = torch.Generator().manual_seed(1)
     loss = torch.randn(MASK.shape, generator=g, dtype=torch.float64).to(device)
     for info in ({}, {"global_batch_size": 4, "batch_num_tokens": int(MASK.sum())}):
-        _close(aggregate(loss, MASK, ours, norm_len=7), verl.agg_loss(loss, MASK.double(), AGG[ours], loss_scale_factor=7,
-                                                                   **info))  # fmt: skip
+        _close(
+            aggregate(loss, MASK, ours, norm_len=7),
+            verl.agg_loss(loss, MASK.double(), AGG[ours], loss_scale_factor=7, **info),
+        )
     mask = MASK.clone()
     mask[2] = False
-    theirs = verl.agg_loss(loss, mask.double(), AGG[ours], loss_scale_factor=7, global_batch_size=4,
-                           batch_num_tokens=int(mask.sum()))  # fmt: skip
+    theirs = verl.agg_loss(
+        loss, mask.double(), AGG[ours], loss_scale_factor=7, global_batch_size=4, batch_num_tokens=int(mask.sum())
+    )
     if ours in ("seq_mean_token_mean", "seq_mean_token_sum"):
         _close(aggregate(loss, mask, ours) * 3 / 4, theirs)  # 3 kept sequences here, 4 in verl's divisor
     else:
@@ -123,9 +131,11 @@ def test_ppo_clip_with_dual_clip_3_equals_verl_vanilla(verl, device):
     logp = logp.detach().index_put((torch.tensor([0]), torch.tensor([1])), old[0, 1] + 1.5).requires_grad_(True)
     cfg = _actor(verl, clip_ratio_low=0.2, clip_ratio_high=0.28)
     dual = PPOClipParams(clip_low=0.2, clip_high=0.28, dual_clip_c=3.0)
-    a, b, ga, gb = _pair(lambda lp: ppo_clip_loss(LossInputs(lp, old, adv, MASK), dual)[0],
-                         lambda lp: verl.compute_policy_loss_vanilla(old, lp, adv, MASK.double(), "token-mean", cfg)[0],
-                         logp)  # fmt: skip
+    a, b, ga, gb = _pair(
+        lambda lp: ppo_clip_loss(LossInputs(lp, old, adv, MASK), dual)[0],
+        lambda lp: verl.compute_policy_loss_vanilla(old, lp, adv, MASK.double(), "token-mean", cfg)[0],
+        logp,
+    )
     _close(a, b)
     _close(ga, gb)
     # without the dual clip a negative-advantage token with r > 3 differs
@@ -141,9 +151,11 @@ def test_gspo_token_equals_verl_gspo_in_every_aggregation(aggregation, verl, dev
     logp, old, _, adv = _data(device, seed=3)
     cfg = LossConfig(type="gspo_token", aggregation=aggregation, clip_low=3e-4, clip_high=4e-4, norm_len=6)
     actor = _actor(verl, clip_ratio_low=3e-4, clip_ratio_high=4e-4, global_batch_info={"loss_scale_factor": 6})
-    a, b, ga, gb = _pair(lambda lp: surrogate_loss(cfg, LossInputs(lp, old, adv, MASK))[0],
-                         lambda lp: verl.compute_policy_loss_gspo(old, lp, adv, MASK.double(), AGG[aggregation],
-                                                                  actor)[0], logp)  # fmt: skip
+    a, b, ga, gb = _pair(
+        lambda lp: surrogate_loss(cfg, LossInputs(lp, old, adv, MASK))[0],
+        lambda lp: verl.compute_policy_loss_gspo(old, lp, adv, MASK.double(), AGG[aggregation], actor)[0],
+        logp,
+    )
     _close(a, b)
     _close(ga, gb)
     # the sequence form gives the same loss and gradient for sequence advantages
@@ -163,8 +175,10 @@ def test_gspo_token_mean_and_sequence_mean_differ(verl, device):
     assert abs(float(tok) - float(seq)) > 0.05
 
 
-@pytest.mark.parametrize("mean_log_r, adv, same", [(-15.0, 1.0, True), (-15.0, -1.0, True), (5.0, -1.0, True),
-                                                   (15.0, 1.0, True), (15.0, -1.0, False)])  # fmt: skip
+@pytest.mark.parametrize(
+    "mean_log_r, adv, same",
+    [(-15.0, 1.0, True), (-15.0, -1.0, True), (5.0, -1.0, True), (15.0, 1.0, True), (15.0, -1.0, False)],
+)
 def test_gspo_clamp_differs_only_above_plus_10(mean_log_r, adv, same, verl, device):
     """Row "GSPO ratio clamp": verl clamps log s at +10 (no lower clamp), ours at ±20; visible only for
     mean log s > +10 where the unclipped branch is active (A < 0)."""
@@ -184,7 +198,7 @@ def test_sapo_verl_ignores_loss_agg_mode(verl, device):
     logp, old, _, adv = _data(device, seed=4)
     assert LossConfig(type="sapo").aggregation == "seq_mean_token_mean"
     for mode in ("token-mean", "seq-mean-token-sum"):
-        theirs = lambda lp, m=mode: verl.compute_policy_loss_sapo(old, lp, adv, MASK.double(), m, _actor(verl))[0]
+        theirs = lambda lp, m=mode: verl.compute_policy_loss_sapo(old, lp, adv, MASK.double(), m, _actor(verl))[0]  # noqa: E731
         ours = lambda lp: sapo_loss(LossInputs(lp, old, adv, MASK), SAPOParams(1.0, 1.05))[0]  # noqa: E731
         a, b, ga, gb = _pair(ours, theirs, logp)
         _close(a, b)
@@ -196,9 +210,11 @@ def test_gmpo_equals_verl_geo_mean_until_a_row_is_empty(verl, device):
     MASK = MASK_CPU.to(device)
     logp, old, _, adv = _data(device, seed=5)
     cfg = _actor(verl, clip_ratio_low=0.4, clip_ratio_high=0.4)
-    a, b, ga, gb = _pair(lambda lp: gmpo_loss(LossInputs(lp, old, adv, MASK), GMPOParams(0.4, 0.4))[0],
-                         lambda lp: verl.compute_policy_loss_geo_mean(old, lp, adv, MASK.double(), "token-mean", cfg)[0],
-                         logp)  # fmt: skip
+    a, b, ga, gb = _pair(
+        lambda lp: gmpo_loss(LossInputs(lp, old, adv, MASK), GMPOParams(0.4, 0.4))[0],
+        lambda lp: verl.compute_policy_loss_geo_mean(old, lp, adv, MASK.double(), "token-mean", cfg)[0],
+        logp,
+    )
     _close(a, b, rtol=1e-7)  # verl divides by (|y| + 1e-8)
     _close(ga, gb, rtol=1e-7, atol=1e-10)
     mask = MASK.clone()
@@ -215,8 +231,11 @@ def test_dppo_cap_3_equals_verl_default(kind, verl, device):
     logp, old, _, adv = _data(device, seed=6, spread=0.9)
     fn = verl.compute_policy_loss_dppo_tv if kind == "tv" else verl.compute_policy_loss_dppo_kl
     ours = dppo_tv_loss if kind == "tv" else dppo_kl_loss
-    a, b, ga, gb = _pair(lambda lp: ours(LossInputs(lp, old, adv, MASK), DPPOParams(0.2, 0.2, 3.0))[0],
-                         lambda lp: fn(old, lp, adv, MASK.double(), "token-mean", _actor(verl))[0], logp)  # fmt: skip
+    a, b, ga, gb = _pair(
+        lambda lp: ours(LossInputs(lp, old, adv, MASK), DPPOParams(0.2, 0.2, 3.0))[0],
+        lambda lp: fn(old, lp, adv, MASK.double(), "token-mean", _actor(verl))[0],
+        logp,
+    )
     _close(a, b)
     _close(ga, gb)
     assert bool(((torch.exp(logp - old) > 3.0) & MASK).any())  # the cap is active on this input
@@ -228,9 +247,11 @@ def test_cispo_verl_defaults_bound_both_sides(verl, device):
     ours has no lower bound unless loss.cispo_clip_low is set."""
     MASK = MASK_CPU.to(device)
     logp, old, _, adv = _data(device, seed=7, spread=0.8)
-    a, b, ga, gb = _pair(lambda lp: cispo_loss(LossInputs(lp, old, adv, MASK), CISPOParams(0.2, None, 0.2))[0],
-                         lambda lp: verl.compute_policy_loss_cispo(old, lp, adv, MASK.double(), "token-mean", _actor(verl))[0],
-                         logp)  # fmt: skip
+    a, b, ga, gb = _pair(
+        lambda lp: cispo_loss(LossInputs(lp, old, adv, MASK), CISPOParams(0.2, None, 0.2))[0],
+        lambda lp: verl.compute_policy_loss_cispo(old, lp, adv, MASK.double(), "token-mean", _actor(verl))[0],
+        logp,
+    )
     _close(a, b)
     _close(ga, gb)
     assert abs(float(cispo_loss(LossInputs(logp, old, adv, MASK), CISPOParams(None, None, 0.2))[0]) - float(b)) > 1e-6
@@ -242,22 +263,35 @@ def test_reinforce_equals_verl_gpg_and_bypass_reinforce(verl, device):
     logp, _, _, adv = _data(device, seed=8)
     w = torch.rand(MASK.shape, generator=torch.Generator().manual_seed(8), dtype=torch.float64).to(device) * 2
     for agg in ("token_mean", "seq_mean_token_sum"):
-        ours = lambda lp, a=agg: reinforce_loss(LossInputs(lp, None, adv, MASK, w, a))[0]
-        theirs = lambda lp, a=agg: verl.compute_policy_loss_gpg(lp, lp, adv, MASK.double(), AGG[a], _actor(verl), w)[0]
+        ours = lambda lp, a=agg: reinforce_loss(LossInputs(lp, None, adv, MASK, w, a))[0]  # noqa: E731
+        theirs = lambda lp, a=agg: verl.compute_policy_loss_gpg(lp, lp, adv, MASK.double(), AGG[a], _actor(verl), w)[0]  # noqa: E731
         a, b, ga, gb = _pair(ours, theirs, logp)
         _close(a, b)
         _close(ga, gb)
 
 
-@pytest.mark.parametrize("ours, theirs", [("k1", "k1"), ("k2", "k2"), ("k3", "low_var_kl"), ("abs", "abs"),
-                                          ("k1_plus", "k1+"), ("k3_plus", "k3+"), ("abs_plus", "abs+"),
-                                          ("k2_plus", "k2+")])  # fmt: skip
+@pytest.mark.parametrize(
+    "ours, theirs",
+    [
+        ("k1", "k1"),
+        ("k2", "k2"),
+        ("k3", "low_var_kl"),
+        ("abs", "abs"),
+        ("k1_plus", "k1+"),
+        ("k3_plus", "k3+"),
+        ("abs_plus", "abs+"),
+        ("k2_plus", "k2+"),
+    ],
+)
 def test_kl_estimators_equal_verl_kl_penalty(ours, theirs, verl, device):
     """Row "KL estimators": values and gradients, where verl's k3 clamp at 10 is inactive."""
     MASK = MASK_CPU.to(device)
     logp, old, _, _ = _data(device, seed=9, spread=1.0)
-    a, b, ga, gb = _pair(lambda lp: (kl_penalty(lp, old, ours) * MASK).sum(),
-                         lambda lp: (verl.kl_penalty(lp, old, theirs) * MASK).sum(), logp)  # fmt: skip
+    a, b, ga, gb = _pair(
+        lambda lp: (kl_penalty(lp, old, ours) * MASK).sum(),
+        lambda lp: (verl.kl_penalty(lp, old, theirs) * MASK).sum(),
+        logp,
+    )
     _close(a, b, rtol=1e-9, atol=1e-9)
     _close(ga, gb, rtol=1e-9, atol=1e-9)
 
@@ -274,9 +308,11 @@ def test_kl_cov_equals_verl_on_one_microbatch(verl, device):
     MASK = MASK_CPU.to(device)
     logp, old, _, adv = _data(device, seed=10, spread=0.5)
     cfg = _actor(verl, policy_loss={"kl_cov_ratio": 0.2})
-    a, b, ga, gb = _pair(lambda lp: kl_cov_loss(LossInputs(lp, old, adv, MASK), KLCovParams(0.2, 0.1))[0],
-                         lambda lp: verl.compute_policy_loss_kl_cov(old, lp, adv, MASK.double(), "token-mean", cfg)[0],
-                         logp)  # fmt: skip
+    a, b, ga, gb = _pair(
+        lambda lp: kl_cov_loss(LossInputs(lp, old, adv, MASK), KLCovParams(0.2, 0.1))[0],
+        lambda lp: verl.compute_policy_loss_kl_cov(old, lp, adv, MASK.double(), "token-mean", cfg)[0],
+        logp,
+    )
     _close(a, b)
     _close(ga, gb)
 
@@ -292,16 +328,28 @@ def test_kl_cov_breaks_ties_as_verl_when_all_covariances_are_zero(length, verl, 
     logp = (old + torch.randn(mask.shape, generator=g)).to(device).requires_grad_(True)  # float32, as the trainer's
     mask, old, adv = mask.to(device), old.to(device), torch.full(mask.shape, 0.5, device=device)
     cfg = _actor(verl, policy_loss={"kl_cov_ratio": 0.3})
-    a, b, ga, gb = _pair(lambda lp: kl_cov_loss(LossInputs(lp, old, adv, mask), KLCovParams(0.3, 0.1))[0],
-                         lambda lp: verl.compute_policy_loss_kl_cov(old, lp, adv, mask.float(), "token-mean", cfg)[0],
-                         logp)  # fmt: skip
+    a, b, ga, gb = _pair(
+        lambda lp: kl_cov_loss(LossInputs(lp, old, adv, mask), KLCovParams(0.3, 0.1))[0],
+        lambda lp: verl.compute_policy_loss_kl_cov(old, lp, adv, mask.float(), "token-mean", cfg)[0],
+        logp,
+    )
     _close(a, b, rtol=1e-6, atol=1e-7)
     _close(ga, gb, rtol=1e-6, atol=1e-7)
 
 
-RS_CASES = [("token_k1", "0.8_1.5"), ("seq_sum_k1", "0.5_1.5"), ("seq_mean_k1", "0.9_1.2"), ("token_k2", "0.05"),
-            ("token_k3", "0.05"), ("seq_sum_k2", "0.2"), ("seq_sum_k3", "0.2"), ("seq_mean_k2", "0.05"),
-            ("seq_mean_k3", "0.05"), ("seq_max_k2", "0.1"), ("seq_max_k3", "0.1")]  # fmt: skip
+RS_CASES = [
+    ("token_k1", "0.8_1.5"),
+    ("seq_sum_k1", "0.5_1.5"),
+    ("seq_mean_k1", "0.9_1.2"),
+    ("token_k2", "0.05"),
+    ("token_k3", "0.05"),
+    ("seq_sum_k2", "0.2"),
+    ("seq_sum_k3", "0.2"),
+    ("seq_mean_k2", "0.05"),
+    ("seq_mean_k3", "0.05"),
+    ("seq_max_k2", "0.1"),
+    ("seq_max_k3", "0.1"),
+]
 
 
 def _ours_bounds(mode, spec):
@@ -328,8 +376,10 @@ def test_several_rejection_criteria_equal_verl_comma_list(verl_rc, device):
     """Row "rejection, several": AND of the criteria, each on the input mask."""
     MASK = MASK_CPU.to(device)
     _, old, mu, _ = _data(device, seed=12, spread=0.3)
-    criteria = [{"mode": m, "lower": _ours_bounds(m, s)[0], "upper": _ours_bounds(m, s)[1]}
-                for m, s in (("token_k1", "0.6_1.4"), ("seq_mean_k3", "0.03"))]  # fmt: skip
+    criteria = [
+        {"mode": m, "lower": _ours_bounds(m, s)[0], "upper": _ours_bounds(m, s)[1]}
+        for m, s in (("token_k1", "0.6_1.4"), ("seq_mean_k3", "0.03"))
+    ]
     keep, _ = chained_rejection_mask(old, mu, MASK, criteria)
     theirs, _ = verl_rc.compute_rollout_rejection_mask(old - mu, MASK.double(), "token_k1,seq_mean_k3", "0.6_1.4,0.03")
     assert torch.equal(keep, theirs.bool())
@@ -365,8 +415,12 @@ def test_is_batch_normalisation_with_rejection_differs_from_verl(verl_rc, device
     tokens that enter the loss. No setting reproduces verl when rejection and normalisation combine."""
     MASK = MASK_CPU.to(device)
     _, old, mu, _ = _data(device, seed=15, spread=0.3)
-    corr = CorrectionConfig(is_level="token", is_threshold=1.5, is_batch_normalize=True,
-                            rejection=[{"mode": "token_k1", "lower": 1 / 1.4, "upper": 1 / 0.6}])  # fmt: skip
+    corr = CorrectionConfig(
+        is_level="token",
+        is_threshold=1.5,
+        is_batch_normalize=True,
+        rejection=[{"mode": "token_k1", "lower": 1 / 1.4, "upper": 1 / 0.6}],
+    )
     prep = prepare_corrections(LossConfig(), corr, old, mu, MASK)
     theirs, _ = verl_rc.compute_rollout_correction_weights(old - mu, MASK.double(), "token", 1.5, True)
     kept, _ = verl_rc.compute_rollout_rejection_mask(old - mu, MASK.double(), "token_k1", "0.6_1.4")

@@ -162,7 +162,7 @@ def render(wheel: Path) -> dict[str, str]:
     """The package's files (name -> text) generated from the wheel, whose sha256 was checked."""
     sha = WHEEL_SHA256
     with zipfile.ZipFile(wheel) as z:
-        read = lambda p: z.read(p).decode()
+        read = lambda p: z.read(p).decode()  # noqa: E731
         files = {}
         for out, (src, names, header) in MODULES.items():
             text = read(src)
@@ -171,8 +171,12 @@ def render(wheel: Path) -> dict[str, str]:
             files[out] = (
                 head + "\n".join(header) + "\n\n\n" + "\n\n\n".join(_function_text(text, tree, n) for n in names) + "\n"
             )
-        head = HEADER.format(version=VERSION, wheel=wheel.name, sha=sha,
-                             what=f"Config stand-ins: the constant field defaults of {CONFIG_SOURCE}.")  # fmt: skip
+        head = HEADER.format(
+            version=VERSION,
+            wheel=wheel.name,
+            sha=sha,
+            what=f"Config stand-ins: the constant field defaults of {CONFIG_SOURCE}.",
+        )
         files["config.py"] = head + CONFIG_STANDINS + _config_text(read(CONFIG_SOURCE)) + "\n"
     files["__init__.py"] = (
         '"""verl 0.9.1 functions copied verbatim from the wheel by tests/algo/verl_wheel.py (see core_algos.py)."""\n\n'
@@ -203,16 +207,29 @@ def _cache() -> Path:
 
 
 def _how() -> str:
-    return (f"set {WHEEL_ENV}=<path to {WHEEL_NAME}> (pip download verl=={VERSION} --no-deps) "
-            f"or restore network access to PyPI")  # fmt: skip
+    return (
+        f"set {WHEEL_ENV}=<path to {WHEEL_NAME}> (pip download verl=={VERSION} --no-deps) "
+        f"or restore network access to PyPI"
+    )
 
 
 def _download(cache: Path) -> Path:
     """The wheel from PyPI into ``cache``, atomically: pip writes a temp folder, then a rename."""
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
-               f"verl=={VERSION}", "--no-deps", "--only-binary=:all:", "-d", tmp]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--disable-pip-version-check",
+            f"verl=={VERSION}",
+            "--no-deps",
+            "--only-binary=:all:",
+            "-d",
+            tmp,
+        ]
         done = subprocess.run(cmd, check=False, capture_output=True, text=True)
         got = Path(tmp) / WHEEL_NAME
         if done.returncode != 0 or not got.is_file():
@@ -227,8 +244,10 @@ def _checked(wheel: Path) -> Path:
         raise WheelUnavailable(f"{wheel}: no such file (expected {WHEEL_NAME}); {_how()}")
     sha = hashlib.sha256(wheel.read_bytes()).hexdigest()
     if sha != WHEEL_SHA256:
-        raise WheelUnavailable(f"{wheel}: sha256 {sha}, expected verl {VERSION}'s {WHEEL_SHA256}; "
-                               f"delete it to download it again, or {_how()}")  # fmt: skip
+        raise WheelUnavailable(
+            f"{wheel}: sha256 {sha}, expected verl {VERSION}'s {WHEEL_SHA256}; "
+            f"delete it to download it again, or {_how()}"
+        )
     return wheel
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -37,8 +39,14 @@ def test_extends_cycle_is_reported(tmp_path):
 
 
 def test_override_values_are_parsed_as_yaml():
-    cfg = load_config(overrides=["model.moe_layer_freq=[0,1]", "rollout.addresses=[http://a:1, http://b:2]",
-                                 "correction.opsm_delta=null", "rollout.top_p=0.9"])  # fmt: skip
+    cfg = load_config(
+        overrides=[
+            "model.moe_layer_freq=[0,1]",
+            "rollout.addresses=[http://a:1, http://b:2]",
+            "correction.opsm_delta=null",
+            "rollout.top_p=0.9",
+        ]
+    )
     assert cfg.model.moe_layer_freq == [0, 1]
     assert cfg.rollout.addresses == ["http://a:1", "http://b:2"]
     assert cfg.correction.opsm_delta is None and cfg.rollout.top_p == 0.9
@@ -103,7 +111,6 @@ def test_moe_layer_pattern_combines_freq_and_first_dense():
 
 
 def test_shipped_configs_validate():
-    from pathlib import Path
 
     configs = sorted(Path(__file__).parents[2].joinpath("configs").glob("*.yaml"))
     assert {"tiny_cpu.yaml", "ablation_replay.yaml"} <= {p.name for p in configs}

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from moe_rl.config import load_config
+from moe_rl.launch import build_launch_plan, sbatch_args
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TWINS = sorted((CONFIGS / "cpu").glob("*.yaml"))
@@ -15,9 +16,22 @@ TWINS = sorted((CONFIGS / "cpu").glob("*.yaml"))
 # Issue 12's list: sizes, parallel layout, precision, rollout.device, engine flags that need a GPU,
 # checkpoint.init_from_hf, step counts -- plus the twin's identity and the cluster allocation; and
 # (issue 34) optimizer flags that need Transformer Engine.
-MODEL_SIZES = {f"model.{k}" for k in (
-    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-    "vocab_size", "seq_length", "num_moe_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")}  # fmt: skip
+MODEL_SIZES = {
+    f"model.{k}"
+    for k in (
+        "num_layers",
+        "hidden_size",
+        "ffn_hidden_size",
+        "num_attention_heads",
+        "num_query_groups",
+        "kv_channels",
+        "vocab_size",
+        "seq_length",
+        "num_moe_experts",
+        "moe_ffn_hidden_size",
+        "moe_shared_expert_intermediate_size",
+    )
+}
 BATCH_SIZES = {"rollout.max_new_tokens", "rollout.samples_per_prompt", "train.prompts_per_step"}
 PARALLEL = {"parallel.tp", "parallel.ep", "parallel.etp", "parallel.pp", "parallel.cp"}
 PRECISION = {"precision.params_dtype", "precision.fp8"}
@@ -56,7 +70,7 @@ def twin_differences(twin: Path, original: Path | None = None) -> dict[str, tupl
 
 def header(path: Path) -> str:
     lines = path.read_text().splitlines()
-    return "\n".join(line for line in lines[: next(i for i, l in enumerate(lines) if not l.startswith("#"))])
+    return "\n".join(line for line in lines[: next(i for i, ln in enumerate(lines) if not ln.startswith("#"))])
 
 
 def test_each_cluster_config_has_a_twin():
@@ -90,7 +104,6 @@ def test_twin_launch_fits_the_local_slurm_cluster_as_shipped(twin):
     """Issue 39: node1..node3 with CPUs=1 RealMemory=7000 Gres=gpu:8 each (scripts/slurm_local.sh): the twin's job
     asks for 3 nodes, a GPU count a node has, no CPUs per task and no memory, and runs its 2 learner ranks one per
     learner node (the model parallelism of test_cpu_twin_runs: ep=2, or pp=2 for the 235B twin)."""
-    from moe_rl.launch import build_launch_plan, sbatch_args
 
     cfg = load_config(twin)
     args = sbatch_args(cfg)

@@ -20,8 +20,11 @@ from moe_rl.preflight import config_problems
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 Q30, Q235, DSV3 = (CONFIGS / f"{n}.yaml" for n in ("qwen3_30b_a3b", "qwen3_235b_a22b", "deepseek_v3_style"))
-PLAIN = ["optim.use_distributed_optimizer=false", "optim.optimizer_cpu_offload=false",
-         "optim.use_precision_aware_optimizer=false"]  # fmt: skip
+PLAIN = [
+    "optim.use_distributed_optimizer=false",
+    "optim.optimizer_cpu_offload=false",
+    "optim.use_precision_aware_optimizer=false",
+]
 DSV3_ON_64 = ["parallel.ep=64", "launch.learner_nodes=8"]  # the layout the DeepSeek-style config shipped with
 
 
@@ -33,10 +36,15 @@ def test_parameter_count_matches_the_model_card(path, total, active):
     assert p.dense + 2 * p.expert * m.moe_router_topk / m.num_moe_experts == pytest.approx(active, rel=0.02)
 
 
-@pytest.mark.parametrize("path, overrides, gb", [
-    (Q235, PLAIN, 146), (Q235, [*PLAIN, "optim.use_distributed_optimizer=true"], 93),
-    (DSV3, [*PLAIN, *DSV3_ON_64], 231), (DSV3, [*PLAIN, *DSV3_ON_64, "optim.use_distributed_optimizer=true"], 203),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "path, overrides, gb",
+    [
+        (Q235, PLAIN, 146),
+        (Q235, [*PLAIN, "optim.use_distributed_optimizer=true"], 93),
+        (DSV3, [*PLAIN, *DSV3_ON_64], 231),
+        (DSV3, [*PLAIN, *DSV3_ON_64, "optim.use_distributed_optimizer=true"], 203),
+    ],
+)
 def test_state_per_gpu_matches_the_issues_sizing(path, overrides, gb):
     assert memory_plan(load_config(path, overrides)).worst.state / GB == pytest.approx(gb, rel=0.015)
 
@@ -66,8 +74,14 @@ def test_shipped_cluster_configs_fit_80_gb_with_activations(path):
 
 
 def test_offload_and_precision_aware_need_the_distributed_optimizer():
-    cfg = load_config(Q30, ["optim.use_distributed_optimizer=false", "optim.optimizer_cpu_offload=true",
-                            "optim.use_precision_aware_optimizer=true"])  # fmt: skip
+    cfg = load_config(
+        Q30,
+        [
+            "optim.use_distributed_optimizer=false",
+            "optim.optimizer_cpu_offload=true",
+            "optim.use_precision_aware_optimizer=true",
+        ],
+    )
     problems = config_problems(cfg).problems
     assert any(p.startswith("optim.use_precision_aware_optimizer=true needs optim.use_distributed") for p in problems)
     assert any(p.startswith("optim.optimizer_cpu_offload=true needs optim.use_distributed") for p in problems)

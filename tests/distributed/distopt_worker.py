@@ -66,14 +66,20 @@ def main() -> None:
     res["step1_params_bitwise"] = all_ranks(all(torch.equal(a[n], b[n]) for n in a))
     res["step1_params_max_diff"] = max(float((a[n] - b[n]).abs().max()) for n in a)
     # the distributed optimizer keeps this rank's flat shard of each parameter's moments only
-    res["moment_elements_this_rank"] = sum(s.opt.state[s.main]["exp_avg"].numel() for s in optimizer_slots(distopt.optimizer))
+    res["moment_elements_this_rank"] = sum(
+        s.opt.state[s.main]["exp_avg"].numel() for s in optimizer_slots(distopt.optimizer)
+    )
     res["param_elements"] = sum(p.numel() for p in distopt.module.parameters())
     save_checkpoint(plain, work / "ckpt_plain")
     save_checkpoint(distopt, work / "ckpt_distopt")
     res["distopt_step2"] = step(distopt, rank, 2)
     save_checkpoint(distopt, work / "after_distopt")  # the uninterrupted run's state after step 2
 
-    for name, ckpt in (("plain_to_distopt", "ckpt_plain"), ("dp1_to_distopt", "dp1"), ("distopt_to_distopt", "ckpt_distopt")):
+    for name, ckpt in (
+        ("plain_to_distopt", "ckpt_plain"),
+        ("dp1_to_distopt", "dp1"),
+        ("distopt_to_distopt", "ckpt_distopt"),
+    ):
         resumed = learner(work, 1, True, start=ckpt)
         res[name] = step(resumed, rank, 2)
 

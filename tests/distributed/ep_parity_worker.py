@@ -21,17 +21,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 torch.set_num_threads(1)
 
 from moe_rl.config import ExperimentConfig, ParallelConfig  # noqa: E402
-from moe_rl.learner.dist import init_distributed  # noqa: E402
 from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from moe_rl.learner.dist import init_distributed  # noqa: E402
+from moe_rl.learner.global_state import param_state  # noqa: E402
 from moe_rl.learner.hf_convert import full_megatron_state_dict, load_hf_weights, read_hf_state_dict  # noqa: E402
 from moe_rl.learner.logprobs import logprobs_from_logits  # noqa: E402
 from moe_rl.learner.model import build_model  # noqa: E402
+from moe_rl.learner.sharded_state import read_global  # noqa: E402
 from moe_rl.learner.train_step import Learner  # noqa: E402
 from tests.conftest import rank_device  # noqa: E402
 
-MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
-             num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32, ffn_hidden_size=96,
-             vocab_size=256, first_k_dense_layers=0, moe_aux_loss_coeff=1e-2, init_method_std=0.1)
+MODEL = dict(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    kv_channels=16,
+    num_moe_experts=8,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=32,
+    ffn_hidden_size=96,
+    vocab_size=256,
+    first_k_dense_layers=0,
+    moe_aux_loss_coeff=1e-2,
+    init_method_std=0.1,
+)
 
 
 def nll(logp, entropy, mb):
@@ -40,10 +54,14 @@ def nll(logp, entropy, mb):
 
 
 def _cfg(ep: int, dispatcher: str):
-    return ExperimentConfig.model_validate({
-        "model": {**MODEL, "moe_token_dispatcher_type": dispatcher},
-        "parallel": {"ep": ep}, "optim": {"lr": 1e-3, "clip_grad": 0.0}, "train": {"seed": 3},
-    })
+    return ExperimentConfig.model_validate(
+        {
+            "model": {**MODEL, "moe_token_dispatcher_type": dispatcher},
+            "parallel": {"ep": ep},
+            "optim": {"lr": 1e-3, "clip_grad": 0.0},
+            "train": {"seed": 3},
+        }
+    )
 
 
 def _learner(hf_dir: str, ep: int, dispatcher: str) -> Learner:
@@ -97,22 +115,37 @@ def export_and_resume_at_ep2(hf_dir: str, work: Path, rank: int) -> dict:
     got1 = ep1.train_step([_shard(rank, 2)], nll)
     ep1_after = full_megatron_state_dict(ep1.module)
     params_close = sorted(ep1_after) == sorted(ep2_after) and all(
-        torch.allclose(ep1_after[k], ep2_after[k], rtol=1e-5, atol=1e-7) for k in ep2_after)
+        torch.allclose(ep1_after[k], ep2_after[k], rtol=1e-5, atol=1e-7) for k in ep2_after
+    )
     # the weights load bitwise; ep=1 and ep=2 then sum expert outputs in another order (~1e-7 relative)
-    resharded = (meta["resharded_from"] or {}).get("ep") == 2 and abs(got1.loss - want.loss) <= 1e-6 * abs(want.loss) \
-        and abs(got1.grad_norm - want.grad_norm) <= 1e-6 * want.grad_norm and params_close  # fmt: skip
-    flags = torch.tensor([int(got.loss == want.loss and got.grad_norm == want.grad_norm), int(params_equal),
-                          int(gathered_ok), int(resharded)], device=rank_device())  # fmt: skip
+    resharded = (
+        (meta["resharded_from"] or {}).get("ep") == 2
+        and abs(got1.loss - want.loss) <= 1e-6 * abs(want.loss)
+        and abs(got1.grad_norm - want.grad_norm) <= 1e-6 * want.grad_norm
+        and params_close
+    )
+    flags = torch.tensor(
+        [
+            int(got.loss == want.loss and got.grad_norm == want.grad_norm),
+            int(params_equal),
+            int(gathered_ok),
+            int(resharded),
+        ],
+        device=rank_device(),
+    )
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-    return {"export_round_trip_bitwise": same, "resume_step_exact": bool(flags[0]), "resume_params_equal": bool(flags[1]),
-            "checkpoint_holds_every_rank_shard": bool(flags[2]), "ep2_to_ep1_resume_same_step": bool(flags[3])}  # fmt: skip
+    return {
+        "export_round_trip_bitwise": same,
+        "resume_step_exact": bool(flags[0]),
+        "resume_params_equal": bool(flags[1]),
+        "checkpoint_holds_every_rank_shard": bool(flags[2]),
+        "ep2_to_ep1_resume_same_step": bool(flags[3]),
+    }
 
 
 def _checkpoint_holds_my_shard(learner, step_dir: Path, rank: int) -> bool:
     """This rank's local weights and Adam state sit in the checkpoint's global tensors under the right global
     names (expert e of rank r is global expert r * num_local + e; the map is written out here, not imported)."""
-    from moe_rl.learner.global_state import param_state
-    from moe_rl.learner.sharded_state import read_global
 
     model, optim = read_global(step_dir, "model"), read_global(step_dir, "optimizer")
     num_local = MODEL["num_moe_experts"] // 2
@@ -136,7 +169,7 @@ def vocab_parallel_check(rank: int) -> dict:
     full = (torch.randn(3, 5, 40, generator=g) * 4).double().to(rank_device())
     targets = torch.randint(0, 40, (3, 5), generator=g).to(rank_device())
     targets[0, 0] = -1
-    shard = full[..., rank * 20:(rank + 1) * 20].float().clone().requires_grad_(True)
+    shard = full[..., rank * 20 : (rank + 1) * 20].float().clone().requires_grad_(True)
     logp, ent = logprobs_from_logits(shard, targets, temperature=0.7)
     (logp.sum() + ent.sum()).backward()
     ref_full = full.clone().requires_grad_(True)
@@ -144,7 +177,7 @@ def vocab_parallel_check(rank: int) -> dict:
     ref_logp = torch.where(targets >= 0, lsm.gather(-1, targets.clamp_min(0)[..., None])[..., 0], 0.0)
     ref_ent = -(lsm.exp() * lsm).sum(-1)
     (ref_logp.sum() + ref_ent.sum()).backward()
-    ref_grad = ref_full.grad[..., rank * 20:(rank + 1) * 20]
+    ref_grad = ref_full.grad[..., rank * 20 : (rank + 1) * 20]
     return {
         "logp_max_diff": float((logp.detach().double() - ref_logp.detach()).abs().max()),
         "entropy_max_diff": float((ent.detach().double() - ref_ent.detach()).abs().max()),
@@ -166,8 +199,10 @@ def main() -> None:
         got = run(args.hf_dir, 2, dispatcher, rank)
         diffs = {n: float((got["grads"][n] - ref["grads"][n]).abs().max()) for n in ref["grads"]}
         result["dispatchers"][dispatcher] = {
-            "ep1_losses": ref["losses"], "ep2_losses": got["losses"],
-            "ep1_grad_norm": ref["grad_norm"], "ep2_grad_norm": got["grad_norm"],
+            "ep1_losses": ref["losses"],
+            "ep2_losses": got["losses"],
+            "ep1_grad_norm": ref["grad_norm"],
+            "ep2_grad_norm": got["grad_norm"],
             "grad_names_match": sorted(ref["grads"]) == sorted(got["grads"]),
             "num_grads": len(diffs),
             "grad_max_abs_diff": max(diffs.values()),

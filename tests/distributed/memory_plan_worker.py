@@ -22,14 +22,26 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.transformer.moe.router_replay import RouterReplay
+
 from moe_rl.config import load_config
-from moe_rl.learner.optimizer import is_expert_param
+from moe_rl.learner.dist import init_distributed
+from moe_rl.learner.model import build_model
+from moe_rl.learner.optimizer import is_expert_param, megatron_step
+from moe_rl.learner.train_step import Learner
+from tests.learner.stepped_state import stepped_learner
 
 REPO = Path(__file__).resolve().parents[2]
 TWINS = ("qwen3_30b_a3b", "qwen3_235b_a22b")
 # Today's learner (before the distributed optimizer lands) builds the non-distributed optimizer: ask for it.
-PLAIN_OPTIMIZER = ["optim.use_distributed_optimizer=false", "optim.optimizer_cpu_offload=false",
-                   "optim.use_precision_aware_optimizer=false"]  # fmt: skip
+PLAIN_OPTIMIZER = [
+    "optim.use_distributed_optimizer=false",
+    "optim.optimizer_cpu_offload=false",
+    "optim.use_precision_aware_optimizer=false",
+]
 
 
 def twin_cfg(name: str, *overrides: str):
@@ -41,10 +53,6 @@ def buffers(ddp) -> list:
 
 
 def measure(cfg) -> dict:
-    from megatron.core import parallel_state as ps
-
-    from moe_rl.learner.dist import init_distributed
-    from tests.learner.stepped_state import stepped_learner
 
     init_distributed(cfg.parallel)
     learner, params, state = stepped_learner(cfg)
@@ -55,8 +63,9 @@ def measure(cfg) -> dict:
         "weight_bytes": sum(p.numel() * p.element_size() for p in params),
         "grad_bytes": sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers(learner.model)),
         "optimizer_bytes": sum(t.numel() * t.element_size() for t in state),
-        "dp": ps.get_data_parallel_world_size(), "edp": ps.get_expert_data_parallel_world_size(),
-    }  # fmt: skip
+        "dp": ps.get_data_parallel_world_size(),
+        "edp": ps.get_expert_data_parallel_world_size(),
+    }
 
 
 def optimizer_state_bytes(optimizer) -> int | None:
@@ -70,18 +79,17 @@ def optimizer_state_bytes(optimizer) -> int | None:
     total = 0
     for o in parts:
         inner = o.optimizer
-        total += sum(t.numel() * t.element_size() for s in inner.state.values() for t in s.values()
-                     if torch.is_tensor(t) and t.dim() > 0)  # fmt: skip
+        total += sum(
+            t.numel() * t.element_size()
+            for s in inner.state.values()
+            for t in s.values()
+            if torch.is_tensor(t) and t.dim() > 0
+        )
         total += sum(t.numel() * t.element_size() for g in o.shard_fp32_from_float16_groups for t in g if t is not None)
     return total
 
 
 def measure_distributed(cfg) -> dict:
-    from megatron.core.transformer.moe.router_replay import RouterReplay
-
-    from moe_rl.learner.dist import init_distributed
-    from moe_rl.learner.optimizer import megatron_step
-    from moe_rl.learner.train_step import Learner
 
     init_distributed(cfg.parallel)
     RouterReplay.clear_global_router_replay_instances()
@@ -97,18 +105,13 @@ def measure_distributed(cfg) -> dict:
 
 def distributed_shard(cfg) -> dict:
     """Elements of this rank's distributed-optimizer shard, dense and expert, by Megatron's own range map."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    from megatron.core.transformer.moe.router_replay import RouterReplay
-
-    from moe_rl.learner.dist import init_distributed
-    from moe_rl.learner.model import build_model
 
     init_distributed(cfg.parallel)
     RouterReplay.clear_global_router_replay_instances()
     model = build_model(cfg)
-    ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                            use_distributed_optimizer=True)  # fmt: skip
+    ddp_cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
+    )
     ddp = DistributedDataParallel(model.config, ddp_cfg, model)
     out = {}
     for kind, bufs in (("dense", ddp.buffers), ("expert", ddp.expert_parallel_buffers)):
@@ -129,7 +132,9 @@ def main() -> None:
     torch.set_num_threads(1)
     report = {name: measure(twin_cfg(name)) for name in TWINS}
     report["distributed_shard_30b"] = distributed_shard(twin_cfg("qwen3_30b_a3b"))
-    report["distributed_optimizer_30b"] = measure_distributed(twin_cfg("qwen3_30b_a3b", "optim.use_distributed_optimizer=true"))
+    report["distributed_optimizer_30b"] = measure_distributed(
+        twin_cfg("qwen3_30b_a3b", "optim.use_distributed_optimizer=true")
+    )
     rank = torch.distributed.get_rank()
     Path(f"{args.out}.rank{rank}").write_text(json.dumps(report))
     torch.distributed.barrier()

@@ -21,10 +21,16 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
+from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint
+from moe_rl.learner.global_state import MODEL_FORMAT, OPTIMIZER_FORMAT
+from moe_rl.learner.sharded_state import read_global
+from moe_rl.learner.train_step import Learner
 from tests.conftest import one_gpu_per_rank
 from tests.distributed.distopt_data import cfg, data_shard, nll
 from tests.distributed.torchrun import REPO, run_worker
@@ -49,8 +55,6 @@ def _close(a: dict, b: dict, rel: float = REL) -> bool:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, megatron_world):  # noqa: F811
     """(work dir, the worker's result, the 1-rank run's steps 1 and 2)."""
-    from moe_rl.learner.checkpoint import save_checkpoint
-    from moe_rl.learner.train_step import Learner
 
     work = tmp_path_factory.mktemp("distopt")
     one = Learner(cfg(), total_steps=4)
@@ -90,18 +94,18 @@ def test_resumes_into_the_distributed_optimizer_from_dp1_and_from_the_plain_opti
 
 
 def _resume_at_one_rank(work, ckpt: str):
-    from moe_rl.learner.checkpoint import load_checkpoint
-    from moe_rl.learner.train_step import Learner
 
     lrn = Learner(cfg(), total_steps=4)
     meta = load_checkpoint(lrn, work / ckpt)
     return lrn, meta, _stats(lrn.train_step(_both(2), nll))
 
 
-@pytest.mark.parametrize("ckpt, want", [("ckpt_distopt", "distopt_step2"), ("ckpt_ep2_distopt", "ep2_distopt_step2")],
-                         ids=["dp2_distopt_to_dp1", "ep2_distopt_to_ep1"])  # fmt: skip
+@pytest.mark.parametrize(
+    "ckpt, want",
+    [("ckpt_distopt", "distopt_step2"), ("ckpt_ep2_distopt", "ep2_distopt_step2")],
+    ids=["dp2_distopt_to_dp1", "ep2_distopt_to_ep1"],
+)
 def test_a_distributed_optimizer_checkpoint_resumes_on_one_rank(runs, ckpt, want):
-    from moe_rl.learner.sharded_state import read_global
 
     work, res, _ = runs
     lrn, meta, got = _resume_at_one_rank(work, ckpt)
@@ -115,10 +119,6 @@ def test_a_distributed_optimizer_checkpoint_resumes_on_one_rank(runs, ckpt, want
 
 def _to_format_3(step_dir) -> None:
     """Rewrite a format-4 step dir as the previous release wrote it: one global file per kind, rank 0's."""
-    from safetensors.torch import save_file
-
-    from moe_rl.learner.global_state import MODEL_FORMAT, OPTIMIZER_FORMAT
-    from moe_rl.learner.sharded_state import read_global
 
     for kind, fmt in (("model", MODEL_FORMAT), ("optimizer", OPTIMIZER_FORMAT)):
         save_file(read_global(step_dir, kind), str(step_dir / f"{kind}.safetensors"), metadata={"format": fmt})
@@ -129,9 +129,6 @@ def _to_format_3(step_dir) -> None:
 
 
 def test_a_previous_release_checkpoint_resumes_and_the_next_save_is_format_4(runs, tmp_path):
-    import shutil
-
-    from moe_rl.learner.checkpoint import save_checkpoint
 
     work, _, one = runs
     shutil.copytree(work / "dp1", tmp_path / "old")
@@ -140,4 +137,6 @@ def test_a_previous_release_checkpoint_resumes_and_the_next_save_is_format_4(run
     assert meta["format_version"] == 3 and meta["resharded_from"] is None
     assert got == one["step2"], "the previous release's checkpoint must resume bit for bit on its layout"
     d = save_checkpoint(lrn, tmp_path / "new")
-    assert json.loads((d / "meta.json").read_text())["format_version"] == 4 and (d / "model-r00000.safetensors").is_file()
+    assert (
+        json.loads((d / "meta.json").read_text())["format_version"] == 4 and (d / "model-r00000.safetensors").is_file()
+    )

@@ -7,7 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from moe_rl.config import ExperimentConfig
+from moe_rl.learner.hf_init import write_random_hf_checkpoint
 from tests.conftest import one_gpu_per_rank
+from tests.distributed.ep_parity_worker import MODEL
 from tests.distributed.torchrun import run_worker
 
 pytestmark = [pytest.mark.distributed, one_gpu_per_rank(2)]
@@ -17,9 +20,6 @@ WORKER = Path(__file__).with_name("ep_parity_worker.py")
 @pytest.fixture(scope="module")
 def ep_result(tmp_path_factory):
     """Run the 2-rank worker once (~20 s) and return its JSON report."""
-    from moe_rl.config import ExperimentConfig
-    from moe_rl.learner.hf_init import write_random_hf_checkpoint
-    from tests.distributed.ep_parity_worker import MODEL
 
     tmp = tmp_path_factory.mktemp("ep")
     hf_dir = write_random_hf_checkpoint(ExperimentConfig.model_validate({"model": MODEL}).model, tmp / "hf", seed=4)
@@ -32,8 +32,10 @@ def ep_result(tmp_path_factory):
 @pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
 def test_ep2_loss_and_grads_match_ep1(ep_result, dispatcher):
     r = ep_result["dispatchers"][dispatcher]
-    print(f"[{dispatcher}] ep1 losses {r['ep1_losses']} ep2 losses {r['ep2_losses']} "
-          f"grad max abs diff {r['grad_max_abs_diff']:.2e} ({r['worst_grad']})")
+    print(
+        f"[{dispatcher}] ep1 losses {r['ep1_losses']} ep2 losses {r['ep2_losses']} "
+        f"grad max abs diff {r['grad_max_abs_diff']:.2e} ({r['worst_grad']})"
+    )
     assert r["ep2_losses"] == r["ep1_losses"], f"ep=2 per-rank losses {r['ep2_losses']} != ep=1 {r['ep1_losses']}"
     assert r["grad_names_match"] and r["num_grads"] > 40
     assert r["max_abs_grad"] > 1e-3, "gradients are too small for the comparison to mean anything"

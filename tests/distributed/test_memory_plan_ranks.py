@@ -64,8 +64,10 @@ def test_distributed_optimizer_shards_dense_over_dp_and_experts_over_expert_dp(r
 def test_distributed_optimizer_state_after_a_step_matches_the_plan(ranks):
     built = ranks[0]["distributed_optimizer_30b"]["built"]
     if built != "DistributedOptimizer":
-        pytest.skip(f"the learner builds {built} for optim.use_distributed_optimizer=true: Megatron's distributed "
-                    "optimizer lands with issue 34's learner change (branch h34); this check runs once it has")
+        pytest.skip(
+            f"the learner builds {built} for optim.use_distributed_optimizer=true: Megatron's distributed "
+            "optimizer lands with issue 34's learner change (branch h34); this check runs once it has"
+        )
     cfg = twin_cfg("qwen3_30b_a3b", "optim.use_distributed_optimizer=true")
     plan = rank_memory(cfg, world=2, stage=0)
     padding = ranks[0]["distributed_shard_30b"]["dense"]["buffer"] - plan.dense_params

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from moe_rl.learner.dist import free_port
 from tests.conftest import repo_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -15,12 +16,18 @@ REPO = Path(__file__).resolve().parents[2]
 
 def run_worker(worker: Path, *args: str, timeout: float = 240, nproc: int = 2) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node=nproc worker *args``; fails the test with the stderr tail unless rc == 0."""
-    from moe_rl.learner.dist import free_port
 
     env = repo_env(REPO, OMP_NUM_THREADS="1")
     for attempt in range(2):  # a free port can be taken between probe and bind: retry once
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={free_port()}", str(worker), *args]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            f"--master_port={free_port()}",
+            str(worker),
+            *args,
+        ]
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
         if proc.returncode == 0:
             return proc

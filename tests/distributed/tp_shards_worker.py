@@ -44,10 +44,10 @@ def ksm_check(rank: int) -> dict:
     ref_logits = full.clone().requires_grad_(True)
     ref = keep_mask_logprobs(ref_logits, targets, kept, temperature=0.7)
     (ref.logp * torch.arange(1, N + 1)).sum().backward()
-    shard = full[:, rank * V // TP:(rank + 1) * V // TP].clone().requires_grad_(True)
+    shard = full[:, rank * V // TP : (rank + 1) * V // TP].clone().requires_grad_(True)
     got = keep_mask_logprobs(shard, targets, kept, temperature=0.7, tp_group=dist.group.WORLD)
     (got.logp * torch.arange(1, N + 1)).sum().backward()
-    ref_grad = ref_logits.grad[:, rank * V // TP:(rank + 1) * V // TP]
+    ref_grad = ref_logits.grad[:, rank * V // TP : (rank + 1) * V // TP]
     return {
         "logp_max_diff": float((got.logp - ref.logp).abs().max()),
         "outside_equal": bool(torch.equal(got.outside_mask, ref.outside_mask)),
@@ -83,13 +83,13 @@ def hand_shard(name: str, t: torch.Tensor, rank: int) -> torch.Tensor:
     """Megatron's tp layout, written out by hand for the check."""
     if name.endswith("linear_fc1.weight"):  # SwiGLU: rank r holds [gate rows of r; up rows of r]
         half, per = t.shape[0] // 2, t.shape[0] // 2 // TP
-        return torch.cat([t[rank * per:(rank + 1) * per], t[half + rank * per:half + (rank + 1) * per]])
+        return torch.cat([t[rank * per : (rank + 1) * per], t[half + rank * per : half + (rank + 1) * per]])
     if name.endswith(("linear_qkv.weight", "word_embeddings.weight", "output_layer.weight")):
         per = t.shape[0] // TP  # qkv: one whole query group [q, q, k, v] per rank
-        return t[rank * per:(rank + 1) * per]
+        return t[rank * per : (rank + 1) * per]
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         per = t.shape[1] // TP
-        return t[:, rank * per:(rank + 1) * per]
+        return t[:, rank * per : (rank + 1) * per]
     return t
 
 
@@ -99,8 +99,12 @@ def gather_check(rank: int) -> dict:
     gathered = gather_tp_shards(local, tp_group=dist.group.WORLD, etp_group=dist.group.WORLD)
     mismatched = sorted(n for n in full if not torch.equal(gathered[n], full[n]))
     slices_wrong = sorted(n for n in full if not torch.equal(tp_slice(n, full[n], rank, TP), local[n]))
-    return {"num_tensors": len(full), "gather_mismatched": mismatched, "slice_mismatched": slices_wrong,
-            "names_equal": sorted(gathered) == sorted(full)}
+    return {
+        "num_tensors": len(full),
+        "gather_mismatched": mismatched,
+        "slice_mismatched": slices_wrong,
+        "names_equal": sorted(gathered) == sorted(full),
+    }
 
 
 def main() -> None:

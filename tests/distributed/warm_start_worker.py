@@ -25,8 +25,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def cfg_for(cache_dir: Path):
-    return load_config(REPO / "configs/demo.yaml", [
-        "train.warm_start.steps=2", "train.warm_start.batch_size=4", f"train.warm_start.cache_dir={cache_dir}"])  # fmt: skip
+    return load_config(
+        REPO / "configs/demo.yaml",
+        ["train.warm_start.steps=2", "train.warm_start.batch_size=4", f"train.warm_start.cache_dir={cache_dir}"],
+    )
 
 
 def main() -> None:

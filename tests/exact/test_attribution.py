@@ -8,9 +8,21 @@ table's "removed" shares are the ones worked out by hand.
 from __future__ import annotations
 
 import pytest
+from megatron.core.transformer.moe.router import TopKRouter
 
+from moe_rl.config import ConfigError
 from moe_rl.config.kernels import KERNELS
 from moe_rl.exact.contract import SERVER_ENV, kernels_from_env, kernels_of, server_env_value
+from moe_rl.learner.exact_spec import (
+    ExactColumnParallelLinear,
+    ExactCoreAttention,
+    ExactRMSNorm,
+    ExactRowParallelLinear,
+)
+from moe_rl.learner.logprobs import uses_exact
+from moe_rl.learner.model import build_model
+from moe_rl.rollout.launcher import ServerSpec, server_env
+from moe_rl.study.attribute import _check_exact_settings, attribution_rows, render_table
 from tests.learner.conftest import make_cfg
 
 ALL = frozenset(KERNELS)
@@ -18,12 +30,12 @@ ALL = frozenset(KERNELS)
 
 def _cfg(kernels=None, on=True):
     cfg = make_cfg(init_method_std=0.1)
-    return cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={
-        "true_on_policy": on, "true_on_policy_kernels": kernels})})  # fmt: skip
+    return cfg.model_copy(
+        update={"rollout": cfg.rollout.model_copy(update={"true_on_policy": on, "true_on_policy_kernels": kernels})}
+    )
 
 
 def test_rows_are_stock_each_item_alone_each_item_left_out_and_all():
-    from moe_rl.study.attribute import attribution_rows
 
     rows = dict(attribution_rows(["lm_head", "router"]))
     assert list(rows) == ["stock", "+lm_head", "+router", "-lm_head", "-router", "all"]
@@ -33,7 +45,6 @@ def test_rows_are_stock_each_item_alone_each_item_left_out_and_all():
 
 
 def test_the_config_names_the_items_and_the_server_gets_only_a_subset():
-    from moe_rl.rollout.launcher import ServerSpec, server_env
 
     assert kernels_of(_cfg(on=False).rollout) == frozenset() and kernels_of(_cfg().rollout) == ALL
     assert kernels_of(_cfg(["router", "lm_head"]).rollout) == {"router", "lm_head"}
@@ -49,16 +60,6 @@ def test_the_config_names_the_items_and_the_server_gets_only_a_subset():
 
 @pytest.mark.parametrize("kernels", [["lm_head"], ["attention", "rmsnorm"], ["linear", "router", "log_softmax"]])
 def test_the_learner_shares_exactly_the_named_items(megatron_world, kernels):
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    from moe_rl.learner.exact_spec import (
-        ExactColumnParallelLinear,
-        ExactCoreAttention,
-        ExactRMSNorm,
-        ExactRowParallelLinear,
-    )  # fmt: skip
-    from moe_rl.learner.logprobs import uses_exact
-    from moe_rl.learner.model import build_model
 
     model = build_model(_cfg(kernels))
     types = {type(m) for m in model.modules()}
@@ -74,8 +75,6 @@ def test_the_learner_shares_exactly_the_named_items(megatron_world, kernels):
 
 
 def test_attribute_refuses_a_config_that_cannot_be_exact():
-    from moe_rl.config import ConfigError
-    from moe_rl.study.attribute import _check_exact_settings
 
     cfg = _cfg(on=False)
     cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"dtype": "bfloat16"})})
@@ -86,18 +85,31 @@ def test_attribute_refuses_a_config_that_cannot_be_exact():
 
 
 def test_the_table_gives_each_rows_share_of_the_stock_mismatch():
-    from moe_rl.study.attribute import render_table
 
     def row(kl, dmax, dmean, fp, fr):
-        return {"kl_k3": kl, "dlogp_max": dmax, "dlogp_mean": dmean, "flip_prompt": fp, "flip_response": fr,
-                "tokens": 100}  # fmt: skip
+        return {
+            "kl_k3": kl,
+            "dlogp_max": dmax,
+            "dlogp_mean": dmean,
+            "flip_prompt": fp,
+            "flip_response": fr,
+            "tokens": 100,
+        }
 
     numbers = {
-        "config": {"rollout.dtype": "bfloat16", "precision.params_dtype": "bfloat16", "prompts": 4,
-                   "samples_per_prompt": 8},
-        "rows": {"stock": row(4e-6, 0.02, 1e-3, 0.04, 0.05), "+router": row(1e-6, 0.02, 5e-4, 0.01, 0.0625),
-                 "-router": row(3e-6, 0.01, 2.5e-4, 0.0, 0.05), "all": row(0.0, 0.0, 0.0, 0.0, 0.0)},
-    }  # fmt: skip
+        "config": {
+            "rollout.dtype": "bfloat16",
+            "precision.params_dtype": "bfloat16",
+            "prompts": 4,
+            "samples_per_prompt": 8,
+        },
+        "rows": {
+            "stock": row(4e-6, 0.02, 1e-3, 0.04, 0.05),
+            "+router": row(1e-6, 0.02, 5e-4, 0.01, 0.0625),
+            "-router": row(3e-6, 0.01, 2.5e-4, 0.0, 0.05),
+            "all": row(0.0, 0.0, 0.0, 0.0, 0.0),
+        },
+    }
     lines = render_table(numbers).splitlines()
     assert "| `router` alone | 1e-06 (75%) | 0.02 (0%) | 0.0005 (50%) | 0.01 (75%) | 0.0625 (-25%) | 100 |" in lines
     assert "| all but `router` | 3e-06 (25%) | 0.01 (50%) | 0.00025 (75%) | 0 (100%) | 0.05 (0%) | 100 |" in lines

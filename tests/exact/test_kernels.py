@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from megatron.core.transformer.moe.moe_utils import permute, unpermute
 
 from moe_rl.exact import kernels as K
 
@@ -65,20 +66,21 @@ def test_attention_prefill_equals_decode_and_chunked_prefill(dtype):
 @pytest.mark.parametrize("topk", [2, 8])
 def test_router_and_experts_are_row_invariant(topk):
     g = torch.Generator().manual_seed(3)
-    E, H, I = 16, 64, 32
+    E, H, F = 16, 64, 32
     x = torch.randn(30, H, generator=g)
     weights, ids = K.router_topk(K.router_logits(x, torch.randn(E, H, generator=g)), topk)
-    w13, w2 = torch.randn(E, 2 * I, H, generator=g) * 0.1, torch.randn(E, H, I, generator=g) * 0.1
+    w13, w2 = torch.randn(E, 2 * F, H, generator=g) * 0.1, torch.randn(E, H, F, generator=g) * 0.1
     out = K.moe_experts(x, weights, ids, w13, w2)
-    assert torch.equal(out, torch.cat([K.moe_experts(x[i : i + 1], weights[i : i + 1], ids[i : i + 1], w13, w2)
-                                       for i in range(30)]))
+    assert torch.equal(
+        out, torch.cat([K.moe_experts(x[i : i + 1], weights[i : i + 1], ids[i : i + 1], w13, w2) for i in range(30)])
+    )
     # a plain float reference (order-free up to rounding): the kernel computes the MoE it claims to
     ref = torch.zeros_like(x, dtype=torch.float64)
     for j in range(topk):
         for r in range(30):
             e = int(ids[r, j])
             h = x[r].double() @ w13[e].double().T
-            a = F.silu(h[:I]) * h[I:] * float(weights[r, j])
+            a = F.silu(h[:F]) * h[F:] * float(weights[r, j])
             ref[r] += a @ w2[e].double().T
     assert torch.allclose(out.double(), ref, atol=1e-5)
     assert torch.allclose(weights.sum(-1), torch.ones(30))
@@ -89,7 +91,9 @@ def test_blocked_matches_stock_up_to_ulps_and_linear_has_gradients():
     x = torch.randn(5, 64, generator=g, requires_grad=True)
     w = torch.randn(8, 64, generator=g, requires_grad=True)
     K.linear(x, w).sum().backward()
-    assert torch.allclose(x.grad, w.detach().sum(0).expand(5, 64)) and torch.allclose(w.grad, x.detach().sum(0).expand(8, 64))
+    assert torch.allclose(x.grad, w.detach().sum(0).expand(5, 64)) and torch.allclose(
+        w.grad, x.detach().sum(0).expand(8, 64)
+    )
     assert torch.allclose(K.silu(x.detach()), F.silu(x.detach()), rtol=1e-6, atol=1e-7)
 
 
@@ -97,13 +101,12 @@ def test_bf16_top8_combine_equals_megatron_unpermute():
     """The combine against Megatron-Core's own ``permute``/``unpermute`` (the learner's dispatcher path): in bf16
     with top-8, torch's CPU ``scatter_add_`` accumulates in fp32 and rounds once, so a bf16 running sum would
     differ (cpu_midsize in bf16 flipped 2.5% of prompt routes that way before the kernel accumulated in fp32)."""
-    from megatron.core.transformer.moe.moe_utils import permute, unpermute
 
     g = torch.Generator().manual_seed(5)
-    E, H, I, M, k = 16, 64, 32, 40, 8
+    E, H, F, M, k = 16, 64, 32, 40, 8
     x = torch.randn(M, H, generator=g).to(torch.bfloat16)
-    w13 = (torch.randn(E, 2 * I, H, generator=g) * 0.1).to(torch.bfloat16)
-    w2 = (torch.randn(E, H, I, generator=g) * 0.1).to(torch.bfloat16)
+    w13 = (torch.randn(E, 2 * F, H, generator=g) * 0.1).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, F, generator=g) * 0.1).to(torch.bfloat16)
     weights, ids = K.router_topk(K.router_logits(x, torch.randn(E, H, generator=g)), k)
     routing_map = torch.zeros(M, E, dtype=torch.bool).scatter_(1, ids, True)
     probs = torch.zeros(M, E).scatter_(1, ids, weights)

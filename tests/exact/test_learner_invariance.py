@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moe_rl.learner.logprobs import logprobs_from_logits, uses_exact
+from moe_rl.learner.model import build_model, forward_logits, moe_routers
 from tests.learner.conftest import make_cfg
 
 
@@ -19,7 +21,6 @@ def _cfg(exact: bool):
 
 
 def _routes(model, ids):
-    from moe_rl.learner.model import forward_logits, moe_routers
 
     maps, hooks = [], []
     for router in moe_routers(model):
@@ -33,8 +34,6 @@ def _routes(model, ids):
 
 @pytest.mark.parametrize("exact", [True, False])
 def test_row_invariance(exact, megatron_world):
-    from moe_rl.learner.logprobs import logprobs_from_logits, uses_exact
-    from moe_rl.learner.model import build_model, forward_logits
 
     cfg = _cfg(exact)
     model = build_model(cfg, seed=5).eval()
@@ -48,8 +47,9 @@ def test_row_invariance(exact, megatron_world):
     batched, routes_batched = _routes(model, batch)
     same_logits = torch.equal(alone[0], batched[0, :23])
     T = 23
-    same_routes = all(torch.equal(ra.view(T, 1, -1)[:, 0], rb.view(40, 5, -1)[:T, 0])
-                      for ra, rb in zip(routes_alone, routes_batched))
+    same_routes = all(
+        torch.equal(ra.view(T, 1, -1)[:, 0], rb.view(40, 5, -1)[:T, 0]) for ra, rb in zip(routes_alone, routes_batched)
+    )
     lp_alone, _ = logprobs_from_logits(alone[:, :-1], a[:, 1:], temperature=0.7, exact=exact)
     lp_batch, _ = logprobs_from_logits(batched[:1, :22], a[:, 1:], temperature=0.7, exact=exact)
     if exact:

@@ -20,20 +20,28 @@ def test_the_gate_settings_pass():
     assert config_problems(load_config(TINY, [*OK, *bf16, "rollout.weight_sync=disk"])).problems == []
 
 
-@pytest.mark.parametrize("override, named", [
-    ("rollout.dtype=bfloat16", "rollout.dtype='bfloat16' with precision.params_dtype='float32'"),
-    ("replay.keep_sampling_mask=true", "replay.keep_sampling_mask=true"),
-    ("rollout.deterministic=false", "rollout.deterministic=false"),
-    ("rollout.weight_quantization=fp8_e4m3", "rollout.weight_quantization='fp8_e4m3'"),
-    ("parallel.tp=2", "parallel.tp=2"),
-    ("model.moe_router_pre_softmax=true", "model.moe_router_score_function='softmax' / moe_router_pre_softmax=True"),
-    ("parallel.pp=2", "parallel.pp=2"),
-    ("rollout.device=cuda", "rollout.device='cuda'"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("rollout.dtype=bfloat16", "rollout.dtype='bfloat16' with precision.params_dtype='float32'"),
+        ("replay.keep_sampling_mask=true", "replay.keep_sampling_mask=true"),
+        ("rollout.deterministic=false", "rollout.deterministic=false"),
+        ("rollout.weight_quantization=fp8_e4m3", "rollout.weight_quantization='fp8_e4m3'"),
+        ("parallel.tp=2", "parallel.tp=2"),
+        (
+            "model.moe_router_pre_softmax=true",
+            "model.moe_router_score_function='softmax' / moe_router_pre_softmax=True",
+        ),
+        ("parallel.pp=2", "parallel.pp=2"),
+        ("rollout.device=cuda", "rollout.device='cuda'"),
+    ],
+)
 def test_each_inexact_setting_is_refused_by_name(override, named):
     problems = config_problems(load_config(TINY, [*OK, override])).problems
     assert any(p.startswith(named) and "cannot be exact under rollout.true_on_policy" in p for p in problems), problems
 
 
 def test_the_mode_off_refuses_nothing_new():
-    assert config_problems(load_config(TINY, ["rollout.dtype=bfloat16", "replay.keep_sampling_mask=true"])).problems == []
+    assert (
+        config_problems(load_config(TINY, ["rollout.dtype=bfloat16", "replay.keep_sampling_mask=true"])).problems == []
+    )

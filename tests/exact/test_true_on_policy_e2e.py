@@ -23,8 +23,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from megatron.core.tensor_parallel import RowParallelLinear
+from megatron.core.transformer.moe.router import TopKRouter
+from safetensors import safe_open
 
+from moe_rl.config import load_config
+from moe_rl.learner.exact_spec import ExactRowParallelLinear
+from moe_rl.learner.hf_init import write_random_hf_checkpoint
+from moe_rl.learner.logprobs import response_logprobs
+from moe_rl.learner.model import build_model
 from moe_rl.records import RolloutBatch
+from moe_rl.rollout.launcher import ServerSpec, SGLangServer
 from moe_rl.train.metrics_log import read_metrics
 from tests.conftest import run_to_file
 
@@ -32,22 +41,32 @@ pytestmark = pytest.mark.sglang
 
 ROOT = Path(__file__).parents[2]
 GATE = [
-    "rollout.true_on_policy=true", "rollout.dtype=float32", "train.minibatches_per_step=1",
-    "replay.keep_sampling_mask=false", "train.steps=2", "train.prompts_per_step=2", "rollout.samples_per_prompt=4",
-    "train.micro_batch_size=4", "rollout.max_new_tokens=8", "checkpoint.save_interval=100",
-    "logging.tensorboard=false", "logging.progress=false", "rollout.startup_timeout_s=600",
+    "rollout.true_on_policy=true",
+    "rollout.dtype=float32",
+    "train.minibatches_per_step=1",
+    "replay.keep_sampling_mask=false",
+    "train.steps=2",
+    "train.prompts_per_step=2",
+    "rollout.samples_per_prompt=4",
+    "train.micro_batch_size=4",
+    "rollout.max_new_tokens=8",
+    "checkpoint.save_interval=100",
+    "logging.tensorboard=false",
+    "logging.progress=false",
+    "rollout.startup_timeout_s=600",
     "rollout.health_timeout_s=300",  # the exact kernels are slow: a loaded CI box must not read that as a hang
-]  # fmt: skip
-EXACT_KEYS = ("offpolicy/log_ratio_abs_max", "offpolicy/kl_k3",
-              "replay/rollout_vs_natural/prompt/flip_rate", "replay/rollout_vs_natural/response/flip_rate")
+]
+EXACT_KEYS = (
+    "offpolicy/log_ratio_abs_max",
+    "offpolicy/kl_k3",
+    "replay/rollout_vs_natural/prompt/flip_rate",
+    "replay/rollout_vs_natural/response/flip_rate",
+)
 
 
 @pytest.fixture(scope="module")
 def tiny_server(tmp_path_factory) -> str:
     """A true-on-policy SGLang server for configs/tiny_cpu.yaml under GATE (patch 0013's kernels); its URL."""
-    from moe_rl.config import load_config
-    from moe_rl.learner.hf_init import write_random_hf_checkpoint
-    from moe_rl.rollout.launcher import ServerSpec, SGLangServer
 
     cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml", GATE)
     root = tmp_path_factory.mktemp("exact_server")
@@ -63,8 +82,18 @@ def _train(out_dir: Path, config: str, *overrides: str, nproc: int = 1) -> list[
     if nproc == 1:
         cmd = [sys.executable, "-m", "moe_rl.cli", "train", *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-               f"--nproc-per-node={nproc}", "-m", "moe_rl.cli", "train", *args]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nnodes=1",
+            f"--nproc-per-node={nproc}",
+            "-m",
+            "moe_rl.cli",
+            "train",
+            *args,
+        ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc, output = run_to_file(cmd, out_dir.parent / f"{out_dir.name}.console.txt", timeout=600, env=env)
     assert proc.returncode == 0, f"moe-rl train failed:\n{output[-4000:]}"
@@ -78,8 +107,13 @@ def _assert_exact(metrics: list[dict], steps=(1, 2)) -> None:
         assert all(v == 0.0 for v in got.values()), f"step {m['step']}: not exact: {got}"
 
 
-ASYNC = ["train.rollout_mode=async", "train.max_staleness=1", "train.steps=3", "checkpoint.save_interval=1",
-         "checkpoint.keep_last=3"]  # fmt: skip
+ASYNC = [
+    "train.rollout_mode=async",
+    "train.max_staleness=1",
+    "train.steps=3",
+    "checkpoint.save_interval=1",
+    "checkpoint.keep_last=3",
+]
 
 
 @pytest.fixture(scope="module")
@@ -92,10 +126,6 @@ def tiny_run(tmp_path_factory, tiny_server):
 def _policy(out: Path, version: int):
     """The learner at weight version ``version``: the initial model (same seed) or the step-``version``
     checkpoint (one rank: whole tensors, Megatron names)."""
-    from safetensors import safe_open
-
-    from moe_rl.config.loader import load_config
-    from moe_rl.learner.model import build_model
 
     cfg = load_config(ROOT / "configs/tiny_cpu.yaml", overrides=GATE[:4])
     model = build_model(cfg).eval()
@@ -110,18 +140,19 @@ def _policy(out: Path, version: int):
 def _recompute(model, sample, temperature: float):
     """The learner's log-prob of every response token and its natural top-k (sorted) per MoE layer at every
     input position of ``sample``."""
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    from moe_rl.learner.logprobs import response_logprobs
 
     tokens = torch.as_tensor(list(sample.prompt_ids) + list(sample.response_ids), dtype=torch.long)[None]
     routes = []
-    hooks = [m.register_forward_hook(lambda _m, _i, out: routes.append(out[1])) for m in model.modules()
-             if isinstance(m, TopKRouter)]  # fmt: skip
+    hooks = [
+        m.register_forward_hook(lambda _m, _i, out: routes.append(out[1]))
+        for m in model.modules()
+        if isinstance(m, TopKRouter)
+    ]
     try:
         with torch.no_grad():
-            logp, _ = response_logprobs(model, tokens[:, :-1], tokens[:, 1:], temperature=temperature,
-                                        with_entropy=False)  # fmt: skip
+            logp, _ = response_logprobs(
+                model, tokens[:, :-1], tokens[:, 1:], temperature=temperature, with_entropy=False
+            )
     finally:
         for h in hooks:
             h.remove()
@@ -156,26 +187,37 @@ def test_midsize_bf16_top8_disk_sync_is_exact(tmp_path):
     """configs/cpu_midsize.yaml (6 layers, 64 experts, top-8: the combine order and its fp32 accumulation
     matter) in its shipped bf16 on both sides, weights synced through files, with replay.routing=none, which
     still logs the flip metrics; no warm start (the gate is about the kernels, not the policy)."""
-    _assert_exact(_train(tmp_path, "cpu_midsize.yaml", "train.warm_start=null", "rollout.dtype=bfloat16",
-                         "precision.params_dtype=bfloat16", "rollout.weight_sync=disk"))  # fmt: skip
+    _assert_exact(
+        _train(
+            tmp_path,
+            "cpu_midsize.yaml",
+            "train.warm_start=null",
+            "rollout.dtype=bfloat16",
+            "precision.params_dtype=bfloat16",
+            "rollout.weight_sync=disk",
+        )
+    )
 
 
 @pytest.mark.distributed
 def test_tiny_fp32_ep2_with_r3_distributed_sync_is_exact(tmp_path, tiny_server):
     """Two learner ranks, experts split over them (all-to-all dispatch), R3 replaying the recorded routes,
     weights broadcast to the server through a weight-update group (gloo)."""
-    _assert_exact(_train(tmp_path, "tiny_cpu.yaml", "replay.routing=r3", "parallel.ep=2",
-                         "rollout.weight_sync=distributed", f"rollout.addresses=[{tiny_server}]", nproc=2))  # fmt: skip
+    _assert_exact(
+        _train(
+            tmp_path,
+            "tiny_cpu.yaml",
+            "replay.routing=r3",
+            "parallel.ep=2",
+            "rollout.weight_sync=distributed",
+            f"rollout.addresses=[{tiny_server}]",
+            nproc=2,
+        )
+    )
 
 
 def test_one_stock_kernel_breaks_equality(tiny_run, megatron_world):
     """Step 0's records, recomputed by the step-0 learner: exact spec -> equal; one stock kernel -> not."""
-    from megatron.core.tensor_parallel import RowParallelLinear
-
-    from moe_rl.config.loader import load_config
-    from moe_rl.learner.exact_spec import ExactRowParallelLinear
-    from moe_rl.learner.logprobs import response_logprobs
-    from moe_rl.learner.model import build_model
 
     out, _ = tiny_run
     cfg = load_config(ROOT / "configs/tiny_cpu.yaml", overrides=GATE[:4])
@@ -187,8 +229,9 @@ def test_one_stock_kernel_breaks_equality(tiny_run, megatron_world):
             tokens = torch.as_tensor(list(s.prompt_ids) + list(s.response_ids), dtype=torch.long)[None]
             P = len(s.prompt_ids)
             with torch.no_grad():
-                logp, _ = response_logprobs(model, tokens[:, :-1], tokens[:, 1:], temperature=cfg.rollout.temperature,
-                                            with_entropy=False)
+                logp, _ = response_logprobs(
+                    model, tokens[:, :-1], tokens[:, 1:], temperature=cfg.rollout.temperature, with_entropy=False
+                )
             recorded = torch.as_tensor(s.rollout_logp, dtype=torch.float32)
             worst = max(worst, (logp[0, P - 1 :] - recorded).abs().max().item())
         return worst

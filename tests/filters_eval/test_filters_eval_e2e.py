@@ -24,13 +24,32 @@ ROOT = Path(__file__).parents[2]
 
 def test_filters_and_eval_through_the_trainer(tmp_path, device, tiny_cpu_server):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "moe_rl.cli", "train", str(ROOT / "configs/tiny_cpu.yaml"), "train.steps=2",
-           "train.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8",
-           "train.micro_batch_size=4", "logging.tensorboard=false", "logging.progress=false",
-           "train.filter_groups=true", "train.max_generation_rounds=3", "train.filter_groups_fallback=true",
-           "reward.overlong_buffer.length=2", "reward.overlong_buffer.penalty=0.5", "train.mask_truncated=true",
-           "eval.interval=1", "eval.task_prompts=4", "eval.samples_per_prompt=3", "eval.temperature=0",
-           f"train.output_dir={out}", f"rollout.addresses=[{tiny_cpu_server}]"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "moe_rl.cli",
+        "train",
+        str(ROOT / "configs/tiny_cpu.yaml"),
+        "train.steps=2",
+        "train.prompts_per_step=4",
+        "rollout.samples_per_prompt=4",
+        "rollout.max_new_tokens=8",
+        "train.micro_batch_size=4",
+        "logging.tensorboard=false",
+        "logging.progress=false",
+        "train.filter_groups=true",
+        "train.max_generation_rounds=3",
+        "train.filter_groups_fallback=true",
+        "reward.overlong_buffer.length=2",
+        "reward.overlong_buffer.penalty=0.5",
+        "train.mask_truncated=true",
+        "eval.interval=1",
+        "eval.task_prompts=4",
+        "eval.samples_per_prompt=3",
+        "eval.temperature=0",
+        f"train.output_dir={out}",
+        f"rollout.addresses=[{tiny_cpu_server}]",
+    ]
     proc, output = run_to_file(cmd, tmp_path / "console.txt", timeout=900)
     assert proc.returncode == 0, output[-4000:]
     metrics = read_metrics(out / "metrics.jsonl")
@@ -45,7 +64,10 @@ def test_filters_and_eval_through_the_trainer(tmp_path, device, tiny_cpu_server)
     # greedy eval: the 3 samples of a prompt are the same response, so pass@3 == pass@1
     assert all(m["eval/task/pass@3"] == pytest.approx(m["eval/task/pass@1"]) for m in metrics)
     # the records hold exactly the trained batches: informative groups first, fallback groups counted
-    assert sorted(p.name for p in (out / "rollouts").iterdir()) == ["step_000000.safetensors", "step_000001.safetensors"]
+    assert sorted(p.name for p in (out / "rollouts").iterdir()) == [
+        "step_000000.safetensors",
+        "step_000001.safetensors",
+    ]
     for step, m in zip((0, 1), metrics[1:]):
         batch = RolloutBatch.load(out / "rollouts" / f"step_{step:06d}.safetensors")
         assert len(batch) == 16

@@ -23,9 +23,20 @@ def test_truncated_responses_leave_the_loss(tmp_path, device):
 
     def run(name, *extra):
         out = tmp_path / name
-        cmd = [sys.executable, "-m", "moe_rl.cli", "train", str(CONFIG), *SHAPE, "train.steps=1",
-               "train.minibatches_per_step=1", f"train.rollouts_from={records}", f"checkpoint.init_from_hf={hf}",
-               f"train.output_dir={out}", *extra]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "moe_rl.cli",
+            "train",
+            str(CONFIG),
+            *SHAPE,
+            "train.steps=1",
+            "train.minibatches_per_step=1",
+            f"train.rollouts_from={records}",
+            f"checkpoint.init_from_hf={hf}",
+            f"train.output_dir={out}",
+            *extra,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         (m,) = read_metrics(out / "metrics.jsonl")

@@ -7,17 +7,25 @@ import math
 import numpy as np
 import pytest
 
+from moe_rl.data.stream import TaskStream
 from moe_rl.reward.shaping import overlong_penalties
 from moe_rl.source.evaluate import pass_at_k
 from moe_rl.source.filters import FilterError, GroupRound, collect_groups, informative_groups
+from moe_rl.tasks.synthetic import DigitTask
 
 
-@pytest.mark.parametrize("n, c, k, want", [
-    (4, 1, 2, 1 - math.comb(3, 2) / math.comb(4, 2)),  # 0.5
-    (5, 2, 3, 1 - math.comb(3, 3) / math.comb(5, 3)),  # 0.9
-    (4, 0, 1, 0.0), (4, 4, 4, 1.0), (4, 1, 1, 0.25), (8, 3, 4, 1 - math.comb(5, 4) / math.comb(8, 4)),
-    (4, 2, 3, 1.0),  # n - c < k: every draw of 3 holds a correct one
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "n, c, k, want",
+    [
+        (4, 1, 2, 1 - math.comb(3, 2) / math.comb(4, 2)),  # 0.5
+        (5, 2, 3, 1 - math.comb(3, 3) / math.comb(5, 3)),  # 0.9
+        (4, 0, 1, 0.0),
+        (4, 4, 4, 1.0),
+        (4, 1, 1, 0.25),
+        (8, 3, 4, 1 - math.comb(5, 4) / math.comb(8, 4)),
+        (4, 2, 3, 1.0),  # n - c < k: every draw of 3 holds a correct one
+    ],
+)
 def test_pass_at_k_is_the_unbiased_estimator(n, c, k, want):
     assert pass_at_k(n, c, k) == pytest.approx(want, abs=1e-12)
 
@@ -41,11 +49,16 @@ def test_informative_groups_are_those_with_unequal_rewards():
 
 def _rounds(reward_rounds, n=2):
     """generate(r): prompts 'r.g', samples 's.r.g.j', the given rewards."""
+
     def generate(r):
         rewards = reward_rounds[r]
         groups = len(rewards) // n
-        return GroupRound([f"{r}.{g}" for g in range(groups)], [f"s.{r}.{g}.{j}" for g in range(groups) for j in range(n)],
-                          list(rewards))  # fmt: skip
+        return GroupRound(
+            [f"{r}.{g}" for g in range(groups)],
+            [f"s.{r}.{g}.{j}" for g in range(groups) for j in range(n)],
+            list(rewards),
+        )
+
     return generate
 
 
@@ -61,8 +74,11 @@ def test_dynamic_sampling_keeps_informative_groups_in_order_and_counts_rounds():
 
 
 def test_dynamic_sampling_fails_naming_rounds_and_fraction_or_falls_back():
-    with pytest.raises(FilterError, match=r"1 informative groups of 3 \(33%\) after train.max_generation_rounds=1 rounds; "
-                                          r"3 are needed"):  # fmt: skip
+    with pytest.raises(
+        FilterError,
+        match=r"1 informative groups of 3 \(33%\) after train.max_generation_rounds=1 rounds; "
+        r"3 are needed",
+    ):
         collect_groups(_rounds(ROUNDS), want=3, group_size=2, max_rounds=1)
     got = collect_groups(_rounds(ROUNDS), want=3, group_size=2, max_rounds=1, fallback=True)
     assert got.prompts == ["0.1", "0.0", "0.2"] and got.groups_filled == 2  # dropped groups in generation order
@@ -70,8 +86,6 @@ def test_dynamic_sampling_fails_naming_rounds_and_fraction_or_falls_back():
 
 
 def test_task_stream_round_zero_is_todays_draw_and_later_rounds_differ():
-    from moe_rl.data.stream import TaskStream
-    from moe_rl.tasks.synthetic import DigitTask
 
     task = DigitTask("copy", 64)
     stream = TaskStream(task, seed=1234)

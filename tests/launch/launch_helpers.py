@@ -5,7 +5,6 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-
 REPO = Path(__file__).resolve().parents[2]
 QWEN3 = REPO / "configs" / "qwen3_30b_a3b.yaml"
 DSV3 = REPO / "configs" / "deepseek_v3_style.yaml"

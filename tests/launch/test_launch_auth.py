@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 from launch_helpers import QWEN3, flag_value, rendered_commands
 
-from moe_rl.config import load_config
+from moe_rl.config import ConfigError, load_config
 from moe_rl.launch import LaunchError, render_launch
 from moe_rl.rollout.auth import RUN_ADMIN_KEY_ENV
 
@@ -30,7 +32,6 @@ def test_plan_passes_the_key_by_variable_name_to_rollout_and_learner_nodes(slurm
 def test_plan_without_a_key_gives_its_servers_a_fresh_admin_key_at_run_time(slurm_env, tmp_path):
     """Secure by default (issue 25): no key configured -> the script draws one when it runs (in no file) and
     hands it by name to the servers (--admin-api-key-env) and the learner (rollout.admin_api_key_env)."""
-    import subprocess
 
     script = render_launch(load_config(QWEN3), dry_run=True, env=slurm_env("gpu[001-006]"))
     assert "WARNING" not in script
@@ -45,8 +46,12 @@ def test_plan_without_a_key_gives_its_servers_a_fresh_admin_key_at_run_time(slur
     assert f"rollout.admin_api_key_env={RUN_ADMIN_KEY_ENV}" in learner[0] and "--export=ALL" in learner[0]
     assert script.index(export[0]) < script.index("moe_rl.rollout.sglang_entry")  # set before any server starts
     # the line draws a different 64-hex-digit key each time it runs
-    keys = {subprocess.run(["bash", "-c", f"{export[0]}; echo ${RUN_ADMIN_KEY_ENV}"], capture_output=True,
-                           text=True, check=True).stdout.strip() for _ in range(2)}  # fmt: skip
+    keys = {
+        subprocess.run(
+            ["bash", "-c", f"{export[0]}; echo ${RUN_ADMIN_KEY_ENV}"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        for _ in range(2)
+    }
     assert len(keys) == 2 and all(len(k) == 64 and int(k, 16) >= 0 for k in keys)
 
 
@@ -63,7 +68,6 @@ def test_plan_refuses_a_key_variable_that_is_not_set(slurm_env):
 
 
 def test_config_holds_a_variable_name_not_a_key():
-    from moe_rl.config import ConfigError
 
     with pytest.raises(ConfigError, match="api_key_env"):
         load_config(None, [f"rollout.api_key_env=sk-{SECRET}!"])

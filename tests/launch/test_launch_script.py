@@ -73,8 +73,13 @@ def _script(tmp_path: Path, *overrides: str) -> str:
 def _run(tmp_path: Path, script: str, **env: str) -> subprocess.CompletedProcess:
     path = tmp_path / "launch.sh"
     path.write_text(script)
-    full_env = {**os.environ, "PATH": f"{_bin(tmp_path)}:{os.environ['PATH']}",
-                "FAKE_LOG": str(tmp_path / "srun.log"), "FAKE_PIDS": str(tmp_path / "pids"), **env}  # fmt: skip
+    full_env = {
+        **os.environ,
+        "PATH": f"{_bin(tmp_path)}:{os.environ['PATH']}",
+        "FAKE_LOG": str(tmp_path / "srun.log"),
+        "FAKE_PIDS": str(tmp_path / "pids"),
+        **env,
+    }
     return subprocess.run(["bash", str(path)], env=full_env, capture_output=True, text=True, timeout=60)
 
 
@@ -104,7 +109,9 @@ def test_script_with_fake_srun_starts_servers_then_learner_and_stops_the_servers
     result = _run(tmp_path, _script(tmp_path))
     assert result.returncode == 0, result.stderr
     calls = _logged(tmp_path)
-    assert [("moe_rl.rollout.sglang_entry" in c, "torchrun" in c) for c in calls] == [(True, False)] * 2 + [(False, True)]
+    assert [("moe_rl.rollout.sglang_entry" in c, "torchrun" in c) for c in calls] == [(True, False)] * 2 + [
+        (False, True)
+    ]
     assert (tmp_path / "run" / "launch" / "config-55.yaml").exists()
     assert "http://gpu002:30000 healthy" in result.stdout
     (override,) = [a for a in calls[-1] if a.startswith("rollout.addresses=")]  # as bash expanded it
@@ -116,7 +123,10 @@ def test_script_with_fake_srun_starts_servers_then_learner_and_stops_the_servers
 def test_script_propagates_the_learner_exit_code(tmp_path):
     result = _run(tmp_path, _script(tmp_path), FAKE_LEARNER_RC="7")
     assert result.returncode == 7
-    assert f"the learner step failed with exit code 7; its logs: {tmp_path}/run/launch/logs-55/learner-*.log" in result.stderr
+    assert (
+        f"the learner step failed with exit code 7; its logs: {tmp_path}/run/launch/logs-55/learner-*.log"
+        in result.stderr
+    )
 
 
 def test_script_never_starts_the_learner_when_a_server_dies_during_startup(tmp_path):
@@ -140,8 +150,13 @@ def _run_until_the_learner_starts(script: str, tmp_path: Path) -> subprocess.Pop
     """Run the rendered script with the fake srun/scontrol of ``_bin``; return once its learner step started."""
     path = tmp_path / "launch.sh"
     path.write_text(script)
-    env = {**os.environ, "PATH": f"{_bin(tmp_path)}:{os.environ['PATH']}", "FAKE_LOG": str(tmp_path / "srun.log"),
-           "FAKE_PIDS": str(tmp_path / "pids"), "FAKE_LEARNER_RUNS": "1"}  # fmt: skip
+    env = {
+        **os.environ,
+        "PATH": f"{_bin(tmp_path)}:{os.environ['PATH']}",
+        "FAKE_LOG": str(tmp_path / "srun.log"),
+        "FAKE_PIDS": str(tmp_path / "pids"),
+        "FAKE_LEARNER_RUNS": "1",
+    }
     proc = subprocess.Popen(["bash", str(path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30
     while not (tmp_path / "srun.log.learner").exists():
@@ -156,7 +171,9 @@ def test_warning_signal_reaches_the_learner_then_the_job_requeues_itself(tmp_pat
     script = _script(tmp_path)
     assert "--signal=B:USR1@300 --requeue" in script
     (learner,) = [c for c in rendered_commands(script) if "torchrun" in c]
-    assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in learner and "--shutdown-timeout=300" in learner
+    assert (
+        "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in learner and "--shutdown-timeout=300" in learner
+    )
     proc = _run_until_the_learner_starts(script, tmp_path)
     assert not (tmp_path / "srun.log.signals").exists()
     proc.send_signal(signal.SIGUSR1)

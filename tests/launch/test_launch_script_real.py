@@ -21,6 +21,7 @@ from launch_helpers import REPO
 
 from moe_rl.config import load_config
 from moe_rl.launch import render_launch
+from moe_rl.learner.hf_init import write_random_hf_checkpoint
 from moe_rl.rollout.launcher import free_port
 
 LOCAL_SRUN = r"""#!/usr/bin/env bash
@@ -42,36 +43,51 @@ exec "$@" >"${out//%N/local}" 2>&1
 def test_rendered_script_trains_one_step_with_a_local_srun_stand_in(tmp_path):
     """Also issue 57 (5): another process holds ``launch.rollout_port`` on the rollout node (a busy shared node), so
     the step's server comes up on the next port, publishes it, and the learner is told that one."""
-    from moe_rl.learner.hf_init import write_random_hf_checkpoint
 
     run_dir = tmp_path / "run"
     squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     squatter.bind(("0.0.0.0", port := free_port()))
     squatter.listen()
     overrides = [
-        "launch.rollout_nodes=1", "launch.learner_nodes=1", "launch.gpus_per_node=1", "parallel.backend=gloo",
-        f"launch.rollout_port={port}", f"launch.master_port={free_port()}", f"train.output_dir={run_dir}",
-        "train.steps=1", "train.prompts_per_step=2", "rollout.samples_per_prompt=4", "train.minibatches_per_step=1",
-        "rollout.max_new_tokens=4", "logging.progress=false", "logging.tensorboard=false",
-    ]  # fmt: skip
+        "launch.rollout_nodes=1",
+        "launch.learner_nodes=1",
+        "launch.gpus_per_node=1",
+        "parallel.backend=gloo",
+        f"launch.rollout_port={port}",
+        f"launch.master_port={free_port()}",
+        f"train.output_dir={run_dir}",
+        "train.steps=1",
+        "train.prompts_per_step=2",
+        "rollout.samples_per_prompt=4",
+        "train.minibatches_per_step=1",
+        "rollout.max_new_tokens=4",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+    ]
     cfg = load_config(REPO / "configs" / "tiny_cpu.yaml", overrides)
     hf = write_random_hf_checkpoint(cfg.model, tmp_path / "hf", seed=0)
     cfg = load_config(REPO / "configs" / "tiny_cpu.yaml", [*overrides, f"checkpoint.init_from_hf={hf}"])
     script = tmp_path / "launch.sh"
-    script.write_text(render_launch(cfg, dry_run=True, env={"SLURM_JOB_NODELIST": "127.0.0.1,localhost",
-                                                            "SLURM_JOB_ID": "77"}))  # fmt: skip
+    script.write_text(
+        render_launch(cfg, dry_run=True, env={"SLURM_JOB_NODELIST": "127.0.0.1,localhost", "SLURM_JOB_ID": "77"})
+    )
     shim = tmp_path / "bin"
     shim.mkdir()
     (shim / "srun").write_text(LOCAL_SRUN)
     (shim / "srun").chmod(stat.S_IRWXU)
-    env = {**os.environ, "SRUN_CALLS": str(tmp_path / "calls"),
-           "PATH": os.pathsep.join([str(shim), str(Path(sys.executable).parent), os.environ["PATH"]])}  # fmt: skip
+    env = {
+        **os.environ,
+        "SRUN_CALLS": str(tmp_path / "calls"),
+        "PATH": os.pathsep.join([str(shim), str(Path(sys.executable).parent), os.environ["PATH"]]),
+    }
     try:
         result = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=540)
     finally:
         squatter.close()
     logs = run_dir / "launch" / "logs-77"
-    learner_log = (logs / "learner-localhost.log").read_text()[-3000:] if (logs / "learner-localhost.log").exists() else ""
+    learner_log = (
+        (logs / "learner-localhost.log").read_text()[-3000:] if (logs / "learner-localhost.log").exists() else ""
+    )
     assert result.returncode == 0, f"{result.stderr}\n--- learner log tail ---\n{learner_log}"
 
     calls = (tmp_path / "calls").read_text().splitlines()

@@ -17,8 +17,11 @@ def _env(**extra: str) -> dict[str, str]:
 def test_local_launcher_refuses_a_rank_count_the_parallel_sizes_do_not_divide():
     result = subprocess.run(
         ["bash", str(REPO / "launch" / "local.sh"), str(REPO / "configs" / "tiny_cpu.yaml"), "parallel.tp=2"],
-        env=_env(NPROC="3"), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        env=_env(NPROC="3"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert "world size 3 (NPROC=3)" in result.stderr and "parallel.tp" in result.stderr
 
@@ -31,8 +34,10 @@ def test_submit_script_sizes_the_sbatch_allocation_from_the_launch_section(tmp_p
     result = subprocess.run(
         ["bash", str(REPO / "launch" / "slurm" / "submit.sh"), str(DSV3), "launch.partition=hpc"],
         env=_env(PATH=f"{tmp_path}:{os.environ['PATH']}", SBATCH_EXTRA_ARGS="--account=rl"),
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     argv = result.stdout.splitlines()
     # deepseek_v3_style: 4 rollout + 16 learner nodes, 8 GPUs each.

@@ -18,7 +18,7 @@ def _split(script):
 
 
 def _program(argv: list[str], first: str) -> list[str]:
-    return argv[argv.index(first):]
+    return argv[argv.index(first) :]
 
 
 def _server(argv: list[str]) -> list[str]:
@@ -38,7 +38,9 @@ def test_qwen3_rollout_servers_run_on_the_first_nodes_with_config_port_and_flags
         assert flag_value(server, "--port") == "30000"
         assert flag_value(argv, "--first-port") == "30000"  # serve tries 30000, 30001, ... (a busy node)
         node = flag_value(argv, "--nodelist")
-        assert flag_value(argv, "--port-file") == f"/checkpoint/moe_rl/qwen3_30b_a3b/launch/ports-4242/rollout-{node}.port"
+        assert (
+            flag_value(argv, "--port-file") == f"/checkpoint/moe_rl/qwen3_30b_a3b/launch/ports-4242/rollout-{node}.port"
+        )
         assert flag_value(server, "--host") == "0.0.0.0"  # reachable from the learner nodes
         assert flag_value(server, "--tp-size") == "4"
         assert flag_value(server, "--model-path") == "/models/Qwen3-30B-A3B"
@@ -59,7 +61,7 @@ def test_qwen3_learner_torchrun_spans_the_remaining_nodes_with_world_and_paralle
     assert flag_value(torchrun, "--nproc-per-node") == "8"
     assert flag_value(torchrun, "--rdzv-endpoint") == "gpu003:29500"
     assert flag_value(torchrun, "--rdzv-id") == "777"
-    train = torchrun[torchrun.index("-m"):]
+    train = torchrun[torchrun.index("-m") :]
     assert train[:3] == ["-m", "moe_rl.cli", "train"]
     for override in ("parallel.tp=4", "parallel.pp=1", "parallel.cp=1", "parallel.ep=8", "parallel.etp=1"):
         assert override in train
@@ -80,8 +82,15 @@ def test_learner_receives_every_rollout_address_as_a_parseable_override(slurm_en
 
 
 def test_deepseek_plan_uses_mixed_hostlists_and_its_own_sizes(slurm_env):
-    cfg = load_config(DSV3, ["checkpoint.init_from_hf=/models/dsv3", "launch.rollout_port=31000",
-                             "launch.master_port=29999", "rollout.deterministic=true"])  # fmt: skip
+    cfg = load_config(
+        DSV3,
+        [
+            "checkpoint.init_from_hf=/models/dsv3",
+            "launch.rollout_port=31000",
+            "launch.master_port=29999",
+            "rollout.deterministic=true",
+        ],
+    )
     env = slurm_env("dgx-a[1-4],dgx-b[01-16]", SLURM_JOB_NUM_NODES="20")
     rollout, (learner,) = _split(render_launch(cfg, dry_run=True, env=env))
     assert [flag_value(c, "--nodelist") for c in rollout] == ["dgx-a1", "dgx-a2", "dgx-a3", "dgx-a4"]

@@ -12,7 +12,24 @@ import sys
 import traceback
 from pathlib import Path
 
+import megatron.core.models.gpt  # noqa: F401 - imported once, before the fork
+import megatron.core.pipeline_parallel.p2p_communication  # noqa: F401
+import megatron.core.transformer.moe.token_dispatcher  # noqa: F401
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.transformer.moe import token_dispatcher
+
+import moe_rl.learner.dist as d
+import moe_rl.learner.mcore_compat as mc
+import moe_rl.learner.model  # noqa: F401
+import moe_rl.learner.model as m
+import tests.learner.conftest  # noqa: F401
+from moe_rl.learner import cpu_shims
+from moe_rl.learner.dist import init_distributed
+from moe_rl.learner.model import build_model, forward_logits
+from tests.learner.conftest import make_cfg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 torch.set_num_threads(1)
@@ -20,12 +37,6 @@ torch.set_num_threads(1)
 
 def exercise() -> None:
     """Build a tiny MoE model (alltoall dispatcher, full recompute) and run forward + backward."""
-    import torch.distributed as dist
-    from megatron.core.transformer.moe import token_dispatcher
-
-    from moe_rl.learner.dist import init_distributed
-    from moe_rl.learner.model import build_model, forward_logits
-    from tests.learner.conftest import make_cfg
 
     cfg = make_cfg(train={"recompute": "full"}, moe_token_dispatcher_type="alltoall")
     init_distributed(cfg.parallel, environ={})
@@ -37,27 +48,21 @@ def exercise() -> None:
     forward_logits(model, ids).sum().backward()
     # Pipeline parallelism's shape exchange for ragged microbatches (variable_seq_lengths): with no peer
     # to talk to it still ends in torch.cuda.synchronize().
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
     P2PCommunicator(pp_group=ps.get_pipeline_model_parallel_group(), config=model.config)._communicate_shapes(
-        None, None, False, False)
+        None, None, False, False
+    )
 
 
 def probe(left_out: str) -> None:
-    from moe_rl.learner import cpu_shims
 
     names = tuple(n for n in cpu_shims.CPU_SHIMS if n != left_out)
     original_apply = cpu_shims.apply_cpu_shims
     original_apply(only=names)
     cpu_shims.apply_cpu_shims = lambda only=None: original_apply(only=names)  # later calls too
-    import moe_rl.learner.dist as d
-    import moe_rl.learner.model as m
 
     d.apply_cpu_shims = m.apply_cpu_shims = cpu_shims.apply_cpu_shims
     if left_out == "te_general_gemm":  # the same fix also runs on every device; leave it out there too
-        import moe_rl.learner.mcore_compat as mc
-
         mc.apply_megatron_fixes = lambda: []
     try:
         exercise()
@@ -71,12 +76,6 @@ def probe(left_out: str) -> None:
 
 def main(names: list[str], parallel: int = 2) -> None:
     """Import what every probe imports, then fork one child per name, `parallel` at a time."""
-    import megatron.core.models.gpt  # noqa: F401 - imported once, before the fork
-    import megatron.core.pipeline_parallel.p2p_communication  # noqa: F401
-    import megatron.core.transformer.moe.token_dispatcher  # noqa: F401
-
-    import moe_rl.learner.model  # noqa: F401
-    import tests.learner.conftest  # noqa: F401
 
     running: set[int] = set()
     for name in names:

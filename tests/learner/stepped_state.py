@@ -7,13 +7,13 @@ Shared by ``tests/learner/test_memory_plan_real.py`` (1 rank) and ``tests/distri
 from __future__ import annotations
 
 import torch
+from megatron.core.transformer.moe.router_replay import RouterReplay
+
+from moe_rl.learner.train_step import Learner
 
 
 def stepped_learner(cfg):
     """(learner, its trainable parameters, its optimizer's state tensors) after one ``optimizer.step()``."""
-    from megatron.core.transformer.moe.router_replay import RouterReplay
-
-    from moe_rl.learner.train_step import Learner
 
     RouterReplay.clear_global_router_replay_instances()
     learner = Learner(cfg)

@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
+from moe_rl.learner.checkpoint import CheckpointError, latest_step, load_checkpoint, rng_state, save_checkpoint
+from moe_rl.learner.global_state import param_state
+from moe_rl.learner.model import build_model
+from moe_rl.learner.state_codec import StateCodecError, load_state, save_state
+from moe_rl.learner.train_step import Learner
 from tests.learner.conftest import make_cfg
 from tests.learner.test_train_step import fixed_batch
 
@@ -16,13 +31,13 @@ def random_subset_nll(logp, entropy, mb):
 
 
 def _cfg():
-    return make_cfg(optim={"lr": 3e-3, "lr_warmup_steps": 2, "lr_decay_style": "cosine", "weight_decay": 0.01},
-                    moe_aux_loss_coeff=1e-2)
+    return make_cfg(
+        optim={"lr": 3e-3, "lr_warmup_steps": 2, "lr_decay_style": "cosine", "weight_decay": 0.01},
+        moe_aux_loss_coeff=1e-2,
+    )
 
 
 def test_resume_reproduces_next_step_exactly(megatron_world, tmp_path):
-    from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint
-    from moe_rl.learner.train_step import Learner
 
     batches = [fixed_batch(256, seed=s) for s in range(3)]
     a = Learner(_cfg(), total_steps=6)
@@ -31,8 +46,6 @@ def test_resume_reproduces_next_step_exactly(megatron_world, tmp_path):
     save_checkpoint(a, tmp_path)
     want = a.train_step([batches[2]], random_subset_nll)
     want_params = {n: p.detach().clone() for n, p in a.module.named_parameters()}
-
-    from moe_rl.learner.model import build_model
 
     b = Learner(_cfg(), total_steps=6, model=build_model(_cfg(), seed=5))  # other init: weights must load
     torch.manual_seed(12345)  # a resumed process starts from some other RNG state
@@ -47,8 +60,6 @@ def test_resume_reproduces_next_step_exactly(megatron_world, tmp_path):
 
 def test_resume_without_rng_restore_would_differ(megatron_world, tmp_path):
     """Guards the test above: the loss really depends on the restored RNG state."""
-    from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint
-    from moe_rl.learner.train_step import Learner
 
     a = Learner(_cfg(), total_steps=6)
     a.train_step([fixed_batch(256)], random_subset_nll)
@@ -61,8 +72,6 @@ def test_resume_without_rng_restore_would_differ(megatron_world, tmp_path):
 
 
 def test_latest_only_moves_to_complete_checkpoints_and_old_ones_are_pruned(megatron_world, tmp_path):
-    from moe_rl.learner.checkpoint import latest_step, load_checkpoint, save_checkpoint
-    from moe_rl.learner.train_step import Learner
 
     learner = Learner(_cfg(), total_steps=6)
     assert load_checkpoint(learner, tmp_path) is None and latest_step(tmp_path) is None
@@ -79,17 +88,20 @@ def test_latest_only_moves_to_complete_checkpoints_and_old_ones_are_pruned(megat
 
 
 def test_a_format_2_checkpoint_loads_only_on_the_world_size_that_wrote_it(megatron_world, tmp_path):
-    import json
-
-    from moe_rl.learner.checkpoint import load_checkpoint
-    from moe_rl.learner.state_codec import save_state
-    from moe_rl.learner.train_step import Learner
 
     learner = Learner(_cfg(), total_steps=2)
     d = tmp_path / "step_00000001"
     d.mkdir()
-    save_state({"step": 1, "optimizer_step": 1, "model": learner.module.state_dict(),
-                "optimizer": learner.optimizer.state_dict(), "rng": rng_now()}, d / "rank_00000.safetensors")
+    save_state(
+        {
+            "step": 1,
+            "optimizer_step": 1,
+            "model": learner.module.state_dict(),
+            "optimizer": learner.optimizer.state_dict(),
+            "rng": rng_now(),
+        },
+        d / "rank_00000.safetensors",
+    )
     meta = {"format_version": 2, "step": 1, "optimizer_step": 1, "world_size": 1, "parallel": {}, "extra": {}}
     (d / "meta.json").write_text(json.dumps(meta))
     assert load_checkpoint(Learner(_cfg(), total_steps=2), tmp_path)["step"] == 1  # older runs still resume
@@ -99,7 +111,6 @@ def test_a_format_2_checkpoint_loads_only_on_the_world_size_that_wrote_it(megatr
 
 
 def rng_now():
-    from moe_rl.learner.checkpoint import rng_state
 
     return rng_state()
 
@@ -112,25 +123,22 @@ class _RunsCode:
         self.marker = str(marker)
 
     def __reduce__(self):
-        import os
 
         return (os.system, (f"touch {self.marker}",))
 
 
 def test_checkpoint_holds_no_pickle_and_a_pickle_shard_is_refused(megatron_world, tmp_path):
-    import json
-
-    from safetensors import safe_open
-
-    from moe_rl.learner.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-    from moe_rl.learner.train_step import Learner
 
     learner = Learner(_cfg(), total_steps=4)
     learner.train_step([fixed_batch(256)], random_subset_nll)
     d = save_checkpoint(learner, tmp_path, extra={"rl_step": 1})
     files = sorted(p.name for p in d.iterdir())
-    assert files == ["meta.json", "model-r00000.safetensors", "optimizer-r00000.safetensors",
-                     "rank_00000.safetensors"], files
+    assert files == [
+        "meta.json",
+        "model-r00000.safetensors",
+        "optimizer-r00000.safetensors",
+        "rank_00000.safetensors",
+    ], files
     with safe_open(str(d / "rank_00000.safetensors"), framework="pt") as fh:  # tensors + JSON, nothing else
         skeleton = json.loads(fh.metadata()["moe_rl_state"])
     assert set(skeleton["rng"]) >= {"python", "numpy", "torch_cpu", "megatron_tracker"}
@@ -148,12 +156,6 @@ def test_checkpoint_holds_no_pickle_and_a_pickle_shard_is_refused(megatron_world
 
 
 def test_a_save_killed_mid_write_leaves_the_previous_checkpoint_loadable(megatron_world, tmp_path):
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from moe_rl.learner.checkpoint import latest_step, load_checkpoint
-    from moe_rl.learner.train_step import Learner
 
     worker = Path(__file__).with_name("killed_save_worker.py")
     proc = subprocess.run([sys.executable, str(worker), str(tmp_path)], capture_output=True, text=True, timeout=300)
@@ -164,7 +166,6 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint_loadable(megatro
 
 
 def test_state_with_a_non_tensor_object_is_refused_at_save(tmp_path):
-    from moe_rl.learner.state_codec import StateCodecError, save_state
 
     with pytest.raises(StateCodecError, match=r"state.optimizer\[0\] is a .*_RunsCode"):
         save_state({"optimizer": [_RunsCode(tmp_path / "x")]}, tmp_path / "s.safetensors")
@@ -173,8 +174,6 @@ def test_state_with_a_non_tensor_object_is_refused_at_save(tmp_path):
 
 @pytest.mark.parametrize("torn", ["rank_00000.safetensors", "model-r00000.safetensors", "optimizer-r00000.safetensors"])
 def test_corrupt_latest_checkpoint_falls_back_to_the_newest_valid_one(megatron_world, tmp_path, caplog, torn):
-    from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint
-    from moe_rl.learner.train_step import Learner
 
     learner = Learner(_cfg(), total_steps=6)
     for rl_step in (1, 2):
@@ -191,8 +190,6 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_newest_valid_one(megatron_w
 
 def _full_filesystem(path):
     """A 64 KiB tmpfs at ``path`` (root only): writes past it fail with ENOSPC."""
-    import os
-    import subprocess
 
     path.mkdir()
     if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(path)]).returncode:
@@ -201,14 +198,13 @@ def _full_filesystem(path):
 
 
 def test_disk_full_error_names_the_path_and_what_was_written(megatron_world, tmp_path):
-    import subprocess
-
-    from moe_rl.learner.checkpoint import CheckpointError, save_checkpoint
-    from moe_rl.learner.train_step import Learner
 
     small = _full_filesystem(tmp_path / "small")
     try:
-        with pytest.raises(CheckpointError, match=r"cannot write rank 0's model weights to .*small/ckpt/\.step_\d+\.tmp/model-r00000\.safetensors: the disk is full \(ENOSPC\)"):  # noqa: E501
+        with pytest.raises(
+            CheckpointError,
+            match=r"cannot write rank 0's model weights to .*small/ckpt/\.step_\d+\.tmp/model-r00000\.safetensors: the disk is full \(ENOSPC\)",
+        ):  # noqa: E501
             save_checkpoint(Learner(_cfg(), total_steps=2), small / "ckpt")
         assert not list((small / "ckpt").glob(".step_*")), "the torn temp dir was left behind"
     finally:
@@ -219,7 +215,6 @@ def test_disk_full_error_names_the_path_and_what_was_written(megatron_world, tmp
 @pytest.fixture
 def no_pickle(monkeypatch):
     """Any unpickling while the fixture is active fails the test (checkpoint loading must never need it)."""
-    import pickle
 
     def refuse(*args, **kwargs):
         raise AssertionError("checkpoint loading called pickle / torch.load")
@@ -231,8 +226,6 @@ def no_pickle(monkeypatch):
 
 def _reindex(path, chunks: str) -> None:
     """Rewrite a rank file with its tensors unchanged and ``chunks`` as its chunk index."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
 
     with safe_open(str(path), framework="pt") as fh:
         tensors, meta = {k: fh.get_tensor(k) for k in fh.keys()}, dict(fh.metadata())  # noqa: SIM118 - not iterable
@@ -240,13 +233,6 @@ def _reindex(path, chunks: str) -> None:
 
 
 def test_a_crafted_checkpoint_is_refused_without_running_code(megatron_world, tmp_path, no_pickle):
-    import json
-    import pickle
-    import shutil
-
-    from moe_rl.learner.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-    from moe_rl.learner.state_codec import load_state, save_state
-    from moe_rl.learner.train_step import Learner
 
     learner = Learner(_cfg(), total_steps=4)
     learner.train_step([fixed_batch(256)], random_subset_nll)
@@ -265,8 +251,10 @@ def test_a_crafted_checkpoint_is_refused_without_running_code(megatron_world, tm
     # format 4's tensor files: a rank file that is a pickle, and one whose chunk index is pickle bytes, are
     # unreadable (safetensors header / JSON), so the newest checkpoint is skipped, nothing executed
     shutil.rmtree(evil)
-    for victim, forge in (("model-r00000.safetensors", lambda f: f.write_bytes(payload)),
-                          ("optimizer-r00000.safetensors", lambda f: _reindex(f, payload.hex()))):  # fmt: skip
+    for victim, forge in (
+        ("model-r00000.safetensors", lambda f: f.write_bytes(payload)),
+        ("optimizer-r00000.safetensors", lambda f: _reindex(f, payload.hex())),
+    ):
         shutil.copytree(good, evil)
         forge(evil / victim)
         assert load_checkpoint(Learner(_cfg(), total_steps=4), tmp_path)["step"] == 1, victim
@@ -284,12 +272,6 @@ def test_a_crafted_checkpoint_is_refused_without_running_code(megatron_world, tm
 def test_a_checkpoint_from_another_layout_loads_its_global_state(megatron_world, tmp_path, caplog):
     """World 1 cannot run another layout; the meta says the checkpoint came from ep=2 on 2 ranks (the
     2-rank reshard is tests/train/test_reshard_resume.py): the global files load, the change is logged."""
-    import json
-
-    from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint
-    from moe_rl.learner.global_state import param_state
-    from moe_rl.learner.model import build_model
-    from moe_rl.learner.train_step import Learner
 
     a = Learner(_cfg(), total_steps=6)
     a.train_step([fixed_batch(256)], random_subset_nll)
@@ -309,11 +291,12 @@ def test_a_checkpoint_from_another_layout_loads_its_global_state(megatron_world,
 
 
 def test_a_checkpoint_of_another_model_shape_fails_naming_the_tensor(megatron_world, tmp_path):
-    from moe_rl.learner.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-    from moe_rl.learner.train_step import Learner
 
     save_checkpoint(Learner(_cfg(), total_steps=2), tmp_path)
     other = make_cfg(moe_ffn_hidden_size=16)
-    with pytest.raises(CheckpointError, match=r"size mismatch for .*experts.local_experts.0.linear_fc1.weight: "
-                                              r"saved \(64, 64\), the model expects \(32, 64\).*model\.\*"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"size mismatch for .*experts.local_experts.0.linear_fc1.weight: "
+        r"saved \(64, 64\), the model expects \(32, 64\).*model\.\*",
+    ):
         load_checkpoint(Learner(other, total_steps=2), tmp_path)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from moe_rl.learner.cpu_shims import CPU_SHIMS, applied_shims, apply_cpu_shims
 from tests.conftest import repo_env
 
 pytestmark = pytest.mark.skipif(
@@ -38,8 +39,15 @@ EXPECTED_FAILURES = {
 def probe_results():
     """Run every probe (one import, a forked child per probe) and collect their verdict lines."""
     names = ["none", *EXPECTED_FAILURES]
-    proc = subprocess.run([sys.executable, str(PROBE), *names], cwd=REPO, env=repo_env(REPO, OMP_NUM_THREADS="1"),
-                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, timeout=240)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(PROBE), *names],
+        cwd=REPO,
+        env=repo_env(REPO, OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        timeout=240,
+    )
     verdicts = dict(ln.split(" ", 1) for ln in proc.stdout.splitlines() if " PROBE-" in ln)
     return {name: verdicts.get(name, f"no verdict (rc={proc.returncode})") for name in names}
 
@@ -62,7 +70,6 @@ def test_leaving_out_one_shim_reproduces_the_failure_it_prevents(probe_results, 
 
 def test_shims_are_noops_once_the_failure_is_gone(megatron_world):
     """After patching, every guard's probe reports 'not needed', so re-applying changes nothing."""
-    from moe_rl.learner.cpu_shims import CPU_SHIMS, applied_shims, apply_cpu_shims
 
     before = applied_shims()
     assert set(before) == set(CPU_SHIMS)  # this CPU-only torch/megatron needs all of them
@@ -73,7 +80,6 @@ def test_shims_are_noops_once_the_failure_is_gone(megatron_world):
 
 
 def test_unknown_shim_name_is_rejected():
-    from moe_rl.learner.cpu_shims import apply_cpu_shims
 
     with pytest.raises(ValueError, match=r"unknown CPU shim\(s\) \['cuda_graphs'\]"):
         apply_cpu_shims(only=("cuda_graphs",))

@@ -22,12 +22,34 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+from moe_rl.learner.device import model_device, to_device
+from moe_rl.learner.logprobs import response_logprobs
+from moe_rl.learner.model import build_model, forward_logits
+from moe_rl.learner.train_step import Learner
+from moe_rl.replay import layout
+from moe_rl.replay.binding import RoutingReplay
+from moe_rl.replay.keep_mask import KeptSets, keep_mask_logprobs
+from moe_rl.replay.layout import pack_microbatch_routes
 from tests.learner.conftest import make_cfg
 
 ROOT = Path(__file__).resolve().parents[2]
 LINTED = ("moe_rl/learner", "moe_rl/replay", "moe_rl/source", "moe_rl/train")
-FACTORIES = {"zeros", "ones", "empty", "full", "arange", "tensor", "as_tensor", "rand", "randn", "randint",
-             "randperm", "linspace", "logspace", "eye"}
+FACTORIES = {
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "arange",
+    "tensor",
+    "as_tensor",
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+    "linspace",
+    "logspace",
+    "eye",
+}
 # (file, enclosing function) -> why a device-less factory there is correct.
 ALLOWED = {
     # moe_rl/train builds each microbatch on the host from the records, then moves it once (``device=``)
@@ -36,10 +58,10 @@ ALLOWED = {
     ("moe_rl/train/batching.py", "response_row_mask"): "host mask from numpy lengths; callers .to(dev)",
     ("moe_rl/train/loop.py", "step"): "per-sample rewards -> advantages on the host; StepInputs moves slices",
     ("moe_rl/replay/layout.py", "pack_microbatch_routes"): "records are packed on the host; RoutingReplay moves "
-                                                           "each microbatch to the routers' device once",
+    "each microbatch to the routers' device once",
     ("moe_rl/learner/train_step.py", "_clip_and_step"): "host scalar from a python float, never given to Megatron",
     ("moe_rl/learner/exact_spec.py", "__init__"): "ExactRMSNorm's weight Parameter, made where torch.nn.RMSNorm makes "
-                                                  "its own; build_model moves the model (linted since it left exact/)",
+    "its own; build_model moves the model (linted since it left exact/)",
 }
 KNOWN_BUGS: dict = {}  # lead-owned files with a known device bug and its fix: none left (docs/gpu.md)
 
@@ -50,17 +72,25 @@ def _device_less_factories(path: Path, root: Path = ROOT) -> list[tuple[str, str
     rel = path.relative_to(root).as_posix()
     tree = ast.parse(path.read_text())
     found = []
-    moved = {id(n.func.value) for n in ast.walk(tree)  # X in X.to(...)
-             if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "to"}
+    moved = {
+        id(n.func.value)
+        for n in ast.walk(tree)  # X in X.to(...)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "to"
+    }
 
     def visit(node, func_name):
         for child in ast.iter_child_nodes(node):
             name = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else func_name
-            if (isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute)
-                    and isinstance(child.func.value, ast.Name) and child.func.value.id == "torch"):
+            if (
+                isinstance(child, ast.Call)
+                and isinstance(child.func, ast.Attribute)
+                and isinstance(child.func.value, ast.Name)
+                and child.func.value.id == "torch"
+            ):
                 attr = child.func.attr
-                if ((attr in FACTORIES and not any(kw.arg == "device" for kw in child.keywords))
-                        or (attr == "from_numpy" and id(child) not in moved)):
+                if (attr in FACTORIES and not any(kw.arg == "device" for kw in child.keywords)) or (
+                    attr == "from_numpy" and id(child) not in moved
+                ):
                     found.append((rel, func_name, child.lineno, attr))
             visit(child, name)
 
@@ -79,7 +109,8 @@ def _lint(root: Path = ROOT) -> list[tuple[str, str, int, str]]:
 def test_lint_no_device_less_tensor_factories_in_learner_replay_and_train():
     bad = [hit for hit in _lint() if hit[:2] not in ALLOWED and hit[:2] not in KNOWN_BUGS]
     assert not bad, "tensor factories without device= (pass the model's / input's device, or 'cpu'):\n" + "\n".join(
-        f"  {f}:{line} in {fn}(): torch.{name}(...)" for f, fn, line, name in bad)
+        f"  {f}:{line} in {fn}(): torch.{name}(...)" for f, fn, line, name in bad
+    )
 
 
 def test_lint_catches_a_device_less_factory(tmp_path):
@@ -88,7 +119,8 @@ def test_lint_catches_a_device_less_factory(tmp_path):
     (tmp_path / "moe_rl" / "replay").mkdir(parents=True)
     (tmp_path / "moe_rl" / "replay" / "planted.py").write_text(
         "import torch\n\ndef f(n, d, a):\n    z = torch.zeros(n)\n    o = torch.ones(n, device=d)\n"
-        "    return torch.from_numpy(a), torch.from_numpy(a).to(d)\n")
+        "    return torch.from_numpy(a), torch.from_numpy(a).to(d)\n"
+    )
     hits = _lint(tmp_path)
     assert [(fn, line, name) for _, fn, line, name in hits] == [("f", 4, "zeros"), ("f", 6, "from_numpy")]
 
@@ -127,7 +159,9 @@ class _BoundaryCheck:
         for name, module in model.named_modules():
             params = list(module.parameters(recurse=False))
             if params:
-                self.hooks.append(module.register_forward_pre_hook(self._hook(name, params[0].device), with_kwargs=True))
+                self.hooks.append(
+                    module.register_forward_pre_hook(self._hook(name, params[0].device), with_kwargs=True)
+                )
 
     def _hook(self, name, device):
         def hook(module, args, kwargs):
@@ -151,11 +185,6 @@ def _host_batch(vocab, b=2, t=8, seed=0):
 
 
 def test_entry_points_build_on_the_parameters_device(megatron_world, device):
-    from moe_rl.learner.logprobs import response_logprobs
-    from moe_rl.learner.model import build_model, forward_logits
-    from moe_rl.replay.binding import RoutingReplay
-    from moe_rl.replay.keep_mask import KeptSets, keep_mask_logprobs
-    from moe_rl.replay.layout import pack_microbatch_routes
 
     cfg = make_cfg()
     model = build_model(cfg, seed=3)
@@ -186,11 +215,13 @@ def test_entry_points_build_on_the_parameters_device(megatron_world, device):
 
 def test_factory_watch_can_fail(megatron_world):
     """A planted device-less factory in library code is caught by the runtime watch."""
-    from moe_rl.replay import layout
 
     original = layout.to_megatron_layout
-    code = compile("def to_megatron_layout(routes):\n    torch.zeros(1)\n    return _orig(routes)\n",
-                   str(ROOT / "moe_rl/replay/layout.py"), "exec")
+    code = compile(
+        "def to_megatron_layout(routes):\n    torch.zeros(1)\n    return _orig(routes)\n",
+        str(ROOT / "moe_rl/replay/layout.py"),
+        "exec",
+    )
     ns = {"torch": torch, "_orig": original}
     exec(code, ns)  # noqa: S102 - a function whose frames claim layout.py as their file
     watch = _FactoryWatch()
@@ -200,7 +231,6 @@ def test_factory_watch_can_fail(megatron_world):
 
 
 def test_learner_takes_host_microbatches(megatron_world, device):
-    from moe_rl.learner.train_step import Learner
 
     cfg = make_cfg()
     learner = Learner(cfg, total_steps=1)
@@ -217,10 +247,14 @@ def test_learner_takes_host_microbatches(megatron_world, device):
 
 
 def test_to_device_moves_every_tensor_in_a_microbatch_and_leaves_the_rest(device):
-    from moe_rl.learner.device import model_device, to_device
 
-    mb = {"input_ids": torch.zeros(2, 3, dtype=torch.long, device="cpu"), "sample_ids": [4, 5],
-          "nested": ({"w": torch.ones(1, device="cpu")}, "tag"), "none": None, "arr": np.zeros(2)}
+    mb = {
+        "input_ids": torch.zeros(2, 3, dtype=torch.long, device="cpu"),
+        "sample_ids": [4, 5],
+        "nested": ({"w": torch.ones(1, device="cpu")}, "tag"),
+        "none": None,
+        "arr": np.zeros(2),
+    }
     out = to_device(mb, device)
     assert out["input_ids"].device.type == device.type and out["nested"][0]["w"].device.type == device.type
     assert out["sample_ids"] == [4, 5] and out["nested"][1] == "tag" and out["none"] is None

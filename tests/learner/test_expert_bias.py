@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import torch
 
+from moe_rl.learner.train_step import Learner
+from moe_rl.replay.dispatch_probe import DispatchProbe
+from moe_rl.train.logprob import make_logprob_fn
 from tests.learner.conftest import make_cfg
 
 
@@ -15,9 +18,6 @@ def _expected_update(counts: torch.Tensor, rate: float = 1e-3) -> torch.Tensor:
 
 
 def test_expert_bias_moves_by_the_valid_token_counts_only(megatron_world, device):
-    from moe_rl.learner.train_step import Learner
-    from moe_rl.replay.dispatch_probe import DispatchProbe
-    from moe_rl.train.logprob import make_logprob_fn
 
     cfg = make_cfg(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
     learner = Learner(cfg)
@@ -35,8 +35,12 @@ def test_expert_bias_moves_by_the_valid_token_counts_only(megatron_world, device
     mb = {"input_ids": input_ids, "targets": targets, "padding_mask": ~valid}
     probe = DispatchProbe(learner.module)
     with probe.capture() as cap:
-        learner.train_step([mb], lambda logp, ent, t: (-(logp * valid).sum() / valid.sum(), {}), 1.0,
-                           make_logprob_fn(False, with_entropy=False))  # fmt: skip
+        learner.train_step(
+            [mb],
+            lambda logp, ent, t: (-(logp * valid).sum() / valid.sum(), {}),
+            1.0,
+            make_logprob_fn(False, with_entropy=False),
+        )
     maps = cap.maps(0)  # [B, T, L, E] experts dispatched
     probe.close()
     discriminating = 0
@@ -45,7 +49,9 @@ def test_expert_bias_moves_by_the_valid_token_counts_only(megatron_world, device
         all_counts = maps[..., layer, :].reshape(-1, maps.shape[-1]).sum(0)
         moved = router.expert_bias.detach().cpu() - old.cpu()
         assert moved.abs().sum() > 0, f"layer {layer}: the expert bias did not move"
-        torch.testing.assert_close(moved, _expected_update(valid_counts), msg=f"layer {layer}: not the valid-token rule")
+        torch.testing.assert_close(
+            moved, _expected_update(valid_counts), msg=f"layer {layer}: not the valid-token rule"
+        )
         if not torch.equal(_expected_update(valid_counts), _expected_update(all_counts)):
             discriminating += 1
             assert not torch.allclose(moved, _expected_update(all_counts)), f"layer {layer}: pads were counted"

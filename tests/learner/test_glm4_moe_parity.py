@@ -7,20 +7,35 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moe_rl.learner.hf_convert import read_hf_state_dict
+from moe_rl.learner.hf_init import write_random_hf_checkpoint
+from moe_rl.learner.model import build_model, forward_logits, moe_routers
+from moe_rl.learner.train_step import Learner
 from tests.learner.conftest import make_cfg
 from tests.learner.test_hf_parity import check_parity
 
-GLM = dict(hf_architecture="Glm4MoeForCausalLM", num_layers=3, first_k_dense_layers=1, num_moe_experts=16,
-           moe_router_topk=4, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-           moe_router_num_groups=4, moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5,
-           moe_shared_expert_intermediate_size=32, add_qkv_bias=True, rotary_percent=0.5, qk_layernorm=False,
-           moe_router_load_balancing_type="none", init_method_std=0.1)  # fmt: skip
+GLM = dict(
+    hf_architecture="Glm4MoeForCausalLM",
+    num_layers=3,
+    first_k_dense_layers=1,
+    num_moe_experts=16,
+    moe_router_topk=4,
+    moe_router_score_function="sigmoid",
+    moe_router_enable_expert_bias=True,
+    moe_router_num_groups=4,
+    moe_router_group_topk=2,
+    moe_router_topk_scaling_factor=2.5,
+    moe_shared_expert_intermediate_size=32,
+    add_qkv_bias=True,
+    rotary_percent=0.5,
+    qk_layernorm=False,
+    moe_router_load_balancing_type="none",
+    init_method_std=0.1,
+)
 
 
 @pytest.mark.parametrize("qk_layernorm", [False, True])
 def test_glm4_moe_hf_and_megatron_agree_after_conversion(qk_layernorm, megatron_world, tmp_path, device):
-    from moe_rl.learner.hf_init import write_random_hf_checkpoint
-    from moe_rl.learner.model import build_model
 
     cfg = make_cfg(**{**GLM, "qk_layernorm": qk_layernorm})
     hf_dir = write_random_hf_checkpoint(cfg.model, tmp_path / "hf", seed=3)
@@ -31,9 +46,6 @@ def test_glm4_moe_hf_and_megatron_agree_after_conversion(qk_layernorm, megatron_
 
 
 def test_glm4_moe_export_round_trips_hf_tensors_bitwise(megatron_world, tmp_path):
-    from moe_rl.learner.hf_convert import read_hf_state_dict
-    from moe_rl.learner.hf_init import write_random_hf_checkpoint
-    from moe_rl.learner.train_step import Learner
 
     cfg = make_cfg(**GLM)
     src = write_random_hf_checkpoint(cfg.model, tmp_path / "src", seed=5)
@@ -50,7 +62,6 @@ def test_expert_bias_load_counts_only_real_tokens_with_a_padding_mask(megatron_w
     """Megatron-Core 0.16.1 broadcasts the flattened padding mask over the expert dim (fixed in
     moe_rl.learner.mcore_compat): the load behind the score-correction bias update must count
     k experts per non-padding token."""
-    from moe_rl.learner.model import build_model, forward_logits, moe_routers
 
     cfg = make_cfg(**GLM)
     model = build_model(cfg, seed=1).train()

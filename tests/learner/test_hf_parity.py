@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
+from moe_rl.learner.hf_convert import canonical_name, load_hf_weights, read_hf_state_dict
+from moe_rl.learner.hf_init import write_random_hf_checkpoint
+from moe_rl.learner.model import build_model, forward_logits, moe_routers
+from moe_rl.learner.train_step import Learner
 from tests.learner.conftest import make_cfg
 
 VARIANTS = {
     "normalised_topk": dict(),
-    "pre_softmax_16x4_dense_first": dict(num_layers=3, num_moe_experts=16, moe_router_topk=4,
-                                         moe_router_pre_softmax=True, first_k_dense_layers=1),
+    "pre_softmax_16x4_dense_first": dict(
+        num_layers=3, num_moe_experts=16, moe_router_topk=4, moe_router_pre_softmax=True, first_k_dense_layers=1
+    ),
 }
 
 
 def _hf_model(hf_dir, device):
-    from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device).eval()
 
@@ -36,16 +41,17 @@ def _hf_topk_sets(hf_model, ids):
 
 def _megatron_topk_sets(model, ids):
     """Per MoE layer, top-k expert sets re-ordered from Megatron's [T*B] (sequence-major) rows."""
-    from moe_rl.learner.model import forward_logits, moe_routers
 
     B, T = ids.shape
     sets, hooks = [], []
     for router in moe_routers(model):
+
         def hook(_m, _i, out):
             routing_map = out[1]  # bool [T*B, E]
             k = int(routing_map.sum(-1)[0])
             idx = routing_map.nonzero()[:, 1].view(T, B, k).transpose(0, 1).reshape(B * T, k)
             sets.append(idx.sort(-1).values)
+
         hooks.append(router.register_forward_hook(hook))
     with torch.no_grad():
         logits = forward_logits(model, ids)
@@ -56,8 +62,6 @@ def _megatron_topk_sets(model, ids):
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_hf_and_megatron_agree_after_conversion(variant, megatron_world, tmp_path, device):
-    from moe_rl.learner.hf_init import write_random_hf_checkpoint
-    from moe_rl.learner.model import build_model
 
     # A larger init std than the default makes the logits sensitive to every mapping detail.
     cfg = make_cfg(init_method_std=0.1, **VARIANTS[variant])
@@ -67,7 +71,6 @@ def test_hf_and_megatron_agree_after_conversion(variant, megatron_world, tmp_pat
 
 def check_parity(cfg, hf_dir, model, device, label: str) -> None:
     """Import ``hf_dir`` into ``model``; fp32 logits within 1e-4 of HF and top-k expert sets 100 % equal."""
-    from moe_rl.learner.hf_convert import load_hf_weights
 
     hf = _hf_model(hf_dir, device)
     load_hf_weights(model, hf_dir, cfg.model)
@@ -86,9 +89,6 @@ def check_parity(cfg, hf_dir, model, device, label: str) -> None:
 
 def test_export_round_trips_hf_tensors_bitwise(megatron_world, tmp_path):
     """Learner initialised from an HF dir (checkpoint.init_from_hf) exports the same tensors back."""
-    from moe_rl.learner.hf_convert import read_hf_state_dict
-    from moe_rl.learner.hf_init import write_random_hf_checkpoint
-    from moe_rl.learner.train_step import Learner
 
     cfg = make_cfg(num_layers=2, first_k_dense_layers=1)
     src = write_random_hf_checkpoint(cfg.model, tmp_path / "src", seed=5)
@@ -104,14 +104,13 @@ def test_export_round_trips_hf_tensors_bitwise(megatron_world, tmp_path):
 
 
 def test_import_rejects_checkpoint_of_another_shape(megatron_world, tmp_path):
-    from moe_rl.learner.hf_convert import load_hf_weights
-    from moe_rl.learner.hf_init import write_random_hf_checkpoint
-    from moe_rl.learner.model import build_model
 
     small = make_cfg(moe_ffn_hidden_size=16)
     src = write_random_hf_checkpoint(small.model, tmp_path / "src", seed=0)
     model = build_model(make_cfg(), seed=1)
-    with pytest.raises(ValueError, match=r"linear_fc1.weight: HF tensor has shape \(32, 64\), model expects \(64, 64\)"):
+    with pytest.raises(
+        ValueError, match=r"linear_fc1.weight: HF tensor has shape \(32, 64\), model expects \(64, 64\)"
+    ):
         load_hf_weights(model, src, make_cfg().model)
 
 
@@ -120,14 +119,19 @@ def test_import_rejects_checkpoint_of_another_shape(megatron_world, tmp_path):
     [
         ("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", "decoder.layers.0.input_layernorm.weight"),
         ("decoder.layers.0.mlp.linear_fc1.layer_norm_weight", "decoder.layers.0.pre_mlp_layernorm.weight"),
-        ("decoder.layers.3.mlp.experts.linear_fc1.weight12", "decoder.layers.3.mlp.experts.local_experts.12.linear_fc1.weight"),
-        ("decoder.layers.3.mlp.experts.linear_fc2.weight0", "decoder.layers.3.mlp.experts.local_experts.0.linear_fc2.weight"),
+        (
+            "decoder.layers.3.mlp.experts.linear_fc1.weight12",
+            "decoder.layers.3.mlp.experts.local_experts.12.linear_fc1.weight",
+        ),
+        (
+            "decoder.layers.3.mlp.experts.linear_fc2.weight0",
+            "decoder.layers.3.mlp.experts.local_experts.0.linear_fc2.weight",
+        ),
         ("decoder.layers.3.mlp.router.weight", "decoder.layers.3.mlp.router.weight"),
         ("decoder.layers.3.pre_mlp_layernorm.weight", "decoder.layers.3.pre_mlp_layernorm.weight"),
     ],
 )
 def test_transformer_engine_spec_names_map_to_local_spec_names(te_name, local_name):
     """The TE spec (GPU) fuses norms into linears and groups experts; conversion sees local names."""
-    from moe_rl.learner.hf_convert import canonical_name
 
     assert canonical_name(te_name) == local_name

@@ -9,14 +9,19 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_rl.learner.logprobs import logprobs_from_logits
+from moe_rl.learner.logprobs import logprobs_from_logits, response_logprobs
+from moe_rl.learner.model import build_model
 from tests.learner.conftest import make_cfg
 
 
 @settings(max_examples=40, deadline=None)
 @given(
-    b=st.integers(1, 3), t=st.integers(1, 5), v=st.integers(2, 40),
-    temperature=st.floats(0.25, 4.0), scale=st.floats(0.1, 30.0), seed=st.integers(0, 2**16),
+    b=st.integers(1, 3),
+    t=st.integers(1, 5),
+    v=st.integers(2, 40),
+    temperature=st.floats(0.25, 4.0),
+    scale=st.floats(0.1, 30.0),
+    seed=st.integers(0, 2**16),
 )
 def test_logprobs_and_entropy_match_reference_softmax(device, b, t, v, temperature, scale, seed):
     g = torch.Generator().manual_seed(seed)
@@ -57,8 +62,6 @@ def test_bad_shapes_and_temperature_raise_one_clear_error():
 
 def test_packed_forward_matches_padded_forward(megatron_world, device):
     """Two samples packed in one row with segment ids score exactly like the padded batch."""
-    from moe_rl.learner.logprobs import response_logprobs
-    from moe_rl.learner.model import build_model
 
     cfg = make_cfg(init_method_std=0.1)
     model = build_model(cfg, seed=11).eval()
@@ -79,7 +82,9 @@ def test_packed_forward_matches_padded_forward(megatron_world, device):
     got = torch.cat([lp_pack[0, :8], lp_pack[0, 8:]])
     want = torch.cat([lp_pad[0, :8], lp_pad[1, :5]])
     assert torch.allclose(got, want, atol=1e-5), f"packed vs padded logp differ by {(got - want).abs().max():.2e}"
-    assert torch.allclose(torch.cat([ent_pack[0, :8], ent_pack[0, 8:]]), torch.cat([ent_pad[0, :8], ent_pad[1, :5]]), atol=1e-5)
+    assert torch.allclose(
+        torch.cat([ent_pack[0, :8], ent_pack[0, 8:]]), torch.cat([ent_pad[0, :8], ent_pad[1, :5]]), atol=1e-5
+    )
     # Without segment ids the second sample would attend to the first: the check above can fail.
     with torch.no_grad():
         lp_leak, _ = response_logprobs(model, packed_in, packed_tg)

@@ -19,25 +19,35 @@ from tests.learner.conftest import make_cfg
 from tests.learner.stepped_state import stepped_learner
 
 REPO = Path(__file__).resolve().parents[2]
-ONE_RANK = ["parallel.tp=1", "parallel.ep=1", "parallel.pp=1", "parallel.etp=null", "optim.use_distributed_optimizer=false",
-            "optim.optimizer_cpu_offload=false", "optim.use_precision_aware_optimizer=false"]  # fmt: skip
+ONE_RANK = [
+    "parallel.tp=1",
+    "parallel.ep=1",
+    "parallel.pp=1",
+    "parallel.etp=null",
+    "optim.use_distributed_optimizer=false",
+    "optim.optimizer_cpu_offload=false",
+    "optim.use_precision_aware_optimizer=false",
+]
 CONFIGS = {
     "tiny": lambda: make_cfg(),
     "midsize": lambda: load_config(REPO / "configs" / "cpu_midsize.yaml", ONE_RANK),
-    **{f"twin_{n}": (lambda n=n: load_config(REPO / "configs" / "cpu" / f"{n}.yaml", ONE_RANK))
-       for n in ("qwen3_30b_a3b", "qwen3_235b_a22b", "deepseek_v3_style")},
-}  # fmt: skip
+    **{
+        f"twin_{n}": (lambda n=n: load_config(REPO / "configs" / "cpu" / f"{n}.yaml", ONE_RANK))
+        for n in ("qwen3_30b_a3b", "qwen3_235b_a22b", "deepseek_v3_style")
+    },
+}
 
 
 def measured(cfg) -> dict:
     learner, params, state = stepped_learner(cfg)
     bufs = [*learner.model.buffers, *learner.model.expert_parallel_buffers]
     return {
-        "params": sum(p.numel() for p in params), "expert": sum(p.numel() for p in params if is_expert_param(p)),
+        "params": sum(p.numel() for p in params),
+        "expert": sum(p.numel() for p in params if is_expert_param(p)),
         "weights": sum(p.numel() * p.element_size() for p in params),
         "grads": sum(b.grad_data.numel() * b.grad_data.element_size() for b in bufs),
         "optimizer": sum(t.numel() * t.element_size() for t in state),
-    }  # fmt: skip
+    }
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -8,9 +8,13 @@ A missing rank file or an element written twice is refused, naming the file / te
 
 from __future__ import annotations
 
+import ast
+import inspect
+
 import pytest
 import torch
 
+from moe_rl.learner import global_state, ownership, sharded_state
 from moe_rl.learner.global_state import GlobalStateError
 from moe_rl.learner.ownership import tensor_slice
 from moe_rl.learner.sharded_state import ShardedDir, rank_file, write_rank_file
@@ -36,8 +40,8 @@ def _write_job(directory, tp: int = 2, dp: int = 2, skip: tuple = ()) -> None:
                     continue  # tp-replicated: tp rank 0's copy only
                 if dp > 1:
                     n = local.numel()
-                    cut = [0, n // 2 - 1, n][d:d + 2]  # uneven: the SwiGLU shard boundary falls inside a box
-                    entry = (f"exp_avg/{name}", s, local.reshape(-1)[cut[0]:cut[1]].clone(), (cut[0], cut[1]))
+                    cut = [0, n // 2 - 1, n][d : d + 2]  # uneven: the SwiGLU shard boundary falls inside a box
+                    entry = (f"exp_avg/{name}", s, local.reshape(-1)[cut[0] : cut[1]].clone(), (cut[0], cut[1]))
                 else:
                     entry = (f"exp_avg/{name}", s, local, None)
                 if (name, t, d) not in skip:
@@ -83,13 +87,10 @@ def test_an_uncovered_or_twice_written_element_is_refused(tmp_path):
 def test_the_state_modules_do_not_import_the_hf_conversion():
     """Issue 34: no import circle between ``global_state`` and ``hf_convert`` (hf_convert imports the gathers
     from global_state, never the other way); the ownership map is shared by both."""
-    import ast
-    import inspect
-
-    from moe_rl.learner import global_state, ownership, sharded_state
 
     for module in (global_state, ownership, sharded_state):
         tree = ast.parse(inspect.getsource(module))
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
-            a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+            a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+        }
         assert "moe_rl.learner.hf_convert" not in imported, f"{module.__name__} imports hf_convert"

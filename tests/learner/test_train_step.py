@@ -7,6 +7,11 @@ import math
 import pytest
 import torch
 
+from moe_rl.config import OptimConfig
+from moe_rl.learner.logprobs import logprobs_from_logits
+from moe_rl.learner.model import forward_logits, moe_routers
+from moe_rl.learner.optimizer import grad_norm_and_clip, lr_at
+from moe_rl.learner.train_step import Learner
 from tests.conftest import session_device
 from tests.learner.conftest import make_cfg
 
@@ -30,7 +35,6 @@ def fixed_batch(vocab: int, b: int = 4, t: int = 24, seed: int = 0, device=None)
 
 
 def test_train_step_reduces_loss_on_fixed_batch(megatron_world, device):
-    from moe_rl.learner.train_step import Learner
 
     cfg = make_cfg(optim={"lr": 3e-3, "clip_grad": 1.0}, moe_aux_loss_coeff=1e-2)
     learner = Learner(cfg, total_steps=12)
@@ -45,8 +49,6 @@ def test_train_step_reduces_loss_on_fixed_batch(megatron_world, device):
 
 def _router_grads(cfg, microbatches, loss_fn):
     """Router ``main_grad`` after one ``train_step`` with clipping off (grads are kept after the step)."""
-    from moe_rl.learner.model import moe_routers
-    from moe_rl.learner.train_step import Learner
 
     learner = Learner(cfg, total_steps=1)
     learner.train_step(microbatches, loss_fn)
@@ -65,11 +67,12 @@ def test_aux_loss_gradient_is_averaged_over_microbatches(megatron_world, device)
     two = _router_grads(cfg, [mb, mb], zero_loss)
     assert all(g.abs().max() > 0 for g in one), "aux loss produced no router gradient"
     for a, b in zip(one, two):
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-9), f"aux grad ratio {(b.norm() / a.norm()).item():.3f}, expected 1"
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-9), (
+            f"aux grad ratio {(b.norm() / a.norm()).item():.3f}, expected 1"
+        )
 
 
 def test_full_recompute_gives_same_gradients(megatron_world, device):
-    from moe_rl.learner.train_step import Learner
 
     mb = fixed_batch(256, seed=3, device=device)
     grads = {}
@@ -84,8 +87,6 @@ def test_full_recompute_gives_same_gradients(megatron_world, device):
 
 
 def test_grad_clipping_bounds_the_update_norm(megatron_world, device):
-    from moe_rl.learner.optimizer import grad_norm_and_clip
-    from moe_rl.learner.train_step import Learner
 
     cfg = make_cfg(optim={"lr": 1e-3, "clip_grad": 0.0})
     learner = Learner(cfg, total_steps=1)
@@ -99,20 +100,25 @@ def test_grad_clipping_bounds_the_update_norm(megatron_world, device):
 
 @pytest.mark.parametrize(
     "style,step,expected",
-    [("constant", 0, 0.25), ("constant", 3, 1.0), ("constant", 50, 1.0),
-     ("linear", 4, 1.0), ("linear", 8, 0.55), ("linear", 12, 0.1), ("linear", 99, 0.1),
-     ("cosine", 8, 0.55), ("cosine", 6, 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4)))],
+    [
+        ("constant", 0, 0.25),
+        ("constant", 3, 1.0),
+        ("constant", 50, 1.0),
+        ("linear", 4, 1.0),
+        ("linear", 8, 0.55),
+        ("linear", 12, 0.1),
+        ("linear", 99, 0.1),
+        ("cosine", 8, 0.55),
+        ("cosine", 6, 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4))),
+    ],
 )
 def test_lr_schedule_hand_values(style, step, expected):
-    from moe_rl.config import OptimConfig
-    from moe_rl.learner.optimizer import lr_at
 
     cfg = OptimConfig(lr=1.0, min_lr=0.1, lr_warmup_steps=4, lr_decay_style=style)
     assert lr_at(step, cfg, total_steps=12) == pytest.approx(expected)
 
 
 def test_loss_fn_must_return_scalar(megatron_world, device):
-    from moe_rl.learner.train_step import Learner
 
     learner = Learner(make_cfg(), total_steps=1)
     with pytest.raises(ValueError, match="scalar loss; got shape"):
@@ -121,9 +127,6 @@ def test_loss_fn_must_return_scalar(megatron_world, device):
 
 def test_custom_logprob_fn_replaces_full_vocab_scoring(megatron_world, device):
     """A logprob_fn (e.g. Keep Sampling Mask) is what the loss sees and what gradients flow through."""
-    from moe_rl.learner.logprobs import logprobs_from_logits
-    from moe_rl.learner.model import forward_logits
-    from moe_rl.learner.train_step import Learner
 
     seen = {}
 

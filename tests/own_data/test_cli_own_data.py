@@ -17,8 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from transformers import AutoTokenizer
 
 from moe_rl.records import RolloutBatch
+from moe_rl.rollout.launcher import ServerSpec, SGLangServer
 from moe_rl.train.metrics_log import read_metrics
 from tests.own_data.tiny_hf import write_tiny_hf_dir
 
@@ -33,14 +35,14 @@ ROWS = [
     {"question": "What is 9 - 4?", "answer": "5", "extra_info": {"id": 4}},
     {"question": "What is 1 + 1?", "answer": "2"},
 ]
-REWARD_FILE = '''
+REWARD_FILE = """
 import json, os
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     with open(os.environ["OWN_DATA_REWARD_LOG"], "a") as fh:
         fh.write(json.dumps([data_source, solution_str, ground_truth, extra_info]) + "\\n")
     return {"score": (len(solution_str) % 3) / 2.0, "length": len(solution_str)}
-'''
+"""
 
 
 def make_workspace(root: Path) -> Path:
@@ -49,15 +51,24 @@ def make_workspace(root: Path) -> Path:
     (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     (root / "my_reward.py").write_text(REWARD_FILE)
     config = {
-        "name": "own_data", "model": {"hf_path": str(root / "model")},
+        "name": "own_data",
+        "model": {"hf_path": str(root / "model")},
         "rollout": {"dtype": "bfloat16", "max_new_tokens": 8, "samples_per_prompt": 2, "seed": 0},
         "train": {"steps": 2, "prompts_per_step": 2, "micro_batch_size": 4, "seed": 7},
-        "data": {"train_files": [str(root / "train.jsonl")], "prompt_key": "question", "label_key": "answer",
-                 "system_prompt": SYSTEM},
-        "reward": {"type": "custom", "function": f"{root / 'my_reward.py'}:compute_score", "num_workers": 1,
-                   "timeout_s": 120},
+        "data": {
+            "train_files": [str(root / "train.jsonl")],
+            "prompt_key": "question",
+            "label_key": "answer",
+            "system_prompt": SYSTEM,
+        },
+        "reward": {
+            "type": "custom",
+            "function": f"{root / 'my_reward.py'}:compute_score",
+            "num_workers": 1,
+            "timeout_s": 120,
+        },
         "logging": {"tensorboard": False, "progress": False},
-    }  # fmt: skip
+    }
     (root / "own_data.yaml").write_text(yaml.safe_dump(config))
     return root
 
@@ -69,10 +80,15 @@ def workspace(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(workspace):
-    from moe_rl.rollout.launcher import ServerSpec, SGLangServer
 
-    spec = ServerSpec(model_path=str(workspace / "model"), dtype="bfloat16", deterministic=True, max_total_tokens=4096,
-                      mem_fraction_static=0.3, startup_timeout_s=600)  # fmt: skip
+    spec = ServerSpec(
+        model_path=str(workspace / "model"),
+        dtype="bfloat16",
+        deterministic=True,
+        max_total_tokens=4096,
+        mem_fraction_static=0.3,
+        startup_timeout_s=600,
+    )
     with SGLangServer(spec, workspace / "sglang.log") as s:
         yield s.url
 
@@ -80,12 +96,21 @@ def server(workspace):
 def train(workspace, server, out: Path, steps: int, log: Path) -> str:
     """``moe-rl train`` on the shared server; its output. (Written to a file, not a pipe: the trainer's
     torch_shm_manager outlives it while the server still maps the synced tensors, and would hold a pipe open.)"""
-    cmd = [sys.executable, "-m", "moe_rl.cli", "train", str(workspace / "own_data.yaml"), f"train.steps={steps}",
-           f"train.output_dir={out}", f"rollout.addresses=[{server}]"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "moe_rl.cli",
+        "train",
+        str(workspace / "own_data.yaml"),
+        f"train.steps={steps}",
+        f"train.output_dir={out}",
+        f"rollout.addresses=[{server}]",
+    ]
     console = workspace / f"console_{out.name}_{steps}.txt"
     with open(console, "w") as fh:
-        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=600,
-                              env=os.environ | {"OWN_DATA_REWARD_LOG": str(log)})  # fmt: skip
+        proc = subprocess.run(
+            cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=600, env=os.environ | {"OWN_DATA_REWARD_LOG": str(log)}
+        )
     text = console.read_text()
     assert proc.returncode == 0, f"moe-rl train failed:\n{text[-6000:]}"
     return text
@@ -102,7 +127,6 @@ def two_steps(workspace, server):
 
 
 def test_prompts_are_the_chat_template_of_dataset_rows(workspace, two_steps):
-    from transformers import AutoTokenizer
 
     out, console = two_steps
     tok = AutoTokenizer.from_pretrained(workspace / "model", local_files_only=True)
@@ -115,14 +139,15 @@ def test_prompts_are_the_chat_template_of_dataset_rows(workspace, two_steps):
             row = ROWS[int(batch.data_rows[i])]
             seen_rows.add(int(batch.data_rows[i]))
             q = row["question"]
-            messages = [{"role": "system", "content": SYSTEM}] + ([{"role": "user", "content": q}] if isinstance(q, str) else q)
+            messages = [{"role": "system", "content": SYSTEM}] + (
+                [{"role": "user", "content": q}] if isinstance(q, str) else q
+            )
             want = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
             assert batch.sample(i).prompt_ids.tolist() == want
     assert 3 not in seen_rows and len(seen_rows) >= 2
 
 
 def test_reward_function_got_the_decoded_responses_and_labels(workspace, two_steps):
-    from transformers import AutoTokenizer
 
     out, _ = two_steps
     tok = AutoTokenizer.from_pretrained(workspace / "model", local_files_only=True)
@@ -135,7 +160,7 @@ def test_reward_function_got_the_decoded_responses_and_labels(workspace, two_ste
             extra = row.get("extra_info", {k: v for k, v in row.items() if k not in ("question", "answer")})
             expected.append([row.get("data_source", "train"), text, row["answer"], extra])
             rewards.append((len(text) % 3) / 2.0)
-        np.testing.assert_array_equal(batch.rewards, np.float32(rewards[-len(batch):]))
+        np.testing.assert_array_equal(batch.rewards, np.float32(rewards[-len(batch) :]))
     key = lambda c: json.dumps(c, sort_keys=True)  # noqa: E731
     assert collections.Counter(map(key, calls)) == collections.Counter(map(key, expected))
     metrics = read_metrics(out / "metrics.jsonl")
@@ -144,7 +169,6 @@ def test_reward_function_got_the_decoded_responses_and_labels(workspace, two_ste
 
 
 def test_exported_weights_carry_the_tokenizer_and_chat_template(workspace, two_steps):
-    from transformers import AutoTokenizer
 
     out, _ = two_steps
     exported = AutoTokenizer.from_pretrained(out / "hf" / "current", local_files_only=True)

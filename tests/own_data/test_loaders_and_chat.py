@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from moe_rl.config import load_config
@@ -21,9 +23,6 @@ def write(path, rows):
     elif path.suffix == ".json":
         path.write_text(json.dumps(rows))
     else:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
         pq.write_table(pa.Table.from_pylist(rows), path)
     return path
 
@@ -34,9 +33,16 @@ def tok():
 
 
 def cfg_for(files, **data):
-    return load_config(None, [f"data.train_files={json.dumps([str(f) for f in files])}", "data.prompt_key=q",
-                              "data.label_key=a", "reward.type=math",
-                              *(f"data.{k}={json.dumps(v)}" for k, v in data.items())])  # fmt: skip
+    return load_config(
+        None,
+        [
+            f"data.train_files={json.dumps([str(f) for f in files])}",
+            "data.prompt_key=q",
+            "data.label_key=a",
+            "reward.type=math",
+            *(f"data.{k}={json.dumps(v)}" for k, v in data.items()),
+        ],
+    )
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet"])
@@ -70,10 +76,16 @@ def test_string_prompt_is_one_user_message_with_the_system_prompt_first(tmp_path
 
 
 def test_message_list_prompt_and_plain_text_prompt(tmp_path, tok):
-    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "2+2?"}]
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "2+2?"},
+    ]
     cfg = cfg_for([write(tmp_path / "m.jsonl", [{"q": messages, "a": "4"}])])
     items, _ = load_prompt_items(cfg.data.train_files, tok, cfg, log=None)
-    assert items[0].ids == tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert items[0].ids == tok.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     plain = cfg_for([tmp_path / "m.jsonl"], apply_chat_template=False).data
     assert prompt_ids(tok, "What is 2 + 3?", plain, "x") == tok.encode("What is 2 + 3?", add_special_tokens=True)
     with pytest.raises(DataError, match="needs data.apply_chat_template=true"):

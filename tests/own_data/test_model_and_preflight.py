@@ -9,20 +9,39 @@ import pytest
 
 from moe_rl.config import ModelConfig, load_config, save_config
 from moe_rl.config.hf_model import model_keys_from_hf
+from moe_rl.learner.hf_init import hf_config_from_model_config
 from moe_rl.preflight import config_problems
 from tests.own_data.tiny_hf import write_tiny_hf_dir
 
-GLM = dict(hf_architecture="Glm4MoeForCausalLM", moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-           moe_shared_expert_intermediate_size=64, moe_ffn_hidden_size=32, rotary_percent=0.5, add_qkv_bias=True,
-           first_k_dense_layers=1, num_layers=3, moe_router_num_groups=2, moe_router_group_topk=1,
-           moe_router_topk_scaling_factor=2.5)  # fmt: skip
-QWEN = dict(moe_layer_freq=[1, 0, 1], num_layers=3, moe_router_pre_softmax=True, vocab_size=1000, seq_length=4096,
-            rotary_base=10000.0, layernorm_epsilon=1e-5, num_query_groups=1, kv_channels=8)  # fmt: skip
+GLM = dict(
+    hf_architecture="Glm4MoeForCausalLM",
+    moe_router_score_function="sigmoid",
+    moe_router_enable_expert_bias=True,
+    moe_shared_expert_intermediate_size=64,
+    moe_ffn_hidden_size=32,
+    rotary_percent=0.5,
+    add_qkv_bias=True,
+    first_k_dense_layers=1,
+    num_layers=3,
+    moe_router_num_groups=2,
+    moe_router_group_topk=1,
+    moe_router_topk_scaling_factor=2.5,
+)
+QWEN = dict(
+    moe_layer_freq=[1, 0, 1],
+    num_layers=3,
+    moe_router_pre_softmax=True,
+    vocab_size=1000,
+    seq_length=4096,
+    rotary_base=10000.0,
+    layernorm_epsilon=1e-5,
+    num_query_groups=1,
+    kv_channels=8,
+)
 
 
 @pytest.mark.parametrize("keys", [QWEN, GLM], ids=["qwen3_moe", "glm4_moe"])
 def test_config_json_gives_back_every_key_hf_init_wrote(keys):
-    from moe_rl.learner.hf_init import hf_config_from_model_config
 
     m = ModelConfig(**keys)
     derived = model_keys_from_hf(json.loads(hf_config_from_model_config(m).to_json_string()))
@@ -47,8 +66,14 @@ def problems(*overrides):
 
 
 def own(hf_dir, train_file, *more):
-    return [f"model.hf_path={hf_dir}", f"data.train_files=[{train_file}]", "data.prompt_key=question",
-            "data.label_key=answer", "reward.type=math", *more]  # fmt: skip
+    return [
+        f"model.hf_path={hf_dir}",
+        f"data.train_files=[{train_file}]",
+        "data.prompt_key=question",
+        "data.label_key=answer",
+        "reward.type=math",
+        *more,
+    ]
 
 
 def test_a_config_with_only_hf_path_reads_the_architecture(hf_dir, train_file, tmp_path):
@@ -100,8 +125,9 @@ def test_reward_and_data_settings_that_cannot_work(hf_dir, train_file):
     assert problems(*own(hf_dir, train_file), "reward.type=custom") == [
         "reward.type='custom' needs reward.function ('pkg.module:fn' or 'path/to/file.py:fn')"
     ]
-    assert problems(f"data.train_files=[{train_file}]", "data.prompt_key=question", "data.label_key=answer",
-                    "reward.type=math") == [
+    assert problems(
+        f"data.train_files=[{train_file}]", "data.prompt_key=question", "data.label_key=answer", "reward.type=math"
+    ) == [
         "data.train_files needs model.hf_path: dataset prompts are tokenised with the model's own tokenizer (the "
         "built-in task tokenizer only knows digits)"
-    ]  # fmt: skip
+    ]

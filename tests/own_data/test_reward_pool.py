@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from moe_rl.reward.pool import RewardPool
+from moe_rl.reward.pool import RewardPool, _normalise
 
 SLOW_IMPORT = """
 import time
@@ -41,7 +41,12 @@ def test_calls_under_the_limit_finish_beside_a_hanging_one_and_a_slow_replacemen
         out = pool.map(calls("60", "0.3", "0.1", "1.8", "2.6"))
         wall = time.monotonic() - t0
         assert [o.error for o in out] == [
-            "timed out after reward.timeout_s=2 s", None, None, None, "timed out after reward.timeout_s=2 s"]
+            "timed out after reward.timeout_s=2 s",
+            None,
+            None,
+            None,
+            "timed out after reward.timeout_s=2 s",
+        ]
         assert [o.extras for o in out if o.error is None] == [{"slept": 0.3}, {"slept": 0.1}, {"slept": 1.8}]
         assert wall < 30, wall  # nothing waited for the 60 s call
         assert len(pool._workers) == 2  # both killed workers were replaced (still importing: nobody waited)
@@ -61,12 +66,17 @@ def test_a_numpy_return_value_is_an_error_for_its_call_not_a_dead_worker(tmp_pat
         assert pool._workers[0].proc.pid == pid  # the same worker answered every call
 
 
-@pytest.mark.parametrize("value, why", [
-    (True, "returned bool"), ("0.5", "returned str"), ([1.0], "returned list"), ({"acc": 1}, "without 'score'"),
-    (float("inf"), "non-finite"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "value, why",
+    [
+        (True, "returned bool"),
+        ("0.5", "returned str"),
+        ([1.0], "returned list"),
+        ({"acc": 1}, "without 'score'"),
+        (float("inf"), "non-finite"),
+    ],
+)
 def test_normalise_refuses_what_is_not_one_number(value, why):
-    from moe_rl.reward.pool import _normalise
 
     with pytest.raises(ValueError, match=why):
         _normalise(value)

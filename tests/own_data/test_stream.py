@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
-from moe_rl.data.stream import DatasetStream, PromptItem, TaskStream
+from moe_rl.data.prompt import PromptItem
+from moe_rl.data.stream import DatasetStream, TaskStream
+from moe_rl.records import RolloutBatch, RolloutSample
 from moe_rl.tasks.synthetic import DigitTask
 
 
@@ -46,7 +49,6 @@ def test_resuming_from_a_saved_position_continues_exactly():
 
 
 def test_a_position_for_another_dataset_size_is_refused():
-    import pytest
 
     stream = DatasetStream(items(4), seed=0)
     with pytest.raises(ValueError, match="for 5 prompts; data.train_files now yield 4"):
@@ -54,11 +56,15 @@ def test_a_position_for_another_dataset_size_is_refused():
 
 
 def test_records_carry_each_samples_dataset_file_and_row(tmp_path):
-    from moe_rl.records import RolloutBatch, RolloutSample
 
     def sample(file, row):
-        return RolloutSample(prompt_ids=np.array([1, 2], np.int32), response_ids=np.array([3], np.int32),
-                             rollout_logp=np.array([-0.5], np.float32), data_file=file, data_row=row)  # fmt: skip
+        return RolloutSample(
+            prompt_ids=np.array([1, 2], np.int32),
+            response_ids=np.array([3], np.int32),
+            rollout_logp=np.array([-0.5], np.float32),
+            data_file=file,
+            data_row=row,
+        )
 
     batch = RolloutBatch.from_samples([sample("a.jsonl", 4), sample("b.parquet", 0), sample("a.jsonl", 9)])
     back = RolloutBatch.load(batch.save(tmp_path / "r.safetensors"))

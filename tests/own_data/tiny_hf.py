@@ -10,46 +10,62 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from moe_rl.config import ModelConfig
+from moe_rl.learner.hf_init import write_random_hf_checkpoint
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
-    "What is 2 + 3? The answer is 5.", "Compute 7 * 6 and put it in \\boxed{42}.", "system user assistant",
-    "You are a helpful math tutor. Think step by step.", "How many legs does a spider have? Eight, so 8.",
+    "What is 2 + 3? The answer is 5.",
+    "Compute 7 * 6 and put it in \\boxed{42}.",
+    "system user assistant",
+    "You are a helpful math tutor. Think step by step.",
+    "How many legs does a spider have? Eight, so 8.",
     "the quick brown fox jumps over the lazy dog 0 1 2 3 4 5 6 7 8 9 + - * / = ( ) { } \\frac",
-]  # fmt: skip
+]
 MODEL_VOCAB = 384  # > the tokenizer's size: padded embedding rows, as in Qwen
 
 
 def build_tokenizer(vocab_size: int = 320, chat_template: str | None = CHAT_TEMPLATE):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     core.train_from_iterator(CORPUS * 4, trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                  clean_up_tokenization_spaces=False)  # fmt: skip
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>", clean_up_tokenization_spaces=False
+    )
     if chat_template is not None:
         tok.chat_template = chat_template
     return tok
 
 
 def tiny_model_config(**overrides):
-    from moe_rl.config import ModelConfig
 
-    return ModelConfig(**{"num_layers": 2, "hidden_size": 64, "num_moe_experts": 8, "moe_router_topk": 2,
-                          "vocab_size": MODEL_VOCAB, "seq_length": 128} | overrides)  # fmt: skip
+    return ModelConfig(
+        **{
+            "num_layers": 2,
+            "hidden_size": 64,
+            "num_moe_experts": 8,
+            "moe_router_topk": 2,
+            "vocab_size": MODEL_VOCAB,
+            "seq_length": 128,
+        }
+        | overrides
+    )
 
 
 def write_tiny_hf_dir(out: Path, chat_template: str | None = CHAT_TEMPLATE, seed: int = 0, **model) -> Path:
     """Weights (random init), config.json, generation_config.json and the BPE tokenizer in ``out``."""
-    from moe_rl.learner.hf_init import write_random_hf_checkpoint
 
     out = Path(out)
     write_random_hf_checkpoint(tiny_model_config(**model), out, seed=seed)

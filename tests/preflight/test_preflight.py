@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import socket
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import torch
 
 from moe_rl.cli import main
 from moe_rl.config import ConfigError, load_config
+from moe_rl.learner.model import use_transformer_engine
 from moe_rl.preflight import PreflightError, config_problems, environment_problems, preflight
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").rglob("*.yaml"))
@@ -21,7 +23,6 @@ BUILT_BY_SCRIPT = {"math_cpu.yaml": "examples/math/model"}  # model.hf_path that
 @pytest.fixture(scope="module")
 def example_model(tmp_path_factory):
     """The math example's HF directory without its SFT (tokenizer, chat template, config, random weights)."""
-    import importlib.util
 
     root = Path(__file__).resolve().parents[2]
     spec = importlib.util.spec_from_file_location("make_math_example", root / "scripts/make_math_example.py")
@@ -43,61 +44,98 @@ def test_every_shipped_config_passes_the_config_rules(path, request):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["rollout.max_new_tokens=60"],
-         "rollout.max_new_tokens=60 plus the 7-token prompt of train.task='copy' exceeds model.seq_length=64; "
-         "expected rollout.max_new_tokens <= 57 or model.seq_length >= 67"),
-        (["model.seq_length=4"],
-         "rollout.max_new_tokens=4 plus the 7-token prompt of train.task='copy' exceeds model.seq_length=4; "
-         "expected model.seq_length >= 11"),
+        (
+            ["rollout.max_new_tokens=60"],
+            "rollout.max_new_tokens=60 plus the 7-token prompt of train.task='copy' exceeds model.seq_length=64; "
+            "expected rollout.max_new_tokens <= 57 or model.seq_length >= 67",
+        ),
+        (
+            ["model.seq_length=4"],
+            "rollout.max_new_tokens=4 plus the 7-token prompt of train.task='copy' exceeds model.seq_length=4; "
+            "expected model.seq_length >= 11",
+        ),
         (["rollout.top_k=0"], "rollout.top_k=0 samples from no token; expected -1 (no top-k) or >= 1"),
         (["optim.lr=.inf"], "optim.lr=inf is not a finite number; expected a finite value"),
         (["loss.clip_high=.inf"], "loss.clip_high=inf is not a finite number; expected a finite value"),
-        (["train.task=bogus"],
-         "train.task='bogus' is not a known task; expected one of ['add', 'copy', 'copy_long', 'max', 'reverse', 'reverse_long', 'sort', 'sort_long']"),
-        (["model.vocab_size=16", "rollout.top_k=8"], "model.vocab_size=16 is too small for the task vocabulary (26 tokens)"),
-        (["train.reward_fn=no_such_module:score"],
-         "train.reward_fn='no_such_module:score' cannot be imported: No module named 'no_such_module'"),
-        (["train.reward_fn=json:no_such_fn"],
-         "train.reward_fn='json:no_such_fn' cannot be imported: module 'json' has no attribute 'no_such_fn'"),
+        (
+            ["train.task=bogus"],
+            "train.task='bogus' is not a known task; expected one of ['add', 'copy', 'copy_long', 'max', 'reverse', 'reverse_long', 'sort', 'sort_long']",
+        ),
+        (
+            ["model.vocab_size=16", "rollout.top_k=8"],
+            "model.vocab_size=16 is too small for the task vocabulary (26 tokens)",
+        ),
+        (
+            ["train.reward_fn=no_such_module:score"],
+            "train.reward_fn='no_such_module:score' cannot be imported: No module named 'no_such_module'",
+        ),
+        (
+            ["train.reward_fn=json:no_such_fn"],
+            "train.reward_fn='json:no_such_fn' cannot be imported: module 'json' has no attribute 'no_such_fn'",
+        ),
         (["train.reward_fn=json"], "train.reward_fn='json' must look like 'package.module:function'"),
-        (["rollout.top_k=50", "rollout.sampling_mask_max_tokens=32"],
-         "rollout.top_k=50 exceeds rollout.sampling_mask_max_tokens=32 (the largest kept set SGLang returns for "
-         "replay.keep_sampling_mask); lower top_k or raise the cap"),
-        (["model.mtp_num_layers=1"],
-         "model.mtp_num_layers=1: multi-token prediction layers are neither built by the learner nor exported to "
-         "SGLang; expected 0"),
-        (["parallel.tp=2", "loss.entropy_coef=0.01"],
-         "replay.keep_sampling_mask=true with parallel.tp=2 and loss.entropy_coef=0.01: the kept-set entropy is not "
-         "computed on vocab-sharded logits yet (the kept-set log-prob is); expected loss.entropy_coef=0 or "
-         "parallel.tp=1"),
-        (["parallel.pp=2", "model.first_k_dense_layers=1"],
-         "parallel.pp=2: pipeline stage(s) [0] would hold only dense layers (model.first_k_dense_layers=1, "
-         "model.moe_layer_freq=1, 1 decoder layer(s) per stage); expected every stage to hold a MoE layer: lower "
-         "parallel.pp"),
-        (["parallel.pp=2", "model.moe_token_dispatcher_type=allgather"],
-         "model.moe_token_dispatcher_type='allgather' with parallel.pp=2: Megatron-Core refuses the allgather "
-         "dispatcher with variable_seq_lengths, which pipeline stages need for ragged microbatches; "
-         "expected 'alltoall'"),
-        (["train.rollout_mode=async", "train.rollouts_from=/tmp/records"],
-         "train.rollout_mode=async overlaps generation with training; train.rollouts_from trains on saved records "
-         "without servers (set train.rollout_mode=sync)"),
-        (["parallel.cp=2"],
-         "parallel.cp=2: the training loop does not split sequences over context parallelism; expected 1"),
-        (["optim.optimizer_cpu_offload=true"],
-         "optim.optimizer_cpu_offload=true needs optim.use_distributed_optimizer=true (Megatron-Core keeps offloaded "
-         "and lower-precision optimizer state only in its distributed optimizer)"),
-        (["optim.use_precision_aware_optimizer=true"],
-         "optim.use_precision_aware_optimizer=true needs optim.use_distributed_optimizer=true (Megatron-Core keeps "
-         "offloaded and lower-precision optimizer state only in its distributed optimizer)"),
-        (["optim.optimizer_offload_fraction=0.5", "optim.use_distributed_optimizer=true"],
-         "optim.optimizer_offload_fraction=0.5 has no effect without optim.optimizer_cpu_offload=true; expected 1.0 "
-         "or offload on"),
-        (["model.moe_router_score_function=sigmoid"],
-         "model.moe_router_score_function='sigmoid' (Qwen3-MoE routes with softmax): the HF <-> Megatron bridge "
-         "(weight sync to SGLang) cannot express it"),
-        (["model.moe_router_num_groups=2", "model.moe_router_group_topk=1"],
-         "model.moe_router_num_groups=2 (Qwen3-MoE has no group-limited top-k): the HF <-> Megatron bridge "
-         "(weight sync to SGLang) cannot express it"),
+        (
+            ["rollout.top_k=50", "rollout.sampling_mask_max_tokens=32"],
+            "rollout.top_k=50 exceeds rollout.sampling_mask_max_tokens=32 (the largest kept set SGLang returns for "
+            "replay.keep_sampling_mask); lower top_k or raise the cap",
+        ),
+        (
+            ["model.mtp_num_layers=1"],
+            "model.mtp_num_layers=1: multi-token prediction layers are neither built by the learner nor exported to "
+            "SGLang; expected 0",
+        ),
+        (
+            ["parallel.tp=2", "loss.entropy_coef=0.01"],
+            "replay.keep_sampling_mask=true with parallel.tp=2 and loss.entropy_coef=0.01: the kept-set entropy is not "
+            "computed on vocab-sharded logits yet (the kept-set log-prob is); expected loss.entropy_coef=0 or "
+            "parallel.tp=1",
+        ),
+        (
+            ["parallel.pp=2", "model.first_k_dense_layers=1"],
+            "parallel.pp=2: pipeline stage(s) [0] would hold only dense layers (model.first_k_dense_layers=1, "
+            "model.moe_layer_freq=1, 1 decoder layer(s) per stage); expected every stage to hold a MoE layer: lower "
+            "parallel.pp",
+        ),
+        (
+            ["parallel.pp=2", "model.moe_token_dispatcher_type=allgather"],
+            "model.moe_token_dispatcher_type='allgather' with parallel.pp=2: Megatron-Core refuses the allgather "
+            "dispatcher with variable_seq_lengths, which pipeline stages need for ragged microbatches; "
+            "expected 'alltoall'",
+        ),
+        (
+            ["train.rollout_mode=async", "train.rollouts_from=/tmp/records"],
+            "train.rollout_mode=async overlaps generation with training; train.rollouts_from trains on saved records "
+            "without servers (set train.rollout_mode=sync)",
+        ),
+        (
+            ["parallel.cp=2"],
+            "parallel.cp=2: the training loop does not split sequences over context parallelism; expected 1",
+        ),
+        (
+            ["optim.optimizer_cpu_offload=true"],
+            "optim.optimizer_cpu_offload=true needs optim.use_distributed_optimizer=true (Megatron-Core keeps offloaded "
+            "and lower-precision optimizer state only in its distributed optimizer)",
+        ),
+        (
+            ["optim.use_precision_aware_optimizer=true"],
+            "optim.use_precision_aware_optimizer=true needs optim.use_distributed_optimizer=true (Megatron-Core keeps "
+            "offloaded and lower-precision optimizer state only in its distributed optimizer)",
+        ),
+        (
+            ["optim.optimizer_offload_fraction=0.5", "optim.use_distributed_optimizer=true"],
+            "optim.optimizer_offload_fraction=0.5 has no effect without optim.optimizer_cpu_offload=true; expected 1.0 "
+            "or offload on",
+        ),
+        (
+            ["model.moe_router_score_function=sigmoid"],
+            "model.moe_router_score_function='sigmoid' (Qwen3-MoE routes with softmax): the HF <-> Megatron bridge "
+            "(weight sync to SGLang) cannot express it",
+        ),
+        (
+            ["model.moe_router_num_groups=2", "model.moe_router_group_topk=1"],
+            "model.moe_router_num_groups=2 (Qwen3-MoE has no group-limited top-k): the HF <-> Megatron bridge "
+            "(weight sync to SGLang) cannot express it",
+        ),
     ],
 )
 def test_config_rule_message(overrides, message):
@@ -116,8 +154,11 @@ def test_two_equal_stages_each_with_a_moe_layer_pass_and_unequal_stages_do_not_l
 def test_every_problem_is_reported_at_once():
     cfg = load_config(overrides=["rollout.top_k=0", "optim.lr=.inf", "train.task=nope", "model.mtp_num_layers=1"])
     assert [p.split("=")[0] for p in config_problems(cfg).problems] == [
-        "optim.lr", "rollout.top_k", "train.task", "model.mtp_num_layers",
-    ]  # fmt: skip
+        "optim.lr",
+        "rollout.top_k",
+        "train.task",
+        "model.mtp_num_layers",
+    ]
 
 
 def test_untruncated_keep_sampling_mask_is_a_noted_noop():
@@ -154,12 +195,13 @@ def _closed_port() -> int:
 def test_unreachable_rollout_address_is_an_environment_problem():
     url = f"http://127.0.0.1:{_closed_port()}"
     problems = environment_problems(load_config(overrides=[f"rollout.addresses=[{url}]"]), {}).problems
-    assert len(problems) == 1 and problems[0].startswith(f"rollout.addresses: {url}/health is not reachable (ConnectError")
+    assert len(problems) == 1 and problems[0].startswith(
+        f"rollout.addresses: {url}/health is not reachable (ConnectError"
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
 def test_gpu_settings_are_environment_problems_on_cpu():
-    from moe_rl.learner.model import use_transformer_engine
 
     assert not use_transformer_engine()
     cfg = load_config(overrides=["parallel.tp=2", "rollout.device=cuda", "precision.fp8={}"])
@@ -169,7 +211,9 @@ def test_gpu_settings_are_environment_problems_on_cpu():
         "parallel.tp=2 needs Transformer Engine on a GPU (Megatron-Core trains MoE with tp > 1 only under sequence "
         "parallelism); expected parallel.tp=1 on this machine"
     )
-    assert problems[1].startswith("precision.fp8 needs ") and problems[1].endswith("expected precision.fp8=null on this machine")
+    assert problems[1].startswith("precision.fp8 needs ") and problems[1].endswith(
+        "expected precision.fp8=null on this machine"
+    )
     assert problems[2] == (
         "rollout.device='cuda' launches SGLang on a GPU, and this machine has none; expected rollout.device='cpu'"
     )
@@ -183,7 +227,9 @@ def test_duplicate_key_names_the_dotted_key_and_lines(tmp_path):
     path.write_text("train:\n  steps: 3\n  seed: 1\n  steps: 4\n")
     with pytest.raises(ConfigError) as info:
         load_config(path)
-    assert str(info.value) == f"{path}: duplicate key 'train.steps' (lines 2 and 4); each key may appear once per section"
+    assert (
+        str(info.value) == f"{path}: duplicate key 'train.steps' (lines 2 and 4); each key may appear once per section"
+    )
 
 
 def test_directory_and_binary_config_paths_are_refused(tmp_path):
@@ -244,9 +290,15 @@ def test_tensor_parallel_splits_must_divide_the_sizes():
 
 
 def test_glm4_moe_format_rules():
-    cfg = load_config(overrides=["model.hf_architecture=Glm4MoeForCausalLM", "model.moe_shared_expert_intermediate_size=48",
-                                 "model.moe_ffn_hidden_size=32", "model.moe_router_score_function=sigmoid",
-                                 "model.moe_router_enable_expert_bias=true"])  # fmt: skip
+    cfg = load_config(
+        overrides=[
+            "model.hf_architecture=Glm4MoeForCausalLM",
+            "model.moe_shared_expert_intermediate_size=48",
+            "model.moe_ffn_hidden_size=32",
+            "model.moe_router_score_function=sigmoid",
+            "model.moe_router_enable_expert_bias=true",
+        ]
+    )
     assert config_problems(cfg).problems == [
         "model.moe_shared_expert_intermediate_size=48 must be a multiple of model.moe_ffn_hidden_size=32 (GLM-4.5 has "
         "n_shared_experts >= 1 of that width): the HF <-> Megatron bridge (weight sync to SGLang) cannot express it"

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import base64
+import json
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors.numpy import save_file
 
+from moe_rl.cli import main
 from moe_rl.config import ModelConfig
 from moe_rl.records import (
     RecordError,
@@ -92,13 +95,31 @@ def test_start_len_shortens_the_expected_rows():
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
-        (lambda m: m["output_token_logprobs"].__setitem__(1, [float("nan"), 10, None]), r"output_token_logprobs\[1\] = nan"),
-        (lambda m: m["output_token_logprobs"].pop(), "output_token_logprobs has 2 entries; expected one per response token"),
-        (lambda m: m["output_token_logprobs"].__setitem__(0, [-1.0, 42, None]), "is for token 42, but response token 0 is 9"),
+        (
+            lambda m: m["output_token_logprobs"].__setitem__(1, [float("nan"), 10, None]),
+            r"output_token_logprobs\[1\] = nan",
+        ),
+        (
+            lambda m: m["output_token_logprobs"].pop(),
+            "output_token_logprobs has 2 entries; expected one per response token",
+        ),
+        (
+            lambda m: m["output_token_logprobs"].__setitem__(0, [-1.0, 42, None]),
+            "is for token 42, but response token 0 is 9",
+        ),
         (lambda m: m.pop("output_token_logprobs"), "return_logprob=true"),
-        (lambda m: m["output_token_sampling_mask"].__setitem__(2, []), r"output_token_sampling_mask\[2\] must be a non-empty"),
-        (lambda m: m["output_token_sampling_mask"].__setitem__(2, [99]), r"output_token_sampling_mask\[2\] has ids outside"),
-        (lambda m: m["output_token_sampling_logprobs"].__setitem__(1, None), r"output_token_sampling_logprobs\[1\] = None"),
+        (
+            lambda m: m["output_token_sampling_mask"].__setitem__(2, []),
+            r"output_token_sampling_mask\[2\] must be a non-empty",
+        ),
+        (
+            lambda m: m["output_token_sampling_mask"].__setitem__(2, [99]),
+            r"output_token_sampling_mask\[2\] has ids outside",
+        ),
+        (
+            lambda m: m["output_token_sampling_logprobs"].__setitem__(1, None),
+            r"output_token_sampling_logprobs\[1\] = None",
+        ),
         (lambda m: m["output_token_sampling_logprobs"].pop(), "output_token_sampling_logprobs has 2 entries"),
         (lambda m: m["output_token_sampling_logprobs"].__setitem__(0, "x"), "must hold one number per response token"),
     ],
@@ -152,7 +173,9 @@ def test_route_dtype_is_smallest_that_fits(num_experts):
     data=st.data(),
 )
 def test_wire_decode_inverts_int32_encoding(rows, layers, top_k, num_experts, dense_first, data):
-    ids = data.draw(st.lists(st.integers(0, num_experts - 1), min_size=rows * layers * top_k, max_size=rows * layers * top_k))
+    ids = data.draw(
+        st.lists(st.integers(0, num_experts - 1), min_size=rows * layers * top_k, max_size=rows * layers * top_k)
+    )
     routes = np.array(ids, dtype=np.int64).reshape(rows, layers, top_k)
     hidden = layers + int(dense_first)
     moe_ids = list(range(int(dense_first), hidden))
@@ -192,7 +215,11 @@ def test_batch_save_load_round_trip(tmp_path):
         np.testing.assert_array_equal(back.routes.astype(np.int64), original.routes)
         assert [m.tolist() for m in back.sampling_mask] == [m.tolist() for m in original.sampling_mask]
         np.testing.assert_array_equal(back.sampling_logp, original.sampling_logp)
-        assert (back.reward, back.group_id, back.weight_version) == (original.reward, original.group_id, original.weight_version)
+        assert (back.reward, back.group_id, back.weight_version) == (
+            original.reward,
+            original.group_id,
+            original.weight_version,
+        )
     assert loaded.routes.dtype == np.uint8
     assert not list(tmp_path.glob(".*.tmp"))  # atomic write left no temp file
 
@@ -224,7 +251,6 @@ def test_validation_against_model_names_the_field(change, message):
 
 
 def test_load_rejects_a_foreign_safetensors_file(tmp_path):
-    from safetensors.numpy import save_file
 
     save_file({"x": np.zeros(3, np.float32)}, str(tmp_path / "other.safetensors"))
     with pytest.raises(RecordError, match="not a moe_rl records file"):
@@ -237,11 +263,10 @@ def test_mixed_route_presence_is_rejected():
 
 
 def test_records_inspect_cli(tmp_path, capsys):
-    import json
 
-    from moe_rl.cli import main
-
-    path = RolloutBatch.from_samples([make_sample(3, 2, i) for i in range(3)], num_experts=8).save(tmp_path / "r.safetensors")
+    path = RolloutBatch.from_samples([make_sample(3, 2, i) for i in range(3)], num_experts=8).save(
+        tmp_path / "r.safetensors"
+    )
     assert main(["records", "inspect", str(path)]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["samples"] == 3 and summary["bytes_per_route_entry"] == 1

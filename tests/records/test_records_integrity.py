@@ -3,31 +3,39 @@
 from __future__ import annotations
 
 import json
+
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
+import torch
+from safetensors.numpy import load_file, save_file
 
 from moe_rl.cli import main
 from moe_rl.records import RecordError, RolloutBatch, RolloutSample
+from moe_rl.records.batch import LOGPROB_TOLERANCE
+from moe_rl.records.sglang_meta import _checked_logprobs
 
 
 def _batch(device) -> RolloutBatch:
     """2 samples (P=3, R=2 and P=2, R=3), routes [P+R-1, 2 layers, top-2] over 8 experts, kept sets."""
-    import torch
 
     gen = torch.Generator(device="cpu").manual_seed(0)
     samples = []
     for p, r in ((3, 2), (2, 3)):
-        routes = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range((p + r - 1) * 2)]).view(p + r - 1, 2, 2)
+        routes = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range((p + r - 1) * 2)]).view(
+            p + r - 1, 2, 2
+        )
         resp = torch.randint(0, 64, (r,), generator=gen)
-        samples.append(RolloutSample(
-            prompt_ids=torch.randint(0, 64, (p,), generator=gen).to(device).cpu().numpy().astype(np.int32),
-            response_ids=resp.numpy().astype(np.int32),
-            rollout_logp=-torch.rand(r, generator=gen).numpy().astype(np.float32),
-            routes=routes.numpy(),
-            sampling_mask=[np.array([int(t), (int(t) + 1) % 64], np.int32) for t in resp],
-            weight_version="step-0", finish_reason="length",
-        ))  # fmt: skip
+        samples.append(
+            RolloutSample(
+                prompt_ids=torch.randint(0, 64, (p,), generator=gen).to(device).cpu().numpy().astype(np.int32),
+                response_ids=resp.numpy().astype(np.int32),
+                rollout_logp=-torch.rand(r, generator=gen).numpy().astype(np.float32),
+                routes=routes.numpy(),
+                sampling_mask=[np.array([int(t), (int(t) + 1) % 64], np.int32) for t in resp],
+                weight_version="step-0",
+                finish_reason="length",
+            )
+        )
     return RolloutBatch.from_samples(samples, num_experts=8)
 
 
@@ -41,8 +49,6 @@ def _write_raw(path, batch: RolloutBatch, meta_override=None):
     """Write ``batch`` as-is (no validation), optionally with other metadata."""
     batch.save(path)
     if meta_override is not None:
-        from safetensors.numpy import load_file
-
         save_file(load_file(str(path)), str(path), metadata={"moe_rl": meta_override})
     return path
 
@@ -54,14 +60,25 @@ def _write_raw(path, batch: RolloutBatch, meta_override=None):
         (lambda b: b.routes.__setitem__((0, 0, 0), 9), r"expert ids must be in \[0, 8\)"),
         (lambda b: setattr(b, "mask_offsets", np.array([0, 2, 4, 3, 8, 10], np.int64)), "grow by >= 1 per token"),
         (lambda b: setattr(b, "mask_offsets", np.array([0, 2, 2, 6, 8, 10], np.int64)), "size 0"),
-        (lambda b: setattr(b, "response_ids", b.response_ids.astype(np.float32) + 0.5), "response_ids must be a 1-D integer"),
+        (
+            lambda b: setattr(b, "response_ids", b.response_ids.astype(np.float32) + 0.5),
+            "response_ids must be a 1-D integer",
+        ),
         (lambda b: b.rollout_logp.__setitem__(1, 0.01), r"rollout_logp\[1\] = 0.01"),
         (lambda b: b.rollout_logp.__setitem__(2, np.inf), "rollout_logp has 1 non-finite values"),
         (lambda b: setattr(b, "num_experts", 4), r"expert ids must be in \[0, 4\)|does not match num_experts"),
     ],
-    ids=["route_rows", "expert_id", "mask_offsets_non_monotone", "mask_size_zero", "float_token_ids", "logp_positive",
-         "logp_inf", "num_experts_too_small"],
-)  # fmt: skip
+    ids=[
+        "route_rows",
+        "expert_id",
+        "mask_offsets_non_monotone",
+        "mask_size_zero",
+        "float_token_ids",
+        "logp_positive",
+        "logp_inf",
+        "num_experts_too_small",
+    ],
+)
 def test_structural_errors_are_caught_without_a_model(device, tmp_path, mutate, field):
     batch = _batch(device)
     mutate(batch)
@@ -72,8 +89,6 @@ def test_structural_errors_are_caught_without_a_model(device, tmp_path, mutate, 
 
 
 def test_logprob_tolerance_is_the_decoders(device, tmp_path):
-    from moe_rl.records.batch import LOGPROB_TOLERANCE
-    from moe_rl.records.sglang_meta import _checked_logprobs
 
     for value, ok in ((LOGPROB_TOLERANCE / 2, True), (LOGPROB_TOLERANCE * 2, False)):
         batch = _batch(device)

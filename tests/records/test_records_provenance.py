@@ -31,11 +31,16 @@ def _records(tmp_path, run_id="producer0001", model=MODEL, name="step_000000.saf
     samples = []
     for p, r in ((3, 2), (2, 3), (4, 1)):
         routes = np.stack([rng.permutation(model.num_moe_experts)[:k] for _ in range((p + r - 1) * layers)])
-        samples.append(RolloutSample(
-            prompt_ids=rng.integers(0, 60, p).astype(np.int32), response_ids=rng.integers(0, 60, r).astype(np.int32),
-            rollout_logp=-rng.random(r).astype(np.float32), routes=routes.reshape(p + r - 1, layers, k),
-            weight_version="step-3", finish_reason="length",
-        ))  # fmt: skip
+        samples.append(
+            RolloutSample(
+                prompt_ids=rng.integers(0, 60, p).astype(np.int32),
+                response_ids=rng.integers(0, 60, r).astype(np.int32),
+                rollout_logp=-rng.random(r).astype(np.float32),
+                routes=routes.reshape(p + r - 1, layers, k),
+                weight_version="step-3",
+                finish_reason="length",
+            )
+        )
     batch = RolloutBatch.from_samples(samples, num_experts=model.num_moe_experts)
     StepRecords(model, run_id, task_vocab(model.vocab_size)).stamp(batch)
     return batch.save(tmp_path / name)
@@ -51,7 +56,9 @@ def test_fingerprint_run_id_and_digest_round_trip(tmp_path):
     batch = RolloutBatch.load(path)
     assert batch.run_id == "producer0001" and batch.weight_versions == ["step-3"] * 3
     assert batch.fingerprint == architecture_fingerprint(MODEL, task_vocab(64))
-    assert batch.fingerprint["model.num_moe_experts"] == 8 and batch.fingerprint["tokenizer.vocab"].endswith("(64 tokens)")
+    assert batch.fingerprint["model.num_moe_experts"] == 8 and batch.fingerprint["tokenizer.vocab"].endswith(
+        "(64 tokens)"
+    )
     assert batch.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
     picked = batch.select([2, 0])
     assert (picked.fingerprint, picked.run_id) == (batch.fingerprint, batch.run_id)
@@ -73,13 +80,18 @@ def test_every_model_field_is_classified():
         ({"num_layers": 3}, r"records were made for 2 MoE layers; the model has 3 \(model.num_layers=3"),
         ({"vocab_size": 32}, r"_ids must be in \[0, model.vocab_size=32\)"),
         ({"hidden_size": 32}, "another architecture .model.hidden_size: 64 in the records, 32 here.; train on"),
-        ({"rotary_base": 10000.0, "moe_router_score_function": "sigmoid"},
-         "model.moe_router_score_function: \"softmax\" in the records, \"sigmoid\" here; model.rotary_base"),
-        ({"tokenizer": {"<pad>": 0, "a": 1}}, r"tokenizer.vocab: \"[0-9a-f]{16} \(64 tokens\)\" in the records, "
-                                              r"\"[0-9a-f]{16} \(2 tokens\)\" here"),
+        (
+            {"rotary_base": 10000.0, "moe_router_score_function": "sigmoid"},
+            'model.moe_router_score_function: "softmax" in the records, "sigmoid" here; model.rotary_base',
+        ),
+        (
+            {"tokenizer": {"<pad>": 0, "a": 1}},
+            r"tokenizer.vocab: \"[0-9a-f]{16} \(64 tokens\)\" in the records, "
+            r"\"[0-9a-f]{16} \(2 tokens\)\" here",
+        ),
     ],
     ids=["experts", "top_k", "layers", "vocab", "fingerprint_hidden_size", "fingerprint_two_fields", "tokenizer"],
-)  # fmt: skip
+)
 def test_records_for_another_model_are_refused_in_one_line(tmp_path, change, message):
     path = _records(tmp_path)
     with pytest.raises(RecordError, match=message) as info:
@@ -122,8 +134,10 @@ def test_old_records_are_still_checked_against_the_model():
     """The issue's command: 8-expert records, model.num_moe_experts=16 -> one line naming the key."""
     with pytest.raises(RecordError) as info:
         _committed_records_learner("model.num_moe_experts=16").load(RECORDS / "step_000000.safetensors")
-    assert str(info.value) == (f"train.rollouts_from={RECORDS}: {RECORDS}/step_000000.safetensors: "
-                               f"records were made for 8 experts; model.num_moe_experts=16")  # fmt: skip
+    assert str(info.value) == (
+        f"train.rollouts_from={RECORDS}: {RECORDS}/step_000000.safetensors: "
+        f"records were made for 8 experts; model.num_moe_experts=16"
+    )
 
 
 def test_a_stale_file_is_refused_by_its_digest(tmp_path):

@@ -10,10 +10,13 @@ from moe_rl.records.versions import token_versions_of, version_number
 
 def _sample(r: int, label: str, versions=None) -> RolloutSample:
     return RolloutSample(
-        prompt_ids=np.array([1, 2], np.int32), response_ids=np.arange(3, 3 + r, dtype=np.int32),
-        rollout_logp=np.full(r, -0.5, np.float32), weight_version=label, finish_reason="stop",
+        prompt_ids=np.array([1, 2], np.int32),
+        response_ids=np.arange(3, 3 + r, dtype=np.int32),
+        rollout_logp=np.full(r, -0.5, np.float32),
+        weight_version=label,
+        finish_reason="stop",
         token_versions=None if versions is None else np.asarray(versions, np.int32),
-    )  # fmt: skip
+    )
 
 
 def test_samples_without_arrays_get_their_label_version_on_every_token(tmp_path):
@@ -46,7 +49,11 @@ def test_hand_made_labels_store_no_versions():
 
 @pytest.mark.parametrize(
     "versions, match",
-    [([0, 1], "one entry per response token"), ([0, -1, 0], "negative version"), ([2, 3, 2], "newer than its weight_version")],
+    [
+        ([0, 1], "one entry per response token"),
+        ([0, -1, 0], "negative version"),
+        ([2, 3, 2], "newer than its weight_version"),
+    ],
 )
 def test_bad_token_versions_are_refused_naming_the_field(versions, match):
     batch = RolloutBatch.from_samples([_sample(3, "step-2")])

@@ -12,9 +12,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import dataclasses
+
+from megatron.core.models.gpt import GPTModel
+
 from moe_rl.config import ExperimentConfig  # noqa: E402
+from moe_rl.learner.cpu_shims import seed_model_parallel_rng
 from moe_rl.learner.dist import destroy_distributed, init_distributed  # noqa: E402
-from moe_rl.learner.model import build_model, forward_logits  # noqa: E402
+from moe_rl.learner.model import _layer_spec, build_model, forward_logits, transformer_config_from  # noqa: E402
 from moe_rl.replay.binding import RoutingReplay  # noqa: E402
 from tests.conftest import rank_device  # noqa: E402
 from tests.replay.routing_probe import RoutingMapProbe, expected_map, random_routes  # noqa: E402
@@ -24,9 +29,20 @@ E, K, L = 8, 2, 2
 
 def check(dispatcher: str, rank: int) -> None:
     cfg = ExperimentConfig(
-        model=dict(num_layers=L, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                   kv_channels=8, vocab_size=128, seq_length=32, num_moe_experts=E, moe_router_topk=K,
-                   moe_ffn_hidden_size=16, moe_token_dispatcher_type=dispatcher),
+        model=dict(
+            num_layers=L,
+            hidden_size=32,
+            ffn_hidden_size=64,
+            num_attention_heads=4,
+            num_query_groups=2,
+            kv_channels=8,
+            vocab_size=128,
+            seq_length=32,
+            num_moe_experts=E,
+            moe_router_topk=K,
+            moe_ffn_hidden_size=16,
+            moe_token_dispatcher_type=dispatcher,
+        ),
         parallel=dict(ep=2),
     )
     model = build_model(cfg, seed=0)
@@ -38,9 +54,11 @@ def check(dispatcher: str, rank: int) -> None:
     with replay.replay(routes):
         for m in range(2):
             forward_logits(model, ids[m]).float().pow(2).mean().backward()
-    for l in range(L):
+    for layer in range(L):
         for m in range(2):
-            assert torch.equal(probe.maps[l][m], expected_map(routes[m], l, E)), f"rank {rank} layer {l} mb {m}"
+            assert torch.equal(probe.maps[layer][m], expected_map(routes[m], layer, E)), (
+                f"rank {rank} layer {layer} mb {m}"
+            )
     local_experts = [p for n, p in model.named_parameters() if "local_experts" in n]
     assert local_experts and all(p.grad is not None for p in local_experts), f"rank {rank}: expert grads missing"
     print(f"rank {rank} {dispatcher}: OK", flush=True)
@@ -50,21 +68,20 @@ def build_pp_stage(cfg):
     """This rank's pipeline stage's decoder layers with the embedding and output layer on both ranks
     (``build_model`` gives only the first stage the embedding), so each stage runs its layers locally,
     without the pipeline schedule's p2p; ``tests/train/pp_worker.py`` runs the real schedule."""
-    import dataclasses
-
-    from megatron.core.models.gpt import GPTModel
-
-    from moe_rl.learner.cpu_shims import seed_model_parallel_rng
-    from moe_rl.learner.model import _layer_spec, transformer_config_from
 
     one_stage = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"pp": 1})})
     tcfg = dataclasses.replace(
         transformer_config_from(one_stage), pipeline_model_parallel_size=2, pipeline_dtype=torch.float32
     )
     seed_model_parallel_rng(0)
-    stage = GPTModel(config=tcfg, transformer_layer_spec=_layer_spec(tcfg, False), vocab_size=cfg.model.vocab_size,
-                     max_sequence_length=cfg.model.seq_length, position_embedding_type="rope",
-                     share_embeddings_and_output_weights=False)
+    stage = GPTModel(
+        config=tcfg,
+        transformer_layer_spec=_layer_spec(tcfg, False),
+        vocab_size=cfg.model.vocab_size,
+        max_sequence_length=cfg.model.seq_length,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+    )
     return stage.to(rank_device())
 
 
@@ -72,9 +89,21 @@ def check_pp(rank: int) -> None:
     # 4 decoder layers, layer 2 dense: MoE layers (global ids 0, 1, 2) are decoder layers 1, 3, 4;
     # stage 0 holds decoder layers 1-2 (MoE id 0), stage 1 holds 3-4 (MoE ids 1, 2).
     cfg = ExperimentConfig(
-        model=dict(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                   kv_channels=8, vocab_size=128, seq_length=32, num_moe_experts=E, moe_router_topk=K,
-                   moe_ffn_hidden_size=16, moe_token_dispatcher_type="allgather", moe_layer_freq=[1, 0, 1, 1]),
+        model=dict(
+            num_layers=4,
+            hidden_size=32,
+            ffn_hidden_size=64,
+            num_attention_heads=4,
+            num_query_groups=2,
+            kv_channels=8,
+            vocab_size=128,
+            seq_length=32,
+            num_moe_experts=E,
+            moe_router_topk=K,
+            moe_ffn_hidden_size=16,
+            moe_token_dispatcher_type="allgather",
+            moe_layer_freq=[1, 0, 1, 1],
+        ),
         parallel=dict(pp=2),
     )
     init_distributed(cfg.parallel)

@@ -47,8 +47,9 @@ def summary(shard: DispatchShard, flip: bool) -> dict:
         maps[:, :2, 1] = ~maps[:, :2, 1]  # layer 1, first two positions of rank 1's block: another set
     counters: dict = {}
     flips = routes_vs_map_flips(shard.positions(routes), maps)
-    add_flip_counts(counters, "rollout_vs_dispatched", list(range(L)), shard.positions(valid),
-                    shard.positions(response), flips)  # fmt: skip
+    add_flip_counts(
+        counters, "rollout_vs_dispatched", list(range(L)), shard.positions(valid), shard.positions(response), flips
+    )
     out = {}
     for key in sorted(counters):
         for group in shard.groups():

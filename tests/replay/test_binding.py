@@ -5,6 +5,7 @@ import pytest
 import torch
 from megatron.core.transformer.moe.router_replay import RouterReplay
 
+from moe_rl.learner.model import attention_mask
 from moe_rl.replay.binding import ReplayError, RoutingReplay
 from moe_rl.replay.layout import pack_microbatch_routes
 from tests.conftest import session_device
@@ -65,8 +66,8 @@ def test_replay_overrides_natural_routing(build, variant):
     probe = RoutingMapProbe(model)
     with replay.replay([forced]) as cap, torch.no_grad():
         forward(model, ids)
-    for l in range(3):
-        assert torch.equal(probe.maps[l][0], expected_map(forced, l, E))
+    for layer in range(3):
+        assert torch.equal(probe.maps[layer][0], expected_map(forced, layer, E))
     # layer 0 sees the same input in both passes, so its observed natural top-k is the recorded one;
     # deeper layers' natural choice is conditioned on the replayed routes upstream
     assert torch.equal(cap.natural(0)[:, :, 0].sort(-1).values, natural[:, :, 0].sort(-1).values)
@@ -82,9 +83,9 @@ def test_record_equals_dispatched_routing_map(build):
         forward(model, _ids(3, 9, 0))
         forward(model, _ids(2, 5, 1))
     assert rec.num_forwards == 2 and rec.recorded(1).shape == (2, 5, 3, K)
-    for l in range(3):
-        assert torch.equal(probe.maps[l][0], expected_map(rec.recorded(0), l, E))
-        assert torch.equal(probe.maps[l][1], expected_map(rec.recorded(1), l, E))
+    for layer in range(3):
+        assert torch.equal(probe.maps[layer][0], expected_map(rec.recorded(0), layer, E))
+        assert torch.equal(probe.maps[layer][1], expected_map(rec.recorded(1), layer, E))
 
 
 def test_r3_replay_survives_full_recompute(build):
@@ -97,11 +98,11 @@ def test_r3_replay_survives_full_recompute(build):
     with replay.replay(routes):
         for m in range(2):
             forward(model, _ids(2, 8, m)).float().pow(2).mean().backward()
-    for l in range(3):
+    for layer in range(3):
         # forward + recompute-in-backward per microbatch, all dispatching the given routes
-        assert len(probe.maps[l]) == 4
-        for call, m in zip(probe.maps[l], [0, 0, 1, 1]):
-            assert torch.equal(call, expected_map(routes[m], l, E))
+        assert len(probe.maps[layer]) == 4
+        for call, m in zip(probe.maps[layer], [0, 0, 1, 1]):
+            assert torch.equal(call, expected_map(routes[m], layer, E))
     assert all(not layer.replay_backward_list for layer in replay.layers), "backward FIFO must be drained"
 
 
@@ -121,11 +122,11 @@ def test_partial_and_selective_recompute_replay_the_given_routes(compose, recomp
     probe = RoutingMapProbe(model)
     with replay.replay([routes]):
         forward(model, _ids(2, 6, 0)).float().pow(2).mean().backward()
-    for l in range(3):
-        calls = probe.maps[l]
-        assert len(calls) == (2 if l in recomputed_layers else 1), f"layer {l}: {len(calls)} router calls"
+    for layer in range(3):
+        calls = probe.maps[layer]
+        assert len(calls) == (2 if layer in recomputed_layers else 1), f"layer {layer}: {len(calls)} router calls"
         for call in calls:
-            assert torch.equal(call, expected_map(routes, l, E))
+            assert torch.equal(call, expected_map(routes, layer, E))
 
 
 def test_recompute_without_backward_in_context_raises(build):
@@ -158,9 +159,9 @@ def test_two_models_in_one_process_keep_their_own_routes(build):
         forward(a, _ids(1, 5, 0))
         forward(b, _ids(1, 5, 0))
         forward(c, _ids(1, 5, 0))  # an unbound model routes naturally
-    for l in range(3):
-        assert torch.equal(pa.maps[l][0], expected_map(routes_a, l, E))
-        assert torch.equal(pb.maps[l][0], expected_map(routes_b, l, E))
+    for layer in range(3):
+        assert torch.equal(pa.maps[layer][0], expected_map(routes_a, layer, E))
+        assert torch.equal(pb.maps[layer][0], expected_map(routes_b, layer, E))
 
 
 def test_unconsumed_route_raises(build):
@@ -213,7 +214,6 @@ def test_router_paths_that_bypass_replay_raise(build, overrides, needle):
 
 
 def test_mtp_router_gets_no_routes_and_routes_naturally(compose):
-    from moe_rl.learner.model import attention_mask
 
     model = compose(mtp=True)
     replay = RoutingReplay(model)
@@ -230,8 +230,8 @@ def test_mtp_router_gets_no_routes_and_routes_naturally(compose):
         loss = model(input_ids=ids, position_ids=pos, attention_mask=attention_mask(ids), labels=ids)
         loss.float().mean().backward()
     hook.remove()
-    for l in range(3):
-        assert torch.equal(probe.maps[l][0], expected_map(routes, l, E))
+    for layer in range(3):
+        assert torch.equal(probe.maps[layer][0], expected_map(routes, layer, E))
     # the MTP router's choice is its own natural top-k of hidden @ W^T (softmax after top-k)
     logits = seen["h"].reshape(-1, seen["h"].shape[-1]).float() @ mtp_router.weight.float().T
     natural = torch.zeros_like(seen["map"]).scatter(1, logits.topk(K, dim=-1).indices, True)

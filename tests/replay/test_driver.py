@@ -47,10 +47,10 @@ def test_r2_record_then_replay_across_four_minibatches_while_weights_change(buil
             forward(model, ids[sids]).float().pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-        for l in range(L):
-            got, want = probe.maps[l][step], expected_map(recorded[sids], l, E)
+        for layer in range(L):
+            got, want = probe.maps[layer][step], expected_map(recorded[sids], layer, E)
             rows = valid[sids].t().reshape(-1)  # padded rows of the record were re-padded; compare real ones
-            assert torch.equal(got.cpu()[rows.cpu()], want.cpu()[rows.cpu()]), f"minibatch {step} layer {l}"
+            assert torch.equal(got.cpu()[rows.cpu()], want.cpu()[rows.cpu()]), f"minibatch {step} layer {layer}"
         m = driver.step_metrics()
         assert m["replay/r2_vs_dispatched/response/flip_rate"] == 0.0
         flip_rates.append(m["replay/r2_vs_natural/response/flip_rate"])
@@ -64,8 +64,10 @@ def test_r3_dispatched_flip_rate_is_zero_and_natural_is_reported_per_position_cl
     rollout = random_routes(4, 8, L, K, E, seed=9)
     response = torch.zeros(4, 8, dtype=torch.bool)
     response[:, 3:] = True
-    mbs = [MicrobatchRoutes([0, 1], valid[:2], rollout[:2], response[:2]),
-           MicrobatchRoutes([2, 3], valid[2:], rollout[2:], response[2:])]  # fmt: skip
+    mbs = [
+        MicrobatchRoutes([0, 1], valid[:2], rollout[:2], response[:2]),
+        MicrobatchRoutes([2, 3], valid[2:], rollout[2:], response[2:]),
+    ]
     probe = RoutingMapProbe(model)
     with driver.old_logprob_pass(mbs), torch.no_grad():
         forward(model, ids[:2])
@@ -74,15 +76,17 @@ def test_r3_dispatched_flip_rate_is_zero_and_natural_is_reported_per_position_cl
         for m in range(2):
             forward(model, ids[2 * m : 2 * m + 2]).float().pow(2).mean().backward()
     for call in range(4):
-        for l in range(L):
-            assert torch.equal(probe.maps[l][call], expected_map(rollout[2 * (call % 2) : 2 * (call % 2) + 2], l, E))
+        for layer in range(L):
+            assert torch.equal(
+                probe.maps[layer][call], expected_map(rollout[2 * (call % 2) : 2 * (call % 2) + 2], layer, E)
+            )
     m = driver.step_metrics()
     for part in ("response", "prompt"):
         assert m[f"replay/rollout_vs_dispatched/{part}/flip_rate"] == 0.0
         assert m[f"replay/rollout_vs_dispatched/{part}/tokens_with_flip"] == 0.0
         # random rollout routes agree with a natural top-2 of 8 experts on ~1/28 of token-layers
         assert m[f"replay/rollout_vs_natural/{part}/flip_rate"] > 0.5
-    assert {f"replay/rollout_vs_natural/response/flip_rate/layer{l}" for l in range(L)} <= set(m)
+    assert {f"replay/rollout_vs_natural/response/flip_rate/layer{layer}" for layer in range(L)} <= set(m)
 
 
 def test_a_router_left_out_of_the_binding_shows_in_the_dispatched_flip_rate(build, device):

@@ -46,8 +46,7 @@ def _brute_logp(z: np.ndarray, y: int, kept: np.ndarray | None) -> float:
     temperature=st.floats(0.3, 2.0),
     drop_sampled=st.floats(0.0, 1.0),
 )
-def test_keep_mask_matches_brute_force_masked_softmax(device, seed, n, vocab, top_k, top_p, temperature,
-                                                      drop_sampled):
+def test_keep_mask_matches_brute_force_masked_softmax(device, seed, n, vocab, top_k, top_p, temperature, drop_sampled):
     rng = np.random.default_rng(seed)
     logits = rng.normal(0, 3, size=(n, vocab))
     z = logits / temperature
@@ -125,13 +124,19 @@ def test_gradient_is_zero_outside_the_kept_set_and_matches_autograd_of_brute_for
 @pytest.mark.parametrize(
     "kwargs, needle",
     [
-        (dict(logits=torch.zeros(2, 4), targets=torch.tensor([0, 4]), kept=None),
-         "targets must be token ids in [0, 4)"),
+        (
+            dict(logits=torch.zeros(2, 4), targets=torch.tensor([0, 4]), kept=None),
+            "targets must be token ids in [0, 4)",
+        ),
         (dict(logits=torch.zeros(2, 4), targets=torch.tensor([0]), kept=None), "targets must be [N]=2"),
-        (dict(logits=torch.zeros(2, 4), targets=torch.tensor([0, 1]), kept=KeptSets.from_lists([[0]])),
-         "kept.offsets must be [N+1]=3"),
-        (dict(logits=torch.zeros(2, 4), targets=torch.tensor([0, 1]), kept=KeptSets.from_lists([[0], [9]])),
-         "kept.ids must be token ids in [0, 4)"),
+        (
+            dict(logits=torch.zeros(2, 4), targets=torch.tensor([0, 1]), kept=KeptSets.from_lists([[0]])),
+            "kept.offsets must be [N+1]=3",
+        ),
+        (
+            dict(logits=torch.zeros(2, 4), targets=torch.tensor([0, 1]), kept=KeptSets.from_lists([[0], [9]])),
+            "kept.ids must be token ids in [0, 4)",
+        ),
         (dict(logits=torch.zeros(4), targets=torch.tensor([0]), kept=None), "logits must be [N, V]"),
     ],
 )

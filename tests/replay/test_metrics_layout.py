@@ -43,8 +43,8 @@ def test_megatron_layout_is_sequence_major():
     assert per_layer.dtype == torch.int64 and per_layer.shape == (L, S * B, K)
     for b in range(B):
         for s in range(S):
-            for l in range(L):
-                assert per_layer[l, s * B + b].tolist() == routes[b, s, l].tolist()
+            for layer in range(L):
+                assert per_layer[layer, s * B + b].tolist() == routes[b, s, layer].tolist()
     assert torch.equal(from_megatron_layout(per_layer, B), routes)
 
 
@@ -73,7 +73,7 @@ def test_check_routes_names_duplicate_and_range():
 
 
 def test_sequence_parallel_shard_takes_contiguous_positions():
-    B, S, L, K = 2, 4, 1, 1
+    B, S = 2, 4
     routes = torch.arange(B * S).view(B, S, 1, 1)
     per_layer = to_megatron_layout(routes)
     shard = sequence_parallel_shard(per_layer, B, tp_size=2, tp_rank=1)

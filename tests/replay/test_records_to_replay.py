@@ -30,10 +30,15 @@ def _rollout(model, replay, prompt_lens, response_lens, seed):
         resp_logits = logits[P - 1 :]  # [R, V], predicts the response tokens
         kept = [np.sort(resp_logits[t].topk(3).indices.cpu().numpy()).astype(np.int32) for t in range(R)]
         kept = [np.union1d(k, [int(tokens[P + t])]).astype(np.int32) for t, k in enumerate(kept)]
-        samples.append(RolloutSample(
-            prompt_ids=tokens[:P].numpy().astype(np.int32), response_ids=tokens[P:].numpy().astype(np.int32),
-            rollout_logp=np.zeros(R, np.float32), routes=rec.recorded(0)[0].cpu().numpy(), sampling_mask=kept,
-        ))
+        samples.append(
+            RolloutSample(
+                prompt_ids=tokens[:P].numpy().astype(np.int32),
+                response_ids=tokens[P:].numpy().astype(np.int32),
+                rollout_logp=np.zeros(R, np.float32),
+                routes=rec.recorded(0)[0].cpu().numpy(),
+                sampling_mask=kept,
+            )
+        )
     return RolloutBatch.from_samples(samples, num_experts=E)
 
 
@@ -60,8 +65,8 @@ def test_records_file_routes_replay_exactly_and_kept_sets_renormalise(build, tmp
     with driver.update_pass([MicrobatchRoutes(sample_ids=[0, 1, 2], valid=valid, rollout=routes)]):
         logits = forward(model, ids)
         logits.float().pow(2).mean().backward()
-    for l in range(L):  # host-packed routes and host ids went in; the probe saw them on the model's device
-        assert torch.equal(probe.maps[l][0].cpu(), expected_map(routes, l, E))
+    for layer in range(L):  # host-packed routes and host ids went in; the probe saw them on the model's device
+        assert torch.equal(probe.maps[layer][0].cpu(), expected_map(routes, layer, E))
     m = driver.step_metrics()
     assert m["replay/rollout_vs_dispatched/response/flip_rate"] == 0.0
     # same weights and tokens as the "engine": natural routes agree except for float near-ties
@@ -79,6 +84,10 @@ def test_records_file_routes_replay_exactly_and_kept_sets_renormalise(build, tmp
         assert out.num_outside == 0
         assert (out.logp >= full - 1e-6).all() and (out.logp <= 0).all()
         # renormalising over a set: p_kept(y) = p(y) / sum_{k in set} p(k)
-        mass = torch.stack([torch.softmax(resp_logits[t].float(), -1)[torch.from_numpy(m.astype(np.int64))].sum()
-                            for t, m in enumerate(s.sampling_mask)])
+        mass = torch.stack(
+            [
+                torch.softmax(resp_logits[t].float(), -1)[torch.from_numpy(m.astype(np.int64))].sum()
+                for t, m in enumerate(s.sampling_mask)
+            ]
+        )
         torch.testing.assert_close(out.logp, full - mass.log(), rtol=0, atol=1e-5)

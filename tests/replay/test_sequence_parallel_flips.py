@@ -25,8 +25,10 @@ NAME = "replay/rollout_vs_dispatched"
 def test_positions_are_the_blocks_the_binding_replays():
     routes, _, _ = inputs()
     for rank in range(2):
-        torch.testing.assert_close(to_megatron_layout(sequence_parallel_positions(routes, 2, rank)),
-                                   sequence_parallel_shard(to_megatron_layout(routes), routes.shape[0], 2, rank))  # fmt: skip
+        torch.testing.assert_close(
+            to_megatron_layout(sequence_parallel_positions(routes, 2, rank)),
+            sequence_parallel_shard(to_megatron_layout(routes), routes.shape[0], 2, rank),
+        )
 
 
 @pytest.fixture(scope="module")

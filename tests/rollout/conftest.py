@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from moe_rl.config import ModelConfig
+from moe_rl.learner.hf_init import write_random_hf_checkpoint
 from moe_rl.records import RouteSpec
 from moe_rl.rollout.launcher import ServerSpec, SGLangServer
 
@@ -28,7 +29,6 @@ def route_spec(rollout_model_cfg) -> RouteSpec:
 
 
 def _write(model_cfg, out_dir, seed):
-    from moe_rl.learner.hf_init import write_random_hf_checkpoint
 
     return write_random_hf_checkpoint(model_cfg, out_dir, seed=seed, dtype="float32")
 
@@ -50,9 +50,13 @@ def server_spec(model_dir) -> ServerSpec:
     # processes' allocations in between read as "weights used it all" at 0.05. max_total_tokens caps the
     # KV cache anyway, so a larger fraction only widens that tolerance.
     return ServerSpec(
-        model_path=str(model_dir), dtype="float32", deterministic=True, max_total_tokens=4096,
-        mem_fraction_static=0.3, startup_timeout_s=240,
-    )  # fmt: skip
+        model_path=str(model_dir),
+        dtype="float32",
+        deterministic=True,
+        max_total_tokens=4096,
+        mem_fraction_static=0.3,
+        startup_timeout_s=240,
+    )
 
 
 @pytest.fixture(scope="session")

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from transformers import Qwen3MoeForCausalLM
 
 
 def load_hf_model(model_dir, dtype: torch.dtype):
-    from transformers import Qwen3MoeForCausalLM
 
     return Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
 

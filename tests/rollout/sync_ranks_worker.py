@@ -26,6 +26,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from safetensors.torch import save_file
+
 from moe_rl.config import ExperimentConfig  # noqa: E402
 from moe_rl.learner.dist import destroy_distributed, init_distributed  # noqa: E402
 from moe_rl.learner.hf_export import export_hf_checkpoint  # noqa: E402
@@ -74,7 +76,6 @@ def stream_to_rank0(learner, cfg, root: Path, layout: str) -> dict:
     for part, _, _ in every:
         assert not set(part) & set(merged), "a tensor was sent twice"
         merged.update(part)
-    from safetensors.torch import save_file
 
     save_file(merged, root / f"{layout}_stream.safetensors")
     return {"senders": [s for _, _, s in every], "max_multi_bucket": max(m for _, m, _ in every)}
@@ -88,9 +89,16 @@ def run(layout: str, url: str, v1: str, v2: str, root: Path, **parallel) -> dict
     export_hf_checkpoint(learner.model, cfg.model, root / layout, bucket_bytes=BUCKET)
     report = stream_to_rank0(learner, cfg, root, layout)
     for mode in ("tensor", "distributed", "disk"):
-        ws = WeightSync(mode, cfg.model, export_dir=root / f"{layout}-{mode}-export", template_dir=v2,
-                        bucket_bytes=BUCKET, reference=reference_from_hf_dir(v1) if rank0 else None, timeout_s=120,
-                        group_options={"backend": "gloo"})  # fmt: skip
+        ws = WeightSync(
+            mode,
+            cfg.model,
+            export_dir=root / f"{layout}-{mode}-export",
+            template_dir=v2,
+            bucket_bytes=BUCKET,
+            reference=reference_from_hf_dir(v1) if rank0 else None,
+            timeout_s=120,
+            group_options={"backend": "gloo"},
+        )
         ws.sync(learner.module, [url] if rank0 else [], f"{layout}-{mode}")
         ws.close()
         if rank0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 
 import pytest
@@ -37,8 +38,12 @@ def test_request_asks_for_logprobs_routes_masks_and_the_seed():
     assert body["input_ids"] == [5, 6]
     assert body["return_logprob"] and body["return_routed_experts"] and body["return_sampling_mask"]
     assert body["sampling_params"] == {
-        "temperature": 0.7, "top_p": 0.9, "top_k": 20, "max_new_tokens": 8, "sampling_seed": 9,
-    }  # fmt: skip
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 20,
+        "max_new_tokens": 8,
+        "sampling_seed": 9,
+    }
 
 
 def test_no_top_k_with_masks_is_sent_as_the_whole_vocabulary():
@@ -82,8 +87,9 @@ def test_from_config_always_requests_routes_and_masks_only_for_keep_sampling_mas
 
 
 def _balanced_client(balance: str) -> RolloutClient:
-    return RolloutClient(["http://a", "http://b"], None, 64, max_concurrency=8, return_sampling_mask=False,
-                         load_balance=balance)  # fmt: skip
+    return RolloutClient(
+        ["http://a", "http://b"], None, 64, max_concurrency=8, return_sampling_mask=False, load_balance=balance
+    )
 
 
 def test_least_outstanding_picks_the_server_with_fewer_requests_in_flight_and_round_robins_ties():
@@ -102,7 +108,6 @@ def test_least_outstanding_picks_the_server_with_fewer_requests_in_flight_and_ro
 def test_a_slow_server_gets_fewer_requests_under_least_outstanding(monkeypatch, balance, fast_share):
     """A stand-in for two servers (``_post`` and ``_to_sample`` replaced: the point is where requests go, not SGLang):
     server a answers in 40 ms, b in 5 ms; 8 in flight, 48 requests."""
-    import asyncio
 
     client, sent = _balanced_client(balance), []
 

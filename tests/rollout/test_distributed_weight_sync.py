@@ -61,14 +61,21 @@ def disk_v2(sglang_server, route_spec, model_dir, model_dir_v2):
 @pytest.fixture
 def sync(rollout_model_cfg, model_dir):
     """Distributed sync in 64 KiB buckets (13 requests for the tiny model); its group closed after the test."""
-    ws = WeightSync("distributed", rollout_model_cfg, bucket_bytes=64 << 10, reference=reference_from_hf_dir(model_dir),
-                    timeout_s=120, group_options={"backend": "gloo"})  # fmt: skip
+    ws = WeightSync(
+        "distributed",
+        rollout_model_cfg,
+        bucket_bytes=64 << 10,
+        reference=reference_from_hf_dir(model_dir),
+        timeout_s=120,
+        group_options={"backend": "gloo"},
+    )
     yield ws
     ws.close()
 
 
-def test_distributed_sync_serves_what_disk_sync_serves_and_tears_down(sglang_server, route_spec, model_dir,
-                                                                       model_dir_v2, disk_v2, sync):  # fmt: skip
+def test_distributed_sync_serves_what_disk_sync_serves_and_tears_down(
+    sglang_server, route_spec, model_dir, model_dir_v2, disk_v2, sync
+):
     url = sglang_server.url
     state = read_hf_state_dict(model_dir_v2)
     try:

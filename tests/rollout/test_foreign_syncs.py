@@ -11,7 +11,9 @@ import logging
 from types import SimpleNamespace
 
 import pytest
+import torch
 
+from moe_rl.rollout.client import RolloutError
 from moe_rl.sync.integrity import ForeignWeightsError, ForeignWeightsStop, generate_checked
 from moe_rl.sync.served_weights import PushedWeights, digest, expected_entries, fingerprint_entry
 
@@ -24,12 +26,19 @@ def _checked(foreign_batches: int, max_syncs: int, caplog):
     def check_served():
         if served["foreign"] > 0:
             served["foreign"] -= 1
-            raise ForeignWeightsError(f"foreign weights on http://h:1 (rank 0): label {LABEL!r} serves fingerprint "
-                                      "aaaa, the trainer pushed bbbb")  # fmt: skip
+            raise ForeignWeightsError(
+                f"foreign weights on http://h:1 (rank 0): label {LABEL!r} serves fingerprint "
+                "aaaa, the trainer pushed bbbb"
+            )
 
     with caplog.at_level(logging.WARNING):
-        samples = generate_checked(lambda: [SimpleNamespace(weight_version=LABEL)], LABEL, lambda: resyncs.append(1),
-                                   check_served=check_served, max_foreign_syncs=max_syncs)  # fmt: skip
+        samples = generate_checked(
+            lambda: [SimpleNamespace(weight_version=LABEL)],
+            LABEL,
+            lambda: resyncs.append(1),
+            check_served=check_served,
+            max_foreign_syncs=max_syncs,
+        )
     return samples, len(resyncs)
 
 
@@ -46,12 +55,12 @@ def test_foreign_batches_are_resynced_up_to_the_limit_then_the_run_stops(caplog)
 
 
 def test_expected_fingerprint_is_taken_in_the_served_dtype():
-    import torch
 
     router = torch.randn(8, 64)
     bf16 = fingerprint_entry(router.to(torch.bfloat16))
-    assert expected_entries({"model.layers.0.mlp.gate.weight": router}, {"model.layers.0.mlp.gate.weight": bf16}) \
-        == {"model.layers.0.mlp.gate.weight": bf16}  # fmt: skip
+    assert expected_entries({"model.layers.0.mlp.gate.weight": router}, {"model.layers.0.mlp.gate.weight": bf16}) == {
+        "model.layers.0.mlp.gate.weight": bf16
+    }
     assert fingerprint_entry(router) != fingerprint_entry(router + 1e-6) and bf16.startswith("bfloat16:")
     pushed = PushedWeights()
     pushed.remember(LABEL, {"model.norm.weight": torch.ones(4), "model.layers.0.mlp.experts.0.up_proj.weight": router})
@@ -62,7 +71,6 @@ def test_expected_fingerprint_is_taken_in_the_served_dtype():
 def test_a_generation_that_fails_under_foreign_weights_resyncs_instead_of_restarting_the_server(caplog):
     """Issue 38's walk-through: a foreign update aborts the batch in flight. The failure is the weights, not the server:
     a re-sync (counted like any foreign batch), never a restart (which spent the restart budget before)."""
-    from moe_rl.rollout.client import RolloutError
 
     calls, resyncs, restarts = {"generate": 0, "check": 0}, [], []
 
@@ -75,11 +83,19 @@ def test_a_generation_that_fails_under_foreign_weights_resyncs_instead_of_restar
     def check_served():
         calls["check"] += 1
         if calls["check"] == 1:  # asked right after the failure: the server holds another model
-            raise ForeignWeightsError(f"foreign weights on http://h:1 (rank 0): label {LABEL!r} serves fingerprint "
-                                      "aaaa, the trainer pushed bbbb")  # fmt: skip
+            raise ForeignWeightsError(
+                f"foreign weights on http://h:1 (rank 0): label {LABEL!r} serves fingerprint "
+                "aaaa, the trainer pushed bbbb"
+            )
 
     with caplog.at_level(logging.WARNING):
-        samples = generate_checked(generate, LABEL, lambda: resyncs.append(1), restart=lambda urls: restarts.append(urls)
-                                   or ["http://h:1"], check_served=check_served, max_foreign_syncs=2)  # fmt: skip
+        samples = generate_checked(
+            generate,
+            LABEL,
+            lambda: resyncs.append(1),
+            restart=lambda urls: restarts.append(urls) or ["http://h:1"],
+            check_served=check_served,
+            max_foreign_syncs=2,
+        )
     assert len(samples) == 1 and resyncs == [1] and restarts == []
     assert any("foreign weights" in r.getMessage() and "(1/2)" in r.getMessage() for r in caplog.records)

@@ -48,8 +48,14 @@ def test_a_push_after_a_long_batch_waits_for_no_probe(sglang_server, route_spec,
     """A batch longer than the probe interval (1 s at health_timeout_s=3): no ``/health`` reaches the replying
     server, and the push's ``begin_weight_update`` right after the batch is not held up."""
     log = sglang_server.log_path
-    client = RolloutClient([sglang_server.url], route_spec, 512, SamplingSettings(max_new_tokens=12),
-                           max_concurrency=2, health_timeout_s=3.0)  # fmt: skip
+    client = RolloutClient(
+        [sglang_server.url],
+        route_spec,
+        512,
+        SamplingSettings(max_new_tokens=12),
+        max_concurrency=2,
+        health_timeout_s=3.0,
+    )
     rng = np.random.default_rng(0)
     client.generate([[5, 6, 7]])  # a fresh server's first request takes seconds of warm-up: no reply, so probed
     time.sleep(1.2)  # a probe's access-log line is written when its handler returns (up to ~1 s later)

@@ -49,4 +49,6 @@ def test_flush_cache_is_not_a_collection_of_the_start_up_heap(sglang_server, dev
     for _ in range(5):
         httpx.post(f"{sglang_server.url}/flush_cache", timeout=60).raise_for_status()
     per_flush = (_tree_cpu_seconds(sglang_server.process.pid) - before) / 5
-    assert per_flush < 0.1, f"a /flush_cache took {per_flush:.3f} s of the server's CPU (a collection of its whole heap)"
+    assert per_flush < 0.1, (
+        f"a /flush_cache took {per_flush:.3f} s of the server's CPU (a collection of its whole heap)"
+    )

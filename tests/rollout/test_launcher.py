@@ -7,6 +7,7 @@ The lifecycle tests start real `sglang.launch_server` processes and stop them du
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import os
 import signal
 import socket
@@ -20,8 +21,10 @@ import httpx
 import pytest
 import torch.distributed
 
-from moe_rl.config import RolloutConfig
+from moe_rl.config import RolloutConfig, load_config
+from moe_rl.learner.hf_init import write_random_hf_checkpoint
 from moe_rl.rollout import launcher
+from moe_rl.rollout.auth import ServerKeys
 from moe_rl.rollout.launcher import (
     STUBS_DIR,
     ServerSpec,
@@ -32,6 +35,9 @@ from moe_rl.rollout.launcher import (
     server_command,
     server_env,
 )
+from moe_rl.rollout.server_pool import ServerPool
+from moe_rl.rollout.sglang_entry import _keep_start_method
+from moe_rl.rollout.shm import group_shm_files
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,8 +56,6 @@ def _pids_mentioning(marker: str) -> list[int]:
 
 def _real_model(path: Path) -> str:
     """A tiny real HF model: a server started on it loads it and serves, so it never ends by itself."""
-    from moe_rl.config import load_config
-    from moe_rl.learner.hf_init import write_random_hf_checkpoint
 
     write_random_hf_checkpoint(load_config(REPO / "configs" / "tiny_cpu.yaml").model, path, seed=0, dtype="float32")
     return str(path)
@@ -71,9 +75,14 @@ def test_command_enables_routes_determinism_and_mask_cap_from_config():
     cmd = server_command(ServerSpec.from_rollout_config(rollout, "/m"), port=1234)
     joined = " ".join(cmd)
     for piece in (
-        "--enable-return-routed-experts", "--enable-deterministic-inference", "--sampling-mask-max-tokens 77",
-        "--dtype bfloat16", "--port 1234", "--model-path /m", "--device cpu",
-    ):  # fmt: skip
+        "--enable-return-routed-experts",
+        "--enable-deterministic-inference",
+        "--sampling-mask-max-tokens 77",
+        "--dtype bfloat16",
+        "--port 1234",
+        "--model-path /m",
+        "--device cpu",
+    ):
         assert piece in joined, f"{piece!r} missing from {joined}"
     assert cmd[-1] == "--x"
     nondeterministic = server_command(ServerSpec.from_rollout_config(RolloutConfig(deterministic=False), "/m"), 1)
@@ -96,16 +105,17 @@ def test_cpu_servers_fork_their_children_and_defer_other_model_modules():
     cpu = server_env(ServerSpec("/m", device="cpu"), base={})
     assert cpu["MOE_RL_SGLANG_START_METHOD"] == "fork"
     assert cpu["SGLANG_EXTERNAL_MODEL_PACKAGE"] == "moe_rl.rollout.sglang_models"
-    assert server_env(ServerSpec("/m", device="cpu"), base={"MOE_RL_SGLANG_START_METHOD": "spawn"})[
-        "MOE_RL_SGLANG_START_METHOD"] == "spawn"  # an operator's choice stands
+    assert (
+        server_env(ServerSpec("/m", device="cpu"), base={"MOE_RL_SGLANG_START_METHOD": "spawn"})[
+            "MOE_RL_SGLANG_START_METHOD"
+        ]
+        == "spawn"
+    )  # an operator's choice stands
     gpu = server_env(ServerSpec("/m", device="cuda"), base={})  # CUDA cannot be used in a forked child
     assert "MOE_RL_SGLANG_START_METHOD" not in gpu and "SGLANG_EXTERNAL_MODEL_PACKAGE" not in gpu
 
 
 def test_the_entry_point_makes_sglangs_spawn_request_the_chosen_method():
-    import multiprocessing
-
-    from moe_rl.rollout.sglang_entry import _keep_start_method
 
     real, before = multiprocessing.set_start_method, multiprocessing.get_start_method(allow_none=True)
     try:
@@ -165,7 +175,6 @@ def test_a_server_started_by_a_finished_thread_goes_down_with_a_sigkilled_launch
     """Issue 36: a server (re)started by another thread (the async producer) had no parent-death signal, so a
     kill -9 of the trainer left it running, and its /dev/shm files behind. The server's own guard
     (moe_rl.rollout.orphan_guard) stops its group and removes the files it held within 10 s."""
-    from moe_rl.rollout.shm import group_shm_files
 
     marker = _real_model(tmp_path / "thread-model")
     ready = tmp_path / "ready"
@@ -198,7 +207,6 @@ def test_a_server_started_by_a_finished_thread_goes_down_with_a_sigkilled_launch
 def test_a_closing_pool_restarts_nothing(tmp_path):
     """Issue 36: the pool could restart a server it was tearing down (the producer thread noticing the servers
     go away at shutdown); once close() has begun, restart() starts nothing and returns []."""
-    from moe_rl.rollout.server_pool import ServerPool
 
     marker = str(tmp_path / "closing-model")
     server = SGLangServer(ServerSpec(marker, startup_timeout_s=3.0), tmp_path / "server.log")
@@ -212,7 +220,6 @@ def test_a_failed_gc_freeze_warns_and_names_the_server(tmp_path, caplog):
     """``/freeze_gc`` only saves each push's flush a heap walk: a server that refuses it is still usable, so the
     launcher warns (naming the server) instead of failing the start. Here nothing listens on the port (a real refused
     connection)."""
-    from moe_rl.rollout.auth import ServerKeys
 
     server = SGLangServer(ServerSpec(model_path=str(tmp_path)), tmp_path / "server.log")
     server.url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
@@ -240,7 +247,10 @@ def test_a_port_taken_before_the_server_binds_it_is_retried_on_a_fresh_port(tmp_
     monkeypatch.setattr(launcher, "free_port", take_the_first)
     spec = ServerSpec(_real_model(tmp_path / "model"), startup_timeout_s=300)
     try:
-        with caplog.at_level("WARNING", logger="moe_rl.rollout.launcher"), SGLangServer(spec, tmp_path / "s.log") as server:
+        with (
+            caplog.at_level("WARNING", logger="moe_rl.rollout.launcher"),
+            SGLangServer(spec, tmp_path / "s.log") as server,
+        ):
             assert len(chosen) == 2 and chosen[0] != chosen[1], chosen
             assert server.url == f"http://127.0.0.1:{chosen[1]}"
             assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200

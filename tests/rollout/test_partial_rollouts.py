@@ -9,6 +9,7 @@ the version ``token_versions`` names. The session checkpoint (v1) is restored be
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -18,8 +19,10 @@ import pytest
 
 from moe_rl.learner.hf_convert import read_hf_state_dict
 from moe_rl.records.sglang_meta import decode_routes
+from moe_rl.rollout.auth import RUN_ADMIN_KEY_ENV, ServerKeys
 from moe_rl.rollout.client import RolloutClient, SamplingSettings
-from moe_rl.rollout.partial import paused_generation
+from moe_rl.rollout.launcher import SGLangServer
+from moe_rl.rollout.partial import PartialRolloutError, paused_generation
 from moe_rl.sync.checks import reference_from_hf_dir
 from moe_rl.sync.transport import update_weights_from_disk
 from moe_rl.sync.weight_sync import WeightSync
@@ -85,9 +88,14 @@ def _spanning_sample(url, route_spec, model_dir, model_dir_v2, rollout_model_cfg
 def _teacher_forced(url, route_spec, prompt, response) -> dict:
     """Log-prob, top-16 ids of each response token and route rows [P + R - 1] under the served weights."""
     tokens = [int(t) for t in (*prompt, *response)]
-    body = {"input_ids": tokens, "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
-            "return_logprob": True, "logprob_start_len": len(prompt) - 1, "top_logprobs_num": TOP_K + TIE_ROOM,
-            "return_routed_experts": True}  # fmt: skip
+    body = {
+        "input_ids": tokens,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
+        "return_logprob": True,
+        "logprob_start_len": len(prompt) - 1,
+        "top_logprobs_num": TOP_K + TIE_ROOM,
+        "return_routed_experts": True,
+    }
     meta = httpx.post(f"{url}/generate", json=body, timeout=120).json()["meta_info"]
     rows = meta["input_token_logprobs"][1:]  # entry 0 is the prompt's last token
     # SGLang reports the last vocab id as 0 in input_token_logprobs (an image-hash clip); the value is right
@@ -95,8 +103,10 @@ def _teacher_forced(url, route_spec, prompt, response) -> dict:
     routes = decode_routes(meta, len(tokens), 1, route_spec)  # P + R rows
     return {
         "logp": np.array([r[0] for r in rows], np.float64),
-        "top": [sorted(((int(x[1]), float(x[0])) for x in top), key=lambda e: -e[1])
-                for top in meta["input_top_logprobs"][1:]],
+        "top": [
+            sorted(((int(x[1]), float(x[0])) for x in top), key=lambda e: -e[1])
+            for top in meta["input_top_logprobs"][1:]
+        ],
         "routes": np.sort(routes[: len(tokens) - 1], axis=-1),
     }
 
@@ -223,10 +233,6 @@ def test_abort_pause_continues_requests_aborted_while_still_queued(sglang_server
 @pytest.fixture(scope="module")
 def keyed_server(server_spec, tmp_path_factory):
     """A second server of the session checkpoint that has an admin key (generate stays open)."""
-    import dataclasses
-
-    from moe_rl.rollout.auth import RUN_ADMIN_KEY_ENV, ServerKeys
-    from moe_rl.rollout.launcher import SGLangServer
 
     keys = ServerKeys.fresh()
     spec = dataclasses.replace(server_spec, admin_api_key_env=RUN_ADMIN_KEY_ENV, deterministic=False)
@@ -236,7 +242,6 @@ def keyed_server(server_spec, tmp_path_factory):
 
 
 def test_pause_and_continue_carry_the_admin_key_and_always_continue(keyed_server):
-    from moe_rl.rollout.partial import PartialRolloutError
 
     server, keys = keyed_server
     url = server.url

@@ -11,6 +11,7 @@ import pytest
 from moe_rl.config import ConfigError, load_config
 from moe_rl.preflight import config_problems
 from moe_rl.records import RolloutSample
+from moe_rl.rollout.client import RolloutClient, RolloutResponseError
 from moe_rl.rollout.partial import (
     PartialRolloutError,
     check_pause_mode,
@@ -86,10 +87,11 @@ def test_only_a_pause_abort_is_continued():
 def test_a_server_without_version_spans_is_refused_where_a_request_spans_an_update(mode):
     """Without spans every token would get the reply's last version (counted current): refused, naming the
     server and the mode, also through the client at the first reply; abort and non-partial runs need none."""
-    from moe_rl.rollout.client import RolloutClient, RolloutResponseError
 
     no_spans = {"weight_version": "step-1", "finish_reason": {"type": "length", "length": 2}}
-    with pytest.raises(PartialRolloutError, match=rf"http://s:1 sends no per-token weight_versions.*pause_mode='{mode}'"):
+    with pytest.raises(
+        PartialRolloutError, match=rf"http://s:1 sends no per-token weight_versions.*pause_mode='{mode}'"
+    ):
         check_version_spans(no_spans, mode, "http://s:1")
     check_version_spans(_spans(("step-1", 0, 2)), mode, "http://s:1")
     check_version_spans(no_spans, "abort", "http://s:1")
@@ -103,18 +105,29 @@ def test_a_server_without_version_spans_is_refused_where_a_request_spans_an_upda
 def test_stitch_keeps_each_segments_arrays():
     p, k, r2 = 3, 2, 3
     head = RolloutSample(
-        prompt_ids=np.arange(p, dtype=np.int32), response_ids=np.array([7, 8], np.int32),
-        rollout_logp=np.array([-1, -2], np.float32), routes=np.zeros((p + k - 1, 1, 2), np.uint8),
-        sampling_mask=[np.array([7]), np.array([8])], sampling_logp=np.array([-0.1, -0.2], np.float32),
-        weight_version="step-0", finish_reason="abort", token_versions=np.array([0, 0], np.int32), group_id=5,
-    )  # fmt: skip
+        prompt_ids=np.arange(p, dtype=np.int32),
+        response_ids=np.array([7, 8], np.int32),
+        rollout_logp=np.array([-1, -2], np.float32),
+        routes=np.zeros((p + k - 1, 1, 2), np.uint8),
+        sampling_mask=[np.array([7]), np.array([8])],
+        sampling_logp=np.array([-0.1, -0.2], np.float32),
+        weight_version="step-0",
+        finish_reason="abort",
+        token_versions=np.array([0, 0], np.int32),
+        group_id=5,
+    )
     tail = RolloutSample(
-        prompt_ids=np.array([0, 1, 2, 7, 8], np.int32), response_ids=np.array([9, 10, 11], np.int32),
-        rollout_logp=np.array([-3, -4, -5], np.float32), routes=np.ones((r2, 1, 2), np.uint8),
+        prompt_ids=np.array([0, 1, 2, 7, 8], np.int32),
+        response_ids=np.array([9, 10, 11], np.int32),
+        rollout_logp=np.array([-3, -4, -5], np.float32),
+        routes=np.ones((r2, 1, 2), np.uint8),
         sampling_mask=[np.array([9]), np.array([10]), np.array([11])],
         sampling_logp=np.array([-0.3, -0.4, -0.5], np.float32),
-        weight_version="step-1", finish_reason="length", token_versions=np.array([1, 1, 1], np.int32), group_id=5,
-    )  # fmt: skip
+        weight_version="step-1",
+        finish_reason="length",
+        token_versions=np.array([1, 1, 1], np.int32),
+        group_id=5,
+    )
     s = stitch(head, tail)
     assert s.response_ids.tolist() == [7, 8, 9, 10, 11] and s.token_versions.tolist() == [0, 0, 1, 1, 1]
     assert s.routes.shape == (p + k + r2 - 1, 1, 2)
@@ -123,5 +136,9 @@ def test_stitch_keeps_each_segments_arrays():
     assert [m.tolist() for m in s.sampling_mask] == [[7], [8], [9], [10], [11]]
     assert (s.weight_version, s.finish_reason, s.group_id) == ("step-1", "length", 5)
     with pytest.raises(PartialRolloutError, match="continuation prompt"):
-        stitch(head, RolloutSample(prompt_ids=np.arange(4, dtype=np.int32), response_ids=tail.response_ids,
-                                   rollout_logp=tail.rollout_logp))  # fmt: skip
+        stitch(
+            head,
+            RolloutSample(
+                prompt_ids=np.arange(4, dtype=np.int32), response_ids=tail.response_ids, rollout_logp=tail.rollout_logp
+            ),
+        )

@@ -8,6 +8,7 @@ stand-in for ``WeightSync`` (what is tested is their order; the weight paths hav
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from types import SimpleNamespace
 
@@ -59,16 +60,21 @@ def test_a_resync_during_a_paused_push_waits_for_it_and_carries_the_pushed_versi
     assert pusher.calls.pending, "the re-sync waits for the main thread"
     pusher.calls.serve()  # what the main thread does at its next wait (Rank0Calls.wait)
     resync.join(timeout=30)
-    assert sync.events == [("push", "step-2-n"), ("pushed", "step-2-n"), ("close",), ("push", "step-2-n"),
-                           ("pushed", "step-2-n")]  # fmt: skip
+    assert sync.events == [
+        ("push", "step-2-n"),
+        ("pushed", "step-2-n"),
+        ("close",),
+        ("push", "step-2-n"),
+        ("pushed", "step-2-n"),
+    ]
 
 
 def test_a_server_dead_since_its_last_batch_is_restarted_before_the_pause_and_synced_through_a_new_group(
-        tmp_path, monkeypatch):  # fmt: skip
+    tmp_path, monkeypatch
+):
     """A partial-rollout push pauses every server first: a dead one must be restarted before (the pause would fail on
     it), then the push opens a new weight-update group (the restarted server lost its own) and loads it too. The pause
     is a recording stand-in here (the real one is exercised above and in the trainer's e2e runs)."""
-    import contextlib
 
     events: list[tuple] = []
 

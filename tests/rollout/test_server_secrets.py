@@ -16,6 +16,7 @@ import sys
 
 import httpx
 import pytest
+from safetensors.torch import load_file
 
 from moe_rl.rollout.auth import ServerKeys
 from moe_rl.rollout.launcher import ServerSpec, SGLangServer, server_env
@@ -39,11 +40,23 @@ def admin_keyed(model_dir, tmp_path_factory):
     """(url, keys, GET routes): a server with only an admin key, as ``ServerKeys.for_run`` keys a run's servers."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MOE_RL_TEST_LEAK_ADMIN", ADMIN_KEY)
-        spec = ServerSpec(model_path=str(model_dir), dtype="float32", deterministic=True, max_total_tokens=4096,
-                          mem_fraction_static=0.3, startup_timeout_s=480, admin_api_key_env="MOE_RL_TEST_LEAK_ADMIN")
+        spec = ServerSpec(
+            model_path=str(model_dir),
+            dtype="float32",
+            deterministic=True,
+            max_total_tokens=4096,
+            mem_fraction_static=0.3,
+            startup_timeout_s=480,
+            admin_api_key_env="MOE_RL_TEST_LEAK_ADMIN",
+        )
         # the app's routes, from the app itself, while the server starts (same interpreter and environment)
-        lister = subprocess.Popen([sys.executable, "-c", ROUTES], env=server_env(spec), stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)  # fmt: skip
+        lister = subprocess.Popen(
+            [sys.executable, "-c", ROUTES],
+            env=server_env(spec),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         with SGLangServer(spec, tmp_path_factory.mktemp("leak_logs") / "server.log") as server:
             out, err = lister.communicate(timeout=300)
             match = re.search(r"^ROUTES=(.*)$", out, re.MULTILINE)
@@ -74,13 +87,13 @@ def test_no_get_endpoint_shows_a_key_and_server_info_needs_the_admin_key(admin_k
 
 
 def _pushed(model_dir) -> dict:
-    from safetensors.torch import load_file
 
     return {k: v for f in sorted(model_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
-def test_served_fingerprint_follows_every_push_and_catches_foreign_weights(admin_keyed, model_dir, model_dir_v2,
-                                                                           rollout_model_cfg, caplog):  # fmt: skip
+def test_served_fingerprint_follows_every_push_and_catches_foreign_weights(
+    admin_keyed, model_dir, model_dir_v2, rollout_model_cfg, caplog
+):
     url, keys, _ = admin_keyed
     pushed = PushedWeights(keys)
     update_weights_from_disk([url], model_dir, "step-1-abcd0123", keys=keys)
@@ -98,18 +111,28 @@ def test_served_fingerprint_follows_every_push_and_catches_foreign_weights(admin
 
     # the walk-through: someone with the key pushes another model under the current label
     update_weights_from_disk([url], model_dir, "step-2-abcd0123", keys=keys)
-    with pytest.raises(ForeignWeightsError, match=r"foreign weights on .*label 'step-2-abcd0123' serves fingerprint "
-                                                  r"[0-9a-f]{16}, the trainer pushed [0-9a-f]{16}"):  # fmt: skip
+    with pytest.raises(
+        ForeignWeightsError,
+        match=r"foreign weights on .*label 'step-2-abcd0123' serves fingerprint "
+        r"[0-9a-f]{16}, the trainer pushed [0-9a-f]{16}",
+    ):
         ws.pushed.check([url], "step-2-abcd0123")
     ws.push(_pushed(model_dir_v2), [url], "step-2-abcd0123")  # the re-sync restores it
     ws.pushed.check([url], "step-2-abcd0123")
 
 
 def test_every_secret_server_argument_is_redacted_at_any_depth():
-    from sglang.srt.utils.auth import SECRET_SERVER_ARGS, redact_server_secrets
+    from sglang.srt.utils.auth import SECRET_SERVER_ARGS, redact_server_secrets  # noqa: PLC0415 -- SGLang is optional (the rollout engine), heavy to import
 
-    info = {"api_key": "k1", "admin_api_key": "k2", "ssl_keyfile_password": "pw", "tp_size": 1, "watermark_key": None,
-            "launch_command": "python -m x --api-key k1", "internal_states": [{"admin_api_key": "k2", "n": 2}]}
+    info = {
+        "api_key": "k1",
+        "admin_api_key": "k2",
+        "ssl_keyfile_password": "pw",
+        "tp_size": 1,
+        "watermark_key": None,
+        "launch_command": "python -m x --api-key k1",
+        "internal_states": [{"admin_api_key": "k2", "n": 2}],
+    }
     out = redact_server_secrets(info, ("k1", "k2"))
     assert out["api_key"] == out["admin_api_key"] == out["ssl_keyfile_password"] == "<redacted>"
     assert out["internal_states"] == [{"admin_api_key": "<redacted>", "n": 2}] and out["tp_size"] == 1

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from moe_rl.rollout.client import RolloutClient, RolloutError, SamplingSettings
-from moe_rl.rollout.launcher import ServerSpec, SGLangServer
+from moe_rl.rollout.launcher import SGLangServer
 from tests.rollout.hf_reference import load_hf_model, routes_agree, teacher_forced, topk_sets
 from tests.rollout.test_sglang_fp32 import VOCAB, client_for, make_prompts
 

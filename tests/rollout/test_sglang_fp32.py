@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from moe_rl.records import RouteSpec
+from moe_rl.records import RolloutSample, RouteSpec
 from moe_rl.rollout.client import (
     RolloutClient,
     RolloutError,
@@ -77,7 +77,9 @@ def test_server_sends_no_route_row_for_last_token_and_zeros_for_dense_layer(sgla
     raw = np.frombuffer(base64.b64decode(reply["meta_info"]["routed_experts"]), dtype=wire_dtype)
     rows = len(prompts[0]) + len(reply["output_ids"]) - 1
     layers = rollout_model_cfg.num_layers
-    assert raw.size == rows * layers * 2, f"{raw.size} {wire_dtype} values; expected {rows} rows x {layers} layers x top-2"
+    assert raw.size == rows * layers * 2, (
+        f"{raw.size} {wire_dtype} values; expected {rows} rows x {layers} layers x top-2"
+    )
     raw = raw.reshape(rows, layers, 2)
     assert (raw[:, 0] == 0).all(), "the dense layer 0 should carry all-zero routes"
     assert (raw[:, 1:, 0] != raw[:, 1:, 1]).all(), "MoE layers must route to two distinct experts"
@@ -186,7 +188,6 @@ def test_generate_never_formats_the_samples(sglang_server, route_spec, prompts, 
 
     That repr of every sample's arrays was 7% of the client's time in bench/profile_rollout.py.
     """
-    from moe_rl.records import RolloutSample
 
     formatted = []  # reprlib (which asyncio uses) swallows exceptions raised by __repr__: count calls instead
     monkeypatch.setattr(RolloutSample, "__repr__", lambda self: formatted.append(1) or "RolloutSample(...)")

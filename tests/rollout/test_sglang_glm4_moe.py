@@ -7,37 +7,57 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from moe_rl.config import ModelConfig
+from moe_rl.learner.hf_init import write_random_hf_checkpoint
 from moe_rl.records import RouteSpec
 from moe_rl.rollout.client import RolloutClient, SamplingSettings
 from moe_rl.rollout.launcher import ServerSpec, SGLangServer
 
 pytestmark = pytest.mark.sglang
 
-GLM = ModelConfig(hf_architecture="Glm4MoeForCausalLM", num_layers=3, first_k_dense_layers=1, vocab_size=256,
-                  num_moe_experts=16, moe_router_topk=4, moe_router_score_function="sigmoid",
-                  moe_router_enable_expert_bias=True, moe_router_num_groups=4, moe_router_group_topk=2,
-                  moe_router_topk_scaling_factor=2.5, moe_shared_expert_intermediate_size=32, moe_ffn_hidden_size=32,
-                  add_qkv_bias=True, rotary_percent=0.5, qk_layernorm=False, init_method_std=0.1)  # fmt: skip
+GLM = ModelConfig(
+    hf_architecture="Glm4MoeForCausalLM",
+    num_layers=3,
+    first_k_dense_layers=1,
+    vocab_size=256,
+    num_moe_experts=16,
+    moe_router_topk=4,
+    moe_router_score_function="sigmoid",
+    moe_router_enable_expert_bias=True,
+    moe_router_num_groups=4,
+    moe_router_group_topk=2,
+    moe_router_topk_scaling_factor=2.5,
+    moe_shared_expert_intermediate_size=32,
+    moe_ffn_hidden_size=32,
+    add_qkv_bias=True,
+    rotary_percent=0.5,
+    qk_layernorm=False,
+    init_method_std=0.1,
+)
 
 
 @pytest.fixture(scope="module")
 def glm_dir(tmp_path_factory):
-    from moe_rl.learner.hf_init import write_random_hf_checkpoint
 
     return write_random_hf_checkpoint(GLM, tmp_path_factory.mktemp("glm4_moe"), seed=0)
 
 
 @pytest.fixture(scope="module")
 def batch(glm_dir, tmp_path_factory):
-    spec = ServerSpec(model_path=str(glm_dir), dtype="float32", deterministic=True, mem_fraction_static=0.3,
-                      startup_timeout_s=600)  # fmt: skip
+    spec = ServerSpec(
+        model_path=str(glm_dir), dtype="float32", deterministic=True, mem_fraction_static=0.3, startup_timeout_s=600
+    )
     rng = np.random.default_rng(0)
     prompts = [rng.integers(4, GLM.vocab_size, size=int(rng.integers(5, 16))).tolist() for _ in range(4)]
     with SGLangServer(spec, tmp_path_factory.mktemp("glm_logs") / "server.log") as server:
-        client = RolloutClient([server.url], RouteSpec.from_model_config(GLM), GLM.vocab_size,
-                               SamplingSettings(temperature=1.0, top_p=0.9, top_k=16, max_new_tokens=8))  # fmt: skip
+        client = RolloutClient(
+            [server.url],
+            RouteSpec.from_model_config(GLM),
+            GLM.vocab_size,
+            SamplingSettings(temperature=1.0, top_p=0.9, top_k=16, max_new_tokens=8),
+        )
         return client.generate(prompts, n=2)
 
 
@@ -45,8 +65,11 @@ def batch(glm_dir, tmp_path_factory):
 def hf_routes(model, tokens: np.ndarray, device) -> np.ndarray:
     """HF's own routing decision ``[T, L_moe, k]`` (sorted) for ``tokens[T]``, teacher-forced."""
     picked = []
-    hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _i, out: picked.append(out[2].sort(-1).values))
-             for layer in model.model.layers if hasattr(layer.mlp, "gate")]  # fmt: skip
+    hooks = [
+        layer.mlp.gate.register_forward_hook(lambda _m, _i, out: picked.append(out[2].sort(-1).values))
+        for layer in model.model.layers
+        if hasattr(layer.mlp, "gate")
+    ]
     try:
         model(torch.as_tensor(tokens, dtype=torch.long, device=device)[None])
     finally:
@@ -56,7 +79,6 @@ def hf_routes(model, tokens: np.ndarray, device) -> np.ndarray:
 
 
 def test_glm4_moe_served_routes_equal_hf_teacher_forced_routing(batch, glm_dir, device):
-    from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(glm_dir, dtype=torch.float32).eval().to(device)
     agree = total = 0

@@ -75,7 +75,9 @@ def test_patched_server_sends_compact_routes_and_kept_sets(sglang_server, route_
     response_len = meta["completion_tokens"]
     rows = len(PROMPTS[0]) + response_len - 1
     layers = rollout_model_cfg.num_layers
-    assert raw.size == rows * layers * 2, f"{raw.size} bytes; expected {rows} rows x {layers} layers x top-2, 1 byte each"
+    assert raw.size == rows * layers * 2, (
+        f"{raw.size} bytes; expected {rows} rows x {layers} layers x top-2, 1 byte each"
+    )
     assert (raw.reshape(rows, layers, 2)[:, 0] == 0).all(), "the dense layer 0 should carry all-zero routes"
     assert "output_token_sampling_mask" not in meta, "kept sets should travel compactly, not as JSON lists"
     assert meta["output_token_sampling_mask_dtype"] == "uint16"
@@ -98,8 +100,9 @@ def test_incremental_routes_of_a_continued_generation_equal_a_from_scratch_reque
     np.testing.assert_array_equal(np.concatenate([first.routes, incremental.routes]), scratch.routes)
 
 
-def test_tensor_sync_serves_what_disk_sync_serves(sglang_server, route_spec, model_dir, model_dir_v2, disk_outputs,
-                                                   tensor_sync):  # fmt: skip
+def test_tensor_sync_serves_what_disk_sync_serves(
+    sglang_server, route_spec, model_dir, model_dir_v2, disk_outputs, tensor_sync
+):
     url = sglang_server.url
     try:
         tensor_sync.push(read_hf_state_dict(model_dir_v2), [url], "tensor-v2")
@@ -111,8 +114,9 @@ def test_tensor_sync_serves_what_disk_sync_serves(sglang_server, route_spec, mod
     _assert_same_outputs(after, disk_outputs["v2"])
 
 
-def test_fp8_rollout_weights_hold_on_the_tensor_path(sglang_server, route_spec, model_dir, model_dir_v2,
-                                                     rollout_model_cfg, disk_outputs, tmp_path):  # fmt: skip
+def test_fp8_rollout_weights_hold_on_the_tensor_path(
+    sglang_server, route_spec, model_dir, model_dir_v2, rollout_model_cfg, disk_outputs, tmp_path
+):
     url = sglang_server.url
     quantized_dir = shutil.copytree(model_dir_v2, tmp_path / "v2_fp8")
     assert quantize_hf_dir(quantized_dir, "fp8_e4m3") > 0

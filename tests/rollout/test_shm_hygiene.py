@@ -33,8 +33,9 @@ print([type(lk).__name__ for lk in tqdm.get_lock().locks])
 
 
 def test_a_killed_groups_semaphore_is_found_by_inode_and_removed():
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_A_SEMAPHORE], stdout=subprocess.PIPE, text=True,
-                              start_new_session=True)  # fmt: skip
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_A_SEMAPHORE], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         sem = Path(holder.stdout.readline().strip())
         assert sem.name.startswith("sem.mp-") and sem.exists()
@@ -55,7 +56,13 @@ def test_a_killed_groups_semaphore_is_found_by_inode_and_removed():
 
 def test_importing_sglang_entry_leaves_tqdm_without_a_multiprocessing_lock():
     env = repo_env(ROOT)
-    run = lambda how: subprocess.run([sys.executable, "-c", TQDM_LOCKS, how], capture_output=True, text=True,  # noqa: E731
-                                     env=env, timeout=120, check=True).stdout.strip()  # fmt: skip
+    run = lambda how: subprocess.run(  # noqa: E731
+        [sys.executable, "-c", TQDM_LOCKS, how],
+        capture_output=True,
+        text=True,  # noqa: E731
+        env=env,
+        timeout=120,
+        check=True,
+    ).stdout.strip()
     assert "RLock" in run("plain")  # tqdm's default: a multiprocessing RLock (a named semaphore under spawn)
     assert run("entry") == "['RLock']" and "multiprocessing" not in run("entry")

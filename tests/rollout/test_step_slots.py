@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from moe_rl.rollout.client import RolloutClient
+from moe_rl.rollout.client import RolloutClient, sample_seed
 from moe_rl.rollout.slots import StepSlots
 
 
@@ -120,7 +120,6 @@ def test_two_steps_generated_at_once_share_max_concurrency_and_the_older_goes_fi
 
 
 def _bodies(client, step):
-    from moe_rl.rollout.client import sample_seed
 
     return [
         {"sampling_params": {"sampling_seed": sample_seed(client.seed, step, g, j)}} for g in range(6) for j in range(2)

@@ -44,8 +44,18 @@ def synced(sglang_server, route_spec, rollout_model_cfg, model_dir, model_dir_v2
         oracle = worker.generate(url, worker.config(str(model_dir_v2)))
         update_weights_from_disk([url], model_dir, "v1")
         before = worker.generate(url, worker.config(str(model_dir_v2)))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-               worker.__file__, url, str(model_dir), str(model_dir_v2), str(root)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            f"--master_port={free_port()}",
+            worker.__file__,
+            url,
+            str(model_dir),
+            str(model_dir_v2),
+            str(root),
+        ]
         # to a file: the ranks' torch_shm_manager outlives them while the server maps the synced tensors
         proc, out = run_to_file(cmd, root / "worker.txt", env=repo_env(REPO, OMP_NUM_THREADS="1"), timeout=480)
         assert proc.returncode == 0, f"the 2-rank worker failed:\n{out[-4000:]}"

@@ -11,11 +11,13 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+from safetensors.torch import load_file
 from safetensors.torch import load_file as load_safetensors
 
 from moe_rl.rollout.auth import ServerKeyError, ServerKeys
@@ -24,6 +26,7 @@ from moe_rl.rollout.health import ServerHungError
 from moe_rl.rollout.launcher import ServerSpec, SGLangServer
 from moe_rl.rollout.server_pool import ServerPool
 from moe_rl.sync import transport
+from moe_rl.sync.group import GROUP_PREFIX
 from moe_rl.sync.integrity import WeightVersionError, check_weight_versions, generate_checked
 from moe_rl.sync.transport import WeightSyncError, server_weight_version, update_weights_from_disk
 from moe_rl.sync.weight_sync import WeightSync
@@ -42,9 +45,16 @@ def keyed(model_dir, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MOE_RL_TEST_API_KEY", API_KEY)
         mp.setenv("MOE_RL_TEST_ADMIN_KEY", ADMIN_KEY)
-        spec = ServerSpec(model_path=str(model_dir), dtype="float32", deterministic=True, max_total_tokens=4096,
-                          mem_fraction_static=0.3, startup_timeout_s=480, api_key_env="MOE_RL_TEST_API_KEY",
-                          admin_api_key_env="MOE_RL_TEST_ADMIN_KEY")  # fmt: skip
+        spec = ServerSpec(
+            model_path=str(model_dir),
+            dtype="float32",
+            deterministic=True,
+            max_total_tokens=4096,
+            mem_fraction_static=0.3,
+            startup_timeout_s=480,
+            api_key_env="MOE_RL_TEST_API_KEY",
+            admin_api_key_env="MOE_RL_TEST_ADMIN_KEY",
+        )
         keys = ServerKeys.from_env_names("MOE_RL_TEST_API_KEY", "MOE_RL_TEST_ADMIN_KEY")
         pool = ServerPool(servers=[SGLangServer(spec, run_dir / "logs" / "sglang_0.log")], max_restarts=1)
         pool.servers[0].start()
@@ -56,8 +66,17 @@ def keyed(model_dir, tmp_path_factory):
 
 
 def _client(pool, route_spec, keys, **kw) -> RolloutClient:
-    return RolloutClient(pool.addresses, route_spec, vocab_size=512, sampling=SamplingSettings(max_new_tokens=3),
-                         return_sampling_mask=False, headers=keys.headers(), max_retries=1, backoff_s=0.2, **kw)  # fmt: skip
+    return RolloutClient(
+        pool.addresses,
+        route_spec,
+        vocab_size=512,
+        sampling=SamplingSettings(max_new_tokens=3),
+        return_sampling_mask=False,
+        headers=keys.headers(),
+        max_retries=1,
+        backoff_s=0.2,
+        **kw,
+    )
 
 
 def _group_cmdlines(pgid: int) -> str:
@@ -72,16 +91,21 @@ def _group_cmdlines(pgid: int) -> str:
     return "\n".join(out)
 
 
-def test_unauthenticated_weight_update_and_generate_are_refused_and_the_key_stays_secret(keyed, model_dir_v2,
-                                                                                          route_spec):  # fmt: skip
+def test_unauthenticated_weight_update_and_generate_are_refused_and_the_key_stays_secret(
+    keyed, model_dir_v2, route_spec
+):
     pool, keys, run_dir = keyed
     url = pool.addresses[0]
     attack = {"model_path": str(model_dir_v2), "weight_version": "step-4", "flush_cache": True}
     assert httpx.post(f"{url}/update_weights_from_disk", json=attack, timeout=60).status_code == 401
     api_only = {"Authorization": f"Bearer {API_KEY}"}  # weight updates need the admin key
     assert httpx.post(f"{url}/update_weights_from_disk", json=attack, headers=api_only, timeout=60).status_code == 401
-    assert httpx.post(f"{url}/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}},
-                      timeout=60).status_code == 401  # fmt: skip
+    assert (
+        httpx.post(
+            f"{url}/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}, timeout=60
+        ).status_code
+        == 401
+    )
     samples = _client(pool, route_spec, keys).generate(PROMPTS, 2)
     assert [s.weight_version for s in samples] == ["step-0"] * 4  # the attack changed nothing
 
@@ -98,9 +122,16 @@ def test_unauthenticated_weight_update_and_generate_are_refused_and_the_key_stay
 
 # Every admin endpoint the trainer calls (sync/weight_sync.py: disk path, tensor path; sync/group.py: distributed path);
 # the partial-rollout work adds pause_generation / continue_generation here when the trainer starts calling them.
-TRAINER_ADMIN_ENDPOINTS = ("update_weights_from_disk", "begin_weight_update", "update_weights_from_tensor",
-                           "end_weight_update", "init_weights_update_group", "update_weights_from_distributed",
-                           "destroy_weights_update_group", "update_weight_version")  # fmt: skip
+TRAINER_ADMIN_ENDPOINTS = (
+    "update_weights_from_disk",
+    "begin_weight_update",
+    "update_weights_from_tensor",
+    "end_weight_update",
+    "init_weights_update_group",
+    "update_weights_from_distributed",
+    "destroy_weights_update_group",
+    "update_weight_version",
+)
 
 
 def test_every_admin_endpoint_the_trainer_calls_refuses_a_call_without_the_admin_key(keyed, model_dir):
@@ -119,8 +150,6 @@ def test_every_admin_endpoint_the_trainer_calls_refuses_a_call_without_the_admin
         sent.append((endpoint, (headers or {}).get("Authorization")))
         return real_post(address, endpoint, body, timeout_s, headers)
 
-    from safetensors.torch import load_file
-
     served = {k: v for f in sorted(Path(model_dir).glob("*.safetensors")) for k, v in load_file(f).items()}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(transport, "post_admin", recording_post)
@@ -136,9 +165,6 @@ def test_every_admin_endpoint_the_trainer_calls_refuses_a_call_without_the_admin
 
 
 def test_distributed_sync_without_the_admin_key_is_refused_before_any_rendezvous(keyed, model_dir):
-    import threading
-
-    from moe_rl.sync.group import GROUP_PREFIX
 
     pool, keys, _ = keyed
     url = pool.addresses[0]
@@ -158,8 +184,9 @@ def test_missing_key_variable_is_one_clear_error(monkeypatch):
         ServerKeys.from_env_names("MOE_RL_NOT_SET", None)
 
 
-def test_batch_with_foreign_weight_versions_is_rejected_then_regenerated_once(keyed, model_dir, model_dir_v2,
-                                                                              route_spec, caplog):  # fmt: skip
+def test_batch_with_foreign_weight_versions_is_rejected_then_regenerated_once(
+    keyed, model_dir, model_dir_v2, route_spec, caplog
+):
     pool, keys, _ = keyed
     with pytest.raises(WeightVersionError, match=r"1 of 2 samples carry weight_version 'attacker' x1.*synced 'step-3'"):
         check_weight_versions(["attacker", "step-3"], "step-3")  # the mixed batch

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from moe_rl.config import load_config
+from moe_rl.config import ConfigError, load_config
 from moe_rl.preflight import config_problems, environment_problems
 from moe_rl.sync.group import group_options, master_address_for, port_is_free
 
@@ -28,21 +28,34 @@ def test_nccl_with_cpu_servers_is_refused_by_the_config_rules():
     ]
 
 
-@pytest.mark.parametrize("args, named", [
-    (["--dp-size", "2"], "--dp-size 2"), (["--data-parallel-size=4"], "--data-parallel-size 4"),
-    (["--pp-size", "2"], "--pp-size 2"), (["--enable-dp-attention"], "--enable-dp-attention"),
-    (["--attn-dp-size", "2"], "--attn-dp-size 2"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--dp-size", "2"], "--dp-size 2"),
+        (["--data-parallel-size=4"], "--data-parallel-size 4"),
+        (["--pp-size", "2"], "--pp-size 2"),
+        (["--enable-dp-attention"], "--enable-dp-attention"),
+        (["--attn-dp-size", "2"], "--attn-dp-size 2"),
+    ],
+)
 def test_server_options_the_group_update_cannot_serve_are_refused_naming_the_option(args, named):
     """SGLang 0.5.23's init_weights_update_group asserts dp_size == 1 and ranks processes as rank_offset + tp_rank."""
     cfg = load_config(overrides=["rollout.weight_sync=distributed", f"rollout.extra_server_args={args}"])
     (problem,) = config_problems(cfg).problems
     assert problem.startswith(f"rollout.extra_server_args {named} with rollout.weight_sync='distributed': ")
-    assert config_problems(load_config(overrides=["rollout.weight_sync=disk", f"rollout.extra_server_args={args}"])
-                           ).problems == []  # fmt: skip
+    assert (
+        config_problems(
+            load_config(overrides=["rollout.weight_sync=disk", f"rollout.extra_server_args={args}"])
+        ).problems
+        == []
+    )
     ok = ["--dp-size", "1", "--tp-size", "2", "--pp-size=1"]
-    assert config_problems(load_config(overrides=["rollout.weight_sync=distributed", f"rollout.extra_server_args={ok}"])
-                           ).problems == []  # fmt: skip
+    assert (
+        config_problems(
+            load_config(overrides=["rollout.weight_sync=distributed", f"rollout.extra_server_args={ok}"])
+        ).problems
+        == []
+    )
 
 
 def test_a_rendezvous_port_in_use_is_refused_by_the_environment_rules():
@@ -62,7 +75,6 @@ def test_a_rendezvous_port_in_use_is_refused_by_the_environment_rules():
 
 @pytest.mark.parametrize("key", ["rollout.weight_sync=nccl", "rollout.weight_sync_backend=mpi"])
 def test_unknown_values_name_the_key(key):
-    from moe_rl.config import ConfigError
 
     with pytest.raises(ConfigError, match=key.split("=")[0]):
         load_config(overrides=[key])

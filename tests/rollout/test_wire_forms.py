@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 import torch
 
+from moe_rl.config import load_config
 from moe_rl.learner.hf_stream import size_buckets
 from moe_rl.records import RecordError, RouteSpec, decode_sglang_meta
 from moe_rl.records.sglang_meta import decode_routes, decode_sampling_mask
 from moe_rl.sync.checks import check_weights
 from moe_rl.sync.transport import WeightSyncError, is_local_address
+from moe_rl.sync.weight_sync import WeightSync
 
 SPEC = RouteSpec(num_hidden_layers=3, moe_layer_ids=(1, 2), top_k=2, num_experts=8)  # layer 0 dense
 
@@ -48,7 +50,10 @@ def test_every_route_wire_dtype_decodes_to_the_same_compact_routes(dtype, device
     "mutate, message",
     [
         (lambda m: m.update(routed_experts_dtype="float16"), r"routed_experts_dtype='float16'; expected one of"),
-        (lambda m: m.update(routed_experts_dtype="uint16"), r"60 bytes = 5 rows .* uint16; expected 10 rows .* = 120 bytes"),
+        (
+            lambda m: m.update(routed_experts_dtype="uint16"),
+            r"60 bytes = 5 rows .* uint16; expected 10 rows .* = 120 bytes",
+        ),
         (lambda m: m.update(routed_experts=m["routed_experts"][:-8]), r"routed_experts has \d+ bytes"),
         (lambda m: m.update(routed_experts=_wire(np.full((10, 2, 2), 9), "uint8")), r"expert ids must be in \[0, 8\)"),
         (lambda m: m.update(routed_experts="@@not base64@@"), r"routed_experts is not valid base64"),
@@ -123,8 +128,11 @@ def test_bad_compact_kept_sets_give_one_clear_error(mutate, message):
 
 def test_kept_id_outside_the_vocabulary_names_the_token():
     ids = np.array([1, 2, 3, 4, 600, 5], dtype="<u2")
-    meta = {"output_token_sampling_mask_ids": base64.b64encode(ids.tobytes()).decode(),
-            "output_token_sampling_mask_dtype": "uint16", "output_token_sampling_mask_lengths": [2, 3, 1]}  # fmt: skip
+    meta = {
+        "output_token_sampling_mask_ids": base64.b64encode(ids.tobytes()).decode(),
+        "output_token_sampling_mask_dtype": "uint16",
+        "output_token_sampling_mask_lengths": [2, 3, 1],
+    }
     with pytest.raises(RecordError, match=r"output_token_sampling_mask\[1\] has ids outside \[0, 512\)"):
         decode_sampling_mask(meta, 3, vocab_size=512)
 
@@ -134,15 +142,20 @@ def test_whole_meta_with_compact_fields_decodes(device):
     kept = [np.array([11, 40]), np.array([12]), np.array([13, 7, 8])]
     meta = {
         "output_token_logprobs": [[-0.5, 11, None], [-0.25, 12, None], [-1.0, 13, None]],
-        "routed_experts": _wire(_routes(4 + 3 - 1), "uint8"), "routed_experts_dtype": "uint8",
+        "routed_experts": _wire(_routes(4 + 3 - 1), "uint8"),
+        "routed_experts_dtype": "uint8",
         "output_token_sampling_mask_ids": base64.b64encode(np.concatenate(kept).astype("<u2").tobytes()).decode(),
-        "output_token_sampling_mask_dtype": "uint16", "output_token_sampling_mask_lengths": [2, 1, 3],
-        "output_token_sampling_logprobs": [-0.1, 0.0, -0.7], "weight_version": "v3",
-    }  # fmt: skip
+        "output_token_sampling_mask_dtype": "uint16",
+        "output_token_sampling_mask_lengths": [2, 1, 3],
+        "output_token_sampling_logprobs": [-0.1, 0.0, -0.7],
+        "weight_version": "v3",
+    }
     d = decode_sglang_meta(meta, 4, response, SPEC, vocab_size=512)
     assert d.routes.shape == (6, 2, 2) and d.weight_version == "v3"
     assert [m.tolist() for m in d.sampling_mask] == [[11, 40], [12], [13, 7, 8]]
-    torch.testing.assert_close(torch.from_numpy(d.rollout_logp).to(device), torch.tensor([-0.5, -0.25, -1.0], device=device))
+    torch.testing.assert_close(
+        torch.from_numpy(d.rollout_logp).to(device), torch.tensor([-0.5, -0.25, -1.0], device=device)
+    )
 
 
 def test_weights_that_do_not_match_the_served_model_are_refused_before_sending(device):
@@ -169,8 +182,6 @@ def test_only_loopback_addresses_count_as_this_host():
 
 
 def test_weight_sync_mode_follows_the_config_and_the_server_hosts(tiny_hf_dir):
-    from moe_rl.config import load_config
-    from moe_rl.sync.weight_sync import WeightSync
 
     local, remote = ["http://127.0.0.1:30000"], ["http://10.1.2.3:30000"]
     cfg = load_config(None, [f"checkpoint.init_from_hf={tiny_hf_dir}"])
@@ -178,7 +189,9 @@ def test_weight_sync_mode_follows_the_config_and_the_server_hosts(tiny_hf_dir):
     assert WeightSync.from_config(cfg, local).mode == "tensor"
     assert WeightSync.from_config(cfg, remote, export_dir="/tmp/x").mode == "disk"
     assert WeightSync.from_config(cfg, local).reference["lm_head.weight"] == (512, 64)
-    with pytest.raises(ValueError, match=r"rollout.weight_sync='tensor' .* \['http://10.1.2.3:30000'\] are not on this host"):
+    with pytest.raises(
+        ValueError, match=r"rollout.weight_sync='tensor' .* \['http://10.1.2.3:30000'\] are not on this host"
+    ):
         WeightSync.from_config(load_config(None, ["rollout.weight_sync=tensor"]), remote)
     with pytest.raises(ValueError, match="rollout.weight_sync='disk' needs an export_dir"):
         WeightSync.from_config(load_config(None, ["rollout.weight_sync=disk"]), local)

@@ -29,7 +29,9 @@ HOW = "run `sudo scripts/slurm_local.sh up` (Debian: installs slurm-wlm and mung
 
 def _idle_nodes() -> set[str]:
     try:
-        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, timeout=20, check=False)
+        out = subprocess.run(
+            ["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, timeout=20, check=False
+        )
     except (OSError, subprocess.TimeoutExpired):
         return set()
     return {line.split()[0] for line in out.stdout.splitlines() if line.split()[1:] == ["idle"]}
@@ -42,14 +44,26 @@ class SlurmCluster:
     def job_env(self) -> dict[str, str]:
         """The submitting environment (sbatch exports it to the job): this interpreter's venv and this checkout."""
         venv = Path(sys.executable).parent.parent
-        return {**os.environ, "MOE_RL_VENV": str(venv), "MOE_RL_PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
-                "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
-                "PATH": os.pathsep.join([str(venv / "bin"), os.environ["PATH"]])}  # fmt: skip
+        return {
+            **os.environ,
+            "MOE_RL_VENV": str(venv),
+            "MOE_RL_PYTHON": sys.executable,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+            "PATH": os.pathsep.join([str(venv / "bin"), os.environ["PATH"]]),
+        }
 
     def submit(self, config: Path, cwd: Path, *overrides: str) -> str:
         """``launch/slurm/submit.sh CONFIG [overrides]`` from ``cwd``; the job id."""
-        proc = subprocess.run([str(REPO / "launch/slurm/submit.sh"), str(config), *overrides], cwd=cwd,
-                              env=self.job_env(), capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+        proc = subprocess.run(
+            [str(REPO / "launch/slurm/submit.sh"), str(config), *overrides],
+            cwd=cwd,
+            env=self.job_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
         assert proc.returncode == 0, proc.stderr
         m = re.search(r"Submitted batch job (\d+)", proc.stdout)
         assert m, proc.stdout
@@ -57,8 +71,9 @@ class SlurmCluster:
 
     def job(self, job_id: str) -> dict[str, str]:
         """``scontrol show job -o``'s fields (JobState, ExitCode, Restarts, Reason, ...)."""
-        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30,
-                             check=False)
+        out = subprocess.run(
+            ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30, check=False
+        )
         return dict(kv.split("=", 1) for kv in out.stdout.split() if "=" in kv)
 
     def wait(self, job_id: str, until=lambda info: info.get("JobState") in ENDED, timeout_s: float = 1800) -> dict:

@@ -50,8 +50,11 @@ def _wait_for(predicate, what: str, cluster, job: str, cwd: Path, timeout_s: flo
         if time.monotonic() - looked > 5:
             looked = time.monotonic()
             info = cluster.job(job)
-            assert info.get("JobState") not in ENDED, f"job {job} ended ({info.get('JobState')}) before {what}:\n" + \
-                _job_log(cwd, job)[-3000:] + _learner_logs(cwd, job)[-3000:]  # fmt: skip
+            assert info.get("JobState") not in ENDED, (
+                f"job {job} ended ({info.get('JobState')}) before {what}:\n"
+                + _job_log(cwd, job)[-3000:]
+                + _learner_logs(cwd, job)[-3000:]
+            )
         time.sleep(poll_s)
 
 
@@ -66,9 +69,22 @@ def _no_process_left(cluster, job: str) -> None:
 def _replay(records: Path, out: Path) -> list[dict]:
     """The uninterrupted run on the same records: ``moe-rl train`` on 2 ranks (torchrun) with ``train.rollouts_from``
     (sync: no server; the learner computes everything from the records)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "moe_rl.cli", "train", str(TWIN), f"train.output_dir={out}", f"train.rollouts_from={records}",
-           "train.rollout_mode=sync", "logging.tensorboard=false", "logging.progress=false"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        "-m",
+        "moe_rl.cli",
+        "train",
+        str(TWIN),
+        f"train.output_dir={out}",
+        f"train.rollouts_from={records}",
+        "train.rollout_mode=sync",
+        "logging.tensorboard=false",
+        "logging.progress=false",
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -87,7 +103,9 @@ def test_warned_twin_job_on_three_nodes_checkpoints_requeues_itself_and_complete
         slurm_cluster.signal_batch(job, "USR1")
         info = slurm_cluster.wait(job, timeout_s=3000)
     out, logs = _job_log(tmp_path, job), _learner_logs(tmp_path, job)
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), out[-4000:] + logs[-6000:]
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), (
+        out[-4000:] + logs[-6000:]
+    )
     assert info["NodeList"] == "node[1-3]"
     assert "wrote runs/qwen3_30b_a3b_cpu/hf/initial" in out and "kept runs/qwen3_30b_a3b_cpu/hf/initial" in out
     assert out.count("moe_rl: http://node1:30000 healthy") == 2  # the job made the HF dir its server serves
@@ -98,7 +116,9 @@ def test_warned_twin_job_on_three_nodes_checkpoints_requeues_itself_and_complete
     assert (tmp_path / RUN / "checkpoints" / "latest").read_text().strip() == "2"
     metrics = read_metrics(tmp_path / RUN / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2]  # every step once
-    assert all(m["train/grad_norm"] > 0 and m["replay/rollout_vs_dispatched/response/flip_rate"] == 0.0 for m in metrics)
+    assert all(
+        m["train/grad_norm"] > 0 and m["replay/rollout_vs_dispatched/response/flip_rate"] == 0.0 for m in metrics
+    )
     _no_process_left(slurm_cluster, job)
     replayed = _replay(tmp_path / RUN / "rollouts", tmp_path / "replay")
     assert _steady(metrics) == _steady(replayed)
@@ -108,8 +128,13 @@ def test_scancel_stops_every_step_and_leaves_no_process(slurm_cluster, tmp_path)
     job = slurm_cluster.submit(TWIN, tmp_path)
     logs = tmp_path / RUN / "launch" / f"logs-{job}"
     with slurm_cluster.cancelled_on_failure(job):
-        _wait_for(lambda: all((logs / f"learner-{n}.log").exists() for n in ("node2", "node3")), "both learner nodes",
-                  slurm_cluster, job, tmp_path)  # fmt: skip
+        _wait_for(
+            lambda: all((logs / f"learner-{n}.log").exists() for n in ("node2", "node3")),
+            "both learner nodes",
+            slurm_cluster,
+            job,
+            tmp_path,
+        )
         assert slurm_cluster.job_processes(job)  # the check below can see the job's processes
     subprocess.run(["scancel", job], check=True, timeout=30)
     info = slurm_cluster.wait(job)

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moe_rl.study.ablate import expand_grid, parse_grid
 from moe_rl.config import ConfigError, load_config
+from moe_rl.study.ablate import expand_grid, parse_grid
 
 REPO = Path(__file__).resolve().parents[2]
 ABLATION = REPO / "configs" / "ablation_replay.yaml"
@@ -56,14 +56,26 @@ def test_r2_with_bypass_cells_are_skipped_with_the_schema_reason(tmp_path):
 def test_nested_and_dotted_grid_forms_expand_identically(tmp_path):
     dotted = _config_with(tmp_path, {"grid": {"loss.type": ["ppo_clip", "gspo"], "correction.icepop": [True, False]}})
     cells_a, _ = expand_grid(dotted, out_dir=tmp_path / "a")
-    nested = _config_with(tmp_path, {"grid": {"loss": {"type": ["ppo_clip", "gspo"]}, "correction": {"icepop": [True, False]}}})
+    nested = _config_with(
+        tmp_path, {"grid": {"loss": {"type": ["ppo_clip", "gspo"]}, "correction": {"icepop": [True, False]}}}
+    )
     cells_b, _ = expand_grid(nested, out_dir=tmp_path / "a")
-    assert [c.name for c in cells_a] == [c.name for c in cells_b] == [
-        "type-ppo_clip__icepop-on", "type-ppo_clip__icepop-off", "type-gspo__icepop-on", "type-gspo__icepop-off",
-    ]  # fmt: skip
+    assert (
+        [c.name for c in cells_a]
+        == [c.name for c in cells_b]
+        == [
+            "type-ppo_clip__icepop-on",
+            "type-ppo_clip__icepop-off",
+            "type-gspo__icepop-on",
+            "type-gspo__icepop-off",
+        ]
+    )
     assert [(c.config.loss.type, c.config.correction.icepop) for c in cells_a] == [
-        ("ppo_clip", True), ("ppo_clip", False), ("gspo", True), ("gspo", False),
-    ]  # fmt: skip
+        ("ppo_clip", True),
+        ("ppo_clip", False),
+        ("gspo", True),
+        ("gspo", False),
+    ]
 
 
 def test_grid_given_whole_on_the_command_line_replaces_the_yaml_grid(tmp_path):
@@ -78,8 +90,12 @@ def test_clashing_leaf_names_fall_back_to_full_keys(tmp_path):
 
 
 def test_checkpoint_dir_is_moved_into_each_cell(tmp_path):
-    cells, _ = expand_grid(ABLATION, ["checkpoint.dir=/shared/ckpt", "grid={replay.routing: [none, r3]}"], out_dir=tmp_path)
-    assert [c.config.checkpoint.dir for c in cells] == [str(tmp_path / n / "checkpoints") for n in ("routing-none", "routing-r3")]
+    cells, _ = expand_grid(
+        ABLATION, ["checkpoint.dir=/shared/ckpt", "grid={replay.routing: [none, r3]}"], out_dir=tmp_path
+    )
+    assert [c.config.checkpoint.dir for c in cells] == [
+        str(tmp_path / n / "checkpoints") for n in ("routing-none", "routing-r3")
+    ]
 
 
 def test_optional_section_fields_are_valid_grid_keys():

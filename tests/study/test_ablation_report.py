@@ -25,8 +25,10 @@ def _write_run(run_dir: Path, records: list[dict]) -> Path:
 
 
 def _random_records(rng, steps: int, keys=KEYS) -> list[dict]:
-    return [{"step": s, **{k: float(rng.normal(s * 0.1, 1.0)) for k in keys}, "loss/pg_loss": 0.0}
-            for s in range(1, steps + 1)]  # fmt: skip
+    return [
+        {"step": s, **{k: float(rng.normal(s * 0.1, 1.0)) for k in keys}, "loss/pg_loss": 0.0}
+        for s in range(1, steps + 1)
+    ]
 
 
 @pytest.fixture
@@ -103,7 +105,10 @@ def test_every_metric_gets_a_valid_non_trivial_png(tmp_path, three_cells):
 
 def test_missing_metrics_file_and_unlogged_metric_are_noted_not_fatal(tmp_path):
     rng = np.random.default_rng(0)
-    dirs = {"ok": _write_run(tmp_path / "ok", _random_records(rng, 3, keys=["reward/mean"])), "empty": tmp_path / "nope"}
+    dirs = {
+        "ok": _write_run(tmp_path / "ok", _random_records(rng, 3, keys=["reward/mean"])),
+        "empty": tmp_path / "nope",
+    }
     text = write_report(dirs, tmp_path / "report").read_text()
     assert "empty: no metrics.jsonl" in text
     assert "metric 'offpolicy/ess' was logged by no cell" in text
@@ -133,8 +138,11 @@ def test_two_key_grid_gets_a_final_reward_pivot_with_gaps_for_missing_cells(tmp_
         finals[(routing, n)] = records[-1]["reward/mean"] + 0.0
     text = write_report(dirs, tmp_path / "report", settings).read_text()
     pivot = text.split("## Final reward: replay.routing x train.minibatches_per_step")[1].split("##")[0]
-    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
-            for line in pivot.splitlines() if line.startswith("| ") and "\\" not in line}  # fmt: skip
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+        for line in pivot.splitlines()
+        if line.startswith("| ") and "\\" not in line
+    }
     assert rows == {
         "none": [f"{finals[('none', 1)]:.4g}", f"{finals[('none', 4)]:.4g}"],
         "r3": [f"{finals[('r3', 1)]:.4g}", "—"],

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from moe_rl.study.ablate import expand_grid
 from moe_rl.config import ConfigError
+from moe_rl.study.ablate import expand_grid
 from moe_rl.study.report import write_report
 
 REPO = Path(__file__).resolve().parents[2]
@@ -22,17 +22,29 @@ ABLATION = REPO / "configs" / "ablation_replay.yaml"
 def test_seeds_give_one_run_per_cell_and_seed_with_train_and_rollout_seed_set(tmp_path):
     cells, _ = expand_grid(ABLATION, ["grid={replay.routing: [none, r3], seeds: [5, 9]}"], out_dir=tmp_path)
     got = [(c.name, c.seed, c.config.train.seed, c.config.rollout.seed) for c in cells]
-    assert got == [("routing-none", 5, 5, 5), ("routing-none", 9, 9, 9), ("routing-r3", 5, 5, 5), ("routing-r3", 9, 9, 9)]
+    assert got == [
+        ("routing-none", 5, 5, 5),
+        ("routing-none", 9, 9, 9),
+        ("routing-r3", 5, 5, 5),
+        ("routing-r3", 9, 9, 9),
+    ]
     assert [Path(c.config.train.output_dir) for c in cells] == [
-        tmp_path / "routing-none" / "seed-5", tmp_path / "routing-none" / "seed-9",
-        tmp_path / "routing-r3" / "seed-5", tmp_path / "routing-r3" / "seed-9",
-    ]  # fmt: skip
+        tmp_path / "routing-none" / "seed-5",
+        tmp_path / "routing-none" / "seed-9",
+        tmp_path / "routing-r3" / "seed-5",
+        tmp_path / "routing-r3" / "seed-9",
+    ]
 
 
 def test_seeds_leave_the_warm_start_seed_alone_so_every_run_starts_from_the_same_policy(tmp_path):
-    cells, _ = expand_grid(ABLATION, ["grid={replay.routing: [none, r3], seeds: [1, 2]}",
-                                      "train.warm_start={steps: 5, seed: 3}"], out_dir=tmp_path)  # fmt: skip
-    assert {c.config.train.warm_start.model_dump_json() for c in cells} == {cells[0].config.train.warm_start.model_dump_json()}
+    cells, _ = expand_grid(
+        ABLATION,
+        ["grid={replay.routing: [none, r3], seeds: [1, 2]}", "train.warm_start={steps: 5, seed: 3}"],
+        out_dir=tmp_path,
+    )
+    assert {c.config.train.warm_start.model_dump_json() for c in cells} == {
+        cells[0].config.train.warm_start.model_dump_json()
+    }
     assert {c.config.train.warm_start.seed for c in cells} == {3}
 
 
@@ -62,7 +74,10 @@ def _write_run(run_dir: Path, rewards: list[float]) -> Path:
 def test_report_gives_mean_and_sample_std_over_seeds_and_bands(tmp_path):
     rng = np.random.default_rng(11)
     curves = {cell: [list(rng.uniform(0, 1, 6)) for _ in range(3)] for cell in ("routing-none", "routing-r3")}
-    dirs = {cell: [_write_run(tmp_path / cell / f"seed-{i}", r) for i, r in enumerate(runs)] for cell, runs in curves.items()}
+    dirs = {
+        cell: [_write_run(tmp_path / cell / f"seed-{i}", r) for i, r in enumerate(runs)]
+        for cell, runs in curves.items()
+    }
     dirs["single"] = _write_run(tmp_path / "single", [0.1, 0.2, 0.3])
     report = write_report(dirs, tmp_path / "report", {c: {"replay.routing": c} for c in dirs})
     rows = {(r["cell"], r["metric"]): r for r in csv.DictReader((tmp_path / "report" / "summary.csv").open())}
@@ -96,4 +111,7 @@ def test_several_seeds_draw_a_band_one_seed_does_not(tmp_path):
     one = {"cell": [_write_run(tmp_path / "o", list(rng.uniform(0, 1, 8)))]}
     write_report(many, tmp_path / "rm")
     write_report(one, tmp_path / "ro")
-    assert _band_pixels(tmp_path / "rm" / "plots" / "reward_mean.png") > 5 * _band_pixels(tmp_path / "ro" / "plots" / "reward_mean.png") + 1000
+    assert (
+        _band_pixels(tmp_path / "rm" / "plots" / "reward_mean.png")
+        > 5 * _band_pixels(tmp_path / "ro" / "plots" / "reward_mean.png") + 1000
+    )

@@ -15,14 +15,30 @@ from moe_rl.sync.quantize import fake_quantize
 from tests.conftest import run_to_file
 
 ROOT = Path(__file__).parents[2]
-ARGS = ["rollout.dtype=bfloat16", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=6",
-        "train.micro_batch_size=16"]  # fmt: skip
+ARGS = [
+    "rollout.dtype=bfloat16",
+    "rollout.samples_per_prompt=4",
+    "rollout.max_new_tokens=6",
+    "train.micro_batch_size=16",
+]
 
 
 def diagnose(out: Path, server: str, *overrides: str) -> dict:
     """``moe-rl diagnose`` on the session's tiny_cpu server (it loads the learner's export into it first)."""
-    cmd = [sys.executable, "-m", "moe_rl.cli", "diagnose", str(ROOT / "configs/tiny_cpu.yaml"), *ARGS, *overrides,
-           f"rollout.addresses=[{server}]", "--prompts", "6", "--out", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "moe_rl.cli",
+        "diagnose",
+        str(ROOT / "configs/tiny_cpu.yaml"),
+        *ARGS,
+        *overrides,
+        f"rollout.addresses=[{server}]",
+        "--prompts",
+        "6",
+        "--out",
+        str(out),
+    ]
     proc, output = run_to_file(cmd, out.parent / f"{out.name}.console.txt", timeout=600)
     assert proc.returncode == 0, output[-4000:]
     return json.loads((out / "numbers.json").read_text())
@@ -32,21 +48,37 @@ def diagnose(out: Path, server: str, *overrides: str) -> dict:
 def reports(tmp_path_factory, tiny_cpu_server):
     bf16 = tmp_path_factory.mktemp("bf16")
     fp8 = tmp_path_factory.mktemp("fp8")
-    return (bf16, diagnose(bf16, tiny_cpu_server)), \
-        (fp8, diagnose(fp8, tiny_cpu_server, "rollout.weight_quantization=fp8_e4m3"))  # fmt: skip
+    return (bf16, diagnose(bf16, tiny_cpu_server)), (
+        fp8,
+        diagnose(fp8, tiny_cpu_server, "rollout.weight_quantization=fp8_e4m3"),
+    )
 
 
 @pytest.mark.sglang
 def test_report_files_are_written(reports):
     for out, numbers in reports:
-        for name in ("report.md", "numbers.json", "per_token.npz", "flip_rate_per_layer.png",
-                     "abs_dp_by_position.png", "log_ratio_hist.png"):  # fmt: skip
+        for name in (
+            "report.md",
+            "numbers.json",
+            "per_token.npz",
+            "flip_rate_per_layer.png",
+            "abs_dp_by_position.png",
+            "log_ratio_hist.png",
+        ):
             assert (out / name).stat().st_size > 100, name
         assert set(numbers["settings"]) == {"natural", "r3", "ksm", "r3_ksm"}
         # the report folder holds the report and its evidence, not the scratch run (weights, checkpoints)
         assert sorted(p.name for p in out.iterdir()) == sorted(
-            ["report.md", "numbers.json", "per_token.npz", "rollouts.safetensors", "flip_rate_per_layer.png",
-             "abs_dp_by_position.png", "log_ratio_hist.png"])  # fmt: skip
+            [
+                "report.md",
+                "numbers.json",
+                "per_token.npz",
+                "rollouts.safetensors",
+                "flip_rate_per_layer.png",
+                "abs_dp_by_position.png",
+                "log_ratio_hist.png",
+            ]
+        )
         assert numbers["verdict"]["summary"] in (out / "report.md").read_text()
 
 
@@ -77,20 +109,33 @@ def test_r3_drives_the_dispatched_flip_rate_to_zero(reports):
 def test_fp8_rollout_weights_increase_the_gap(reports):
     (_, bf16), (_, fp8) = reports
     b, f = bf16["settings"]["natural"], fp8["settings"]["natural"]
-    print(f"\nbf16 rollout: kl_k3={b['kl_k3']:.3g} flip={b['flip_rate']:.3g}; "
-          f"fp8_e4m3 rollout: kl_k3={f['kl_k3']:.3g} flip={f['flip_rate']:.3g}")
+    print(
+        f"\nbf16 rollout: kl_k3={b['kl_k3']:.3g} flip={b['flip_rate']:.3g}; "
+        f"fp8_e4m3 rollout: kl_k3={f['kl_k3']:.3g} flip={f['flip_rate']:.3g}"
+    )
     assert f["kl_k3"] > 2 * b["kl_k3"]
     assert f["flip_rate"] > b["flip_rate"]
     assert f["prob_abs_diff_max"] > b["prob_abs_diff_max"]
 
 
 def _numbers(**natural):
-    base = dict(kl_k1=0.001, kl_k3=0.001, chi2_token=0.01, chi2_seq=0.01, ess=0.99, ppl_ratio=1.0,
-                prob_pearson=0.999, tokens_with_flip=0.0)  # fmt: skip
+    base = dict(
+        kl_k1=0.001,
+        kl_k3=0.001,
+        chi2_token=0.01,
+        chi2_seq=0.01,
+        ess=0.99,
+        ppl_ratio=1.0,
+        prob_pearson=0.999,
+        tokens_with_flip=0.0,
+    )
     nat = base | natural
-    return {"settings": {"natural": nat, "r3": base, "ksm": base, "r3_ksm": base},
-            "rollout": {"dtype": "bfloat16", "weight_quantization": "none"}, "learner": {"params_dtype": "float32"},
-            "ksm_outside_mask_tokens": 0}  # fmt: skip
+    return {
+        "settings": {"natural": nat, "r3": base, "ksm": base, "r3_ksm": base},
+        "rollout": {"dtype": "bfloat16", "weight_quantization": "none"},
+        "learner": {"params_dtype": "float32"},
+        "ksm_outside_mask_tokens": 0,
+    }
 
 
 @pytest.mark.parametrize(
@@ -128,5 +173,5 @@ def test_fake_quantize_rounds_to_representable_fp8_values(fmt, block):
     assert q.shape == w.shape and q.is_contiguous()
     rel = ((q - w).abs() / w.abs().clamp_min(1e-3)).max()
     mantissa_bits = 3 if fmt == "fp8_e4m3" else 2
-    assert 0 < rel <= 2.0 ** -mantissa_bits  # round-to-nearest: half an ulp of the format, relative
+    assert 0 < rel <= 2.0**-mantissa_bits  # round-to-nearest: half an ulp of the format, relative
     assert torch.equal(fake_quantize(q, fmt, block), q)  # idempotent on already-quantised values

@@ -6,6 +6,7 @@ import importlib
 from pathlib import Path
 
 import moe_rl
+from moe_rl.cli import build_parser
 
 STUDY_MODULES = ("ablate", "report", "diagnose", "diagnose_report")
 
@@ -22,7 +23,6 @@ def test_package_root_holds_no_loose_study_modules():
 
 
 def test_cli_subcommands_still_reach_the_study_flow():
-    from moe_rl.cli import build_parser
 
     args = build_parser().parse_args(["ablate", "configs/ablation_replay.yaml"])
     assert args.func.__name__ == "_ablate"

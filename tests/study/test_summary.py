@@ -21,9 +21,11 @@ def _run(tmp_path: Path, records: list[dict], tensorboard: bool = True) -> Path:
 
 def test_summary_gives_first_last_and_max_reward_kl_flip_and_paths(tmp_path):
     flip = "replay/rollout_vs_dispatched/response/flip_rate"
-    records = [{"step": 1, "reward/mean": 0.412, "offpolicy/kl_k3": 2.5e-4, flip: 0.05},
-               {"step": 2, "reward/mean": 0.903, "offpolicy/kl_k3": 1.0e-4, flip: 0.02},
-               {"step": 3, "reward/mean": 0.871, "offpolicy/kl_k3": 3.0e-5, flip: 0.0125}]
+    records = [
+        {"step": 1, "reward/mean": 0.412, "offpolicy/kl_k3": 2.5e-4, flip: 0.05},
+        {"step": 2, "reward/mean": 0.903, "offpolicy/kl_k3": 1.0e-4, flip: 0.02},
+        {"step": 3, "reward/mean": 0.871, "offpolicy/kl_k3": 3.0e-5, flip: 0.0125},
+    ]
     run = _run(tmp_path, records)
     text = closing_summary(run)
     assert "3 step(s)" in text
@@ -33,7 +35,9 @@ def test_summary_gives_first_last_and_max_reward_kl_flip_and_paths(tmp_path):
     assert f"tensorboard --logdir {run / 'tensorboard'}" in text
     assert str(run / "metrics.jsonl") in text and "step_00000003" in text and "1 files" in text
     assert (run / "report" / "plots" / "reward_mean.png").exists() and str(run / "report" / "plots") in text
-    assert "applied" not in text and "flip rate rollout vs learner" not in text  # metrics the run did not log get no line
+    assert (
+        "applied" not in text and "flip rate rollout vs learner" not in text
+    )  # metrics the run did not log get no line
 
 
 def test_summary_without_tensorboard_or_steps_says_so(tmp_path):

@@ -5,15 +5,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from moe_rl.config import TrainConfig
 from moe_rl.tasks.synthetic import DigitTask, build_task, load_reward_fn
 from moe_rl.tasks.tokenizer import EOS_ID, build_task_tokenizer
 
 
 @pytest.mark.parametrize(
     ("task", "digits", "answer"),
-    [("copy", [3, 1, 4], "3 1 4"), ("reverse", [3, 1, 4], "4 1 3"), ("sort", [3, 1, 4, 1], "1 1 3 4"),
-     ("max", [3, 1, 4, 1], "4"), ("add", [3, 7, 4, 5], "8 2")],
-)  # fmt: skip
+    [
+        ("copy", [3, 1, 4], "3 1 4"),
+        ("reverse", [3, 1, 4], "4 1 3"),
+        ("sort", [3, 1, 4, 1], "1 1 3 4"),
+        ("max", [3, 1, 4, 1], "4"),
+        ("add", [3, 7, 4, 5], "8 2"),
+    ],
+)
 def test_answers_are_correct_and_prompt_ids_match_the_tokenizer(task, digits, answer):
     tok = build_task_tokenizer(64)
     prompt = DigitTask(task, 64).make_prompt(digits)
@@ -41,9 +47,10 @@ def test_sampling_is_seeded():
 
 
 def test_user_reward_function_is_loaded_from_module_path(tmp_path, monkeypatch):
-    (tmp_path / "my_rewards.py").write_text("def length_reward(prompt, response_ids):\n    return float(len(response_ids))\n")
+    (tmp_path / "my_rewards.py").write_text(
+        "def length_reward(prompt, response_ids):\n    return float(len(response_ids))\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
-    from moe_rl.config import TrainConfig
 
     _, fn = build_task(TrainConfig(task="copy", reward_fn="my_rewards:length_reward"), 64)
     assert fn(None, [1, 2, 3]) == 3.0

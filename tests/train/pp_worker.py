@@ -24,8 +24,13 @@ from moe_rl.config import ExperimentConfig  # noqa: E402
 from moe_rl.learner.dist import destroy_distributed, init_distributed  # noqa: E402
 from moe_rl.learner.hf_convert import export_hf_state_dict, read_hf_state_dict  # noqa: E402
 from moe_rl.learner.hf_init import write_random_hf_checkpoint  # noqa: E402
-from moe_rl.learner.train_step import Learner  # noqa: E402
+from moe_rl.learner.train_step import (
+    Learner,  # noqa: E402
+    default_logprob_fn,
+)
+from moe_rl.replay.dispatch_probe import DispatchProbe
 from moe_rl.replay.driver import MicrobatchRoutes, ReplayDriver  # noqa: E402
+from moe_rl.train.logprob import make_logprob_fn
 from tests.conftest import rank_device  # noqa: E402
 from tests.replay.routing_probe import random_routes  # noqa: E402
 
@@ -34,11 +39,24 @@ E, K, L, V = 8, 2, 4, 128
 
 def config(pp: int, hf_dir: str) -> ExperimentConfig:
     return ExperimentConfig(
-        model=dict(num_layers=L, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                   kv_channels=8, vocab_size=V, seq_length=32, num_moe_experts=E, moe_router_topk=K,
-                   moe_ffn_hidden_size=16, moe_token_dispatcher_type="alltoall"),
-        parallel=dict(pp=pp), checkpoint=dict(init_from_hf=hf_dir), train=dict(steps=1),
-    )  # fmt: skip
+        model=dict(
+            num_layers=L,
+            hidden_size=32,
+            ffn_hidden_size=64,
+            num_attention_heads=4,
+            num_query_groups=2,
+            kv_channels=8,
+            vocab_size=V,
+            seq_length=32,
+            num_moe_experts=E,
+            moe_router_topk=K,
+            moe_ffn_hidden_size=16,
+            moe_token_dispatcher_type="alltoall",
+        ),
+        parallel=dict(pp=pp),
+        checkpoint=dict(init_from_hf=hf_dir),
+        train=dict(steps=1),
+    )
 
 
 def microbatches(n: int, device):
@@ -99,14 +117,16 @@ def check_r2(learner, rank: int) -> None:
 def check_expert_bias(rank: int) -> None:
     """DeepSeek-V3's expert bias under pp: ``finalize_model_grads`` after the schedule updates each stage's
     routers from the valid tokens its own layers dispatched (bias += rate * sign(mean count - count))."""
-    from moe_rl.replay.dispatch_probe import DispatchProbe
-    from moe_rl.train.logprob import make_logprob_fn
 
     cfg = config(2, "")
-    cfg = cfg.model_copy(update={
-        "model": cfg.model.model_copy(update={"moe_router_score_function": "sigmoid",
-                                              "moe_router_enable_expert_bias": True}),
-        "checkpoint": cfg.checkpoint.model_copy(update={"init_from_hf": None})})  # fmt: skip
+    cfg = cfg.model_copy(
+        update={
+            "model": cfg.model.model_copy(
+                update={"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True}
+            ),
+            "checkpoint": cfg.checkpoint.model_copy(update={"init_from_hf": None}),
+        }
+    )
     learner = Learner(cfg)
     routers = [m for m in learner.module.modules() if getattr(m, "expert_bias", None) is not None]
     assert len(routers) == 2, f"stage {rank}: {len(routers)} routers with an expert bias; expected its 2"
@@ -118,9 +138,12 @@ def check_expert_bias(rank: int) -> None:
     targets = torch.where(valid, torch.roll(ids, -1, 1), torch.full_like(ids, -1))
     probe = DispatchProbe(learner.module)
     with probe.capture() as cap:
-        learner.train_step([{"input_ids": ids, "targets": targets, "padding_mask": ~valid}],
-                           lambda logp, ent, t: (-(logp * valid).sum() / valid.sum(), {}), 1.0,
-                           make_logprob_fn(False, with_entropy=False))  # fmt: skip
+        learner.train_step(
+            [{"input_ids": ids, "targets": targets, "padding_mask": ~valid}],
+            lambda logp, ent, t: (-(logp * valid).sum() / valid.sum(), {}),
+            1.0,
+            make_logprob_fn(False, with_entropy=False),
+        )
     maps = cap.maps(0)
     probe.close()
     for layer, (router, old) in enumerate(zip(routers, before)):
@@ -133,7 +156,6 @@ def check_expert_bias(rank: int) -> None:
 
 
 def _default(model, mb, temperature):
-    from moe_rl.learner.train_step import default_logprob_fn
 
     return default_logprob_fn(model, mb, temperature)
 

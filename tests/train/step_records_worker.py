@@ -32,11 +32,15 @@ VOCAB = {f"t{i}": i for i in range(64)}
 def _records(path: Path, run_id: str, seed: int) -> None:
     """2 samples with top-2 routes over 8 experts, stamped as made by ``MODEL`` in run ``run_id``."""
     rng = np.random.default_rng(seed)
-    samples = [RolloutSample(prompt_ids=rng.integers(0, 64, p).astype(np.int32),
-                             response_ids=rng.integers(0, 64, 2).astype(np.int32),
-                             rollout_logp=-rng.random(2).astype(np.float32),
-                             routes=np.stack([rng.permutation(8)[:2] for _ in range((p + 1) * 2)]).reshape(p + 1, 2, 2))
-               for p in (3, 4)]  # fmt: skip
+    samples = [
+        RolloutSample(
+            prompt_ids=rng.integers(0, 64, p).astype(np.int32),
+            response_ids=rng.integers(0, 64, 2).astype(np.int32),
+            rollout_logp=-rng.random(2).astype(np.float32),
+            routes=np.stack([rng.permutation(8)[:2] for _ in range((p + 1) * 2)]).reshape(p + 1, 2, 2),
+        )
+        for p in (3, 4)
+    ]
     StepRecords(MODEL, run_id, VOCAB).stamp(RolloutBatch.from_samples(samples, num_experts=8)).save(path)
 
 

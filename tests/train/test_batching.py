@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from moe_rl.records import RolloutBatch, RolloutSample
 from moe_rl.train.batching import (
     build_microbatch,
     check_ksm_records,
@@ -14,7 +15,6 @@ from moe_rl.train.batching import (
     response_row_mask,
     response_rows,
 )
-from moe_rl.records import RolloutBatch, RolloutSample
 
 
 def sample(prompt, response, seed, kept_extra=(5,)):
@@ -22,10 +22,14 @@ def sample(prompt, response, seed, kept_extra=(5,)):
     n_rows = len(prompt) + len(response) - 1
     routes = np.stack([[rng.permutation(8)[:2] for _ in range(2)] for _ in range(n_rows)])
     masks = [np.array(sorted({t, *kept_extra}), np.int32) for t in response]
-    return RolloutSample(np.array(prompt, np.int32), np.array(response, np.int32),
-                         rollout_logp=-np.arange(1, len(response) + 1, dtype=np.float32),
-                         routes=routes, sampling_mask=masks,
-                         sampling_logp=-np.arange(1, len(response) + 1, dtype=np.float32) / 10)  # fmt: skip
+    return RolloutSample(
+        np.array(prompt, np.int32),
+        np.array(response, np.int32),
+        rollout_logp=-np.arange(1, len(response) + 1, dtype=np.float32),
+        routes=routes,
+        sampling_mask=masks,
+        sampling_logp=-np.arange(1, len(response) + 1, dtype=np.float32) / 10,
+    )
 
 
 @pytest.fixture
@@ -34,8 +38,9 @@ def batch():
 
 
 def test_inputs_targets_and_response_mask_are_shifted_by_one(batch, device):
-    mb = build_microbatch(batch, [0, 1], torch.tensor([0.5, -0.5]), num_experts=8, kept_logp=False,
-                          with_kept_sets=False, device=device)  # fmt: skip
+    mb = build_microbatch(
+        batch, [0, 1], torch.tensor([0.5, -0.5]), num_experts=8, kept_logp=False, with_kept_sets=False, device=device
+    )
     t = mb.tensors
     # sample 0: tokens 1 2 3 7 8 -> input 1 2 3 7, targets 2 3 7 8; response targets at positions 2, 3
     assert t["input_ids"][0].tolist() == [1, 2, 3, 7] and t["targets"][0].tolist() == [2, 3, 7, 8]

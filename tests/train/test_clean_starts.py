@@ -6,14 +6,26 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from moe_rl.cli import main
-from moe_rl.config import load_config, save_config
+from moe_rl.config import ParallelConfig, load_config, save_config
+from moe_rl.data.loaders import DataError
+from moe_rl.data.prompt import PromptItem
+from moe_rl.learner.dist import init_distributed
+from moe_rl.learner.train_step import Learner
+from moe_rl.preflight import config_problems
+from moe_rl.records import RolloutBatch
+from moe_rl.reward import Rewarder, Scores
+from moe_rl.source.producer import AsyncProducer
+from moe_rl.source.step_samples import StepSamples
 from moe_rl.train.run_dir import RunDirError, guard_run_dir
 from moe_rl.train.run_identity import new_run_id, write_checkpoint_identity, write_run_id
+from moe_rl.train.warm_start import apply_warm_start, cache_path
 
 ROOT = Path(__file__).parents[2]
 
@@ -52,19 +64,16 @@ def test_an_eval_line_at_step_0_is_no_step_but_a_trained_step_still_is_a_run(tmp
 
 
 def test_a_damaged_warm_start_cache_is_named_in_one_line_and_rebuilt(tmp_path, capfd, device):
-    from moe_rl.config import ParallelConfig
-    from moe_rl.learner.dist import init_distributed
-    from moe_rl.learner.train_step import Learner
-    from moe_rl.train.warm_start import apply_warm_start, cache_path
 
     init_distributed(ParallelConfig(), environ={})
-    cfg = load_config(ROOT / "configs/demo.yaml", [f"train.warm_start.cache_dir={tmp_path}", "train.warm_start.steps=2"])
-    from safetensors.torch import load_file
+    cfg = load_config(
+        ROOT / "configs/demo.yaml", [f"train.warm_start.cache_dir={tmp_path}", "train.warm_start.steps=2"]
+    )
 
     shard = cache_path(cfg) / "rank_00000.safetensors"
     shard.parent.mkdir(parents=True)
     (shard.parent / "meta.json").write_text(json.dumps({"history": [{"nll": 1.0}]}))
-    shard.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\": ")  # a torn write: "incomplete metadata"
+    shard.write_bytes(b'\x10\x00\x00\x00\x00\x00\x00\x00{"a": ')  # a torn write: "incomplete metadata"
     learner = Learner(cfg)
     capfd.readouterr()
     info = apply_warm_start(learner, cfg)
@@ -77,7 +86,6 @@ def test_a_damaged_warm_start_cache_is_named_in_one_line_and_rebuilt(tmp_path, c
 
 
 def test_records_inspect_names_the_array_that_is_one_row_short(tmp_path, capsys):
-    from moe_rl.records import RolloutBatch
 
     batch = RolloutBatch.load(ROOT / "tests/data/records_tiny_cpu/step_000000.safetensors")
     n = len(batch)
@@ -94,18 +102,12 @@ def test_config_validate_on_a_fresh_clone_says_how_to_build_the_example_model(tm
     out, err = capsys.readouterr()
     assert out.startswith(f"ok: {ROOT / 'configs/math_cpu.yaml'} (math_cpu: model not built yet")
     assert "is not built yet: run `make math-example` (model.build_command) before training" in err
-    from moe_rl.preflight import config_problems
 
     cfg = load_config(ROOT / "configs/math_cpu.yaml", [unbuilt])
     assert any("run `make math-example`" in p for p in config_problems(cfg).problems)  # train refuses it
 
 
 def test_no_label_samples_are_counted_per_step(tmp_path):
-    from types import SimpleNamespace
-
-    from moe_rl.data.stream import PromptItem
-    from moe_rl.reward import Rewarder, Scores
-    from moe_rl.source.step_samples import StepSamples
 
     class Constant(Rewarder):
         def score(self, prompts, responses):
@@ -115,8 +117,15 @@ def test_no_label_samples_are_counted_per_step(tmp_path):
         def next_prompts(self, step, n, round=0):
             return [PromptItem(ids=[1], label=None if i % 2 else "1", file="d.jsonl", row=i) for i in range(n)]
 
-    cfg = load_config(None, ["reward.type=math", f"data.train_files=[{tmp_path / 'd.jsonl'}]",
-                             "train.prompts_per_step=4", "rollout.samples_per_prompt=2"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            "reward.type=math",
+            f"data.train_files=[{tmp_path / 'd.jsonl'}]",
+            "train.prompts_per_step=4",
+            "rollout.samples_per_prompt=2",
+        ],
+    )
     generate = lambda prompts, r: [SimpleNamespace(response_ids=[5]) for p in prompts for _ in range(2)]  # noqa: E731
     _, metrics = StepSamples(cfg, Rows(), Constant()).make(0, generate)
     assert metrics["reward/no_label"] == 4.0  # 2 of 4 prompts x 2 samples
@@ -124,8 +133,6 @@ def test_no_label_samples_are_counted_per_step(tmp_path):
 
 def test_a_bad_row_drawn_by_the_async_producer_reaches_the_cli_as_its_own_line(tmp_path):
     """Datasets are read when drawn: in async mode that is the producer thread, whose error the learner re-raises."""
-    from moe_rl.data.loaders import DataError
-    from moe_rl.source.producer import AsyncProducer
 
     def make(step, served, drawn=None):
         raise DataError(f"{tmp_path}/d.jsonl row 3 has a null data.label_key='a'")

@@ -41,10 +41,22 @@ def inputs(tmp_path_factory):
 def _train(tmp_path, inputs, *overrides):
     records, hf = inputs
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "moe_rl.cli", "train", str(CONFIG), *SHAPE, "train.steps=1",
-           "train.minibatches_per_step=1", f"train.rollouts_from={records}", f"checkpoint.init_from_hf={hf}",
-           f"train.output_dir={out}", "checkpoint.save_interval=0",
-           "correction.kl_alarm=null", *overrides]  # the records are made far off-policy on purpose  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "moe_rl.cli",
+        "train",
+        str(CONFIG),
+        *SHAPE,
+        "train.steps=1",
+        "train.minibatches_per_step=1",
+        f"train.rollouts_from={records}",
+        f"checkpoint.init_from_hf={hf}",
+        f"train.output_dir={out}",
+        "checkpoint.save_interval=0",
+        "correction.kl_alarm=null",
+        *overrides,
+    ]  # the records are made far off-policy on purpose
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (metrics,) = read_metrics(out / "metrics.jsonl")

@@ -19,8 +19,20 @@ QUICK = ["logging.tensorboard=false", "logging.progress=false", "rollout.startup
 
 
 def torchrun_train(config: Path, out_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "moe_rl.cli", "train", str(config), f"train.output_dir={out_dir}", *QUICK, *overrides]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        "-m",
+        "moe_rl.cli",
+        "train",
+        str(config),
+        f"train.output_dir={out_dir}",
+        *QUICK,
+        *overrides,
+    ]
     env = repo_env(ROOT, OMP_NUM_THREADS="1")
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 

@@ -26,9 +26,18 @@ ROOT = Path(__file__).parents[2]
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
-    cmd = [sys.executable, "-m", "moe_rl.cli", "train", str(ROOT / "configs/demo.yaml"), "train.steps=2",
-           f"train.output_dir={out / 'run'}", f"train.warm_start.cache_dir={out / 'cache'}",
-           "logging.progress=false", "checkpoint.save_interval=0"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "moe_rl.cli",
+        "train",
+        str(ROOT / "configs/demo.yaml"),
+        "train.steps=2",
+        f"train.output_dir={out / 'run'}",
+        f"train.warm_start.cache_dir={out / 'cache'}",
+        "logging.progress=false",
+        "checkpoint.save_interval=0",
+    ]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"moe-rl train failed:\n{proc.stderr[-4000:]}"
@@ -72,7 +81,12 @@ def test_closing_summary_names_reward_and_where_the_outputs_are(demo_run):
     metrics = read_metrics(out / "run" / "metrics.jsonl")
     first, last = metrics[0]["reward/mean"], metrics[-1]["reward/mean"]
     assert "mean reward" in text and f"{first:.3f} (step 1) -> {last:.3f} (step 2)" in text
-    for expected in ("KL k3 rollout vs learner", "router flip rate rollout vs dispatched", str(out / "run" / "metrics.jsonl"),
-                     str(out / "run" / "rollouts"), f"tensorboard --logdir {out / 'run' / 'tensorboard'}"):  # fmt: skip
+    for expected in (
+        "KL k3 rollout vs learner",
+        "router flip rate rollout vs dispatched",
+        str(out / "run" / "metrics.jsonl"),
+        str(out / "run" / "rollouts"),
+        f"tensorboard --logdir {out / 'run' / 'tensorboard'}",
+    ):
         assert expected in text, expected
     assert (out / "run" / "report" / "plots" / "reward_mean.png").exists()

@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from moe_rl.config import load_config
+from moe_rl.learner.hf_init import write_random_hf_checkpoint
 from moe_rl.rollout.auth import RUN_ADMIN_KEY_ENV
 from moe_rl.train.metrics_log import read_metrics
 from tests.train.ops_probes import server_of, start_like_a_terminal
@@ -46,16 +47,26 @@ def _attack(url: str, foreign_dir: Path, stop: threading.Event, pushes: list) ->
 
 @pytest.mark.timeout(1800)  # at load 40-70 on 2 cores the server start alone took over 15 minutes
 def test_another_model_pushed_under_the_runs_label_is_never_trained_on(tmp_path):
-    from moe_rl.learner.hf_init import write_random_hf_checkpoint
 
     cfg = load_config(ROOT / "configs/tiny_cpu.yaml")
     foreign = write_random_hf_checkpoint(cfg.model, tmp_path / "foreign", seed=77)
     run = tmp_path / "run"
     # mem_fraction_static 0.3: a shared host's RAM moves while SGLang measures it (docs/sglang.md)
-    cmd = [sys.executable, "-m", "moe_rl.cli", "train", str(ROOT / "configs/tiny_cpu.yaml"), "train.steps=3",
-           f"train.output_dir={run}", f"rollout.admin_api_key_env={KEY_ENV}", "logging.tensorboard=false",
-           "logging.progress=false", "rollout.startup_timeout_s=600", "checkpoint.save_interval=0",
-           "rollout.mem_fraction_static=0.3"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "moe_rl.cli",
+        "train",
+        str(ROOT / "configs/tiny_cpu.yaml"),
+        "train.steps=3",
+        f"train.output_dir={run}",
+        f"rollout.admin_api_key_env={KEY_ENV}",
+        "logging.tensorboard=false",
+        "logging.progress=false",
+        "rollout.startup_timeout_s=600",
+        "checkpoint.save_interval=0",
+        "rollout.mem_fraction_static=0.3",
+    ]
     env = {k: v for k, v in os.environ.items() if k != RUN_ADMIN_KEY_ENV} | {"PYTHONPATH": str(ROOT), KEY_ENV: KEY}
     trainer = start_like_a_terminal(cmd, env, stdout=-1, stderr=-1, text=True)
     stop, pushes = threading.Event(), []

@@ -14,23 +14,38 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from moe_rl.config import load_config
+from moe_rl.learner.hf_init import write_random_hf_checkpoint
+from moe_rl.records import RolloutBatch
+from moe_rl.train.batching import response_rows
+from moe_rl.train.kl_alarm import KLAlarm
 from moe_rl.train.metrics_log import read_metrics
 from tests.train.records_fixture import CONFIG, RECORDS, SHAPE, initial_hf_dir
 
 
 @pytest.fixture(scope="module")
 def foreign_hf(tmp_path_factory):
-    from moe_rl.learner.hf_init import write_random_hf_checkpoint
 
     return write_random_hf_checkpoint(load_config(CONFIG).model, tmp_path_factory.mktemp("foreign_hf"), seed=5)
 
 
 def _train(out, hf, *overrides):
-    cmd = [sys.executable, "-m", "moe_rl.cli", "train", str(CONFIG), *SHAPE, "train.steps=2",
-           f"train.rollouts_from={RECORDS}", f"checkpoint.init_from_hf={hf}", f"train.output_dir={out}",
-           "checkpoint.save_interval=0", *overrides]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "moe_rl.cli",
+        "train",
+        str(CONFIG),
+        *SHAPE,
+        "train.steps=2",
+        f"train.rollouts_from={RECORDS}",
+        f"checkpoint.init_from_hf={hf}",
+        f"train.output_dir={out}",
+        "checkpoint.save_interval=0",
+        *overrides,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 
 
@@ -60,11 +75,6 @@ def test_the_normal_mismatch_trains_and_logs_offpolicy_kl(tmp_path, device):
 def test_only_tokens_from_the_weights_the_learner_holds_are_checked():
     """Async staleness: a token n versions old carries the policy's own n updates (kl_k3 ~1e-2 at staleness 1 in the
     tiny async run), so the alarm counts fresh tokens only and says when a step had none."""
-    import torch
-
-    from moe_rl.records import RolloutBatch
-    from moe_rl.train.batching import response_rows
-    from moe_rl.train.kl_alarm import KLAlarm
 
     batch = RolloutBatch.load(sorted(RECORDS.glob("*.safetensors"))[0])
     width = int(batch.response_lens.max())

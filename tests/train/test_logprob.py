@@ -24,8 +24,9 @@ def test_entropy_over_kept_sets_matches_a_direct_renormalised_softmax(device):
     kept = KeptSets.from_lists(rows, device=device)
     got = kept_set_entropy(logits, targets, kept, temperature=0.7)
     want = [_reference(logits[i].detach().cpu(), int(targets[i]), rows[i], 0.7) for i in range(4)]
-    torch.testing.assert_close(got.detach().cpu().double(), torch.tensor(want, dtype=torch.float64), rtol=1e-5,
-                               atol=1e-6)  # fmt: skip
+    torch.testing.assert_close(
+        got.detach().cpu().double(), torch.tensor(want, dtype=torch.float64), rtol=1e-5, atol=1e-6
+    )
     assert got[2].item() == 0.0  # a one-token support has no entropy
     got.sum().backward()
     assert logits.grad[0, [0, 2, 4]].abs().sum() == 0, "ids outside the kept set get no gradient"

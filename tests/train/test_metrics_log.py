@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import sys
+import types
 
 from moe_rl.config import LoggingConfig
-from moe_rl.train.metrics_log import MetricsLogger, read_metrics
+from moe_rl.train.metrics_log import MetricsLogger, read_metrics, wandb_init_kwargs
 
 
 def test_resume_cuts_lines_after_the_checkpoint_and_a_torn_tail(tmp_path):
@@ -44,15 +46,12 @@ def test_non_main_ranks_write_nothing(tmp_path):
 def test_wandb_resumes_the_same_run_id(tmp_path, monkeypatch):
     """wandb (optional, not installed here): a stand-in module records what MetricsLogger asks of ``wandb.init``;
     a fresh run and its resume pass the same id, so wandb continues one run instead of starting another."""
-    import sys
-    import types
-
-    from moe_rl.train.metrics_log import wandb_init_kwargs
 
     calls = []
     stand_in = types.ModuleType("wandb")
-    stand_in.init = lambda **kw: calls.append(kw) or types.SimpleNamespace(log=lambda *a, **k: None,
-                                                                         finish=lambda: None)  # fmt: skip
+    stand_in.init = lambda **kw: (
+        calls.append(kw) or types.SimpleNamespace(log=lambda *a, **k: None, finish=lambda: None)
+    )
     monkeypatch.setitem(sys.modules, "wandb", stand_in)
     cfg = LoggingConfig(tensorboard=False, progress=False, wandb=True, wandb_mode="offline")
     for start in (0, 2):  # the fresh run, then its resume

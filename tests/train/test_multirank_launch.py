@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from moe_rl.records import RolloutBatch
+from moe_rl.rollout.launcher import ServerSpec, server_env
 from moe_rl.train.metrics_log import read_metrics
 from tests.conftest import one_gpu_per_rank
 
@@ -88,25 +89,46 @@ def test_two_rank_expert_parallel_async_run_starts_its_own_server_from_rank_0(tm
       2's batch, regenerated on them, is labelled 2 (it was labelled 1, the version last pushed)."""
     (tmp_path / "hooks").mkdir()
     (tmp_path / "hooks" / "killer.py").write_text(KILLER.format(run=str(tmp_path / "run")))
-    env = {**os.environ, "NPROC": "2", "MOE_RL_PYTHON": sys.executable,
-           "PYTHONPATH": os.pathsep.join([str(tmp_path / "hooks"), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    env = {
+        **os.environ,
+        "NPROC": "2",
+        "MOE_RL_PYTHON": sys.executable,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path / "hooks"), os.environ.get("PYTHONPATH", "")]),
+    }
     run = tmp_path / "run"
-    cmd = ["bash", str(REPO / "launch/local.sh"), str(REPO / "configs/tiny_cpu.yaml"), "parallel.ep=2", "train.steps=3",
-           "train.rollout_mode=async", "train.max_staleness=1",
-           "train.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=48",
-           "train.micro_batch_size=2", "logging.tensorboard=false", "logging.progress=false",
-           "rollout.startup_timeout_s=600", "rollout.max_server_restarts=2", "train.reward_fn=killer:reward",
-           "eval.interval=2", "eval.task_prompts=2", "eval.samples_per_prompt=2",  # rank 0 evaluates; rank 1 follows
-           f"train.output_dir={run}"]  # fmt: skip
+    cmd = [
+        "bash",
+        str(REPO / "launch/local.sh"),
+        str(REPO / "configs/tiny_cpu.yaml"),
+        "parallel.ep=2",
+        "train.steps=3",
+        "train.rollout_mode=async",
+        "train.max_staleness=1",
+        "train.prompts_per_step=4",
+        "rollout.samples_per_prompt=4",
+        "rollout.max_new_tokens=48",
+        "train.micro_batch_size=2",
+        "logging.tensorboard=false",
+        "logging.progress=false",
+        "rollout.startup_timeout_s=600",
+        "rollout.max_server_restarts=2",
+        "train.reward_fn=killer:reward",
+        "eval.interval=2",
+        "eval.task_prompts=2",
+        "eval.samples_per_prompt=2",  # rank 0 evaluates; rank 1 follows
+        f"train.output_dir={run}",
+    ]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     killed = None
     try:
         deadline = time.monotonic() + 600
         while killed is None and proc.poll() is None and time.monotonic() < deadline:
             # version 1 is pushed (step 1's line follows it) and step 2's batch not yet written: it is generating
-            if (run / "metrics.jsonl").is_file() \
-                    and any(m["step"] >= 1 for m in read_metrics(run / "metrics.jsonl")) \
-                    and not (run / "rollouts" / "step_000002.safetensors").exists():  # fmt: skip
+            if (
+                (run / "metrics.jsonl").is_file()
+                and any(m["step"] >= 1 for m in read_metrics(run / "metrics.jsonl"))
+                and not (run / "rollouts" / "step_000002.safetensors").exists()
+            ):
                 killed = _server_pid(run / "hf" / "current")
                 os.kill(killed, signal.SIGKILL)
             time.sleep(0.02)
@@ -129,8 +151,9 @@ def test_two_rank_expert_parallel_async_run_starts_its_own_server_from_rank_0(tm
     for s in range(3):
         versions = RolloutBatch.load(run / "rollouts" / f"step_{s:06d}.safetensors").token_versions
         assert max(s - 1, 0) <= versions.min() and versions.max() <= s
-    versions = [set(RolloutBatch.load(run / "rollouts" / f"step_{s:06d}.safetensors").token_versions.tolist())
-                for s in range(3)]  # fmt: skip
+    versions = [
+        set(RolloutBatch.load(run / "rollouts" / f"step_{s:06d}.safetensors").token_versions.tolist()) for s in range(3)
+    ]
     assert versions == [{0}, {0}, {2}]  # step 1's batch was made before the first kill
     assert all(m["replay/rollout_vs_dispatched/response/flip_rate"] == 0.0 for m in metrics)
     assert all(m["train/grad_norm"] > 0 for m in metrics)
@@ -138,10 +161,17 @@ def test_two_rank_expert_parallel_async_run_starts_its_own_server_from_rank_0(tm
 
 
 def test_the_server_environment_drops_the_learners_rendezvous_variables():
-    from moe_rl.rollout.launcher import ServerSpec, server_env
 
-    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
-                "TORCHELASTIC_RUN_ID": "x", "GROUP_RANK": "0", "PATH": "/usr/bin"}  # fmt: skip
+    torchrun = {
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+        "TORCHELASTIC_RUN_ID": "x",
+        "GROUP_RANK": "0",
+        "PATH": "/usr/bin",
+    }
     env = server_env(ServerSpec(model_path="/m"), base=torchrun)
     assert env["PATH"] == "/usr/bin"
     leaked = sorted(k for k in torchrun if k != "PATH" and k in env)

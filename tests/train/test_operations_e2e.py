@@ -22,13 +22,21 @@ from moe_rl.rollout.auth import RUN_ADMIN_KEY_ENV
 from moe_rl.train.metrics_log import read_metrics
 from moe_rl.train.run_identity import read_run_id, version_nonce
 from tests.conftest import repo_env
-from tests.train.ops_probes import ShmWatch, server_of, shm_left_over, shm_snapshot, start_like_a_terminal
 from tests.rollout.test_launcher import _pids_mentioning
+from tests.train.ops_probes import ShmWatch, server_of, shm_left_over, shm_snapshot, start_like_a_terminal
 
 pytestmark = pytest.mark.sglang
 ROOT = Path(__file__).parents[2]
-BASE = [sys.executable, "-m", "moe_rl.cli", "train", str(ROOT / "configs/tiny_cpu.yaml"), "logging.tensorboard=false",
-        "logging.progress=false", "rollout.startup_timeout_s=600"]  # fmt: skip
+BASE = [
+    sys.executable,
+    "-m",
+    "moe_rl.cli",
+    "train",
+    str(ROOT / "configs/tiny_cpu.yaml"),
+    "logging.tensorboard=false",
+    "logging.progress=false",
+    "rollout.startup_timeout_s=600",
+]
 ENV = {k: v for k, v in repo_env(ROOT).items() if k != RUN_ADMIN_KEY_ENV}
 
 
@@ -39,8 +47,9 @@ def _environ_of(pid: int) -> dict[str, str]:
 
 def test_no_key_configured_a_weight_update_without_the_runs_key_is_refused_while_the_run_trains_on(tmp_path):
     before = shm_snapshot()
-    trainer = start_like_a_terminal([*BASE, "train.steps=1", f"train.output_dir={tmp_path}"], ENV,
-                                    stdout=-1, stderr=-1, text=True)  # fmt: skip
+    trainer = start_like_a_terminal(
+        [*BASE, "train.steps=1", f"train.output_dir={tmp_path}"], ENV, stdout=-1, stderr=-1, text=True
+    )
     watch = ShmWatch(trainer.pid)
     watch.start()
     try:

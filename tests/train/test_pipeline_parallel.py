@@ -8,6 +8,7 @@ checkpoint at pp=1 through the CLI.
 """
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,11 @@ from pathlib import Path
 import pytest
 
 from moe_rl.learner.dist import free_port
+from moe_rl.learner.sharded_state import ShardedDir
+from moe_rl.train.metrics_log import read_metrics
 from tests.conftest import one_gpu_per_rank
+from tests.train.records_fixture import initial_hf_dir
+from tests.train.test_step_equality import assert_same_steps, run
 
 pytestmark = [pytest.mark.distributed, one_gpu_per_rank(2)]
 
@@ -52,20 +57,18 @@ def test_a_pp2_checkpoint_holds_every_stage_and_resumes_at_pp1(tmp_path):
     """The layout-free checkpoint of a pp=2 run (2 ranks, every step saved) carries both stages' layers
     under global numbers; the job "dies" after step 1 and the same command resumes at pp=1 on 1 rank:
     step 2 equals the uninterrupted pp=2 step 2 (the equality tests' tolerance)."""
-    import shutil
-
-    from moe_rl.learner.sharded_state import ShardedDir
-    from moe_rl.train.metrics_log import read_metrics
-    from tests.train.records_fixture import initial_hf_dir
-    from tests.train.test_step_equality import assert_same_steps, run
 
     hf = initial_hf_dir(tmp_path / "hf")
     out, common = tmp_path / "run", ("loss.kl_coef=0.01", "checkpoint.save_interval=1", "train.micro_batch_size=2")
     uninterrupted = run(out, hf, *common, "parallel.pp=2", nproc=2)
     ckpt = out / "checkpoints"
     names = ShardedDir(ckpt / "step_00000001", "model").keys  # both stages' rank files, global layer numbers
-    assert {"embedding.word_embeddings.weight", "output_layer.weight", "decoder.layers.0.mlp.router.weight",
-            "decoder.layers.1.mlp.router.weight"} <= names, sorted(names)[:8]  # fmt: skip
+    assert {
+        "embedding.word_embeddings.weight",
+        "output_layer.weight",
+        "decoder.layers.0.mlp.router.weight",
+        "decoder.layers.1.mlp.router.weight",
+    } <= names, sorted(names)[:8]
     shutil.rmtree(ckpt / "step_00000002")
     (ckpt / "latest").write_text("1\n")
     run(out, hf, *common, "parallel.pp=1", nproc=1)

@@ -5,11 +5,18 @@ trains every step once and loses no prompt."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from moe_rl.config import load_config
+from moe_rl.data.prompt import PromptItem
+from moe_rl.reward import Rewarder, Scores
 from moe_rl.source.producer import AsyncProducer, InlineBatches, pending_records
+from moe_rl.source.step_samples import StepSamples
+from moe_rl.train.weight_push import WeightPusher
 
 
 class ListStream:
@@ -139,8 +146,9 @@ def test_a_killed_run_resumed_from_its_checkpoint_trains_every_prompt_once(tmp_p
     resumed_stream = ListStream(extra["data"]["index"])
     maker2 = Maker(run, resumed_stream)
     meta = {"extra": extra, "files_dir": str(ckpt)}
-    producer2 = AsyncProducer(maker2, 2, 8, 1, served_version=2, stream_state=resumed_stream.state,
-                              pending=pending_records(meta, run))  # fmt: skip
+    producer2 = AsyncProducer(
+        maker2, 2, 8, 1, served_version=2, stream_state=resumed_stream.state, pending=pending_records(meta, run)
+    )
     producer2.start()
     try:
         trained += train(producer2, range(2, 8))
@@ -163,10 +171,6 @@ def test_a_push_publishes_its_version_before_the_producer_may_admit_a_batch(tmp_
     holding a version number, no GPU or server needed for the ordering) take the new weights inside the push
     section, and the sync then lingers 2 ms after the section, where the old code published the version. Every
     batch must be made with the version the servers actually serve (it was mislabelled from step 2 on)."""
-    import time
-    from types import SimpleNamespace
-
-    from moe_rl.train.weight_push import WeightPusher
 
     servers = {"version": 0}
     made: list[tuple[int, int, int]] = []  # (step, served as the producer saw it, served by the servers)
@@ -205,7 +209,6 @@ class StreamingMaker(Maker):
         self.finished: list[int] = []
 
     def __call__(self, step, served, drawn=lambda: None):
-        import time
 
         self.calls.append((step, served))
         prompts = []
@@ -231,7 +234,6 @@ def _partial_push(producer, version):
 
 
 def _wait_until(cond, what):
-    import time
 
     deadline = time.monotonic() + 30
     while not cond():
@@ -336,13 +338,6 @@ def test_a_later_steps_failure_lets_the_step_in_flight_before_it_finish_and_trai
 def test_steps_in_flight_score_one_at_a_time(tmp_path):
     """Two steps' batches made at once (two threads, as the producer runs them) never call the reward at the same
     time: the reward pool has one queue of calls and replies. Break tried: without StepSamples' lock it fails."""
-    import time
-    from types import SimpleNamespace
-
-    from moe_rl.config import load_config
-    from moe_rl.data.stream import PromptItem
-    from moe_rl.reward import Rewarder, Scores
-    from moe_rl.source.step_samples import StepSamples
 
     inside, overlaps = [0], []
 

@@ -16,10 +16,22 @@ from tests.train.records_fixture import CONFIG, RECORDS, SHAPE, initial_hf_dir
 def test_kl_to_the_reference_is_logged_and_the_reference_is_checkpointed(tmp_path, routing, device):
     hf = initial_hf_dir(tmp_path / "hf")
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "moe_rl.cli", "train", str(CONFIG), *SHAPE, "train.steps=2",
-           f"train.rollouts_from={RECORDS}", f"checkpoint.init_from_hf={hf}", f"train.output_dir={out}",
-           "loss.kl_coef=0.01", f"replay.routing={routing}", "optim.ess_lr_scaling=true",
-           "train.micro_batch_size=3"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "moe_rl.cli",
+        "train",
+        str(CONFIG),
+        *SHAPE,
+        "train.steps=2",
+        f"train.rollouts_from={RECORDS}",
+        f"checkpoint.init_from_hf={hf}",
+        f"train.output_dir={out}",
+        "loss.kl_coef=0.01",
+        f"replay.routing={routing}",
+        "optim.ess_lr_scaling=true",
+        "train.micro_batch_size=3",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = read_metrics(out / "metrics.jsonl")

@@ -18,12 +18,21 @@ ranks' local tensors in ``tests/distributed/ep_parity_worker.py``.
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
 import torch
 
+from moe_rl.config import load_config
+from moe_rl.learner.checkpoint import load_checkpoint
+from moe_rl.learner.dist import init_distributed
+from moe_rl.learner.global_state import param_state
+from moe_rl.learner.hf_convert import load_hf_weights
+from moe_rl.learner.model import build_model
+from moe_rl.learner.reference import ReferencePolicy
 from moe_rl.learner.sharded_state import read_global
+from moe_rl.learner.train_step import Learner
 from moe_rl.train.metrics_log import read_metrics
 from tests.conftest import one_gpu_per_rank
 from tests.train.records_fixture import CONFIG, SHAPE, initial_hf_dir
@@ -51,7 +60,6 @@ def resharded(tmp_path_factory):
 
 @one_gpu_per_rank(2)
 def test_ep2_checkpoint_resumes_at_ep1_and_continues_the_same_run(resharded):
-    import json
 
     out, uninterrupted, ep2_step2, _ = resharded
     resumed = read_metrics(out / "metrics.jsonl")  # step 1 from the ep=2 run, step 2 from the ep=1 resume
@@ -69,14 +77,6 @@ def test_ep2_checkpoint_resumes_at_ep1_and_continues_the_same_run(resharded):
 
 @one_gpu_per_rank(2)
 def test_resumed_state_equals_the_saved_global_state_and_the_reference_its_start(resharded):
-    from moe_rl.config import load_config
-    from moe_rl.learner.checkpoint import load_checkpoint
-    from moe_rl.learner.dist import init_distributed
-    from moe_rl.learner.global_state import param_state
-    from moe_rl.learner.hf_convert import load_hf_weights
-    from moe_rl.learner.model import build_model
-    from moe_rl.learner.reference import ReferencePolicy
-    from moe_rl.learner.train_step import Learner
 
     out, _, _, hf = resharded
     cfg = load_config(CONFIG, [*SHAPE, *RUN, "parallel.ep=1", f"checkpoint.init_from_hf={hf}"])

@@ -14,11 +14,23 @@ KEYS = ("train/loss", "train/grad_norm", "train/lr", "loss/kl_ref", "loss/total"
 
 
 def _train(out, hf, steps, check=True):
-    cmd = [sys.executable, "-m", "moe_rl.cli", "train", str(CONFIG), *SHAPE, f"train.steps={steps}",
-           f"train.rollouts_from={RECORDS}", f"checkpoint.init_from_hf={hf}", f"train.output_dir={out}",
-           "checkpoint.save_interval=1", "loss.kl_coef=0.05", "train.minibatches_per_step=1",
-           "correction.kl_alarm=null",  # records of another policy replayed on purpose: the KL alarm would skip them
-           "precision.deterministic=true"]  # on CUDA bitwise needs it (docs/gpu.md); a no-op on CPU  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "moe_rl.cli",
+        "train",
+        str(CONFIG),
+        *SHAPE,
+        f"train.steps={steps}",
+        f"train.rollouts_from={RECORDS}",
+        f"checkpoint.init_from_hf={hf}",
+        f"train.output_dir={out}",
+        "checkpoint.save_interval=1",
+        "loss.kl_coef=0.05",
+        "train.minibatches_per_step=1",
+        "correction.kl_alarm=null",  # records of another policy replayed on purpose: the KL alarm would skip them
+        "precision.deterministic=true",
+    ]  # on CUDA bitwise needs it (docs/gpu.md); a no-op on CPU
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import repo_env
-from tests.train.ops_probes import ShmWatch, shm_left_over, shm_snapshot, start_like_a_terminal
 from tests.rollout.test_launcher import _pids_mentioning
+from tests.train.ops_probes import ShmWatch, shm_left_over, shm_snapshot, start_like_a_terminal
 
 ROOT = Path(__file__).parents[2]
 CONFIG = str(ROOT / "configs/tiny_cpu.yaml")
@@ -43,8 +43,13 @@ def _train(run_dir: Path, *overrides: str, timeout: float = 300) -> subprocess.C
 def finished_run(tmp_path_factory) -> Path:
     """A run dir whose checkpoint is at RL step 2 = train.steps (built by a real learner)."""
     run = tmp_path_factory.mktemp("finished")
-    subprocess.run([sys.executable, "-c", MAKE_FINISHED_RUN, CONFIG, *BASE, f"train.output_dir={run}"],
-                   check=True, env=ENV, timeout=300, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-c", MAKE_FINISHED_RUN, CONFIG, *BASE, f"train.output_dir={run}"],
+        check=True,
+        env=ENV,
+        timeout=300,
+        capture_output=True,
+    )
     return run
 
 
@@ -91,7 +96,11 @@ def test_ctrl_c_during_server_start_exits_with_one_line_and_a_clean_state(tmp_pa
 def test_the_e2e_trainer_starts_with_sigint_at_its_default_even_from_a_parent_that_ignores_it():
     """The cause of the lost Ctrl-C (exit 0, empty stderr in a clean-clone `make test`): a parent ignoring
     SIGINT passes SIG_IGN to the trainer, whose Python then never raises KeyboardInterrupt."""
-    probe = [sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"]
+    probe = [
+        sys.executable,
+        "-c",
+        "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)",
+    ]
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a background job of a non-interactive shell
     try:
         inherited = subprocess.run(probe, capture_output=True, text=True, env=ENV).stdout.strip()

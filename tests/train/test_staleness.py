@@ -13,10 +13,16 @@ def _batch(samples) -> RolloutBatch:
     out = []
     for label, versions in samples:
         r = 3 if versions is None else len(versions)
-        out.append(RolloutSample(
-            prompt_ids=np.array([1], np.int32), response_ids=np.arange(2, 2 + r, dtype=np.int32),
-            rollout_logp=np.full(r, -1.0, np.float32), weight_version=label, finish_reason="stop",
-            token_versions=None if versions is None else np.asarray(versions, np.int32)))  # fmt: skip
+        out.append(
+            RolloutSample(
+                prompt_ids=np.array([1], np.int32),
+                response_ids=np.arange(2, 2 + r, dtype=np.int32),
+                rollout_logp=np.full(r, -1.0, np.float32),
+                weight_version=label,
+                finish_reason="stop",
+                token_versions=None if versions is None else np.asarray(versions, np.int32),
+            )
+        )
     return RolloutBatch.from_samples(out)
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from moe_rl.learner.dist import free_port
+from moe_rl.records import RolloutBatch
 from moe_rl.train.metrics_log import read_metrics
 from tests.conftest import one_gpu_per_rank, repo_env
 from tests.train.records_fixture import CONFIG, RECORDS, SHAPE, initial_hf_dir
@@ -42,15 +43,35 @@ def hf_dir(tmp_path_factory):
 
 
 def run(out, hf_dir, *overrides, nproc=1):
-    args = ["-m", "moe_rl.cli", "train", str(CONFIG), *SHAPE, "train.steps=2", f"train.rollouts_from={RECORDS}",
-            f"checkpoint.init_from_hf={hf_dir}", f"train.output_dir={out}", *overrides]  # fmt: skip
+    args = [
+        "-m",
+        "moe_rl.cli",
+        "train",
+        str(CONFIG),
+        *SHAPE,
+        "train.steps=2",
+        f"train.rollouts_from={RECORDS}",
+        f"checkpoint.init_from_hf={hf_dir}",
+        f"train.output_dir={out}",
+        *overrides,
+    ]
     if nproc > 1:
-        launcher = ["-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
-                    f"--master-port={free_port()}"]  # fmt: skip
+        launcher = [
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=1",
+            f"--nproc-per-node={nproc}",
+            f"--master-port={free_port()}",
+        ]
         args = launcher + args
     # one thread, as torchrun gives each of its ranks: two 1-rank runs share the machine's 2 cores
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600,
-                          env=repo_env(Path(__file__).parents[2], OMP_NUM_THREADS="1"))  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=repo_env(Path(__file__).parents[2], OMP_NUM_THREADS="1"),
+    )
     assert proc.returncode == 0, f"run {overrides} x{nproc} failed:\n{proc.stderr[-4000:]}"
     return read_metrics(out / "metrics.jsonl")
 
@@ -60,8 +81,11 @@ def assert_same_steps(expected, got, what):
     for a, b in zip(expected, got):
         keys = {k for k in a if not k.startswith(VOLATILE)}
         assert keys == {k for k in b if not k.startswith(VOLATILE)}, f"{what}: different metric names"
-        bad = {k: (a[k], b[k]) for k in sorted(keys)
-               if isinstance(a[k], float) and not math.isclose(a[k], b[k], rel_tol=REL, abs_tol=ABS)}  # fmt: skip
+        bad = {
+            k: (a[k], b[k])
+            for k in sorted(keys)
+            if isinstance(a[k], float) and not math.isclose(a[k], b[k], rel_tol=REL, abs_tol=ABS)
+        }
         assert not bad, f"{what}, step {a['step']}: {bad}"
 
 
@@ -83,7 +107,6 @@ def one_rank(tmp_path_factory, hf_dir):
 
 
 def test_records_have_ragged_responses_and_several_microbatches():
-    from moe_rl.records import RolloutBatch
 
     batch = RolloutBatch.load(RECORDS / "step_000000.safetensors")
     assert len(set(batch.response_lens.tolist())) > 1 and len(batch) == 16

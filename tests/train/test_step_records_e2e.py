@@ -17,10 +17,22 @@ WORKER = Path(__file__).with_name("step_records_worker.py")
 
 def test_the_issue_command_fails_in_one_line_naming_the_key(tmp_path):
     """8-expert records on a 16-expert learner: before this issue it trained to the end with exit 0."""
-    cmd = [sys.executable, "-m", "moe_rl.cli", "train", str(CONFIG), f"train.rollouts_from={RECORDS}",
-           "train.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=16",
-           "model.num_moe_experts=16", "train.steps=2", f"train.output_dir={tmp_path}", "logging.progress=false",
-           "logging.tensorboard=false"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "moe_rl.cli",
+        "train",
+        str(CONFIG),
+        f"train.rollouts_from={RECORDS}",
+        "train.prompts_per_step=4",
+        "rollout.samples_per_prompt=4",
+        "rollout.max_new_tokens=16",
+        "model.num_moe_experts=16",
+        "train.steps=2",
+        f"train.output_dir={tmp_path}",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=repo_env(ROOT))
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines() == [
@@ -40,5 +52,6 @@ def test_every_rank_verifies_rank_0s_digest(tmp_path):
         assert "node1/step_000000.safetensors: content has sha256" in r["stale"]
         assert "rank 1 does not see the file rank 0 read (a stale copy" in r["stale"]
         # rank 0's refusal reaches rank 1 too (no rank is left waiting in a collective)
-        assert r["refused"].endswith("node0/step_000000.safetensors: records were made for 8 experts; "
-                                     "model.num_moe_experts=16"), r  # fmt: skip
+        assert r["refused"].endswith(
+            "node0/step_000000.safetensors: records were made for 8 experts; model.num_moe_experts=16"
+        ), r

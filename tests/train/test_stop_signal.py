@@ -8,6 +8,7 @@ import signal
 import time
 
 import pytest
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from moe_rl.learner.dist import free_port
@@ -41,7 +42,6 @@ def test_no_warning_configured_installs_no_handler():
 
 
 def _rank(rank: int, port: int, results) -> None:
-    import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     stop = StopRequest("USR1")

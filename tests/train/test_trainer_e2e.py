@@ -22,10 +22,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
-from moe_rl.train.metrics_log import read_metrics
 from moe_rl.records import RolloutBatch
+from moe_rl.rollout.orphan_guard import group_pids
 from moe_rl.sync.integrity import version_label
+from moe_rl.train.metrics_log import read_metrics
 from moe_rl.train.run_identity import version_nonce
 from tests.conftest import run_to_file
 
@@ -33,18 +35,38 @@ pytestmark = pytest.mark.sglang
 
 ROOT = Path(__file__).parents[2]
 BASE = [
-    "train.steps=3", "train.prompts_per_step=4", "rollout.samples_per_prompt=4", "train.minibatches_per_step=2",
-    "train.micro_batch_size=2", "rollout.max_new_tokens=12", "rollout.dtype=bfloat16", "checkpoint.save_interval=1",
-    "logging.tensorboard=false", "logging.progress=false",
-]  # fmt: skip
+    "train.steps=3",
+    "train.prompts_per_step=4",
+    "rollout.samples_per_prompt=4",
+    "train.minibatches_per_step=2",
+    "train.micro_batch_size=2",
+    "rollout.max_new_tokens=12",
+    "rollout.dtype=bfloat16",
+    "checkpoint.save_interval=1",
+    "logging.tensorboard=false",
+    "logging.progress=false",
+]
 DOCUMENTED_KEYS = {
-    "reward/mean", "offpolicy/kl_k1", "offpolicy/kl_k3", "offpolicy/chi2_token", "offpolicy/chi2_seq", "offpolicy/ess",
-    "offpolicy/ppl_ratio", "offpolicy/prob_pearson", "icepop/masked_frac", "replay/rollout_vs_natural/response/flip_rate",
-    "replay/rollout_vs_natural/response/tokens_with_flip", "replay/rollout_vs_natural/response/flip_rate/layer0",
-    "replay/rollout_vs_dispatched/response/flip_rate", "replay/rollout_vs_dispatched/prompt/flip_rate",
+    "reward/mean",
+    "offpolicy/kl_k1",
+    "offpolicy/kl_k3",
+    "offpolicy/chi2_token",
+    "offpolicy/chi2_seq",
+    "offpolicy/ess",
+    "offpolicy/ppl_ratio",
+    "offpolicy/prob_pearson",
+    "icepop/masked_frac",
+    "replay/rollout_vs_natural/response/flip_rate",
+    "replay/rollout_vs_natural/response/tokens_with_flip",
+    "replay/rollout_vs_natural/response/flip_rate/layer0",
+    "replay/rollout_vs_dispatched/response/flip_rate",
+    "replay/rollout_vs_dispatched/prompt/flip_rate",
     "train/grad_norm",
-    "loss/total", "time/step_s", "time/rollout_s", "ksm/outside_mask_frac",
-}  # fmt: skip
+    "loss/total",
+    "time/step_s",
+    "time/rollout_s",
+    "ksm/outside_mask_frac",
+}
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +75,17 @@ def server(tiny_cpu_server) -> str:
 
 
 def train_cmd(out_dir: Path, server: str, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "moe_rl.cli", "train", str(ROOT / "configs/tiny_cpu.yaml"),
-            *BASE, f"train.output_dir={out_dir}", f"rollout.addresses=[{server}]", *overrides]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "moe_rl.cli",
+        "train",
+        str(ROOT / "configs/tiny_cpu.yaml"),
+        *BASE,
+        f"train.output_dir={out_dir}",
+        f"rollout.addresses=[{server}]",
+        *overrides,
+    ]
 
 
 def _console(out_dir: Path) -> Path:
@@ -117,15 +148,25 @@ def test_routing_none_on_the_same_data_reports_natural_flips(tmp_path, r3_run, s
     assert metrics[0]["reward/mean"] == r3_metrics[0]["reward/mean"]
     assert metrics[0]["replay/rollout_vs_natural/response/flip_rate"] > 0.0
     # natural routing: what was dispatched is the learner's own choice
-    assert metrics[0]["replay/rollout_vs_dispatched/response/flip_rate"] == metrics[0][
-        "replay/rollout_vs_natural/response/flip_rate"]
+    assert (
+        metrics[0]["replay/rollout_vs_dispatched/response/flip_rate"]
+        == metrics[0]["replay/rollout_vs_natural/response/flip_rate"]
+    )
 
 
 def test_killed_run_resumes_from_checkpoint_with_identical_next_step(tmp_path, r3_run, server):
     _, uninterrupted = r3_run
     latest = tmp_path / "checkpoints" / "latest"
-    kill_train_when(tmp_path, server, ["replay.routing=r3"], signal.SIGTERM, poll_s=0.5, ready=lambda: latest.exists()
-                    and json.loads((_step_dir(latest) / "meta.json").read_text())["extra"]["rl_step"] >= 1)  # fmt: skip
+    kill_train_when(
+        tmp_path,
+        server,
+        ["replay.routing=r3"],
+        signal.SIGTERM,
+        poll_s=0.5,
+        ready=lambda: (
+            latest.exists() and json.loads((_step_dir(latest) / "meta.json").read_text())["extra"]["rl_step"] >= 1
+        ),
+    )
     resumed = run_train(tmp_path, server, "replay.routing=r3")
     assert [m["step"] for m in resumed] == [1, 2, 3]
     for before, after in zip(uninterrupted, resumed, strict=True):
@@ -137,12 +178,12 @@ def kill_train_when(out_dir: Path, server: str, overrides, sig: int, poll_s: flo
     """Start ``moe-rl train`` in its own process group and send ``sig`` to the group (``group=False``: to the trainer
     alone) once ``ready()`` (failing if the run ends first); the group is SIGKILLed whatever happens. Returns the
     seconds until no process of the group was left (at most 30)."""
-    from moe_rl.rollout.orphan_guard import group_pids
 
     console = _console(out_dir).with_suffix(".killed.txt")
     with open(console, "w") as fh:
-        proc = subprocess.Popen(train_cmd(out_dir, server, *overrides), stdout=fh, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            train_cmd(out_dir, server, *overrides), stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
+        )
     deadline = time.time() + 400
     try:
         while time.time() < deadline and proc.poll() is None and not ready():
@@ -165,7 +206,6 @@ def _step_dir(latest: Path) -> Path:
 
 # ---------------------------------------------------------------------------------------------- async rollouts
 def _records_arrays(path: Path) -> dict:
-    from safetensors.numpy import load_file
 
     return load_file(str(path))
 
@@ -195,8 +235,13 @@ def test_async_run_killed_and_resumed_trains_every_step_once_within_the_stalenes
     is more than 1 version old, and no /dev/shm entry is left behind."""
     # the default correction.kl_alarm stays on: every token from step 2 on is one version old, so its KL holds
     # the policy's own update (kl_k3 ~1e-2 here) and the alarm leaves such steps unchecked (alarm/unchecked)
-    args = ("replay.routing=r3", "train.rollout_mode=async", "train.max_staleness=1", "train.steps=4",
-            "checkpoint.save_interval=2")  # fmt: skip
+    args = (
+        "replay.routing=r3",
+        "train.rollout_mode=async",
+        "train.max_staleness=1",
+        "train.steps=4",
+        "checkpoint.save_interval=2",
+    )
     meta = tmp_path / "checkpoints" / "step_00000002" / "meta.json"
     shm_before = _shm_entries()
     left_s = kill_train_when(tmp_path, server, args, signal.SIGKILL, poll_s=0.02, ready=meta.exists, group=False)
@@ -223,8 +268,14 @@ def test_partial_rollout_run_killed_mid_step_leaves_nothing_and_reruns_every_ste
     """rollout.partial=true (a push pauses the batch in flight and continues it under the new weights), SIGKILL of
     the trainer alone while a step is under way: no process of it is left within 10 s, the rerun trains every step
     once within the staleness bound, and nothing is left in /dev/shm."""
-    args = ("train.rollout_mode=async", "train.max_staleness=1", "train.steps=3", "checkpoint.save_interval=1",
-            "rollout.partial=true", "rollout.max_new_tokens=24")  # fmt: skip
+    args = (
+        "train.rollout_mode=async",
+        "train.max_staleness=1",
+        "train.steps=3",
+        "checkpoint.save_interval=1",
+        "rollout.partial=true",
+        "rollout.max_new_tokens=24",
+    )
     meta = tmp_path / "checkpoints" / "step_00000001" / "meta.json"
     shm_before = _shm_entries()
     left_s = kill_train_when(tmp_path, server, args, signal.SIGKILL, poll_s=0.02, ready=meta.exists, group=False)

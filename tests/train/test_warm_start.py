@@ -7,31 +7,41 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 
-from moe_rl.config import load_config
+from moe_rl.config import ParallelConfig, load_config
+from moe_rl.learner.dist import init_distributed
+from moe_rl.learner.logprobs import response_logprobs
+from moe_rl.learner.model import forward_logits
+from moe_rl.learner.train_step import Learner
 from moe_rl.tasks.synthetic import DigitTask
 from moe_rl.tasks.tokenizer import EOS_ID, PAD_ID, build_task_tokenizer
+from moe_rl.train import warm_start
+from moe_rl.train.warm_start import apply_warm_start, cache_path, sft_microbatch, temper, warm_start_key
 
 ROOT = Path(__file__).parents[2]
 torch.set_num_threads(1)
 
 
 def demo_cfg(tmp_path: Path, *overrides: str):
-    return load_config(ROOT / "configs/demo.yaml", [f"train.warm_start.cache_dir={tmp_path / 'cache'}",
-                                                    "train.warm_start.steps=60", "train.warm_start.temperature=1",
-                                                    *overrides])  # fmt: skip
+    return load_config(
+        ROOT / "configs/demo.yaml",
+        [
+            f"train.warm_start.cache_dir={tmp_path / 'cache'}",
+            "train.warm_start.steps=60",
+            "train.warm_start.temperature=1",
+            *overrides,
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
 def world():
-    from moe_rl.config import ParallelConfig
-    from moe_rl.learner.dist import init_distributed
 
     return init_distributed(ParallelConfig(), environ={})
 
 
 def test_sft_batch_puts_the_loss_on_answer_and_eos_targets_only(device):
-    from moe_rl.train.warm_start import sft_microbatch
 
     task, tok = DigitTask("copy_long", 64), build_task_tokenizer(64)
     short, long = task.make_prompt([1, 2, 3, 4, 5, 6, 7]), task.make_prompt([9] * 9)
@@ -50,8 +60,6 @@ def test_sft_batch_puts_the_loss_on_answer_and_eos_targets_only(device):
 
 def _answer_nll(module, cfg, device) -> float:
     """Mean NLL of held-out prompts' answers under ``module`` (independent of the SFT's own bookkeeping)."""
-    from moe_rl.learner.logprobs import response_logprobs
-    from moe_rl.train.warm_start import sft_microbatch
 
     prompts = DigitTask(cfg.train.task, cfg.model.vocab_size).sample_prompts(64, np.random.default_rng(12345))
     mb = sft_microbatch(prompts, device)
@@ -61,8 +69,6 @@ def _answer_nll(module, cfg, device) -> float:
 
 
 def test_warm_start_trains_caches_and_reloads_the_same_weights(world, tmp_path, device, monkeypatch):
-    from moe_rl.learner.train_step import Learner
-    from moe_rl.train import warm_start
 
     cfg = demo_cfg(tmp_path)
     fresh = Learner(cfg)
@@ -84,21 +90,22 @@ def test_warm_start_trains_caches_and_reloads_the_same_weights(world, tmp_path, 
 
 
 def test_cache_key_follows_model_task_and_warm_start_settings_not_the_rl_seed(tmp_path):
-    from moe_rl.train.warm_start import warm_start_key
 
     base = warm_start_key(demo_cfg(tmp_path))
     assert warm_start_key(demo_cfg(tmp_path, "train.seed=5", "rollout.seed=5", "optim.lr=0.1")) == base
-    for change in ("train.warm_start.steps=61", "train.warm_start.lr=0.01", "train.warm_start.seed=1",
-                   "model.hidden_size=96", "train.task=reverse_long", "precision.params_dtype=bfloat16",
-                   "train.warm_start.temperature=3"):  # fmt: skip
+    for change in (
+        "train.warm_start.steps=61",
+        "train.warm_start.lr=0.01",
+        "train.warm_start.seed=1",
+        "model.hidden_size=96",
+        "train.task=reverse_long",
+        "precision.params_dtype=bfloat16",
+        "train.warm_start.temperature=3",
+    ):
         assert warm_start_key(demo_cfg(tmp_path, change)) != base, change
 
 
 def test_a_cache_file_for_another_model_is_one_clear_error(world, tmp_path):
-    from safetensors.torch import save_file
-
-    from moe_rl.learner.train_step import Learner
-    from moe_rl.train.warm_start import apply_warm_start, cache_path
 
     cfg = demo_cfg(tmp_path)
     directory = cache_path(cfg)
@@ -110,8 +117,6 @@ def test_a_cache_file_for_another_model_is_one_clear_error(world, tmp_path):
 
 
 def test_no_warm_start_configured_is_a_no_op(world, tmp_path):
-    from moe_rl.learner.train_step import Learner
-    from moe_rl.train.warm_start import apply_warm_start
 
     cfg = load_config(ROOT / "configs/tiny_cpu.yaml")
     learner = Learner(cfg)
@@ -122,9 +127,6 @@ def test_no_warm_start_configured_is_a_no_op(world, tmp_path):
 
 def test_temperature_hands_rl_the_same_policy_at_temperature_t(world, tmp_path, device):
     """``temper`` divides every logit by T: log_softmax(z / T), same argmax, flatter samples."""
-    from moe_rl.learner.model import forward_logits
-    from moe_rl.learner.train_step import Learner
-    from moe_rl.train.warm_start import sft_microbatch, temper
 
     cfg = demo_cfg(tmp_path)
     policy, tempered = Learner(cfg), Learner(cfg)
@@ -138,4 +140,5 @@ def test_temperature_hands_rl_the_same_policy_at_temperature_t(world, tmp_path, 
     torch.testing.assert_close(z_t.log_softmax(-1), (z / 3.0).log_softmax(-1), rtol=1e-5, atol=1e-5)
     assert torch.equal(z_t.argmax(-1), z.argmax(-1))
     assert weights["output_layer.weight"].abs().sum() > 0 and not torch.equal(
-        tempered.module.state_dict()["output_layer.weight"], weights["output_layer.weight"])
+        tempered.module.state_dict()["output_layer.weight"], weights["output_layer.weight"]
+    )
