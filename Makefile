@@ -3,7 +3,7 @@ VENV ?= $(or $(MOE_RL_VENV),$(CURDIR)/.venv)
 PY := $(VENV)/bin/python
 export MOE_RL_VENV := $(VENV)
 
-.PHONY: install demo test bench gpu-check math-example
+.PHONY: install demo test lint bench gpu-check math-example
 install:
 	bash scripts/install.sh
 
@@ -20,6 +20,13 @@ math-example: install
 
 test: install
 	$(PY) -m pytest -q tests
+
+# The formatter, the linter (defaults + sorted imports + imports at top) and the import contracts of moe_rl/'s
+# floor plan (pyproject.toml [tool.importlinter], docs/architecture.md); .ci/run runs it before the tests.
+lint: install
+	$(VENV)/bin/ruff format --check moe_rl tests bench scripts
+	$(VENV)/bin/ruff check moe_rl tests bench scripts
+	$(VENV)/bin/lint-imports
 
 bench: install
 	for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
