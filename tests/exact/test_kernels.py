@@ -66,10 +66,10 @@ def test_attention_prefill_equals_decode_and_chunked_prefill(dtype):
 @pytest.mark.parametrize("topk", [2, 8])
 def test_router_and_experts_are_row_invariant(topk):
     g = torch.Generator().manual_seed(3)
-    E, H, F = 16, 64, 32
+    E, H, FFN = 16, 64, 32
     x = torch.randn(30, H, generator=g)
     weights, ids = K.router_topk(K.router_logits(x, torch.randn(E, H, generator=g)), topk)
-    w13, w2 = torch.randn(E, 2 * F, H, generator=g) * 0.1, torch.randn(E, H, F, generator=g) * 0.1
+    w13, w2 = torch.randn(E, 2 * FFN, H, generator=g) * 0.1, torch.randn(E, H, FFN, generator=g) * 0.1
     out = K.moe_experts(x, weights, ids, w13, w2)
     assert torch.equal(
         out, torch.cat([K.moe_experts(x[i : i + 1], weights[i : i + 1], ids[i : i + 1], w13, w2) for i in range(30)])
@@ -80,7 +80,7 @@ def test_router_and_experts_are_row_invariant(topk):
         for r in range(30):
             e = int(ids[r, j])
             h = x[r].double() @ w13[e].double().T
-            a = F.silu(h[:F]) * h[F:] * float(weights[r, j])
+            a = F.silu(h[:FFN]) * h[FFN:] * float(weights[r, j])
             ref[r] += a @ w2[e].double().T
     assert torch.allclose(out.double(), ref, atol=1e-5)
     assert torch.allclose(weights.sum(-1), torch.ones(30))
@@ -103,10 +103,10 @@ def test_bf16_top8_combine_equals_megatron_unpermute():
     differ (cpu_midsize in bf16 flipped 2.5% of prompt routes that way before the kernel accumulated in fp32)."""
 
     g = torch.Generator().manual_seed(5)
-    E, H, F, M, k = 16, 64, 32, 40, 8
+    E, H, FFN, M, k = 16, 64, 32, 40, 8
     x = torch.randn(M, H, generator=g).to(torch.bfloat16)
-    w13 = (torch.randn(E, 2 * F, H, generator=g) * 0.1).to(torch.bfloat16)
-    w2 = (torch.randn(E, H, F, generator=g) * 0.1).to(torch.bfloat16)
+    w13 = (torch.randn(E, 2 * FFN, H, generator=g) * 0.1).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, FFN, generator=g) * 0.1).to(torch.bfloat16)
     weights, ids = K.router_topk(K.router_logits(x, torch.randn(E, H, generator=g)), k)
     routing_map = torch.zeros(M, E, dtype=torch.bool).scatter_(1, ids, True)
     probs = torch.zeros(M, E).scatter_(1, ids, weights)
