@@ -13,16 +13,8 @@ import warnings
 
 from moe_rl.config import ConfigError, dump_config, load_config
 from moe_rl.config.memory_plan import launch_world, memory_plan
-from moe_rl.launch import render_launch
-from moe_rl.learner.dist import destroy_distributed
 from moe_rl.records import RecordError, RolloutBatch
 from moe_rl.records.summary import batch_summary
-from moe_rl.study.ablate import AblationError, run_ablation
-from moe_rl.study.attribute import run_attribute
-from moe_rl.study.diagnose import run_diagnose
-from moe_rl.study.summary import print_closing_summary
-from moe_rl.train.loop import train
-from moe_rl.train.stop_signal import REQUEUE_EXIT_CODE, StopRequest
 
 
 def _overrides(args) -> list[str]:
@@ -39,7 +31,7 @@ def _split_validate_items(items: list[str]) -> tuple[list[str], list[str]]:
 
 def _checked_config(args, env: bool):
     """Load ``args.config`` with its overrides and run the preflight (``env``: machine checks too)."""
-    from moe_rl.preflight import preflight  # noqa: PLC0415  imports torch and Megatron
+    from moe_rl.preflight import preflight  # noqa: PLC0415 -- imports torch and Megatron
 
     cfg = load_config(args.config, _overrides(args))
     for note in preflight(cfg, env=env):
@@ -48,8 +40,8 @@ def _checked_config(args, env: bool):
 
 
 def _config_validate(args) -> int:
-    from moe_rl.preflight import run_preflight  # noqa: PLC0415  imports torch and Megatron
-    from moe_rl.preflight.data import unbuilt_model  # noqa: PLC0415  imports torch and Megatron
+    from moe_rl.preflight import run_preflight  # noqa: PLC0415 -- imports torch and Megatron
+    from moe_rl.preflight.data import unbuilt_model  # noqa: PLC0415 -- imports torch and Megatron
 
     configs, positional = _split_validate_items(args.items)
     if not configs:
@@ -124,11 +116,14 @@ def _records_inspect(args) -> int:
 
 
 def _train(args) -> int:
+    from moe_rl.train.stop_signal import REQUEUE_EXIT_CODE, StopRequest  # noqa: PLC0415 -- a subcommand's subsystems load when it runs
 
     cfg = load_config(args.config, _overrides(args))
     stop = StopRequest.for_config(cfg)
     with stop.installed():  # armed before the heavy imports: SLURM's warning may come at any time
         cfg = _checked_config(args, env=True)
+        from moe_rl.study.summary import print_closing_summary  # noqa: PLC0415 -- a subcommand's subsystems load when it runs
+        from moe_rl.train.loop import train  # noqa: PLC0415 -- a subcommand's subsystems load when it runs
 
         run_dir = train(cfg, stop)
     if stop.stopped_after is not None:
@@ -144,6 +139,7 @@ def _train(args) -> int:
 
 
 def _ablate(args) -> int:
+    from moe_rl.study.ablate import AblationError, run_ablation  # noqa: PLC0415 -- a subcommand's subsystems load when it runs
 
     _checked_config(args, env=True)
     try:
@@ -155,6 +151,7 @@ def _ablate(args) -> int:
 
 
 def _launch(args) -> int:
+    from moe_rl.launch import render_launch  # noqa: PLC0415 -- a subcommand's subsystems load when it runs
 
     # Config rules only: the machine checks run in the launched `moe-rl train` on the allocation.
     print(render_launch(_checked_config(args, env=False), dry_run=args.dry_run))
@@ -162,11 +159,14 @@ def _launch(args) -> int:
 
 
 def _diagnose(args) -> int:
+    from moe_rl.study.diagnose import run_diagnose  # noqa: PLC0415 -- a subcommand's subsystems load when it runs
 
     cfg = _checked_config(args, env=True)
     out = args.out or f"{cfg.train.output_dir}/diagnose"
     if args.attribute:
         kernels = [k for k in args.kernels.split(",") if k] if args.kernels else None
+        from moe_rl.study.attribute import run_attribute  # noqa: PLC0415 -- a subcommand's subsystems load when it runs
+
         run_attribute(cfg, args.prompts, out, kernels=kernels)
         with open(f"{out}/attribution.md") as table:
             print(f"{table.read()}report: {out}/attribution.md")
@@ -317,6 +317,7 @@ def _close_distributed() -> None:
     """Tear down the process groups a command opened (NCCL warns at exit about a group never destroyed)."""
     if "torch.distributed" not in sys.modules:  # config and launch commands never import torch
         return
+    from moe_rl.learner.dist import destroy_distributed  # noqa: PLC0415 -- a subcommand's subsystems load when it runs
 
     destroy_distributed()
 

@@ -63,7 +63,7 @@ def probe(left_out: str) -> None:
 
     d.apply_cpu_shims = m.apply_cpu_shims = cpu_shims.apply_cpu_shims
     if left_out == "te_general_gemm":  # the same fix also runs on every device; leave it out there too
-        mc.apply_megatron_fixes = lambda: []
+        mc.apply_megatron_fixes = d.apply_megatron_fixes = m.apply_megatron_fixes = lambda: []  # each binds it
     try:
         exercise()
     except Exception as exc:  # noqa: BLE001 - report whatever broke
