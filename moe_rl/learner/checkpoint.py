@@ -9,7 +9,8 @@ keyed by global parameter names (``global_state``, ``ownership``): each rank wri
 it owns (``sharded_state``: its experts, its tp slices, its share of the replicated tensors, under
 the distributed optimizer its own shard), in parallel, with no gather; rank 0 adds only ``meta.json``.
 A checkpoint written under one (tp, etp, ep, pp, dp) layout, with the distributed optimizer on or off,
-resumes under any other; each rank's ``rank_<r>`` file holds only its RNG streams and the step.
+resumes under any other; each rank's ``rank_<r>`` file holds only its RNG streams and the step
+(captured and restored by ``rng_streams``).
 Same layout: every stream is restored and on CPU the next step is reproduced bit for bit.
 Changed layout: the process-wide streams (python, numpy, torch) continue from rank 0's and the
 Megatron tracker keeps this layout's seeding (its streams are per tp/ep rank), with a warning.
@@ -28,16 +29,13 @@ import errno
 import json
 import logging
 import os
-import random
 import shutil
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
-from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from moe_rl.learner.global_state import (
     MODEL_FORMAT,
@@ -47,6 +45,7 @@ from moe_rl.learner.global_state import (
     load_model,
     load_optimizer,
 )
+from moe_rl.learner.rng_streams import portable_rng, rng_state, set_rng_state
 from moe_rl.learner.sharded_state import ShardedDir, rank_file, save_model_shards, save_optimizer_shards
 from moe_rl.learner.state_codec import StateCodecError, load_state, save_state
 
@@ -57,8 +56,6 @@ __all__ = [
     "latest_step",
     "checkpoint_steps",
     "completed_rl_step",
-    "rng_state",
-    "set_rng_state",
     "layout",
     "refuse_pickles",
 ]
@@ -74,33 +71,6 @@ PICKLE_PATTERNS = ("*.pt", "*.pth", "*.pkl", "*.pickle", "*.bin", "*.distcp", ".
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written (path and cause named) or none of the existing ones can be loaded safely."""
-
-
-def rng_state() -> dict:
-    """Every generator a step may draw from: python, numpy, torch CPU/CUDA, Megatron tracker (pickle-free)."""
-
-    version, internal, gauss = random.getstate()
-    state = {
-        "python": {"version": version, "state": list(internal), "gauss": gauss},
-        "numpy": np.random.get_state(legacy=False),  # {'bit_generator', 'state': {'key': uint32[624], 'pos'}, ...}
-        "torch_cpu": torch.get_rng_state(),
-        "megatron_tracker": dict(get_cuda_rng_tracker().get_states()),
-    }
-    if torch.cuda.is_available():
-        state["torch_cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    """Restore what ``rng_state`` captured."""
-
-    py = state["python"]
-    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch_cpu"])
-    get_cuda_rng_tracker().set_states(state["megatron_tracker"])
-    if torch.cuda.is_available() and "torch_cuda" in state:
-        torch.cuda.set_rng_state(state["torch_cuda"])
 
 
 def _rank_world() -> tuple[int, int]:
@@ -334,14 +304,6 @@ def _same_layout(meta: dict) -> bool:
     return meta["world_size"] == _rank_world()[1] and meta["parallel"] == layout()
 
 
-def _portable_rng(saved: dict) -> dict:
-    """Rank 0's process-wide streams, this job's per-rank ones (Megatron tracker, CUDA): for a new layout."""
-    current = rng_state()
-    return {**saved, "megatron_tracker": current["megatron_tracker"]} | (
-        {"torch_cuda": current["torch_cuda"]} if "torch_cuda" in current else {}
-    )
-
-
 def load_checkpoint(learner, ckpt_dir: str | Path, step: int | None = None) -> dict | None:
     """Restore ``learner`` from ``step`` (default: newest readable); returns ``meta`` or None if none exists.
 
@@ -388,7 +350,7 @@ def _apply(learner, d: Path, meta: dict, shard: dict, problems: list[str]) -> di
         except GlobalStateError as exc:  # readable, but written for another model: no fallback
             raise CheckpointError(f"{exc} (model.* must match the run that wrote {d})") from None
         same = _same_layout(meta)
-        set_rng_state(shard["rng"] if same else _portable_rng(shard["rng"]))
+        set_rng_state(shard["rng"] if same else portable_rng(shard["rng"]))
         meta["resharded_from"] = None if same else meta["parallel"]
         if not same and _rank_world()[0] == 0:
             logger.warning(

@@ -36,12 +36,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moe_rl.learner.checkpoint import rng_state, set_rng_state
 from moe_rl.learner.dist import decided_by_rank0
 from moe_rl.learner.global_state import MODEL_FORMAT, GlobalFile, GlobalStateError, load_model
 from moe_rl.learner.logprobs import response_logprobs
 from moe_rl.learner.model import build_model
 from moe_rl.learner.pipeline import pipeline_logprobs, pipeline_size
+from moe_rl.learner.rng_streams import rng_state, set_rng_state
 from moe_rl.learner.sharded_state import ShardedDir, save_model_shards
 from moe_rl.learner.train_step import default_logprob_fn
 from moe_rl.replay.binding import RoutingReplay

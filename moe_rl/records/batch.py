@@ -1,8 +1,8 @@
 """The rollout batch: the one object passed from rollout engine to learner.
 
-Owns the columnar layout, per-sample views, validation against a model, and
-atomic safetensors + JSON persistence. Per sample ``i`` with ``P`` prompt and ``R``
-response tokens, ``tokens = prompt ++ response`` and the learner's input is
+Owns the columnar layout, per-sample views and atomic safetensors + JSON persistence;
+the checks behind ``validate`` are ``batch_checks.py``'s. Per sample ``i`` with ``P`` prompt
+and ``R`` response tokens, ``tokens = prompt ++ response`` and the learner's input is
 ``tokens[:-1]`` (it scores ``tokens[1:]``). Route row ``t`` is the routing of input
 position ``t``, so a sample has exactly ``P + R - 1`` route rows: the last generated
 token is never forwarded, by the engine or by the learner, so it has no route.
@@ -14,7 +14,6 @@ import hashlib
 import json
 import os
 import tempfile
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,13 +22,12 @@ from safetensors import SafetensorError
 from safetensors.numpy import load as load_bytes
 from safetensors.numpy import save_file
 
-from moe_rl.records.routes import RecordError, check_distinct_experts, compact_routes, route_dtype
-from moe_rl.records.versions import check_token_versions, stack_token_versions
+from moe_rl.records.batch_checks import validate_batch
+from moe_rl.records.routes import RecordError, compact_routes, route_dtype
+from moe_rl.records.versions import stack_token_versions
 
 FORMAT_VERSION = 2  # 2: optional provenance arrays (dataset rows, token versions, fingerprint)
 READABLE_VERSIONS = (1, 2)  # format 1 files load: every format-2 addition is optional
-# Largest log-prob accepted: the SGLang decoder's bound (sglang_meta._checked_logprobs), float rounding above 0.
-LOGPROB_TOLERANCE = 1e-4
 REQUIRED_ARRAYS = ("prompt_ids", "prompt_lens", "response_ids", "response_lens", "rollout_logp", "rewards", "group_ids")
 
 
@@ -166,152 +164,13 @@ class RolloutBatch:
         out.fingerprint, out.run_id = self.fingerprint, self.run_id
         return out
 
-    # ------------------------------------------------------------------ validation
-    def _sample_count(self) -> int:
-        """The number of samples most per-sample arrays agree on (so the error names the odd one out)."""
-
-        counts = [
-            len(a)
-            for a in (
-                self.prompt_lens,
-                self.response_lens,
-                self.rewards,
-                self.group_ids,
-                self.weight_versions,
-                self.finish_reasons,
-            )
-        ]
-        return Counter(counts).most_common(1)[0][0]
-
     def validate(self, model_cfg=None) -> None:
-        """Raise ``RecordError`` naming the first inconsistent field.
+        """Raise ``RecordError`` naming the first inconsistent field (``batch_checks.validate_batch``).
 
-        Without ``model_cfg`` it checks every invariant the file itself implies: lengths, integral
-        non-negative token ids, finite log-probs <= ``LOGPROB_TOLERANCE`` (the SGLang decoder's bound),
-        one route row per forwarded position of every sample, expert ids below the file's
-        ``num_experts`` and distinct per token, mask offsets starting at 0 and growing by >= 1 per token.
-        With ``model_cfg`` it also checks ids, lengths and route shapes against the model.
+        Without ``model_cfg`` every invariant the file itself implies; with it also ids, lengths and
+        route shapes against the model.
         """
-        n = self._sample_count()
-        integer_arrays = (
-            "prompt_ids",
-            "prompt_lens",
-            "response_ids",
-            "response_lens",
-            "group_ids",
-            "mask_ids",
-            "mask_offsets",
-        )
-        for name in integer_arrays:
-            arr = getattr(self, name)
-            if arr is not None and (arr.ndim != 1 or arr.dtype.kind not in "iu"):
-                raise RecordError(f"{name} must be a 1-D integer array, got {arr.dtype} with shape {arr.shape}")
-        for name, arr in (
-            ("prompt_lens", self.prompt_lens),
-            ("response_lens", self.response_lens),
-            ("rewards", self.rewards),
-            ("group_ids", self.group_ids),
-        ):
-            if len(arr) != n:
-                raise RecordError(f"{name} has {len(arr)} entries; expected one per sample ({n})")
-        if len(self.weight_versions) != n or len(self.finish_reasons) != n:
-            raise RecordError(f"weight_versions/finish_reasons must have one entry per sample ({n})")
-        if (self.response_lens < 1).any() or (self.prompt_lens < 1).any():
-            raise RecordError("every sample needs >= 1 prompt token and >= 1 response token")
-        if len(self.prompt_ids) != self.prompt_lens.sum() or len(self.response_ids) != self.response_lens.sum():
-            raise RecordError("prompt_ids/response_ids lengths disagree with prompt_lens/response_lens")
-        for name in ("prompt_ids", "response_ids", "mask_ids"):
-            ids = getattr(self, name)
-            if ids is not None and ids.size and ids.min() < 0:
-                raise RecordError(f"{name} has a negative token id ({int(ids.min())})")
-        for name in ("rollout_logp", "sampling_logp"):
-            values = getattr(self, name)
-            if values is None:
-                continue
-            if values.shape != self.response_ids.shape:
-                raise RecordError(f"{name} has shape {values.shape}; expected {self.response_ids.shape}")
-            bad = ~np.isfinite(values)
-            if bad.any():
-                raise RecordError(
-                    f"{name} has {int(bad.sum())} non-finite values (first at flat token {int(np.argmax(bad))})"
-                )
-            bad = values > LOGPROB_TOLERANCE
-            if bad.any():
-                t = int(np.argmax(bad))
-                value = float(values[t])
-                raise RecordError(f"{name}[{t}] = {value:.6g} ({int(bad.sum())} positive); expected log-probs <= 0")
-        if (self.data_files is None) != (self.data_rows is None):
-            raise RecordError("data_files and data_rows must be stored together")
-        if self.data_rows is not None and (len(self.data_rows) != n or len(self.data_files) != n):
-            raise RecordError(f"data_files/data_rows must have one entry per sample ({n})")
-        if not np.isfinite(self.rewards).all():
-            raise RecordError("rewards must be finite")
-        check_token_versions(self)
-        if self.routes is not None:
-            self._validate_routes()
-        if (self.mask_ids is None) != (self.mask_offsets is None):
-            raise RecordError("mask_ids and mask_offsets must be stored together")
-        if self.mask_offsets is not None:
-            offs = self.mask_offsets
-            if len(offs) != len(self.response_ids) + 1 or offs[0] != 0 or offs[-1] != len(self.mask_ids):
-                raise RecordError(
-                    "mask_offsets must have one entry per response token + 1, start at 0 and end at len(mask_ids)"
-                )
-            sizes = np.diff(offs)
-            if (sizes < 1).any():
-                t = int(np.argmax(sizes < 1))
-                raise RecordError(
-                    f"mask_offsets must grow by >= 1 per token (every kept set holds the sampled token); "
-                    f"token {t} has a kept set of size {int(sizes[t])}"
-                )
-        if model_cfg is not None:
-            self._validate_against_model(model_cfg)
-
-    def _validate_routes(self) -> None:
-        if self.num_experts is None:
-            raise RecordError("routes are stored but num_experts is not (metadata)")
-        if self.routes.ndim != 3:
-            raise RecordError(f"routes must be [rows, moe_layers, top_k], got shape {tuple(self.routes.shape)}")
-        if self.routes.shape[0] != int(self.route_lens.sum()):
-            raise RecordError(
-                f"routes has {self.routes.shape[0]} rows; expected one per forwarded position, "
-                f"sum(prompt_len + response_len - 1) = {int(self.route_lens.sum())}"
-            )
-        compact_routes(self.routes, self.num_experts)
-        check_distinct_experts(self.routes)
-
-    def _validate_against_model(self, model_cfg) -> None:
-        vocab = model_cfg.vocab_size
-        for name, ids in (
-            ("prompt_ids", self.prompt_ids),
-            ("response_ids", self.response_ids),
-            ("mask_ids", self.mask_ids),
-        ):
-            if ids is not None and ids.size and (ids.min() < 0 or ids.max() >= vocab):
-                raise RecordError(f"{name} must be in [0, model.vocab_size={vocab}), got [{ids.min()}, {ids.max()}]")
-        lengths = self.prompt_lens.astype(np.int64) + self.response_lens
-        if lengths.max() > model_cfg.seq_length:
-            raise RecordError(f"a sample has {lengths.max()} tokens > model.seq_length={model_cfg.seq_length}")
-        if self.routes is None:
-            return
-        shape, m = tuple(self.routes.shape), model_cfg
-        if shape[1] != m.num_moe_layers:
-            raise RecordError(
-                f"routes has shape {shape}: records were made for {shape[1]} MoE layers; the model has "
-                f"{m.num_moe_layers} (model.num_layers={m.num_layers}, model.moe_layer_freq={m.moe_layer_freq}, "
-                f"model.first_k_dense_layers={m.first_k_dense_layers})"
-            )
-        if shape[2] != m.moe_router_topk:
-            raise RecordError(
-                f"routes has shape {shape}: records were made with top-{shape[2]} routing; "
-                f"model.moe_router_topk={m.moe_router_topk}"
-            )
-        if self.num_experts != model_cfg.num_moe_experts:
-            raise RecordError(
-                f"records were made for {self.num_experts} experts; model.num_moe_experts={model_cfg.num_moe_experts}"
-            )
-        compact_routes(self.routes, model_cfg.num_moe_experts)
-        check_distinct_experts(self.routes)
+        validate_batch(self, model_cfg)
 
     # ------------------------------------------------------------------ persistence
     def save(self, path: str | Path) -> Path:

@@ -15,9 +15,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from moe_rl.learner.checkpoint import CheckpointError, latest_step, load_checkpoint, rng_state, save_checkpoint
+from moe_rl.learner.checkpoint import CheckpointError, latest_step, load_checkpoint, save_checkpoint
 from moe_rl.learner.global_state import param_state
 from moe_rl.learner.model import build_model
+from moe_rl.learner.rng_streams import rng_state
 from moe_rl.learner.state_codec import StateCodecError, load_state, save_state
 from moe_rl.learner.train_step import Learner
 from tests.learner.conftest import make_cfg

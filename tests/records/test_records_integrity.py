@@ -11,7 +11,7 @@ from safetensors.numpy import load_file, save_file
 
 from moe_rl.cli import main
 from moe_rl.records import RecordError, RolloutBatch, RolloutSample
-from moe_rl.records.batch import LOGPROB_TOLERANCE
+from moe_rl.records.batch_checks import LOGPROB_TOLERANCE
 from moe_rl.records.sglang_meta import _checked_logprobs
 
 
