@@ -276,7 +276,7 @@ QUIET_WARNINGS = (
 # Errors that carry a complete message for the user, in modules a subcommand imports only when it needs them.
 USER_ERRORS = (
     ("moe_rl.learner.checkpoint", "CheckpointError"),
-    ("moe_rl.train.run_dir", "RunDirError"),
+    ("moe_rl.train.resume_rules", "RunDirError"),
     ("moe_rl.rollout.auth", "ServerKeyError"),
     ("moe_rl.sync.integrity", "WeightVersionError"),
     ("moe_rl.data.loaders", "DataError"),

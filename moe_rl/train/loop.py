@@ -1,7 +1,9 @@
 """The RL loop: rollout -> rewards -> advantages -> plan -> old log-probs -> updates -> sync.
 
 Owns the order of one RL step and its persistence (records before training, checkpoints,
-metrics, exported weights). It holds no algorithm branches (``moe_rl.algo``), no routing
+metrics, exported weights); when an eval or a checkpoint is due and what a checkpoint carries is
+``moe_rl.train.evals_checkpoints``, the names of a step's metrics ``moe_rl.train.step_metrics``, the
+wiring of rank 0's batch source ``moe_rl.train.batch_source``. It holds no algorithm branches (``moe_rl.algo``), no routing
 decisions (``moe_rl.replay.ReplayDriver``) and no grouping decisions: which samples go to
 which rank, minibatch and microbatch is the step's ``StepPlan`` (``moe_rl.train.plan``), which
 ``moe_rl.train.update`` executes. Per step ``s`` (all seeded by ``(train.seed, s)``, so a resumed
@@ -23,31 +25,28 @@ run repeats an uninterrupted one):
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from pathlib import Path
 
 import torch
 
 from moe_rl.config import ExperimentConfig, save_config
-from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint
+from moe_rl.learner.checkpoint import load_checkpoint
 from moe_rl.learner.dist import init_distributed
-from moe_rl.learner.reference import save_reference
-from moe_rl.learner.train_step import Learner, mean
+from moe_rl.learner.train_step import Learner
 from moe_rl.preflight import config_problems
 from moe_rl.records import RecordError, RolloutBatch
 from moe_rl.replay.driver import ReplayDriver
 from moe_rl.rollout.auth import ServerKeys
-from moe_rl.rollout.client import RolloutClient
 from moe_rl.rollout.server_pool import ServerPool, rollout_server_pool
-from moe_rl.source.batch_maker import BatchMaker, records_path
-from moe_rl.source.evaluate import eval_due
+from moe_rl.source.batch_maker import records_path
 from moe_rl.source.producer import InlineBatches, pending_records
-from moe_rl.source.rollout_process import RolloutProcess, process_cpus
-from moe_rl.source.rollout_worker import PromptSide, WorkerSpec
+from moe_rl.source.rollout_worker import PromptSide
 from moe_rl.source.step_records import StepRecords
-from moe_rl.train.batching import check_ksm_records, kept_set_outside_fraction
+from moe_rl.train.batch_source import inline_batch_maker, spawn_rollout_process, sync_client
+from moe_rl.train.batching import check_ksm_records
 from moe_rl.train.collectives import dp_group, dp_rank_and_size, is_main_process
+from moe_rl.train.evals_checkpoints import RunCheckpoints, RunEval
 from moe_rl.train.kl_alarm import KLAlarm
 from moe_rl.train.logprob import make_logprob_fn
 from moe_rl.train.metrics_log import MetricsLogger
@@ -55,6 +54,7 @@ from moe_rl.train.plan import plan_step
 from moe_rl.train.run_dir import guard_run_dir, reference_policy, run_complete_message
 from moe_rl.train.run_identity import resolve_run_id, version_nonce, write_checkpoint_identity, write_run_id
 from moe_rl.train.staleness import StepStaleness
+from moe_rl.train.step_metrics import step_metrics
 from moe_rl.train.stop_signal import StopRequest
 from moe_rl.train.update import StepInputs, old_logprob_rows, reference_rows, step_advantages, update_minibatch
 from moe_rl.train.warm_start import apply_warm_start
@@ -123,11 +123,23 @@ class RLTrainer:
             if cfg.loss.kl_coef
             else None
         )
-        self._reference_saved = False  # save_reference checks the marker itself (rank 0) the first time
+        # after each push: the eval when due (rank 0, the others follow), the checkpoint when due
+        self.evals = RunEval(cfg, self.weights, self.prompt_side, source=lambda: self.source)
+        self.checkpoints = RunCheckpoints(
+            cfg,
+            self.learner,
+            self.ckpt_dir,
+            self.run_id,
+            self.reference,
+            self.stop,
+            self.prompt_side,
+            source=lambda: self.source,
+        )
         self.kl_alarm = KLAlarm(cfg.correction.kl_alarm, cfg.correction.kl_alarm_max_in_row)
         self.plan(self.start_step)  # an impossible split fails here, before any server starts
         if self.is_main and not self.from_records and cfg.train.rollout_mode == "async":
-            self.source = self._rollout_process(data_state)  # bad data or reward fails here, before any server
+            # bad data or reward fails here, before any server
+            self.source = spawn_rollout_process(cfg, self.run_id, self.weights.nonce, self.records_dir, data_state)
 
     def plan(self, step: int):
         """This rank's ``StepPlan`` for ``step``."""
@@ -167,16 +179,8 @@ class RLTrainer:
         return (self.source or InlineBatches(self._batch_maker(client), step)).batch(step)
 
     def _batch_maker(self, client):
-        return BatchMaker(
-            self.cfg,
-            self.prompt_side.samples,
-            self.records,
-            self.records_dir,
-            client,
-            self.weights.version,
-            resync=lambda v: self.weights.resync(client.addresses, v),
-            weight_sync=lambda: self.weights.sync,
-            restart=self.server_pool.restart if self.server_pool else None,
+        return inline_batch_maker(
+            self.cfg, self.prompt_side, self.records, self.records_dir, client, self.weights, self.server_pool
         )
 
     def step(self, client, step: int) -> dict:
@@ -233,36 +237,18 @@ class RLTrainer:
             for epoch, mb in plan.updates()
         ]
         t_train = time.perf_counter() - t2
-        metrics = mean(
-            [r.metrics | {"train/loss": r.loss, "train/grad_norm": r.grad_norm, "train/lr": r.lr} for r in results]
+        return step_metrics(
+            cfg,
+            batch,
+            rewards,
+            truncated,
+            results,
+            replay=self.driver.step_metrics(group=dp_group()),
+            records=self.records.step_metrics(batch),
+            stale=stale.metrics(),
+            alarm=alarm_row,
+            times={"time/rollout_s": t_rollout, "time/old_logp_s": t_old, "time/train_s": t_train},
         )
-        metrics |= self.driver.step_metrics(group=dp_group())
-        metrics |= batch.extra.get("reward_metrics", {})  # reward/errors, reward/<key> of a reward function
-        metrics |= {
-            "reward/mean": float(rewards.mean()),
-            "reward/std": float(rewards.std()),
-            "reward/max": float(rewards.max()),
-            "response/len_mean": float(batch.response_lens.mean()),
-            "response/len_max": float(batch.response_lens.max()),
-            "response/truncated_frac": float(truncated.double().mean()),
-            "response/masked_truncated": float(truncated.sum()) if cfg.train.mask_truncated else 0.0,
-            "ksm/outside_mask_frac": kept_set_outside_fraction(batch) if cfg.ksm_active else 0.0,
-            **self.records.step_metrics(batch),
-            **stale.metrics(),
-            **alarm_row,
-            "time/rollout_s": t_rollout,
-            "time/old_logp_s": t_old,
-            "time/train_s": t_train,
-            "rollout/tokens_per_s": float(batch.response_lens.sum()) / max(t_rollout, 1e-9),
-        }
-        return metrics
-
-    def _save_reference(self) -> None:
-        """The reference weights, with this run's completion marker, before the first checkpoint (once)."""
-
-        if self.reference is not None and not self._reference_saved:
-            save_reference(self.reference, self.ckpt_dir, self.run_id)
-            self._reference_saved = True
 
     # ------------------------------------------------------------------ loop
     def _servers(self):
@@ -299,13 +285,13 @@ class RLTrainer:
                     metrics = self.step(client, step)  # the batch (rank 0's, loaded on every rank) and the updates
                     metrics["time/sync_s"] = 0.0 if self.from_records else self.weights.push(addresses, step + 1)
                     metrics["time/step_s"] = time.perf_counter() - t0
-                    metrics |= self._eval_after(client, step + 1)  # at the weights just pushed, if due
+                    metrics |= self.evals.after(client, step + 1)  # at the weights just pushed, if due
                     if self.source is not None:
                         metrics |= self.source.take_times()  # time/learner_wait_s, time/rollout_idle_s
                     # log before checkpointing: a kill in between resumes from the older checkpoint,
                     # which cuts this line again, so no step's metrics can go missing
                     logger.log(step + 1, metrics)
-                    if self._checkpoint_after(step + 1):  # a stop request: the run ends at this checkpoint
+                    if self.checkpoints.after(step + 1):  # a stop request: the run ends at this checkpoint
                         break
                 if self.stop.stopped_after is None:
                     self.weights.export_final()
@@ -330,81 +316,11 @@ class RLTrainer:
         if self.is_main and not self.from_records:
             self.weights.resync(addresses, self.start_step)
             client = self._begin_source(addresses)
-        if self.is_main and self.start_step == 0 and self._eval_due(0):
-            logger.log(0, self._evaluate(client, 0), progress=False)
+        if self.is_main and self.start_step == 0 and self.evals.due(0):
+            logger.log(0, self.evals.evaluate(client, 0), progress=False)
         if self.source is not None:
             self.source.start()
         return client
-
-    def _eval_due(self, step: int) -> bool:
-        """Rank 0 evaluates after ``step`` RL steps (``eval`` section; generation needs the servers); every rank
-        knows it (the others wait for it)."""
-        return not self.from_records and self.cfg.eval is not None and eval_due(self.cfg, step)
-
-    def _eval_after(self, client, step: int) -> dict[str, float]:
-        """Every rank, after the push of ``step``: the eval metrics if one is due (never writes training records).
-        Rank 0 evaluates while the other ranks follow (async: the producer waits; a re-sync its batch in flight
-        asks for runs first, on every rank); {} on the other ranks."""
-        if not self._eval_due(step):
-            return {}
-        t1 = time.perf_counter()
-        metrics = self.weights.calls.on_rank0(lambda: self._evaluate_alone(client, step))
-        return {} if metrics is None else metrics | {"time/eval_s": time.perf_counter() - t1}
-
-    def _evaluate_alone(self, client, step: int) -> dict[str, float]:
-        """Rank 0: the eval with the batch source held (async: the producer waits; eval sees version ``step``)."""
-        with self.source.exclusive(serve=True):
-            return self._evaluate(client, step)
-
-    def _evaluate(self, client, step: int) -> dict[str, float]:
-        """The eval sets at version ``step`` (sync: here; async: by the rollout process)."""
-        if self.prompt_side is None:
-            return self.source.evaluate(step, self.weights.version(step))
-        return self.prompt_side.evaluator.run(client, step, self.weights.version(step))
-
-    def _checkpoint_after(self, step: int) -> bool:
-        """Checkpoint after ``step`` RL steps when one is due, at the last step, or when every rank agrees to stop
-        (SLURM's warning, ``launch.signal``); True when the run stops here (``stop.stopped_after``)."""
-        cfg = self.cfg
-        stopping = self.stop.agreed() and step < cfg.train.steps
-        if (
-            cfg.checkpoint.save_interval
-            and step % cfg.checkpoint.save_interval == 0
-            or step == cfg.train.steps
-            or stopping
-        ):
-            self._save_reference()  # first: no checkpoint exists without its reference
-            extra, files = self._checkpoint_contents(step)
-            save_checkpoint(
-                self.learner, self.ckpt_dir, cfg.checkpoint.keep_last, extra=extra, step=step, files=files
-            )  # dirs named by RL step
-        if stopping:
-            self.stop.stopped_after = step
-        return stopping
-
-    def _checkpoint_contents(self, rl_step: int) -> tuple[dict, dict]:
-        """``(extra, files)`` a checkpoint carries besides weights (rank 0's): the RL step, the dataset position
-        and, from the batch source, finished-but-untrained records (async mode: the position before them)."""
-        state = self.prompt_side.prompts.state() if self.prompt_side is not None else None
-        extra = {"rl_step": rl_step} | ({"data": state} if state is not None else {})
-        if self.source is None:
-            return extra, {}
-        more, files = self.source.checkpoint_state(rl_step)
-        return extra | more, files
-
-    def _rollout_process(self, data_state: dict | None):
-        """Async mode: rank 0's rollout process (``moe_rl.source.rollout_process``), started with its prompts."""
-        return RolloutProcess.spawn(
-            WorkerSpec(
-                self.cfg,
-                self.run_id,
-                self.weights.nonce,
-                str(self.records_dir),
-                data_state,
-                process_cpus(self.cfg.rollout),
-                os.getpid(),
-            )
-        )
 
     def _begin_source(self, addresses: list[str]):
         """Rank 0: the batch source meets the servers (a resumed checkpoint's pending records first); sync: the
@@ -413,9 +329,7 @@ class RLTrainer:
         pending = pending_records(self.resume_meta, self.records_dir)
         client = None
         if self.source is None:  # sync: the API key (a generated one by default); dataset prompts stop at EOS
-            client = RolloutClient.from_config(
-                self.cfg, addresses, headers=self.server_keys.headers(), **self.prompt_side.stop_tokens(self.cfg)
-            )
+            client = sync_client(self.cfg, addresses, self.server_keys, self.prompt_side)
             self.source = InlineBatches(self._batch_maker(client), self.start_step, pending)
         else:
             self.source.begin(

@@ -23,7 +23,8 @@ from moe_rl.records import RolloutBatch
 from moe_rl.reward import Rewarder, Scores
 from moe_rl.source.producer import AsyncProducer
 from moe_rl.source.step_samples import StepSamples
-from moe_rl.train.run_dir import RunDirError, guard_run_dir
+from moe_rl.train.resume_rules import RunDirError
+from moe_rl.train.run_dir import guard_run_dir
 from moe_rl.train.run_identity import new_run_id, write_checkpoint_identity, write_run_id
 from moe_rl.train.warm_start import apply_warm_start, cache_path
 

@@ -14,7 +14,8 @@ import pytest
 import yaml
 
 from moe_rl.config import load_config, save_config
-from moe_rl.train.run_dir import RunDirError, RunLock, guard_run_dir
+from moe_rl.train.resume_rules import RunDirError
+from moe_rl.train.run_dir import RunLock, guard_run_dir
 from moe_rl.train.run_identity import write_checkpoint_identity, write_run_id
 from tests.conftest import repo_env
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from moe_rl.train.run_dir import discard_previous_run
+from moe_rl.train.resume_rules import discard_previous_run
 from moe_rl.train.run_identity import read_run_id, resolve_run_id, write_run_id
 
 
