@@ -27,7 +27,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moe_rl.rollout.http_session import Session
-from moe_rl.rollout.launcher import free_port
+from moe_rl.rollout.ports import free_port
 
 SERVER = """
 import asyncio, json, sys

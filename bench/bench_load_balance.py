@@ -38,7 +38,9 @@ from moe_rl.config import ModelConfig
 from moe_rl.learner.hf_init import write_random_hf_checkpoint
 from moe_rl.records import RouteSpec
 from moe_rl.rollout.client import RolloutClient, SamplingSettings
-from moe_rl.rollout.launcher import ServerSpec, SGLangServer, free_port
+from moe_rl.rollout.launcher import SGLangServer
+from moe_rl.rollout.ports import free_port
+from moe_rl.rollout.server_spec import ServerSpec
 
 MODEL = ModelConfig(num_layers=2, vocab_size=512)
 

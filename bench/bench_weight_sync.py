@@ -37,7 +37,8 @@ from moe_rl.config import ModelConfig
 from moe_rl.learner.dist import free_port
 from moe_rl.learner.hf_convert import read_hf_state_dict
 from moe_rl.learner.hf_init import write_random_hf_checkpoint
-from moe_rl.rollout.launcher import ServerSpec, SGLangServer
+from moe_rl.rollout.launcher import SGLangServer
+from moe_rl.rollout.server_spec import ServerSpec
 from moe_rl.sync.checks import reference_from_hf_dir
 from moe_rl.sync.weight_sync import WeightSync
 

@@ -25,7 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_rollout import make_clients  # noqa: E402
 
-from moe_rl.rollout.launcher import ServerSpec, SGLangServer  # noqa: E402
+from moe_rl.rollout.launcher import SGLangServer  # noqa: E402
+from moe_rl.rollout.server_spec import ServerSpec  # noqa: E402
 
 _PROCESS = re.compile(r"^process \d+:\"?([^;]*)")
 

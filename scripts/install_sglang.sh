@@ -7,7 +7,7 @@
 # CPU: the sglang wheel hard-pins torch==2.14.1 and CUDA-only packages, so its CPU-fine dependencies
 # (requirements/sglang-cpu.txt) are installed under the torch==2.13.0 CPU pin, then sglang itself with
 # --no-deps. The two import-only GPU packages (sgl_kernel, torchvision) are NOT installed: stand-ins in
-# patches/stubs go on the server process's path only (moe_rl/rollout/launcher.py).
+# patches/stubs go on the server process's path only (moe_rl/rollout/server_spec.py).
 # CUDA: the normal `sglang` package with its own dependencies; no stand-ins.
 # Both: patches/apply.py patches the installed package (idempotent; refuses other versions).
 # Idempotent and fast when already done: a stamp in the venv records what was installed.

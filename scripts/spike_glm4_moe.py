@@ -27,7 +27,8 @@ from moe_rl.config import ExperimentConfig, ParallelConfig
 from moe_rl.learner.cpu_shims import seed_model_parallel_rng
 from moe_rl.learner.dist import init_distributed
 from moe_rl.learner.model import _layer_spec, forward_logits, transformer_config_from
-from moe_rl.rollout.launcher import ServerSpec, SGLangServer
+from moe_rl.rollout.launcher import SGLangServer
+from moe_rl.rollout.server_spec import ServerSpec
 from moe_rl.tasks.tokenizer import build_task_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -11,7 +11,8 @@ import torch
 
 from moe_rl.config import ModelConfig, load_config
 from moe_rl.learner.hf_init import write_random_hf_checkpoint
-from moe_rl.rollout.launcher import ServerSpec, SGLangServer
+from moe_rl.rollout.launcher import SGLangServer
+from moe_rl.rollout.server_spec import ServerSpec
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -13,7 +13,8 @@ import tempfile
 from pathlib import Path
 
 from moe_rl.config import ConfigError, load_config
-from moe_rl.launch.plan import check_learner_world, sbatch_args
+from moe_rl.launch.checks import check_learner_world
+from moe_rl.launch.plan import sbatch_args
 from moe_rl.launch.serve import add_arguments as add_serve_arguments
 from moe_rl.launch.serve import serve
 from moe_rl.learner.hf_init import write_random_hf_checkpoint

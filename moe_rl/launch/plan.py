@@ -1,9 +1,10 @@
 """Turn an experiment config + SLURM environment into a launch plan: who runs what, on which node.
 
 Owns node assignment (first ``launch.rollout_nodes`` hosts serve SGLang, the next
-``launch.learner_nodes`` run torchrun), the srun/sglang/torchrun argv of every step, the rollout
-addresses handed to the learner, and the world-size checks Megatron-Core would otherwise fail late
-on. It is pure (env passed in, nothing executed); ``script.py`` renders and runs the plan.
+``launch.learner_nodes`` run torchrun), the srun/sglang/torchrun argv of every step and the rollout
+addresses handed to the learner. The checks it runs first (world sizes Megatron-Core would otherwise fail late
+on, the allocation, the key variables) are ``checks.py``'s. It is pure (env passed in, nothing executed);
+``script.py`` renders and runs the plan.
 """
 
 from __future__ import annotations
@@ -16,13 +17,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from moe_rl.config import ConfigError, ExperimentConfig, dump_config
+from moe_rl.config import ExperimentConfig, dump_config
 from moe_rl.config.hf_model import initial_weights_dir
 from moe_rl.config.memory_plan import memory_plan
-from moe_rl.launch.hostlist import HostlistError, expand_hostlist
+from moe_rl.launch.checks import (
+    LaunchError,
+    check_gpus_on_node,
+    check_key_variables,
+    check_learner_world,
+    nodes_from_env,
+    rollout_gpus_per_server,
+)
 from moe_rl.launch.serve import ROLLOUT_PORT_TRIES
 from moe_rl.rollout.auth import RUN_ADMIN_KEY_ENV
-from moe_rl.rollout.launcher import ServerSpec, server_command, server_env
+from moe_rl.rollout.server_spec import ServerSpec, server_command, server_env
 
 logger = logging.getLogger(__name__)
 PYTHON = "python"  # interpreter on the compute nodes: whatever `python` the job's environment puts first
@@ -30,12 +38,6 @@ PYTHON = "python"  # interpreter on the compute nodes: whatever `python` the job
 LOG_PER_NODE = 'exec "$@" >>"$0/learner-${SLURMD_NODENAME:-$(hostname -s)}.log" 2>&1'
 CONFIG_HEREDOC_END = "MOE_RL_CONFIG_EOF"
 _OVERRIDE = re.compile(r"^\w+(\.\w+)+=")  # a dotted config override token: one per line when rendered
-# Flags the launcher sets from the config; a copy in rollout.extra_server_args would silently win.
-_OWNED_SERVER_FLAGS = ("--model-path", "--model", "--host", "--port", "--nnodes", "--node-rank", "--dist-init-addr")
-
-
-class LaunchError(ConfigError):
-    """A config or SLURM environment that cannot be launched; the message names the key or variable."""
 
 
 @dataclass(frozen=True)
@@ -95,94 +97,6 @@ def sbatch_args(cfg: ExperimentConfig) -> list[str]:
     if ln.partition:
         args.append(f"--partition={ln.partition}")
     return args
-
-
-def check_learner_world(cfg: ExperimentConfig, world_size: int, where: str) -> tuple[int, int]:
-    """Megatron-Core's divisibility rules for ``world_size`` ranks -> ``(dp, expert_dp)``.
-
-    ``tp*pp*cp`` must divide the world (dense data parallel) and ``etp*ep*pp`` too (expert data
-    parallel; ``etp`` defaults to ``tp``). ``where`` names the keys that set ``world_size``.
-    """
-    p = cfg.parallel
-    etp = p.etp if p.etp is not None else p.tp
-    model = p.tp * p.pp * p.cp
-    if world_size % model:
-        raise LaunchError(
-            f"learner world size {world_size} ({where}) is not divisible by parallel.tp*parallel.pp*parallel.cp "
-            f"= {p.tp}*{p.pp}*{p.cp} = {model}"
-        )
-    expert = etp * p.ep * p.pp
-    if world_size % expert:
-        raise LaunchError(
-            f"learner world size {world_size} ({where}) is not divisible by parallel.etp*parallel.ep*parallel.pp "
-            f"= {etp}*{p.ep}*{p.pp} = {expert} (parallel.etp=null means parallel.tp)"
-        )
-    return world_size // model, world_size // expert
-
-
-def _server_flag_int(args: list[str], *names: str, default: int = 1) -> int:
-    """Integer value of an SGLang flag in ``args`` (``--tp-size 4`` or ``--tp-size=4``)."""
-    value = None
-    for i, arg in enumerate(args):
-        flag, eq, inline = arg.partition("=")
-        if flag in names:
-            if eq:
-                value = inline
-            elif i + 1 < len(args):
-                value = args[i + 1]
-            else:
-                raise LaunchError(f"rollout.extra_server_args: {flag} has no value")
-    if value is None:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise LaunchError(f"rollout.extra_server_args: {names[0]} expects an integer, got {value!r}") from None
-
-
-def rollout_gpus_per_server(cfg: ExperimentConfig) -> int:
-    """GPUs one SGLang server occupies: tp*pp, times dp unless DP attention shares the TP GPUs."""
-    args = list(cfg.rollout.extra_server_args)
-    for arg in args:
-        if arg.partition("=")[0] in _OWNED_SERVER_FLAGS:
-            raise LaunchError(
-                f"rollout.extra_server_args sets {arg.partition('=')[0]}, which the launcher sets itself "
-                "(model from model.hf_path / checkpoint.init_from_hf, port from launch.rollout_port, one server per node)"
-            )
-    tp = _server_flag_int(args, "--tp-size", "--tensor-parallel-size")
-    pp = _server_flag_int(args, "--pp-size", "--pipeline-parallel-size")
-    dp = _server_flag_int(args, "--dp-size", "--data-parallel-size")
-    return tp * pp * (1 if "--enable-dp-attention" in args else dp)
-
-
-def _nodes_from_env(env: Mapping[str, str], needed: int) -> list[str]:
-    raw = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-    if not raw:
-        raise LaunchError(
-            "SLURM_JOB_NODELIST is not set: run inside an allocation (launch/slurm/submit.sh) or, to review "
-            f"the commands, set it by hand, e.g. SLURM_JOB_NODELIST='node[01-{needed:02d}]' moe-rl launch ... --dry-run"
-        )
-    try:
-        nodes = expand_hostlist(raw)
-    except HostlistError as exc:
-        raise LaunchError(f"SLURM_JOB_NODELIST: {exc}") from None
-    count = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
-    if count and count.isdigit() and int(count) != len(nodes):
-        raise LaunchError(f"SLURM_JOB_NODELIST={raw!r} expands to {len(nodes)} hosts but SLURM_JOB_NUM_NODES={count}")
-    if len(nodes) < needed:
-        raise LaunchError(
-            f"the allocation has {len(nodes)} nodes ({raw}) but launch.rollout_nodes + launch.learner_nodes = {needed}"
-        )
-    return nodes
-
-
-def _check_gpus_on_node(cfg: ExperimentConfig, env: Mapping[str, str]) -> None:
-    gpus = env.get("SLURM_GPUS_ON_NODE")
-    if gpus and gpus.isdigit() and int(gpus) < cfg.launch.gpus_per_node:
-        raise LaunchError(
-            f"launch.gpus_per_node={cfg.launch.gpus_per_node} but SLURM_GPUS_ON_NODE={gpus}; "
-            "allocate more GPUs per node or lower launch.gpus_per_node"
-        )
 
 
 def initial_served_dir(cfg: ExperimentConfig) -> tuple[str, bool]:
@@ -263,19 +177,6 @@ def _configured_keys(cfg: ExperimentConfig) -> bool:
     return bool(cfg.rollout.api_key_env or cfg.rollout.admin_api_key_env)
 
 
-def _check_key_variables(cfg: ExperimentConfig, env: Mapping[str, str]) -> tuple[str, ...]:
-    """Names of the key variables (exported to every step by srun --export=ALL); LaunchError if one is unset."""
-    names = tuple(n for n in (cfg.rollout.api_key_env, cfg.rollout.admin_api_key_env) if n)
-    r = cfg.rollout
-    for key, name in (("rollout.api_key_env", r.api_key_env), ("rollout.admin_api_key_env", r.admin_api_key_env)):
-        if name and not env.get(name):
-            raise LaunchError(
-                f"{key}={name!r} but {name} is not set in the job's environment; export it before sbatch "
-                "(srun passes it to the rollout and learner steps; the plan names only the variable)"
-            )
-    return names
-
-
 def _learner_step(
     cfg: ExperimentConfig,
     nodes: list[str],
@@ -349,10 +250,10 @@ def build_launch_plan(cfg: ExperimentConfig, env: Mapping[str, str]) -> LaunchPl
         )
     if not ln.rollout_nodes and not cfg.rollout.addresses:
         raise LaunchError("launch.rollout_nodes=0 needs rollout.addresses (http://host:port of running SGLang servers)")
-    _check_gpus_on_node(cfg, env)
-    key_vars = _check_key_variables(cfg, env)
+    check_gpus_on_node(cfg, env)
+    key_vars = check_key_variables(cfg, env)
     needed = ln.rollout_nodes + ln.learner_nodes
-    nodes = _nodes_from_env(env, needed)
+    nodes = nodes_from_env(env, needed)
     job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or "manual"
     run_dir = cfg.train.output_dir
     log_dir = str(PurePosixPath(run_dir) / "launch" / f"logs-{job_id}")

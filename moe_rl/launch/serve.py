@@ -2,7 +2,7 @@
 
 Owns ``python -m moe_rl.launch serve``: run the literal SGLang command the plan rendered, with its ``--port``
 set to ``launch.rollout_port``; if the server exits because another process on the node took a port it binds
-(its HTTP port or an auxiliary one: ``launcher.lost_a_bind``), start it again on the next port, up to
+(its HTTP port or an auxiliary one: ``moe_rl.rollout.ports.lost_a_bind``), start it again on the next port, up to
 ``--port-tries`` ports, each retry logged; once ``/health`` answers, write the port to ``--port-file``
 (atomically), which the job script reads to tell the learners the server's address. Then it waits on the
 server, stops the server's process group on SIGTERM/SIGINT (the job's cleanup) and exits with its code.
@@ -22,7 +22,8 @@ from pathlib import Path
 
 import httpx
 
-from moe_rl.rollout.launcher import die_with_parent, lost_a_bind
+from moe_rl.rollout.launcher import die_with_parent
+from moe_rl.rollout.ports import lost_a_bind
 
 ROLLOUT_PORT_TRIES = 8  # ports launch.rollout_port .. +7 are tried on each rollout node
 

@@ -5,8 +5,8 @@ sampling masks), bounded concurrency (one pool of slots for every batch in fligh
 ``moe_rl.rollout.slots``), the server of each request (``rollout.load_balance``: the one with the
 fewest of this client's requests in flight, or round robin), retries with backoff on
 connection errors and 5xx, and the all-or-nothing rule: a batch either comes back whole or the
-call raises RolloutError. Decoding and validating `meta_info` is `moe_rl.records.decode_sglang_meta`;
-per-token weight versions and continuing a reply aborted by a pause are `moe_rl.rollout.partial`; the HTTP session
+call raises RolloutError. What a reply means (the error classes, its status and body, the sample it decodes to) is
+`moe_rl.rollout.replies`; continuing a reply aborted by a pause is `moe_rl.rollout.partial`; the HTTP session
 (aiohttp, for its CPU per request) is `moe_rl.rollout.http_session`.
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import threading
 import time
 from collections.abc import Sequence
@@ -22,40 +21,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moe_rl.records import RecordError, RolloutSample, RouteSpec, decode_sglang_meta
+from moe_rl.records import RolloutSample, RouteSpec
 from moe_rl.rollout import http_session
 from moe_rl.rollout.auth import ServerKeys
 from moe_rl.rollout.health import run_watched
 from moe_rl.rollout.partial import (
     PartialCounters,
-    PartialRolloutError,
     check_pause_mode,
-    check_version_spans,
     continuation_prompt,
     continuation_seed,
     is_pause_abort,
     is_queued_abort,
     kv_stale_tokens,
     stitch,
-    token_versions_from_meta,
 )
+from moe_rl.rollout.replies import Retryable, RolloutError, RolloutRequestError, read_reply, reply_to_sample
 from moe_rl.rollout.slots import StepSlots
-
-
-class RolloutError(RuntimeError):
-    """A batch could not be generated whole (server unreachable, 4xx, malformed reply)."""
-
-
-class RolloutRequestError(RolloutError):
-    """The server rejected a request (HTTP 4xx or an aborted generation): not retried."""
-
-
-class RolloutResponseError(RolloutError):
-    """A reply did not match the request or the model (e.g. routes of the wrong size): not retried."""
-
-
-class _Retryable(Exception):
-    """Connection error or 5xx: worth another try, possibly on another server."""
 
 
 @dataclass(frozen=True)
@@ -323,7 +304,7 @@ class RolloutClient:
                         reply["meta_info"], len(sample.response_ids)
                     )
                 return sample, paused
-            except _Retryable as err:
+            except Retryable as err:
                 errors.append(f"attempt {attempt + 1} at {url}: {err}")
             finally:
                 with self._outstanding_lock:
@@ -348,59 +329,10 @@ class RolloutClient:
         try:
             status, raw = await http.post_json(f"{url}/generate", body)
         except http_session.TransportFailure as err:  # refused, reset, timed out, closed mid-reply
-            raise _Retryable(str(err)) from err
+            raise Retryable(str(err)) from err
         if status == 200:
             self._replied[url] = time.monotonic()  # the scheduler generated: proof of health (health.py)
-        if status >= 500:
-            raise _Retryable(f"HTTP {status}: {raw[:300].decode(errors='replace')}")
-        if status >= 400:
-            raise RolloutRequestError(
-                f"{url}/generate rejected the request, HTTP {status}: {raw[:500].decode(errors='replace')}"
-            )
-        try:
-            reply = json.loads(raw)
-        except ValueError as err:
-            raise RolloutResponseError(
-                f"{url}/generate replied with non-JSON: {raw[:300].decode(errors='replace')!r}"
-            ) from err
-        if not isinstance(reply, dict) or not isinstance(reply.get("meta_info"), dict) or "output_ids" not in reply:
-            raise RolloutResponseError(f"{url}/generate reply lacks 'output_ids'/'meta_info': {str(reply)[:300]}")
-        return reply
+        return read_reply(url, status, raw)
 
     def _to_sample(self, reply: dict, prompt: np.ndarray, group_id: int, url: str, start: int = 0) -> RolloutSample:
-        meta = reply["meta_info"]
-        finish = meta.get("finish_reason")
-        if (
-            isinstance(finish, dict)
-            and finish.get("type") == "abort"
-            and not (self.pause_mode == "abort" and is_pause_abort(meta))
-        ):
-            raise RolloutRequestError(f"{url} aborted the generation: {finish.get('message', finish)}")
-        if meta.get("prompt_tokens", len(prompt)) != len(prompt):
-            raise RolloutResponseError(
-                f"{url} reports prompt_tokens={meta.get('prompt_tokens')}; the request had {len(prompt)}"
-            )
-        response = np.asarray(reply["output_ids"], dtype=np.int32)
-        try:
-            check_version_spans(meta, self.pause_mode, url)
-        except PartialRolloutError as err:
-            raise RolloutResponseError(str(err)) from None
-        try:
-            decoded = decode_sglang_meta(
-                meta, len(prompt), response, self.route_spec, vocab_size=self.vocab_size, start_len=start
-            )
-            token_versions = token_versions_from_meta(meta, len(response))
-        except (RecordError, PartialRolloutError) as err:
-            raise RolloutResponseError(f"malformed /generate reply from {url}: {err}") from err
-        return RolloutSample(
-            prompt_ids=prompt,
-            response_ids=response,
-            rollout_logp=decoded.rollout_logp,
-            routes=decoded.routes,
-            sampling_mask=decoded.sampling_mask,
-            sampling_logp=decoded.sampling_logp,
-            group_id=group_id,
-            weight_version=decoded.weight_version,
-            finish_reason=decoded.finish_reason,
-            token_versions=token_versions,
-        )
+        return reply_to_sample(reply, prompt, group_id, url, start, self.route_spec, self.vocab_size, self.pause_mode)

@@ -3,7 +3,7 @@
 Owns the session a batch's requests share (``max_concurrency`` keep-alive connections, the request timeout per
 connect and per read as httpx counts them, the client's headers, the environment's proxy for each server as httpx
 reads it) and its ``post_json``: ``(status, body bytes)``, or ``TransportFailure`` when no reply came (refused,
-reset, timed out, closed mid-reply). What a status or a body means is ``moe_rl.rollout.client``'s.
+reset, timed out, closed mid-reply). What a status or a body means is ``moe_rl.rollout.replies``'s.
 
 aiohttp for this path, httpx for the one-off admin calls: a request costs the client ~0.2 ms of CPU with aiohttp
 and ~1.4 ms with httpx (``bench/bench_http_client.py``); at 128 requests a step that was ~0.2 s of CPU per step

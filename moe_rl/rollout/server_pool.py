@@ -22,7 +22,8 @@ from pathlib import Path
 import httpx
 
 from moe_rl.rollout.auth import RUN_ADMIN_KEY_ENV, ServerKeys
-from moe_rl.rollout.launcher import ServerSpec, ServerStartError, SGLangServer, log_tail
+from moe_rl.rollout.launcher import ServerStartError, SGLangServer, log_tail
+from moe_rl.rollout.server_spec import ServerSpec
 
 __all__ = ["ServerPool", "check_addresses", "rollout_server_pool", "rollout_servers", "terminate_on_signals"]
 

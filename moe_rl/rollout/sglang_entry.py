@@ -12,7 +12,7 @@ under the spawn start method a named POSIX semaphore ``/dev/shm/sem.mp-*`` that 
 and a stopped server's processes are killed (SGLang even SIGKILLs its own resource tracker), so one
 ``sem.mp-*`` outlived every run. A thread lock is all tqdm needs in a server log.
 
-On CPU (``MOE_RL_SGLANG_START_METHOD=fork``, set by the launcher's ``server_env``) SGLang's scheduler and
+On CPU (``MOE_RL_SGLANG_START_METHOD=fork``, set by ``server_spec.server_env``) SGLang's scheduler and
 detokenizer are forked, not spawned: they inherit the ~13 s of imports the parent has already done instead of
 repeating them on the same cores (a tiny server's start 38 s -> 23 s on the 2-core CI machine). At that point
 the parent has only imported modules and parsed its arguments. On GPUs SGLang's ``spawn`` stays: CUDA cannot

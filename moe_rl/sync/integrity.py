@@ -19,8 +19,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from moe_rl.records.versions import VersionLabel, parse_version_label, version_label, version_number
-from moe_rl.rollout.client import RolloutError
 from moe_rl.rollout.health import ServerHungError
+from moe_rl.rollout.replies import RolloutError
 
 __all__ = [
     "WeightVersionError",

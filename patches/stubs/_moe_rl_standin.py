@@ -3,7 +3,7 @@
 SGLang's CPU engine imports `sgl_kernel` and `torchvision` (and `transformers` imports names from
 `torchvision.io` / `torchvision.transforms` once it sees the package) but never calls them (measured:
 shared/notes/sglang-on-cpu.md). The stand-ins are put on the SGLang server process's path only
-(moe_rl.rollout.launcher), never on the learner's. Every submodule imports and every attribute
+(moe_rl.rollout.server_spec), never on the learner's. Every submodule imports and every attribute
 resolves to a placeholder, so imports succeed; calling or instantiating a placeholder prints a line
 to stderr and raises StandInCalled, so a CPU path that really needs the package is loud.
 """

@@ -21,7 +21,7 @@ from moe_rl.learner.exact_spec import (
 )
 from moe_rl.learner.logprobs import uses_exact
 from moe_rl.learner.model import build_model
-from moe_rl.rollout.launcher import ServerSpec, server_env
+from moe_rl.rollout.server_spec import ServerSpec, server_env
 from moe_rl.study.attribute import _check_exact_settings, attribution_rows, render_table
 from tests.learner.conftest import make_cfg
 

@@ -33,7 +33,8 @@ from moe_rl.learner.hf_init import write_random_hf_checkpoint
 from moe_rl.learner.logprobs import response_logprobs
 from moe_rl.learner.model import build_model
 from moe_rl.records import RolloutBatch
-from moe_rl.rollout.launcher import ServerSpec, SGLangServer
+from moe_rl.rollout.launcher import SGLangServer
+from moe_rl.rollout.server_spec import ServerSpec
 from moe_rl.train.metrics_log import read_metrics
 from tests.conftest import run_to_file
 

@@ -22,7 +22,7 @@ from launch_helpers import REPO
 from moe_rl.config import load_config
 from moe_rl.launch import render_launch
 from moe_rl.learner.hf_init import write_random_hf_checkpoint
-from moe_rl.rollout.launcher import free_port
+from moe_rl.rollout.ports import free_port
 
 LOCAL_SRUN = r"""#!/usr/bin/env bash
 # Local stand-in for srun: drop the srun options, honour --output, run the command on this host.

@@ -20,7 +20,8 @@ import yaml
 from transformers import AutoTokenizer
 
 from moe_rl.records import RolloutBatch
-from moe_rl.rollout.launcher import ServerSpec, SGLangServer
+from moe_rl.rollout.launcher import SGLangServer
+from moe_rl.rollout.server_spec import ServerSpec
 from moe_rl.train.metrics_log import read_metrics
 from tests.own_data.tiny_hf import write_tiny_hf_dir
 

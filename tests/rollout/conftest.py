@@ -13,7 +13,8 @@ import pytest
 from moe_rl.config import ModelConfig
 from moe_rl.learner.hf_init import write_random_hf_checkpoint
 from moe_rl.records import RouteSpec
-from moe_rl.rollout.launcher import ServerSpec, SGLangServer
+from moe_rl.rollout.launcher import SGLangServer
+from moe_rl.rollout.server_spec import ServerSpec
 
 
 @pytest.fixture(scope="session")

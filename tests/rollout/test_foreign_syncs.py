@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from moe_rl.rollout.client import RolloutError
+from moe_rl.rollout.replies import RolloutError
 from moe_rl.sync.integrity import ForeignWeightsError, ForeignWeightsStop, generate_checked
 from moe_rl.sync.served_weights import PushedWeights, digest, expected_entries, fingerprint_entry
 

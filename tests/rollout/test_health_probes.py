@@ -15,7 +15,7 @@ import pytest
 
 from moe_rl.rollout.client import RolloutClient, SamplingSettings
 from moe_rl.rollout.health import ServerHungError, watch_health
-from moe_rl.rollout.launcher import free_port
+from moe_rl.rollout.ports import free_port
 from moe_rl.sync import senders
 
 

@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from moe_rl.rollout.http_session import Session, TransportFailure
-from moe_rl.rollout.launcher import free_port
+from moe_rl.rollout.ports import free_port
 
 PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY")
 

@@ -25,17 +25,10 @@ from moe_rl.config import RolloutConfig, load_config
 from moe_rl.learner.hf_init import write_random_hf_checkpoint
 from moe_rl.rollout import launcher
 from moe_rl.rollout.auth import ServerKeys
-from moe_rl.rollout.launcher import (
-    STUBS_DIR,
-    ServerSpec,
-    ServerStartError,
-    SGLangServer,
-    free_port,
-    lost_a_bind,
-    server_command,
-    server_env,
-)
+from moe_rl.rollout.launcher import ServerStartError, SGLangServer
+from moe_rl.rollout.ports import free_port, lost_a_bind
 from moe_rl.rollout.server_pool import ServerPool
+from moe_rl.rollout.server_spec import STUBS_DIR, ServerSpec, server_command, server_env
 from moe_rl.rollout.sglang_entry import _keep_start_method
 from moe_rl.rollout.shm import group_shm_files
 
@@ -159,7 +152,8 @@ def test_sigkill_of_the_launching_process_still_stops_its_server(tmp_path):
     marker = _real_model(tmp_path / "sigkill-model")
     script = textwrap.dedent(f"""
         from pathlib import Path
-        from moe_rl.rollout.launcher import ServerSpec, SGLangServer
+        from moe_rl.rollout.launcher import SGLangServer
+        from moe_rl.rollout.server_spec import ServerSpec
         SGLangServer(ServerSpec({marker!r}, startup_timeout_s=300), Path({str(tmp_path)!r}) / "s.log").start()
     """)
     parent = subprocess.Popen([sys.executable, "-c", script], cwd=REPO)
@@ -181,7 +175,8 @@ def test_a_server_started_by_a_finished_thread_goes_down_with_a_sigkilled_launch
     script = textwrap.dedent(f"""
         import threading, time
         from pathlib import Path
-        from moe_rl.rollout.launcher import ServerSpec, SGLangServer
+        from moe_rl.rollout.launcher import SGLangServer
+        from moe_rl.rollout.server_spec import ServerSpec
         box = []
         t = threading.Thread(target=lambda: box.append(
             SGLangServer(ServerSpec({marker!r}, startup_timeout_s=300), Path({str(tmp_path)!r}) / "s.log").start()))

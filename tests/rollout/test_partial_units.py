@@ -11,7 +11,7 @@ import pytest
 from moe_rl.config import ConfigError, load_config
 from moe_rl.preflight import config_problems
 from moe_rl.records import RolloutSample
-from moe_rl.rollout.client import RolloutClient, RolloutResponseError
+from moe_rl.rollout.client import RolloutClient
 from moe_rl.rollout.partial import (
     PartialRolloutError,
     check_pause_mode,
@@ -23,6 +23,7 @@ from moe_rl.rollout.partial import (
     stitch,
     token_versions_from_meta,
 )
+from moe_rl.rollout.replies import RolloutResponseError
 
 
 def test_pause_mode_is_one_of_three_and_partial_is_off_by_default():

@@ -6,7 +6,8 @@ import pytest
 
 from moe_rl.config import RolloutConfig
 from moe_rl.rollout.auth import RUN_ADMIN_KEY_ENV, ServerKeyError, ServerKeys
-from moe_rl.rollout.launcher import ServerSpec, SGLangServer, server_command
+from moe_rl.rollout.launcher import SGLangServer
+from moe_rl.rollout.server_spec import ServerSpec, server_command
 
 
 def test_servers_the_run_launches_get_a_fresh_admin_key_when_none_is_configured():

@@ -19,7 +19,8 @@ import pytest
 from safetensors.torch import load_file
 
 from moe_rl.rollout.auth import ServerKeys
-from moe_rl.rollout.launcher import ServerSpec, SGLangServer, server_env
+from moe_rl.rollout.launcher import SGLangServer
+from moe_rl.rollout.server_spec import ServerSpec, server_env
 from moe_rl.sync.integrity import ForeignWeightsError
 from moe_rl.sync.served_weights import FINGERPRINT_SUFFIXES, PushedWeights
 from moe_rl.sync.transport import update_weights_from_disk

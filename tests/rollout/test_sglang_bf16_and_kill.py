@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from moe_rl.rollout.client import RolloutClient, RolloutError, SamplingSettings
+from moe_rl.rollout.client import RolloutClient, SamplingSettings
 from moe_rl.rollout.launcher import SGLangServer
+from moe_rl.rollout.replies import RolloutError
 from tests.rollout.hf_reference import load_hf_model, routes_agree, teacher_forced, topk_sets
 from tests.rollout.test_sglang_fp32 import VOCAB, client_for, make_prompts
 

@@ -15,14 +15,9 @@ import pytest
 import torch
 
 from moe_rl.records import RolloutSample, RouteSpec
-from moe_rl.rollout.client import (
-    RolloutClient,
-    RolloutError,
-    RolloutRequestError,
-    RolloutResponseError,
-    SamplingSettings,
-)
-from moe_rl.rollout.launcher import free_port
+from moe_rl.rollout.client import RolloutClient, SamplingSettings
+from moe_rl.rollout.ports import free_port
+from moe_rl.rollout.replies import RolloutError, RolloutRequestError, RolloutResponseError
 from moe_rl.sync.transport import server_weight_version, update_weights_from_disk
 from tests.rollout.hf_reference import kept_set, load_hf_model, teacher_forced, topk_sets
 

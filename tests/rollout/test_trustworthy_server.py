@@ -23,8 +23,9 @@ from safetensors.torch import load_file as load_safetensors
 from moe_rl.rollout.auth import ServerKeyError, ServerKeys
 from moe_rl.rollout.client import RolloutClient, SamplingSettings
 from moe_rl.rollout.health import ServerHungError
-from moe_rl.rollout.launcher import ServerSpec, SGLangServer
+from moe_rl.rollout.launcher import SGLangServer
 from moe_rl.rollout.server_pool import ServerPool
+from moe_rl.rollout.server_spec import ServerSpec
 from moe_rl.sync import transport
 from moe_rl.sync.group import GROUP_PREFIX
 from moe_rl.sync.integrity import WeightVersionError, check_weight_versions, generate_checked

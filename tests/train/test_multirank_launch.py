@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from moe_rl.records import RolloutBatch
-from moe_rl.rollout.launcher import ServerSpec, server_env
+from moe_rl.rollout.server_spec import ServerSpec, server_env
 from moe_rl.train.metrics_log import read_metrics
 from tests.conftest import one_gpu_per_rank
 

@@ -1,0 +1,104 @@
+"""What one SGLang ``/generate`` reply means: the rollout errors, and a reply read into a ``RolloutSample``.
+
+Owns the error classes of the rollout client (what is retried and what is not), reading a reply's HTTP status
+and body, and checking and decoding it into one sample (``moe_rl.records.decode_sglang_meta``, per-token weight
+versions from ``moe_rl.rollout.partial``). It sends nothing: requests, retries and servers are ``client``'s.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from moe_rl.records import RecordError, RolloutSample, RouteSpec, decode_sglang_meta
+from moe_rl.rollout.partial import (
+    PartialRolloutError,
+    check_version_spans,
+    is_pause_abort,
+    token_versions_from_meta,
+)
+
+
+class RolloutError(RuntimeError):
+    """A batch could not be generated whole (server unreachable, 4xx, malformed reply)."""
+
+
+class RolloutRequestError(RolloutError):
+    """The server rejected a request (HTTP 4xx or an aborted generation): not retried."""
+
+
+class RolloutResponseError(RolloutError):
+    """A reply did not match the request or the model (e.g. routes of the wrong size): not retried."""
+
+
+class Retryable(Exception):
+    """Connection error or 5xx: worth another try, possibly on another server."""
+
+
+def read_reply(url: str, status: int, raw: bytes) -> dict:
+    """The JSON reply of ``{url}/generate`` from its HTTP status and body: ``Retryable`` on 5xx,
+    ``RolloutRequestError`` on 4xx, ``RolloutResponseError`` for a body that is not a reply."""
+    if status >= 500:
+        raise Retryable(f"HTTP {status}: {raw[:300].decode(errors='replace')}")
+    if status >= 400:
+        raise RolloutRequestError(
+            f"{url}/generate rejected the request, HTTP {status}: {raw[:500].decode(errors='replace')}"
+        )
+    try:
+        reply = json.loads(raw)
+    except ValueError as err:
+        raise RolloutResponseError(
+            f"{url}/generate replied with non-JSON: {raw[:300].decode(errors='replace')!r}"
+        ) from err
+    if not isinstance(reply, dict) or not isinstance(reply.get("meta_info"), dict) or "output_ids" not in reply:
+        raise RolloutResponseError(f"{url}/generate reply lacks 'output_ids'/'meta_info': {str(reply)[:300]}")
+    return reply
+
+
+def reply_to_sample(
+    reply: dict,
+    prompt: np.ndarray,
+    group_id: int,
+    url: str,
+    start: int,
+    route_spec: RouteSpec | None,
+    vocab_size: int,
+    pause_mode: str | None,
+) -> RolloutSample:
+    """The sample of one reply to ``prompt``, checked against the request and the model (route rows from
+    ``start`` on); an abort other than a pause's (``pause_mode="abort"``) is a ``RolloutRequestError``."""
+    meta = reply["meta_info"]
+    finish = meta.get("finish_reason")
+    if (
+        isinstance(finish, dict)
+        and finish.get("type") == "abort"
+        and not (pause_mode == "abort" and is_pause_abort(meta))
+    ):
+        raise RolloutRequestError(f"{url} aborted the generation: {finish.get('message', finish)}")
+    if meta.get("prompt_tokens", len(prompt)) != len(prompt):
+        raise RolloutResponseError(
+            f"{url} reports prompt_tokens={meta.get('prompt_tokens')}; the request had {len(prompt)}"
+        )
+    response = np.asarray(reply["output_ids"], dtype=np.int32)
+    try:
+        check_version_spans(meta, pause_mode, url)
+    except PartialRolloutError as err:
+        raise RolloutResponseError(str(err)) from None
+    try:
+        decoded = decode_sglang_meta(meta, len(prompt), response, route_spec, vocab_size=vocab_size, start_len=start)
+        token_versions = token_versions_from_meta(meta, len(response))
+    except (RecordError, PartialRolloutError) as err:
+        raise RolloutResponseError(f"malformed /generate reply from {url}: {err}") from err
+    return RolloutSample(
+        prompt_ids=prompt,
+        response_ids=response,
+        rollout_logp=decoded.rollout_logp,
+        routes=decoded.routes,
+        sampling_mask=decoded.sampling_mask,
+        sampling_logp=decoded.sampling_logp,
+        group_id=group_id,
+        weight_version=decoded.weight_version,
+        finish_reason=decoded.finish_reason,
+        token_versions=token_versions,
+    )
