@@ -75,7 +75,12 @@ def run_once(mode: str, args, overrides: list[str]) -> dict:
         ]
         t0 = time.perf_counter()
         proc = subprocess.run(
-            cmd, capture_output=True, text=True, cwd=ROOT, preexec_fn=lambda: os.sched_setaffinity(0, learner)
+            cmd,
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            preexec_fn=lambda: os.sched_setaffinity(0, learner),
+            check=False,
         )
         wall = time.perf_counter() - t0
         if proc.returncode:
@@ -145,7 +150,9 @@ def core_interference(learner: str, server: str, repeats: int = 3) -> float:
                 stdout=subprocess.DEVNULL,
             )
             time.sleep(0.3)
-        out = subprocess.run(["taskset", "-c", cpus, sys.executable, "-c", _PROBE], capture_output=True, text=True)
+        out = subprocess.run(
+            ["taskset", "-c", cpus, sys.executable, "-c", _PROBE], capture_output=True, text=True, check=False
+        )
         if other is not None:
             other.kill()
             other.wait()

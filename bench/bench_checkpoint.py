@@ -34,20 +34,20 @@ from moe_rl.learner.global_state import optimizer_slots
 from moe_rl.learner.train_step import Learner
 
 REPO = Path(__file__).resolve().parents[1]
-MODEL = dict(
-    num_layers=6,
-    hidden_size=256,
-    num_attention_heads=4,
-    num_query_groups=2,
-    kv_channels=64,
-    num_moe_experts=64,
-    moe_router_topk=2,
-    moe_ffn_hidden_size=1024,
-    ffn_hidden_size=1024,
-    vocab_size=1024,
-    first_k_dense_layers=0,
-    moe_aux_loss_coeff=0.0,
-)
+MODEL = {
+    "num_layers": 6,
+    "hidden_size": 256,
+    "num_attention_heads": 4,
+    "num_query_groups": 2,
+    "kv_channels": 64,
+    "num_moe_experts": 64,
+    "moe_router_topk": 2,
+    "moe_ffn_hidden_size": 1024,
+    "ffn_hidden_size": 1024,
+    "vocab_size": 1024,
+    "first_k_dense_layers": 0,
+    "moe_aux_loss_coeff": 0.0,
+}
 LAYOUTS = {"1": (1, {}, False), "ep2": (2, {"ep": 2}, False), "dp2_distopt": (2, {}, True)}
 
 

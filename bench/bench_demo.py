@@ -53,7 +53,7 @@ def run_once(config: str, overrides: list[str], seed: int | None) -> dict:
         ]
         load_before = os.getloadavg()
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False)
         wall = time.perf_counter() - t0
         if proc.returncode:
             sys.exit(f"moe-rl train (seed {seed}) failed:\n{proc.stderr[-3000:]}")

@@ -58,40 +58,46 @@ def parse() -> argparse.Namespace:
     return ap.parse_args()
 
 
-SMOKE_SHAPE = dict(
-    hidden_size=64,
-    ffn_hidden_size=128,
-    num_attention_heads=4,
-    num_query_groups=2,
-    kv_channels=16,
-    vocab_size=512,
-    num_moe_experts=8,
-    moe_router_topk=2,
-    moe_ffn_hidden_size=32,
-)
+SMOKE_SHAPE = {
+    "hidden_size": 64,
+    "ffn_hidden_size": 128,
+    "num_attention_heads": 4,
+    "num_query_groups": 2,
+    "kv_channels": 16,
+    "vocab_size": 512,
+    "num_moe_experts": 8,
+    "moe_router_topk": 2,
+    "moe_ffn_hidden_size": 32,
+}
 
 
-LEARNER_SHAPE = dict(hidden_size=1024, num_attention_heads=16, num_query_groups=4, kv_channels=64, num_moe_experts=64)
+LEARNER_SHAPE = {
+    "hidden_size": 1024,
+    "num_attention_heads": 16,
+    "num_query_groups": 4,
+    "kv_channels": 64,
+    "num_moe_experts": 64,
+}
 """The train-step shape (Adam state for 128 experts x hidden 2048 x 4 layers is ~45 GB; the earlier H100 run
 used this one): 4 MoE layers, hidden 1024, 64 experts top-8, same vocab and tokens."""
 
 
 def realistic_cfg(layers: int, tokens: int, fp8: dict | None = None, smoke: bool = False, learner: bool = False):
 
-    model = dict(
-        num_layers=layers,
-        hidden_size=2048,
-        ffn_hidden_size=6144,
-        num_attention_heads=32,
-        num_query_groups=4,
-        kv_channels=128,
-        vocab_size=151936,
-        seq_length=tokens,
-        num_moe_experts=128,
-        moe_router_topk=8,
-        moe_ffn_hidden_size=768,
-        moe_token_dispatcher_type="alltoall",
-    )
+    model = {
+        "num_layers": layers,
+        "hidden_size": 2048,
+        "ffn_hidden_size": 6144,
+        "num_attention_heads": 32,
+        "num_query_groups": 4,
+        "kv_channels": 128,
+        "vocab_size": 151936,
+        "seq_length": tokens,
+        "num_moe_experts": 128,
+        "moe_router_topk": 8,
+        "moe_ffn_hidden_size": 768,
+        "moe_token_dispatcher_type": "alltoall",
+    }
     if learner:
         model.update(LEARNER_SHAPE)
     if smoke:

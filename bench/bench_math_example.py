@@ -47,7 +47,7 @@ def main(overrides: list[str]) -> None:
             "logging.progress=false",
             *overrides,
         ]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
         t2 = time.perf_counter()
         if proc.returncode:
             sys.exit(f"moe-rl train failed:\n{proc.stderr[-3000:]}")

@@ -19,11 +19,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moe_rl.config import ExperimentConfig  # noqa: E402
-from moe_rl.learner.dist import init_distributed  # noqa: E402
-from moe_rl.learner.model import build_model, forward_logits  # noqa: E402
-from moe_rl.replay.binding import RoutingReplay  # noqa: E402
-from moe_rl.replay.keep_mask import KeptSets, keep_mask_logprobs  # noqa: E402
+from moe_rl.config import ExperimentConfig
+from moe_rl.learner.dist import init_distributed
+from moe_rl.learner.model import build_model, forward_logits
+from moe_rl.replay.binding import RoutingReplay
+from moe_rl.replay.keep_mask import KeptSets, keep_mask_logprobs
 
 
 def _step(model, ids):

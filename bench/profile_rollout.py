@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_rollout import make_clients  # noqa: E402
+from bench_rollout import make_clients
 
-from moe_rl.rollout.launcher import SGLangServer  # noqa: E402
-from moe_rl.rollout.server_spec import ServerSpec  # noqa: E402
+from moe_rl.rollout.launcher import SGLangServer
+from moe_rl.rollout.server_spec import ServerSpec
 
 _PROCESS = re.compile(r"^process \d+:\"?([^;]*)")
 

@@ -25,12 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_weight_sync import MODELS
 
-from moe_rl.config import ExperimentConfig  # noqa: E402
-from moe_rl.learner.dist import destroy_distributed, init_distributed  # noqa: E402
-from moe_rl.learner.hf_convert import export_hf_state_dict  # noqa: E402
-from moe_rl.learner.train_step import Learner  # noqa: E402
-from moe_rl.sync.checks import reference_from_hf_dir  # noqa: E402
-from moe_rl.sync.weight_sync import WeightSync  # noqa: E402
+from moe_rl.config import ExperimentConfig
+from moe_rl.learner.dist import destroy_distributed, init_distributed
+from moe_rl.learner.hf_convert import export_hf_state_dict
+from moe_rl.learner.train_step import Learner
+from moe_rl.sync.checks import reference_from_hf_dir
+from moe_rl.sync.weight_sync import WeightSync
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

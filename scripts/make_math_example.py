@@ -74,8 +74,7 @@ def write_data(out: Path, n_eval: int = 200, seed: int = 0) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name, part in (("test.jsonl", rows[:n_eval]), ("train.jsonl", rows[n_eval:])):
         with open(out / name, "w") as fh:
-            for row in part:
-                fh.write(json.dumps(row) + "\n")
+            fh.writelines(json.dumps(row) + "\n" for row in part)
     print(f"wrote {len(rows) - n_eval} train and {n_eval} eval problems to {out}")
 
 
@@ -97,7 +96,8 @@ def build_tokenizer(texts: list[str], vocab_size: int = 384):
 
 def write_model(data_dir: Path, out: Path, sft_steps: int, seed: int = 0) -> None:
 
-    train = [json.loads(line) for line in open(data_dir / "train.jsonl")]
+    with open(data_dir / "train.jsonl") as rows:
+        train = [json.loads(line) for line in rows]
     tok = build_tokenizer([r["prompt"] for r in train] + [r["solution"] for r in train] + ["system user assistant"])
     vocab = -(-len(tok) // 64) * 64 + 64  # padded past the tokenizer, as Qwen pads its embeddings
     model_cfg = ModelConfig(

@@ -33,32 +33,32 @@ from moe_rl.tasks.tokenizer import build_task_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-TINY = dict(
-    vocab_size=64,
-    hidden_size=64,
-    intermediate_size=128,
-    moe_intermediate_size=32,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    n_routed_experts=16,
-    n_shared_experts=1,
-    num_experts_per_tok=4,
-    n_group=4,
-    topk_group=2,
-    first_k_dense_replace=1,
-    routed_scaling_factor=2.5,
-    norm_topk_prob=True,
-    partial_rotary_factor=0.5,
-    attention_bias=True,
-    use_qk_norm=False,
-    max_position_embeddings=64,
-    tie_word_embeddings=False,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+TINY = {
+    "vocab_size": 64,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "n_routed_experts": 16,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 4,
+    "n_group": 4,
+    "topk_group": 2,
+    "first_k_dense_replace": 1,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "partial_rotary_factor": 0.5,
+    "attention_bias": True,
+    "use_qk_norm": False,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
 
 
 def write_tiny_glm4_moe(out: Path) -> Path:
@@ -96,27 +96,27 @@ def probe_megatron() -> None:
 
     cfg = ExperimentConfig.model_validate(
         {
-            "model": dict(
-                num_layers=3,
-                hidden_size=64,
-                ffn_hidden_size=128,
-                num_attention_heads=4,
-                num_query_groups=2,
-                kv_channels=16,
-                qk_layernorm=False,
-                vocab_size=64,
-                seq_length=64,
-                num_moe_experts=16,
-                moe_router_topk=4,
-                moe_ffn_hidden_size=32,
-                moe_router_score_function="sigmoid",
-                moe_router_enable_expert_bias=True,
-                moe_router_num_groups=4,
-                moe_router_group_topk=2,
-                moe_router_topk_scaling_factor=2.5,
-                first_k_dense_layers=1,
-                moe_router_load_balancing_type="none",
-            )
+            "model": {
+                "num_layers": 3,
+                "hidden_size": 64,
+                "ffn_hidden_size": 128,
+                "num_attention_heads": 4,
+                "num_query_groups": 2,
+                "kv_channels": 16,
+                "qk_layernorm": False,
+                "vocab_size": 64,
+                "seq_length": 64,
+                "num_moe_experts": 16,
+                "moe_router_topk": 4,
+                "moe_ffn_hidden_size": 32,
+                "moe_router_score_function": "sigmoid",
+                "moe_router_enable_expert_bias": True,
+                "moe_router_num_groups": 4,
+                "moe_router_group_topk": 2,
+                "moe_router_topk_scaling_factor": 2.5,
+                "first_k_dense_layers": 1,
+                "moe_router_load_balancing_type": "none",
+            }
         }
     )
     init_distributed(ParallelConfig())

@@ -14,12 +14,12 @@ import json
 from pathlib import Path
 
 __all__ = [
-    "HFModelError",
-    "read_hf_config",
-    "model_keys_from_hf",
-    "same_value",
     "HF_ARCHITECTURES",
+    "HFModelError",
     "initial_weights_dir",
+    "model_keys_from_hf",
+    "read_hf_config",
+    "same_value",
     "side_files_dir",
 ]
 

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 
 from moe_rl.data.loaders import DataError
 
-__all__ = ["load_tokenizer", "tokenizer_problem", "stop_token_ids", "to_messages", "prompt_ids", "has_chat_template"]
+__all__ = ["has_chat_template", "load_tokenizer", "prompt_ids", "stop_token_ids", "to_messages", "tokenizer_problem"]
 
 PROBE_TEXT = "What is 2 + 3?"
 

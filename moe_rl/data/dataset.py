@@ -24,12 +24,12 @@ from moe_rl.data.prompt import PromptItem
 from moe_rl.reward.custom import load_function
 
 __all__ = [
+    "DATA_CACHE_DIR",
     "DatasetPrompts",
+    "data_cache_dir",
     "load_prompt_items",
     "prompt_token_limit",
     "reward_needs_label",
-    "data_cache_dir",
-    "DATA_CACHE_DIR",
 ]
 
 DATA_CACHE_DIR = "data_cache"  # <train.output_dir>/data_cache: memory-mapped Arrow copies of parquet files

@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-__all__ = ["DataError", "Rows", "open_rows", "read_rows", "first_row", "get_field", "MISSING"]
+__all__ = ["MISSING", "DataError", "Rows", "first_row", "get_field", "open_rows", "read_rows"]
 
 MISSING = object()
 _CHUNK = 1 << 22  # bytes read per step of the jsonl index pass (its memory: a few times this)

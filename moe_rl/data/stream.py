@@ -21,7 +21,7 @@ from moe_rl.data.dataset import DatasetPrompts, reward_needs_label
 from moe_rl.data.loaders import DataError
 from moe_rl.data.prompt import PromptItem, PromptStream
 
-__all__ = ["PromptItem", "PromptStream", "TaskStream", "DatasetStream", "build_prompt_stream", "DATA_SALT"]
+__all__ = ["DATA_SALT", "DatasetStream", "PromptItem", "PromptStream", "TaskStream", "build_prompt_stream"]
 
 DATA_SALT = 0xDA7A  # keeps the shuffle's random stream apart from the per-step sampling streams
 

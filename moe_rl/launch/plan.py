@@ -259,8 +259,10 @@ def build_launch_plan(cfg: ExperimentConfig, env: Mapping[str, str]) -> LaunchPl
     log_dir = str(PurePosixPath(run_dir) / "launch" / f"logs-{job_id}")
     config_path = str(PurePosixPath(run_dir) / "launch" / f"config-{job_id}.yaml")
     notes = [
-        f"learner world {world} = {ln.learner_nodes} nodes x {ln.gpus_per_node} GPUs: "
-        f"dp {dp} (tp*pp*cp = {world // dp}), expert dp {edp} (etp*ep*pp = {world // edp})"
+        (
+            f"learner world {world} = {ln.learner_nodes} nodes x {ln.gpus_per_node} GPUs: "
+            f"dp {dp} (tp*pp*cp = {world // dp}), expert dp {edp} (etp*ep*pp = {world // edp})"
+        )
     ]
     if len(nodes) > needed:
         notes.append(f"{len(nodes) - needed} allocated node(s) stay idle: {' '.join(nodes[needed:])}")

@@ -70,7 +70,7 @@ def _start(argv: list[str], port: int, timeout_s: float) -> tuple[subprocess.Pop
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
         start_new_session=True,
-        preexec_fn=die_with_parent,
+        preexec_fn=die_with_parent,  # noqa: PLW1509 -- one prctl call in the child, async-signal-safe
     )
     seen: list[str] = []
     echo = threading.Thread(target=_copy_output, args=(proc, seen), daemon=True)
@@ -120,7 +120,7 @@ def serve(argv: list[str], first_port: int, tries: int, port_file: Path, timeout
         _publish(port_file, port)
         print(f"moe_rl serve: healthy on port {port}; published in {port_file}", file=sys.stderr, flush=True)
 
-        def stop_and_exit(signum, _frame):
+        def stop_and_exit(signum, _frame, proc=proc):
             _stop(proc)
             sys.exit(128 + signum)
 

@@ -51,13 +51,13 @@ from moe_rl.learner.state_codec import StateCodecError, load_state, save_state
 
 __all__ = [
     "CheckpointError",
-    "save_checkpoint",
-    "load_checkpoint",
-    "latest_step",
     "checkpoint_steps",
     "completed_rl_step",
+    "latest_step",
     "layout",
+    "load_checkpoint",
     "refuse_pickles",
+    "save_checkpoint",
 ]
 
 logger = logging.getLogger(__name__)

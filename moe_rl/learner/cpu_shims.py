@@ -34,7 +34,7 @@ The RNG tracker itself needs no patch, only a different call: see
 from __future__ import annotations
 
 import inspect
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from megatron.core import tensor_parallel
@@ -47,19 +47,19 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispa
 from moe_rl.learner.mcore_compat import bind_te_general_gemm as _apply_te_general_gemm
 from moe_rl.learner.mcore_compat import need_te_general_gemm as _need_te_general_gemm
 
-__all__ = ["CPU_SHIMS", "apply_cpu_shims", "applied_shims", "seed_model_parallel_rng"]
+__all__ = ["CPU_SHIMS", "applied_shims", "apply_cpu_shims", "seed_model_parallel_rng"]
 
 
 class _HostEvent:
     """Stand-in for ``torch.cuda.Event``: on the host every op has already happened."""
 
-    def synchronize(self) -> None:  # noqa: D102
+    def synchronize(self) -> None:
         return None
 
-    def wait(self, stream=None) -> None:  # noqa: D102
+    def wait(self, stream=None) -> None:
         return None
 
-    def query(self) -> bool:  # noqa: D102
+    def query(self) -> bool:
         return True
 
 
@@ -68,19 +68,19 @@ class _HostStream:
 
     device = torch.device("cpu")
 
-    def wait_stream(self, stream) -> None:  # noqa: D102 - no-op by design
+    def wait_stream(self, stream) -> None:
         return None
 
-    def wait_event(self, event) -> None:  # noqa: D102
+    def wait_event(self, event) -> None:
         return None
 
-    def record_event(self, event=None):  # noqa: D102
+    def record_event(self, event=None):
         return _HostEvent() if event is None else event
 
-    def synchronize(self) -> None:  # noqa: D102
+    def synchronize(self) -> None:
         return None
 
-    def query(self) -> bool:  # noqa: D102
+    def query(self) -> bool:
         return True
 
 

@@ -20,7 +20,7 @@ from megatron.core import parallel_state
 from moe_rl.learner.cpu_shims import apply_cpu_shims
 from moe_rl.learner.mcore_compat import apply_megatron_fixes
 
-__all__ = ["LaunchEnv", "launch_env", "init_distributed", "deterministic_kernels", "destroy_distributed", "free_port"]
+__all__ = ["LaunchEnv", "destroy_distributed", "deterministic_kernels", "free_port", "init_distributed", "launch_env"]
 
 
 @dataclass(frozen=True)

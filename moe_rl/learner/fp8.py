@@ -11,7 +11,7 @@ import importlib.util
 
 import torch
 
-__all__ = ["fp8_transformer_fields", "fp8_runtime_missing", "te_available"]
+__all__ = ["fp8_runtime_missing", "fp8_transformer_fields", "te_available"]
 
 
 def te_available() -> bool:

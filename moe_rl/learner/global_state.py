@@ -45,19 +45,19 @@ from moe_rl.learner.ownership import (
 from moe_rl.learner.tp_shards import gather_tp_shards, tp_slice
 
 __all__ = [
-    "GlobalStateError",
-    "Slot",
-    "model_tensors",
-    "gather_global",
-    "gather_stages",
-    "GlobalFile",
-    "load_model",
-    "load_optimizer",
-    "check_global_file",
-    "optimizer_slots",
-    "param_state",
     "MODEL_FORMAT",
     "OPTIMIZER_FORMAT",
+    "GlobalFile",
+    "GlobalStateError",
+    "Slot",
+    "check_global_file",
+    "gather_global",
+    "gather_stages",
+    "load_model",
+    "load_optimizer",
+    "model_tensors",
+    "optimizer_slots",
+    "param_state",
 ]
 
 MODEL_FORMAT, OPTIMIZER_FORMAT = "moe_rl.global_model/1", "moe_rl.global_optimizer/1"

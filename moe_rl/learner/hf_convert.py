@@ -43,15 +43,15 @@ from moe_rl.learner.ownership import (
 from moe_rl.learner.tp_shards import tp_slice
 
 __all__ = [
-    "hf_to_megatron",
-    "megatron_to_hf",
-    "read_hf_state_dict",
-    "load_hf_weights",
-    "full_megatron_state_dict",
     "canonical_name",
     "export_hf_state_dict",
+    "full_megatron_state_dict",
     "hf_name_map",
+    "hf_to_megatron",
+    "load_hf_weights",
     "megatron_tensor_to_hf",
+    "megatron_to_hf",
+    "read_hf_state_dict",
     "write_side_files",
 ]
 

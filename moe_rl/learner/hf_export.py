@@ -27,7 +27,7 @@ from moe_rl.learner.dist import RankComm
 from moe_rl.learner.hf_convert import write_side_files
 from moe_rl.learner.hf_stream import HFStream, size_buckets
 
-__all__ = ["ShardWriter", "begin_dir", "finish_dir", "export_hf_checkpoint", "write_hf_checkpoint"]
+__all__ = ["ShardWriter", "begin_dir", "export_hf_checkpoint", "finish_dir", "write_hf_checkpoint"]
 
 INDEX = "model.safetensors.index.json"
 

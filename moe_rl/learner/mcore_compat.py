@@ -51,11 +51,11 @@ from torch.overrides import TorchFunctionMode
 
 __all__ = [
     "SUPPORTED",
-    "megatron_core_version",
-    "check_megatron_core_version",
     "apply_megatron_fixes",
-    "need_te_general_gemm",
     "bind_te_general_gemm",
+    "check_megatron_core_version",
+    "megatron_core_version",
+    "need_te_general_gemm",
     "pipeline_schedule",
     "schedule_needs_host_device",
 ]

@@ -26,14 +26,14 @@ from moe_rl.learner.fp8 import fp8_runtime_missing, fp8_transformer_fields, te_a
 from moe_rl.learner.mcore_compat import apply_megatron_fixes
 
 __all__ = [
-    "transformer_config_from",
-    "transformer_config_kwargs",
-    "use_transformer_engine",
-    "build_model",
     "attention_mask",
+    "build_model",
     "forward_logits",
     "moe_routers",
+    "transformer_config_from",
+    "transformer_config_kwargs",
     "unwrap",
+    "use_transformer_engine",
 ]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -168,7 +168,7 @@ def _pipeline_fields(pp: int, params_dtype: torch.dtype, on_gpu: bool) -> dict:
     shapes are exchanged first; on the host, no ``torch.cuda.synchronize`` after batched p2p."""
     if pp == 1:
         return {}
-    return dict(pipeline_dtype=params_dtype, variable_seq_lengths=True, batch_p2p_sync=on_gpu)
+    return {"pipeline_dtype": params_dtype, "variable_seq_lengths": True, "batch_p2p_sync": on_gpu}
 
 
 def _layer_spec(tcfg, use_te: bool, exact: frozenset[str] = frozenset()):
@@ -240,7 +240,7 @@ def attention_mask(input_ids: torch.Tensor, segment_ids: torch.Tensor | None = N
     block-diagonal. Megatron 0.16 would build its default causal mask on "cuda",
     so the CPU path always passes one explicitly.
     """
-    B, T = input_ids.shape
+    _B, T = input_ids.shape
     future = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).triu(1)
     if segment_ids is None:
         return future.view(1, 1, T, T)

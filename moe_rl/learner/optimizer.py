@@ -28,14 +28,14 @@ from moe_rl.learner.fp8 import te_available
 from moe_rl.learner.mcore_compat import megatron_optimizer_device
 
 __all__ = [
-    "wrap_ddp",
     "build_optimizer",
-    "lr_at",
-    "set_lr",
     "grad_norm_and_clip",
     "is_expert_param",
-    "uses_megatron_optimizer",
+    "lr_at",
     "megatron_step",
+    "set_lr",
+    "uses_megatron_optimizer",
+    "wrap_ddp",
 ]
 
 

@@ -36,15 +36,15 @@ __all__ = [
     "TensorSlice",
     "canonical_name",
     "expert_slot",
-    "local_expert_range",
-    "tp_rank_and_size",
-    "stage_layer_offset",
-    "globalise_layer",
     "global_name",
-    "tensor_slice",
+    "globalise_layer",
+    "local_expert_range",
     "local_slices",
-    "writes_whole",
     "replica_group",
+    "stage_layer_offset",
+    "tensor_slice",
+    "tp_rank_and_size",
+    "writes_whole",
 ]
 
 _TE_FUSED_NORMS = (

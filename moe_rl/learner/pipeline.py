@@ -31,11 +31,11 @@ from moe_rl.learner.mcore_compat import pipeline_schedule
 from moe_rl.learner.model import forward_logits
 
 __all__ = [
-    "pipeline_size",
-    "is_last_stage",
     "from_last_stage",
+    "is_last_stage",
     "object_from_last_stage",
     "pipeline_logprobs",
+    "pipeline_size",
     "pipeline_train",
 ]
 

@@ -46,7 +46,7 @@ from moe_rl.learner.sharded_state import ShardedDir, save_model_shards
 from moe_rl.learner.train_step import default_logprob_fn
 from moe_rl.replay.binding import RoutingReplay
 
-__all__ = ["ReferencePolicy", "reference_path", "reference_problem", "save_reference", "REFERENCE_DIR"]
+__all__ = ["REFERENCE_DIR", "ReferencePolicy", "reference_path", "reference_problem", "save_reference"]
 
 REFERENCE_DIR = "reference"
 MARKER_FILE = "complete.json"

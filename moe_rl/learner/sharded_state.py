@@ -38,14 +38,14 @@ from moe_rl.learner.global_state import (
 from moe_rl.learner.ownership import Box, TensorSlice, local_slices, tp_rank_and_size, writes_whole
 
 __all__ = [
+    "SHARD_FORMAT",
     "ShardedDir",
-    "save_model_shards",
-    "save_optimizer_shards",
-    "write_safetensors",
-    "write_rank_file",
     "rank_file",
     "read_global",
-    "SHARD_FORMAT",
+    "save_model_shards",
+    "save_optimizer_shards",
+    "write_rank_file",
+    "write_safetensors",
 ]
 
 SHARD_FORMAT = "moe_rl.sharded/1"

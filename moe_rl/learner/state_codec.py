@@ -20,7 +20,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-__all__ = ["StateCodecError", "save_state", "load_state", "SKELETON_KEY"]
+__all__ = ["SKELETON_KEY", "StateCodecError", "load_state", "save_state"]
 
 SKELETON_KEY = "moe_rl_state"  # safetensors metadata entry holding the JSON skeleton
 
@@ -124,7 +124,7 @@ def load_state(path: str | Path, device: str = "cpu") -> dict:
             raw = (fh.metadata() or {}).get(SKELETON_KEY)
             if raw is None:
                 raise StateCodecError(f"{path} has no {SKELETON_KEY!r} metadata; not a moe_rl checkpoint shard")
-            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+            tensors = {k: fh.get_tensor(k) for k in fh}
         skeleton = json.loads(raw)
     except (SafetensorError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise StateCodecError(f"{path} is not a readable safetensors state: {exc}") from None

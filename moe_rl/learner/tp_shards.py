@@ -23,7 +23,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-__all__ = ["tp_split_dim", "gather_tp_shards", "merge_tp_shards", "tp_slice"]
+__all__ = ["gather_tp_shards", "merge_tp_shards", "tp_slice", "tp_split_dim"]
 
 _COLUMN = (".linear_qkv.weight", ".linear_qkv.bias", "embedding.word_embeddings.weight", "output_layer.weight")
 _ROW = (".linear_proj.weight", ".linear_fc2.weight")

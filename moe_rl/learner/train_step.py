@@ -37,7 +37,7 @@ from moe_rl.learner.optimizer import (
 )
 from moe_rl.learner.pipeline import pipeline_logprobs, pipeline_size, pipeline_train
 
-__all__ = ["Microbatch", "LossFn", "LogprobFn", "StepStats", "Learner", "mean"]
+__all__ = ["Learner", "LogprobFn", "LossFn", "Microbatch", "StepStats", "mean"]
 
 Microbatch = dict
 """Keys: ``input_ids[B, T]`` (long), ``targets[B, T]`` (long, -1 = padding), optional

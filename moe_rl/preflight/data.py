@@ -18,7 +18,7 @@ from moe_rl.data.dataset import reward_needs_label
 from moe_rl.data.loaders import MISSING, DataError, first_row, get_field
 from moe_rl.reward.custom import load_function
 
-__all__ = ["hf_model_directory", "unbuilt_model", "data_files", "reward_settings"]
+__all__ = ["data_files", "hf_model_directory", "reward_settings", "unbuilt_model"]
 
 
 def _contradictions(cfg, derived: dict) -> Iterable[str]:

@@ -17,8 +17,8 @@ from collections.abc import Mapping
 
 __all__ = [
     "ARCHITECTURE_FIELDS",
-    "TRAINING_ONLY_FIELDS",
     "TOKENIZER_KEY",
+    "TRAINING_ONLY_FIELDS",
     "architecture_fingerprint",
     "fingerprint_diff",
     "fingerprint_id",

@@ -20,13 +20,13 @@ from moe_rl.records.routes import RecordError
 
 __all__ = [
     "VersionLabel",
-    "version_label",
-    "parse_version_label",
-    "version_number",
-    "stack_token_versions",
     "check_token_versions",
-    "token_versions_of",
+    "parse_version_label",
+    "stack_token_versions",
     "token_version_summary",
+    "token_versions_of",
+    "version_label",
+    "version_number",
 ]
 
 _LABEL = re.compile(r"step-(\d+)(?:-([0-9a-z]+))?(\.partial)?")

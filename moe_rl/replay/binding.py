@@ -16,7 +16,7 @@ bound model (building a second model cannot shift its layers), and Megatron's st
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from megatron.core import parallel_state
@@ -32,7 +32,7 @@ from moe_rl.replay.layout import (
     to_megatron_layout,
 )
 
-__all__ = ["RoutingReplay", "RouteCapture", "ReplayError", "unsupported_router_options", "moe_layer_pattern"]
+__all__ = ["ReplayError", "RouteCapture", "RoutingReplay", "moe_layer_pattern", "unsupported_router_options"]
 
 
 def unsupported_router_options(tcfg) -> list[str]:

@@ -12,7 +12,7 @@ backward (activation recompute) are not recorded twice. It never changes a route
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
@@ -20,7 +20,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from moe_rl.replay.binding import moe_layer_pattern
 from moe_rl.replay.layer_hook import in_backward
 
-__all__ = ["DispatchProbe", "DispatchCapture"]
+__all__ = ["DispatchCapture", "DispatchProbe"]
 
 
 class DispatchCapture:

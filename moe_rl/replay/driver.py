@@ -36,8 +36,8 @@ Metrics per step, counted in the update passes over positions that score a respo
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -51,7 +51,7 @@ from moe_rl.replay.dispatch_probe import DispatchCapture, DispatchProbe
 from moe_rl.replay.layout import context_parallel_shard, sequence_parallel_positions
 from moe_rl.replay.metrics import FlipCounter, expert_set_flips, routes_vs_map_flips
 
-__all__ = ["MicrobatchRoutes", "ReplayDriver", "ROUTING_MODES"]
+__all__ = ["ROUTING_MODES", "MicrobatchRoutes", "ReplayDriver"]
 
 ROUTING_MODES = ("none", "r2", "r3")
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-__all__ = ["KeptSets", "keep_mask_logprobs", "KeepMaskResult", "VocabShard"]
+__all__ = ["KeepMaskResult", "KeptSets", "VocabShard", "keep_mask_logprobs"]
 
 
 @dataclass(frozen=True)

@@ -138,7 +138,7 @@ class RouteCapture:
         per_layer = self._frozen[kind]
         if not 0 <= i < min(len(x) for x in per_layer):
             raise IndexError(f"no {kind} routes for forward #{i}; this context saw {self.num_forwards} forward(s)")
-        S, B = self._frozen["shapes"][i]
+        _S, B = self._frozen["shapes"][i]
         return from_megatron_layout([layer[i] for layer in per_layer], B)
 
     def _freeze(self) -> None:

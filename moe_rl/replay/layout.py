@@ -9,7 +9,7 @@ context parallel). It must not touch models.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -17,13 +17,13 @@ import torch
 from moe_rl.records.routes import pad_routes
 
 __all__ = [
-    "pack_microbatch_routes",
-    "to_megatron_layout",
-    "from_megatron_layout",
-    "context_parallel_shard",
-    "sequence_parallel_shard",
-    "sequence_parallel_positions",
     "check_routes",
+    "context_parallel_shard",
+    "from_megatron_layout",
+    "pack_microbatch_routes",
+    "sequence_parallel_positions",
+    "sequence_parallel_shard",
+    "to_megatron_layout",
 ]
 
 

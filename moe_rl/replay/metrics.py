@@ -7,12 +7,12 @@ A flip at (token, layer) means the two top-k expert *sets* differ (order is irre
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["expert_set_flips", "routes_vs_map_flips", "FlipCounter"]
+__all__ = ["FlipCounter", "expert_set_flips", "routes_vs_map_flips"]
 
 
 def expert_set_flips(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

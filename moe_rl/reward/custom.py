@@ -13,7 +13,7 @@ import importlib.util
 import inspect
 from pathlib import Path
 
-__all__ = ["load_function", "BUILTIN_FUNCTIONS"]
+__all__ = ["BUILTIN_FUNCTIONS", "load_function"]
 
 BUILTIN_FUNCTIONS = {
     "math": "moe_rl.reward.builtins:math_score",

@@ -26,6 +26,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
+from typing import Self
 
 __all__ = ["Outcome", "RewardPool"]
 
@@ -248,7 +249,7 @@ class RewardPool:
             w.kill()
         self._workers = []
 
-    def __enter__(self) -> RewardPool:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc) -> None:

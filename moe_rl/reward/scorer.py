@@ -81,12 +81,12 @@ class PoolRewarder(Rewarder):
     def calls(self, prompts, responses) -> list[dict]:
         """The keyword arguments of each call (verl's names)."""
         return [
-            dict(
-                data_source=p.data_source,
-                solution_str=self.tokenizer.decode(list(np.asarray(r).tolist()), skip_special_tokens=True),
-                ground_truth=p.label,
-                extra_info=p.extra_info,
-            )
+            {
+                "data_source": p.data_source,
+                "solution_str": self.tokenizer.decode(list(np.asarray(r).tolist()), skip_special_tokens=True),
+                "ground_truth": p.label,
+                "extra_info": p.extra_info,
+            }
             for p, r in zip(prompts, responses)
         ]
 

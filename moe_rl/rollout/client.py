@@ -128,22 +128,22 @@ class RolloutClient:
     def from_config(cls, cfg, addresses: Sequence[str], **overrides) -> RolloutClient:
         """Client for an ExperimentConfig: routes when replay needs them, masks for keep-sampling-mask."""
         r = cfg.rollout
-        kwargs = dict(
+        kwargs = {
             # routes always: even routing=none logs the rollout-vs-learner flip rate from them
-            route_spec=RouteSpec.from_model_config(cfg.model),
-            vocab_size=cfg.model.vocab_size,
-            sampling=SamplingSettings.from_rollout_config(r),
-            seed=r.seed,
-            return_sampling_mask=cfg.ksm_active,  # untruncated sampling: KSM is a no-op (the preflight notes it)
-            sampling_mask_max_tokens=r.sampling_mask_max_tokens,
-            request_timeout_s=r.request_timeout_s,
-            max_concurrency=r.max_concurrency,
-            max_retries=r.max_retries,
-            headers=ServerKeys.from_rollout_config(r).headers(),
-            health_timeout_s=r.health_timeout_s,
-            pause_mode=r.pause_mode if r.partial else None,
-            load_balance=r.load_balance,
-        )
+            "route_spec": RouteSpec.from_model_config(cfg.model),
+            "vocab_size": cfg.model.vocab_size,
+            "sampling": SamplingSettings.from_rollout_config(r),
+            "seed": r.seed,
+            "return_sampling_mask": cfg.ksm_active,  # untruncated sampling: KSM is a no-op (the preflight notes it)
+            "sampling_mask_max_tokens": r.sampling_mask_max_tokens,
+            "request_timeout_s": r.request_timeout_s,
+            "max_concurrency": r.max_concurrency,
+            "max_retries": r.max_retries,
+            "headers": ServerKeys.from_rollout_config(r).headers(),
+            "health_timeout_s": r.health_timeout_s,
+            "pause_mode": r.pause_mode if r.partial else None,
+            "load_balance": r.load_balance,
+        }
         kwargs.update(overrides)
         return cls(addresses, **kwargs)
 

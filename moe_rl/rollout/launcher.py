@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 import httpx
 
@@ -142,7 +143,7 @@ class SGLangServer:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # own process group: stop() kills the scheduler children too
-                preexec_fn=die_with_parent if threading.current_thread() is threading.main_thread() else None,
+                preexec_fn=die_with_parent if threading.current_thread() is threading.main_thread() else None,  # noqa: PLW1509 -- one prctl call in the child, async-signal-safe
             )
         try:
             if self.spec.cpu_affinity:  # before the interpreter starts its threads and the scheduler process
@@ -225,7 +226,7 @@ class SGLangServer:
         self.stop(grace_s=5.0)
         self.start()
 
-    def __enter__(self) -> SGLangServer:
+    def __enter__(self) -> Self:
         return self.start() if self.process is None else self
 
     def __exit__(self, *exc) -> None:

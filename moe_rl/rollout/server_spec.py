@@ -47,26 +47,26 @@ class ServerSpec:
     @classmethod
     def from_rollout_config(cls, rollout, model_path: str | Path, **overrides) -> ServerSpec:
         """Spec from a `moe_rl.config` RolloutConfig; keyword overrides win."""
-        values = dict(
-            model_path=str(model_path),
-            device=rollout.device,
-            host=rollout.host,
-            port=rollout.port,
-            dtype=rollout.dtype,
-            deterministic=rollout.deterministic,
-            true_on_policy=rollout.true_on_policy,
-            true_on_policy_kernels=server_env_value(kernels_of(rollout)) if rollout.true_on_policy else None,
-            seed=rollout.seed,
-            sampling_mask_max_tokens=rollout.sampling_mask_max_tokens,
-            mem_fraction_static=rollout.mem_fraction_static,
-            max_total_tokens=rollout.max_total_tokens,
-            startup_timeout_s=rollout.startup_timeout_s,
-            sleep_on_idle=rollout.sleep_on_idle,
-            cpu_affinity=tuple(rollout.server_cpus),
-            extra_args=tuple(rollout.extra_server_args),
-            api_key_env=rollout.api_key_env,
-            admin_api_key_env=rollout.admin_api_key_env,
-        )
+        values = {
+            "model_path": str(model_path),
+            "device": rollout.device,
+            "host": rollout.host,
+            "port": rollout.port,
+            "dtype": rollout.dtype,
+            "deterministic": rollout.deterministic,
+            "true_on_policy": rollout.true_on_policy,
+            "true_on_policy_kernels": server_env_value(kernels_of(rollout)) if rollout.true_on_policy else None,
+            "seed": rollout.seed,
+            "sampling_mask_max_tokens": rollout.sampling_mask_max_tokens,
+            "mem_fraction_static": rollout.mem_fraction_static,
+            "max_total_tokens": rollout.max_total_tokens,
+            "startup_timeout_s": rollout.startup_timeout_s,
+            "sleep_on_idle": rollout.sleep_on_idle,
+            "cpu_affinity": tuple(rollout.server_cpus),
+            "extra_args": tuple(rollout.extra_server_args),
+            "api_key_env": rollout.api_key_env,
+            "admin_api_key_env": rollout.admin_api_key_env,
+        }
         values.update(overrides)
         return cls(**values)
 

@@ -94,8 +94,8 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"error: {name} (the {field} variable) is not set or empty")
         keys[field] = os.environ[name]
 
-    import sglang.srt.entrypoints.engine as engine  # noqa: PLC0415 -- SGLang is optional (the rollout engine), heavy to import
     from sglang.launch_server import run_server  # noqa: PLC0415 -- SGLang is optional (the rollout engine), heavy to import
+    from sglang.srt.entrypoints import engine  # noqa: PLC0415 -- SGLang is optional (the rollout engine), heavy to import
     from sglang.srt.plugins import load_plugins  # noqa: PLC0415 -- SGLang is optional (the rollout engine), heavy to import
     from sglang.srt.server_args import prepare_server_args  # noqa: PLC0415 -- SGLang is optional (the rollout engine), heavy to import
     from sglang.srt.utils import kill_process_tree  # noqa: PLC0415 -- SGLang is optional (the rollout engine), heavy to import

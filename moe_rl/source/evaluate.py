@@ -26,7 +26,7 @@ from moe_rl.data.prompt import PromptItem
 from moe_rl.rollout.client import RolloutClient
 from moe_rl.sync.integrity import check_weight_versions
 
-__all__ = ["pass_at_k", "eval_due", "Evaluator", "EVAL_STEP_BASE", "EVAL_SALT"]
+__all__ = ["EVAL_SALT", "EVAL_STEP_BASE", "Evaluator", "eval_due", "pass_at_k"]
 
 EVAL_STEP_BASE = 1 << 30  # eval sampling seeds: sample_seed(rollout.seed, EVAL_STEP_BASE + step, prompt, sample)
 EVAL_SALT = 0xE7A1  # the built-in tasks' held-out prompt stream: default_rng([train.seed, EVAL_SALT])

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["GroupRound", "Collected", "FilterError", "informative_groups", "collect_groups"]
+__all__ = ["Collected", "FilterError", "GroupRound", "collect_groups", "informative_groups"]
 
 
 class FilterError(RuntimeError):

@@ -42,7 +42,7 @@ from moe_rl.data.loaders import DataError
 from moe_rl.reward.scorer import RewardError
 from moe_rl.rollout.partial import paused_generation
 
-__all__ = ["InlineBatches", "AsyncProducer", "pending_records", "push_section", "raise_batch_failure"]
+__all__ = ["AsyncProducer", "InlineBatches", "pending_records", "push_section", "raise_batch_failure"]
 
 MakeBatch = Callable[[int, int, Callable[[], None]], Path]  # (step, served version, drawn) -> step's records file
 
@@ -149,7 +149,7 @@ class AsyncProducer:
                 step = self.next
                 if step >= self.end:
                     return
-                self._cond.wait_for(lambda: self._admitted(step))
+                self._cond.wait_for(lambda step=step: self._admitted(step))
                 if self._stop or self._error is not None:
                     return
                 self.data_before[step] = self.stream_state()  # before make() takes the step's prompts

@@ -195,7 +195,7 @@ class RolloutProcess:
         """Step ``step``'s records, once written (waiting is ``time/learner_wait_s``; re-syncs are served meanwhile)."""
         t0 = time.perf_counter()
         with self._cond:
-            failed = lambda: self._error is not None and (self._error[0] is None or self._error[0] <= step)  # noqa: E731
+            failed = lambda: self._error is not None and (self._error[0] is None or self._error[0] <= step)
             self._wait(lambda: step in self._ready or failed(), True, f"step {step}'s batch")
             self._wait_s += time.perf_counter() - t0
             if step not in self._ready:

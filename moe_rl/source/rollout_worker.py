@@ -38,7 +38,7 @@ from moe_rl.sync.checks import check_servable
 from moe_rl.sync.integrity import version_label
 from moe_rl.sync.served_weights import PushedWeights
 
-__all__ = ["WorkerSpec", "PromptSide", "BatchRestarts", "worker_main", "portable_error"]
+__all__ = ["BatchRestarts", "PromptSide", "WorkerSpec", "portable_error", "worker_main"]
 
 _SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP")
 

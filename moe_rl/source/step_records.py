@@ -22,7 +22,7 @@ from moe_rl.data.chat import load_tokenizer
 from moe_rl.records import RecordError, RolloutBatch
 from moe_rl.records.fingerprint import architecture_fingerprint, fingerprint_diff
 
-__all__ = ["StepRecords", "task_tokenizer", "prompt_tokenizer"]
+__all__ = ["StepRecords", "prompt_tokenizer", "task_tokenizer"]
 
 logger = logging.getLogger(__name__)
 

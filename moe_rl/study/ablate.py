@@ -278,7 +278,7 @@ def run_ablation(
                 cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update=shared)})
             try:
                 done.setdefault(cell.name, []).append(Path(train(cfg)))
-            except Exception as exc:  # one broken cell must not cost the rest of the grid
+            except Exception as exc:  # noqa: BLE001 -- one broken cell must not cost the rest of the grid
                 failures.append(f"failed {_run_label(cell)}: {type(exc).__name__}: {exc}")
                 done.setdefault(cell.name, []).append(cell.run_dir)  # whatever it logged before failing
             report = write_report(done, out_dir, settings, notes + failures)

@@ -9,6 +9,7 @@ TIM test of VeXact). Verdict, plots and report files live in ``diagnose_report``
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import sys
@@ -106,7 +107,7 @@ def position_profile(logp: np.ndarray, mu: np.ndarray, mask: np.ndarray) -> list
     R = mask.shape[1]
     edges = np.unique(np.linspace(0, R, min(NUM_POSITION_BUCKETS, R) + 1).astype(int))
     out = []
-    for lo, hi in zip(edges[:-1], edges[1:], strict=True):
+    for lo, hi in itertools.pairwise(edges):
         m = mask[:, lo:hi]
         if m.any():
             d = diff[:, lo:hi][m]

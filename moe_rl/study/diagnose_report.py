@@ -148,12 +148,16 @@ def write_report(numbers: dict, arrays: dict, out_dir: str | Path) -> Path:
     lines = [
         "# Training–inference mismatch diagnosis (zero staleness)",
         "",
-        f"{numbers['samples']} samples, {numbers['response_tokens']} response tokens; rollout "
-        f"{numbers['rollout']['dtype']} (weights: {numbers['rollout']['weight_quantization']}), learner "
-        f"{numbers['learner']['params_dtype']}; same weights, same tokens, no update in between.",
+        (
+            f"{numbers['samples']} samples, {numbers['response_tokens']} response tokens; rollout "
+            f"{numbers['rollout']['dtype']} (weights: {numbers['rollout']['weight_quantization']}), learner "
+            f"{numbers['learner']['params_dtype']}; same weights, same tokens, no update in between."
+        ),
         "",
-        "μ is the engine's log-prob over the full vocabulary (natural, r3) or renormalised over its kept set "
-        "(ksm, r3_ksm); π is the learner's under the same rule.",
+        (
+            "μ is the engine's log-prob over the full vocabulary (natural, r3) or renormalised over its kept set "
+            "(ksm, r3_ksm); π is the learner's under the same rule."
+        ),
         "",
         *rows,
         "",

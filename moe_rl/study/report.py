@@ -59,7 +59,7 @@ def read_metrics(path: str | Path, keys: Sequence[str]) -> dict[str, Series]:
             raise ValueError(f"{path}:{lineno}: not a JSON object ({exc.msg})") from None
         step = record.get("step") if isinstance(record, dict) else None
         if not isinstance(step, int) or isinstance(step, bool):
-            raise ValueError(f"{path}:{lineno}: expected an integer 'step', got {step!r}")
+            raise ValueError(f"{path}:{lineno}: expected an integer 'step', got {step!r}")  # noqa: TRY004 -- bad file content
         by_step[step] = record
     out: dict[str, Series] = {key: [] for key in keys}
     for step in sorted(by_step):

@@ -23,15 +23,15 @@ from moe_rl.rollout.health import ServerHungError
 from moe_rl.rollout.replies import RolloutError
 
 __all__ = [
-    "WeightVersionError",
-    "VersionLabel",
-    "version_label",
-    "parse_version_label",
-    "version_number",
-    "check_weight_versions",
-    "generate_checked",
     "ForeignWeightsError",
     "ForeignWeightsStop",
+    "VersionLabel",
+    "WeightVersionError",
+    "check_weight_versions",
+    "generate_checked",
+    "parse_version_label",
+    "version_label",
+    "version_number",
 ]
 
 logger = logging.getLogger(__name__)

@@ -121,7 +121,7 @@ def load_reward_fn(spec: str) -> RewardFn:
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"train.reward_fn={spec!r} cannot be imported: {exc}") from None
     if not callable(fn):
-        raise ValueError(f"train.reward_fn={spec!r} is not callable")
+        raise ValueError(f"train.reward_fn={spec!r} is not callable")  # noqa: TRY004 -- a config error
     return fn
 
 

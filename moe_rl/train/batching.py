@@ -16,8 +16,8 @@ Two layouts meet here:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -30,10 +30,10 @@ from moe_rl.replay.layout import pack_microbatch_routes
 __all__ = [
     "Microbatch",
     "build_microbatch",
-    "response_rows",
-    "response_row_mask",
     "check_ksm_records",
     "kept_set_outside_fraction",
+    "response_row_mask",
+    "response_rows",
 ]
 
 

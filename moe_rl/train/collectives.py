@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-__all__ = ["dp_group", "dp_rank_and_size", "all_gather_rows", "barrier", "is_main_process"]
+__all__ = ["all_gather_rows", "barrier", "dp_group", "dp_rank_and_size", "is_main_process"]
 
 
 def dp_group():

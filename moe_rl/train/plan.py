@@ -22,7 +22,7 @@ import numpy as np
 
 from moe_rl.config import ConfigError
 
-__all__ = ["PlanError", "MinibatchPlan", "StepPlan", "plan_step"]
+__all__ = ["MinibatchPlan", "PlanError", "StepPlan", "plan_step"]
 
 
 class PlanError(ConfigError):

@@ -23,6 +23,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 import torch
 
@@ -85,7 +86,7 @@ class RunLock:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
 
-    def __enter__(self) -> RunLock:
+    def __enter__(self) -> Self:
         return self.acquire() if self.fd is None else self
 
     def __exit__(self, *exc) -> None:

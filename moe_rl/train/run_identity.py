@@ -19,15 +19,15 @@ from pathlib import Path
 from moe_rl.learner.dist import decided_by_rank0
 
 __all__ = [
-    "RUN_ID_FILE",
     "CKPT_IDENTITY_FILE",
+    "RUN_ID_FILE",
     "new_run_id",
-    "read_run_id",
-    "write_run_id",
-    "resolve_run_id",
     "read_checkpoint_identity",
-    "write_checkpoint_identity",
+    "read_run_id",
+    "resolve_run_id",
     "version_nonce",
+    "write_checkpoint_identity",
+    "write_run_id",
 ]
 
 RUN_ID_FILE = "run_id"

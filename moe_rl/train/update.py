@@ -34,7 +34,7 @@ from moe_rl.train.collectives import all_gather_rows, dp_group
 from moe_rl.train.plan import MinibatchPlan, StepPlan
 from moe_rl.train.staleness import staleness_kl_metrics
 
-__all__ = ["StepInputs", "MinibatchResult", "old_logprob_rows", "reference_rows", "update_minibatch", "step_advantages"]
+__all__ = ["MinibatchResult", "StepInputs", "old_logprob_rows", "reference_rows", "step_advantages", "update_minibatch"]
 
 
 @dataclass

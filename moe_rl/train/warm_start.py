@@ -37,13 +37,13 @@ from moe_rl.learner.model import build_model
 from moe_rl.learner.train_step import Learner
 
 __all__ = [
-    "warm_start_key",
-    "sft_microbatch",
-    "teacher_forcing_batch",
-    "train_warm_start",
-    "temper",
     "apply_warm_start",
     "cache_path",
+    "sft_microbatch",
+    "teacher_forcing_batch",
+    "temper",
+    "train_warm_start",
+    "warm_start_key",
 ]
 
 # Modules whose source decides the warm-start weights (besides this one): the task and the model build.

@@ -46,7 +46,7 @@ class WeightPusher:
         is_main: bool,
         *,
         keys: Callable[[], ServerKeys | None] = lambda: None,
-        revive: Callable[[], list[str]] = lambda: [],
+        revive: Callable[[], list[str]] = list,
         source: Callable[[], object | None] = lambda: None,
     ):
         """``keys()``: the run's server keys (None before the trainer made them); ``revive()``: rank 0 restarts the

@@ -177,7 +177,7 @@ def test_m2po_on_an_empty_kept_set_keeps_nothing_and_reports_zero(device):
 
 def test_issue_40_smallest_m2po_case(device):
     """The issue's reproduction: one token, k1 rejection removes it, M2PO on."""
-    t = lambda x: torch.tensor(x, dtype=torch.float64, device=device)  # noqa: E731
+    t = lambda x: torch.tensor(x, dtype=torch.float64, device=device)
     logp = t([[0.0]]).requires_grad_(True)
     correction = CorrectionConfig(m2po_tau=0.04, rejection=[{"mode": "token_k1", "lower": 0.5, "upper": 2.0}])
     loss, metrics = compute_policy_loss(

@@ -234,11 +234,11 @@ def test_dppo_and_clip_cov_gradient_is_the_stop_gradient_weight(device):
     adv = torch.randn(2, 3, generator=g, dtype=F64).to(device)
     base = old + 0.01 * torch.randn(2, 3, generator=g, dtype=F64).to(device)
     for div in ("tv", "kl"):
-        fn = lambda x, d=div: DPPO[d](LossInputs(x, old + (x - base), adv, mask), DPPOParams(0.5, 0.5))[0]  # noqa: E731
+        fn = lambda x, d=div: DPPO[d](LossInputs(x, old + (x - base), adv, mask), DPPOParams(0.5, 0.5))[0]
         assert torch.autograd.gradcheck(fn, (base.clone().requires_grad_(True),))
     # Clip-Cov outside its selection is PPO-clip, whose gradient is the true derivative
     params = ClipCovParams(0.2, 0.2, clip_cov_ratio=0.5, clip_cov_lb=10.0, clip_cov_ub=11.0)
-    fn = lambda x: clip_cov_loss(LossInputs(x, old, adv, mask), params)[0]  # noqa: E731
+    fn = lambda x: clip_cov_loss(LossInputs(x, old, adv, mask), params)[0]
     assert torch.autograd.gradcheck(fn, (base.clone().requires_grad_(True),))
 
 

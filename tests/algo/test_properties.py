@@ -112,7 +112,7 @@ def test_geometric_rs_is_length_invariant(batch, repeat):
 @SETTINGS
 @given(batches())
 def test_losses_finite_and_identity_ratio_never_clipped(batch):
-    old, roll, mask, adv = batch
+    old, _roll, mask, adv = batch
     logp = old.clone().requires_grad_(True)
     x = LossInputs(logp, old, adv, mask)
     for loss, m in (ppo_clip_loss(x, PPOClipParams(dual_clip_c=3.0)), gspo_loss(x)):

@@ -198,8 +198,8 @@ def test_sapo_verl_ignores_loss_agg_mode(verl, device):
     logp, old, _, adv = _data(device, seed=4)
     assert LossConfig(type="sapo").aggregation == "seq_mean_token_mean"
     for mode in ("token-mean", "seq-mean-token-sum"):
-        theirs = lambda lp, m=mode: verl.compute_policy_loss_sapo(old, lp, adv, MASK.double(), m, _actor(verl))[0]  # noqa: E731
-        ours = lambda lp: sapo_loss(LossInputs(lp, old, adv, MASK), SAPOParams(1.0, 1.05))[0]  # noqa: E731
+        theirs = lambda lp, m=mode: verl.compute_policy_loss_sapo(old, lp, adv, MASK.double(), m, _actor(verl))[0]
+        ours = lambda lp: sapo_loss(LossInputs(lp, old, adv, MASK), SAPOParams(1.0, 1.05))[0]
         a, b, ga, gb = _pair(ours, theirs, logp)
         _close(a, b)
         _close(ga, gb)
@@ -263,8 +263,8 @@ def test_reinforce_equals_verl_gpg_and_bypass_reinforce(verl, device):
     logp, _, _, adv = _data(device, seed=8)
     w = torch.rand(MASK.shape, generator=torch.Generator().manual_seed(8), dtype=torch.float64).to(device) * 2
     for agg in ("token_mean", "seq_mean_token_sum"):
-        ours = lambda lp, a=agg: reinforce_loss(LossInputs(lp, None, adv, MASK, w, a))[0]  # noqa: E731
-        theirs = lambda lp, a=agg: verl.compute_policy_loss_gpg(lp, lp, adv, MASK.double(), AGG[a], _actor(verl), w)[0]  # noqa: E731
+        ours = lambda lp, a=agg: reinforce_loss(LossInputs(lp, None, adv, MASK, w, a))[0]
+        theirs = lambda lp, a=agg: verl.compute_policy_loss_gpg(lp, lp, adv, MASK.double(), AGG[a], _actor(verl), w)[0]
         a, b, ga, gb = _pair(ours, theirs, logp)
         _close(a, b)
         _close(ga, gb)

@@ -162,7 +162,7 @@ def render(wheel: Path) -> dict[str, str]:
     """The package's files (name -> text) generated from the wheel, whose sha256 was checked."""
     sha = WHEEL_SHA256
     with zipfile.ZipFile(wheel) as z:
-        read = lambda p: z.read(p).decode()  # noqa: E731
+        read = lambda p: z.read(p).decode()
         files = {}
         for out, (src, names, header) in MODULES.items():
             text = read(src)

@@ -6,21 +6,21 @@ import torch
 
 from moe_rl.config import ExperimentConfig
 
-MODEL = dict(
-    num_layers=2,
-    hidden_size=64,
-    num_attention_heads=4,
-    num_query_groups=2,
-    kv_channels=16,
-    num_moe_experts=8,
-    moe_router_topk=2,
-    moe_ffn_hidden_size=32,
-    ffn_hidden_size=96,
-    vocab_size=256,
-    first_k_dense_layers=0,
-    moe_aux_loss_coeff=0.0,
-    init_method_std=0.1,
-)
+MODEL = {
+    "num_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_query_groups": 2,
+    "kv_channels": 16,
+    "num_moe_experts": 8,
+    "moe_router_topk": 2,
+    "moe_ffn_hidden_size": 32,
+    "ffn_hidden_size": 96,
+    "vocab_size": 256,
+    "first_k_dense_layers": 0,
+    "moe_aux_loss_coeff": 0.0,
+    "init_method_std": 0.1,
+}
 
 
 def cfg(ep: int = 1, distopt: bool = False, clip_grad: float = 1.0):

@@ -20,12 +20,12 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 torch.set_num_threads(1)
 
-from moe_rl.config import ParallelConfig  # noqa: E402
-from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from moe_rl.learner.dist import init_distributed  # noqa: E402
-from moe_rl.learner.global_state import optimizer_slots  # noqa: E402
-from moe_rl.learner.train_step import Learner  # noqa: E402
-from tests.distributed.distopt_data import cfg, data_shard, nll  # noqa: E402
+from moe_rl.config import ParallelConfig
+from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint
+from moe_rl.learner.dist import init_distributed
+from moe_rl.learner.global_state import optimizer_slots
+from moe_rl.learner.train_step import Learner
+from tests.distributed.distopt_data import cfg, data_shard, nll
 
 
 def learner(work: Path, ep: int, distopt: bool, start: str = "init") -> Learner:

@@ -20,32 +20,32 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 torch.set_num_threads(1)
 
-from moe_rl.config import ExperimentConfig, ParallelConfig  # noqa: E402
-from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from moe_rl.learner.dist import init_distributed  # noqa: E402
-from moe_rl.learner.global_state import param_state  # noqa: E402
-from moe_rl.learner.hf_convert import full_megatron_state_dict, load_hf_weights, read_hf_state_dict  # noqa: E402
-from moe_rl.learner.logprobs import logprobs_from_logits  # noqa: E402
-from moe_rl.learner.model import build_model  # noqa: E402
-from moe_rl.learner.sharded_state import read_global  # noqa: E402
-from moe_rl.learner.train_step import Learner  # noqa: E402
-from tests.conftest import rank_device  # noqa: E402
+from moe_rl.config import ExperimentConfig, ParallelConfig
+from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint
+from moe_rl.learner.dist import init_distributed
+from moe_rl.learner.global_state import param_state
+from moe_rl.learner.hf_convert import full_megatron_state_dict, load_hf_weights, read_hf_state_dict
+from moe_rl.learner.logprobs import logprobs_from_logits
+from moe_rl.learner.model import build_model
+from moe_rl.learner.sharded_state import read_global
+from moe_rl.learner.train_step import Learner
+from tests.conftest import rank_device
 
-MODEL = dict(
-    num_layers=2,
-    hidden_size=64,
-    num_attention_heads=4,
-    num_query_groups=2,
-    kv_channels=16,
-    num_moe_experts=8,
-    moe_router_topk=2,
-    moe_ffn_hidden_size=32,
-    ffn_hidden_size=96,
-    vocab_size=256,
-    first_k_dense_layers=0,
-    moe_aux_loss_coeff=1e-2,
-    init_method_std=0.1,
-)
+MODEL = {
+    "num_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_query_groups": 2,
+    "kv_channels": 16,
+    "num_moe_experts": 8,
+    "moe_router_topk": 2,
+    "moe_ffn_hidden_size": 32,
+    "ffn_hidden_size": 96,
+    "vocab_size": 256,
+    "first_k_dense_layers": 0,
+    "moe_aux_loss_coeff": 1e-2,
+    "init_method_std": 0.1,
+}
 
 
 def nll(logp, entropy, mb):

@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from moe_rl.learner.tp_shards import gather_tp_shards, tp_slice  # noqa: E402
-from moe_rl.replay.keep_mask import KeptSets, keep_mask_logprobs  # noqa: E402
+from moe_rl.learner.tp_shards import gather_tp_shards, tp_slice
+from moe_rl.replay.keep_mask import KeptSets, keep_mask_logprobs
 
 V, N, TP = 40, 9, 2
 

@@ -37,7 +37,7 @@ def test_truncated_responses_leave_the_loss(tmp_path, device):
             f"train.output_dir={out}",
             *extra,
         ]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
         assert proc.returncode == 0, proc.stderr[-3000:]
         (m,) = read_metrics(out / "metrics.jsonl")
         return m

@@ -80,7 +80,7 @@ def _run(tmp_path: Path, script: str, **env: str) -> subprocess.CompletedProcess
         "FAKE_PIDS": str(tmp_path / "pids"),
         **env,
     }
-    return subprocess.run(["bash", str(path)], env=full_env, capture_output=True, text=True, timeout=60)
+    return subprocess.run(["bash", str(path)], env=full_env, capture_output=True, text=True, timeout=60, check=False)
 
 
 def _logged(tmp_path: Path) -> list[list[str]]:
@@ -91,13 +91,13 @@ def _logged(tmp_path: Path) -> list[list[str]]:
 def test_rendered_script_is_valid_bash(tmp_path):
     path = tmp_path / "launch.sh"
     path.write_text(_script(tmp_path))
-    result = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    result = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
 
 
 def test_script_writes_the_resolved_config_the_learner_is_pointed_at(tmp_path):
     script = _script(tmp_path, "optim.lr=3e-7")
-    m = re.search(r"cat > (\S+) <<'MOE_RL_CONFIG_EOF'\n(.*?)\nMOE_RL_CONFIG_EOF\n", script, re.S)
+    m = re.search(r"cat > (\S+) <<'MOE_RL_CONFIG_EOF'\n(.*?)\nMOE_RL_CONFIG_EOF\n", script, re.DOTALL)
     assert m, "no config heredoc in the script"
     reloaded = validate_tree(yaml.safe_load(m.group(2)))
     assert reloaded.optim.lr == 3e-7 and reloaded.parallel.tp == 4

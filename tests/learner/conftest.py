@@ -16,18 +16,18 @@ torch.set_num_threads(1)
 def make_cfg(train: dict | None = None, optim: dict | None = None, **model):
     """A small fp32 ``ExperimentConfig`` with ``model`` overrides (Megatron field names)."""
 
-    base = dict(
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_query_groups=2,
-        kv_channels=16,
-        num_moe_experts=8,
-        moe_router_topk=2,
-        moe_ffn_hidden_size=32,
-        ffn_hidden_size=96,
-        vocab_size=256,
-    )
+    base = {
+        "num_layers": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_query_groups": 2,
+        "kv_channels": 16,
+        "num_moe_experts": 8,
+        "moe_router_topk": 2,
+        "moe_ffn_hidden_size": 32,
+        "ffn_hidden_size": 96,
+        "vocab_size": 256,
+    }
     base.update(model)
     tree = {"model": base, "train": {"micro_batch_size": 4, "seed": 7, **(train or {})}, "optim": optim or {}}
     return ExperimentConfig.model_validate(tree)

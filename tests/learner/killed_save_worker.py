@@ -14,12 +14,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 torch.set_num_threads(1)
 
-from moe_rl.learner import sharded_state  # noqa: E402
-from moe_rl.learner.checkpoint import save_checkpoint  # noqa: E402
-from moe_rl.learner.dist import init_distributed  # noqa: E402
-from moe_rl.learner.train_step import Learner  # noqa: E402
-from tests.learner.conftest import make_cfg  # noqa: E402
-from tests.learner.test_train_step import fixed_batch  # noqa: E402
+from moe_rl.learner import sharded_state
+from moe_rl.learner.checkpoint import save_checkpoint
+from moe_rl.learner.dist import init_distributed
+from moe_rl.learner.train_step import Learner
+from tests.learner.conftest import make_cfg
+from tests.learner.test_train_step import fixed_batch
 
 
 def nll(logp, entropy, mb):

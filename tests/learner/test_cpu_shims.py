@@ -47,6 +47,7 @@ def probe_results():
         stderr=subprocess.DEVNULL,
         text=True,
         timeout=240,
+        check=False,
     )
     verdicts = dict(ln.split(" ", 1) for ln in proc.stdout.splitlines() if " PROBE-" in ln)
     return {name: verdicts.get(name, f"no verdict (rc={proc.returncode})") for name in names}

@@ -52,7 +52,7 @@ def test_fp8_fields_reach_transformer_config_kwargs_with_faked_gpu_capability(mo
     ``TransformerConfig.__post_init__`` needs TE for fp8, so the kwargs are checked
     against its dataclass fields instead of being instantiated."""
 
-    monkeypatch.setattr(model_mod, "fp8_runtime_missing", lambda: [])
+    monkeypatch.setattr(model_mod, "fp8_runtime_missing", list)
     cfg = make_cfg()
     cfg.precision.params_dtype = "bfloat16"
     cfg.precision.fp8 = {

@@ -14,24 +14,24 @@ from moe_rl.learner.train_step import Learner
 from tests.learner.conftest import make_cfg
 from tests.learner.test_hf_parity import check_parity
 
-GLM = dict(
-    hf_architecture="Glm4MoeForCausalLM",
-    num_layers=3,
-    first_k_dense_layers=1,
-    num_moe_experts=16,
-    moe_router_topk=4,
-    moe_router_score_function="sigmoid",
-    moe_router_enable_expert_bias=True,
-    moe_router_num_groups=4,
-    moe_router_group_topk=2,
-    moe_router_topk_scaling_factor=2.5,
-    moe_shared_expert_intermediate_size=32,
-    add_qkv_bias=True,
-    rotary_percent=0.5,
-    qk_layernorm=False,
-    moe_router_load_balancing_type="none",
-    init_method_std=0.1,
-)
+GLM = {
+    "hf_architecture": "Glm4MoeForCausalLM",
+    "num_layers": 3,
+    "first_k_dense_layers": 1,
+    "num_moe_experts": 16,
+    "moe_router_topk": 4,
+    "moe_router_score_function": "sigmoid",
+    "moe_router_enable_expert_bias": True,
+    "moe_router_num_groups": 4,
+    "moe_router_group_topk": 2,
+    "moe_router_topk_scaling_factor": 2.5,
+    "moe_shared_expert_intermediate_size": 32,
+    "add_qkv_bias": True,
+    "rotary_percent": 0.5,
+    "qk_layernorm": False,
+    "moe_router_load_balancing_type": "none",
+    "init_method_std": 0.1,
+}
 
 
 @pytest.mark.parametrize("qk_layernorm", [False, True])

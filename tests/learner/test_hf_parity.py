@@ -13,10 +13,14 @@ from moe_rl.learner.train_step import Learner
 from tests.learner.conftest import make_cfg
 
 VARIANTS = {
-    "normalised_topk": dict(),
-    "pre_softmax_16x4_dense_first": dict(
-        num_layers=3, num_moe_experts=16, moe_router_topk=4, moe_router_pre_softmax=True, first_k_dense_layers=1
-    ),
+    "normalised_topk": {},
+    "pre_softmax_16x4_dense_first": {
+        "num_layers": 3,
+        "num_moe_experts": 16,
+        "moe_router_topk": 4,
+        "moe_router_pre_softmax": True,
+        "first_k_dense_layers": 1,
+    },
 }
 
 

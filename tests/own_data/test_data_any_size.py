@@ -141,7 +141,7 @@ def test_a_rows_own_system_turn_wins_over_the_system_prompt(tmp_path, tok):
     path.write_text(json.dumps({"q": own, "a": "4"}) + "\n" + json.dumps({"q": "3+3?", "a": "6"}) + "\n")
     cfg = cfg_for(tmp_path, [path], "data.system_prompt=Be brief.")
     items, _ = load_prompt_items(cfg.data.train_files, tok, cfg, log=None)
-    template = lambda m: tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)  # noqa: E731
+    template = lambda m: tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert items[0].ids == template(own)
     assert items[1].ids == template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "3+3?"}])
 

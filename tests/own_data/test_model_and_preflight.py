@@ -13,31 +13,31 @@ from moe_rl.learner.hf_init import hf_config_from_model_config
 from moe_rl.preflight import config_problems
 from tests.own_data.tiny_hf import write_tiny_hf_dir
 
-GLM = dict(
-    hf_architecture="Glm4MoeForCausalLM",
-    moe_router_score_function="sigmoid",
-    moe_router_enable_expert_bias=True,
-    moe_shared_expert_intermediate_size=64,
-    moe_ffn_hidden_size=32,
-    rotary_percent=0.5,
-    add_qkv_bias=True,
-    first_k_dense_layers=1,
-    num_layers=3,
-    moe_router_num_groups=2,
-    moe_router_group_topk=1,
-    moe_router_topk_scaling_factor=2.5,
-)
-QWEN = dict(
-    moe_layer_freq=[1, 0, 1],
-    num_layers=3,
-    moe_router_pre_softmax=True,
-    vocab_size=1000,
-    seq_length=4096,
-    rotary_base=10000.0,
-    layernorm_epsilon=1e-5,
-    num_query_groups=1,
-    kv_channels=8,
-)
+GLM = {
+    "hf_architecture": "Glm4MoeForCausalLM",
+    "moe_router_score_function": "sigmoid",
+    "moe_router_enable_expert_bias": True,
+    "moe_shared_expert_intermediate_size": 64,
+    "moe_ffn_hidden_size": 32,
+    "rotary_percent": 0.5,
+    "add_qkv_bias": True,
+    "first_k_dense_layers": 1,
+    "num_layers": 3,
+    "moe_router_num_groups": 2,
+    "moe_router_group_topk": 1,
+    "moe_router_topk_scaling_factor": 2.5,
+}
+QWEN = {
+    "moe_layer_freq": [1, 0, 1],
+    "num_layers": 3,
+    "moe_router_pre_softmax": True,
+    "vocab_size": 1000,
+    "seq_length": 4096,
+    "rotary_base": 10000.0,
+    "layernorm_epsilon": 1e-5,
+    "num_query_groups": 1,
+    "kv_channels": 8,
+}
 
 
 @pytest.mark.parametrize("keys", [QWEN, GLM], ids=["qwen3_moe", "glm4_moe"])
@@ -87,15 +87,19 @@ def test_a_config_with_only_hf_path_reads_the_architecture(hf_dir, train_file, t
 
 def test_a_model_key_contradicting_config_json_names_both_values(hf_dir, train_file):
     assert problems(*own(hf_dir, train_file), "model.num_layers=4", "model.vocab_size=384") == [
-        f"model.num_layers=4 contradicts {hf_dir}/config.json, which gives 2; drop model.num_layers (it is read from "
-        "config.json) or set it to 2"
+        (
+            f"model.num_layers=4 contradicts {hf_dir}/config.json, which gives 2; drop model.num_layers (it is read from "
+            "config.json) or set it to 2"
+        )
     ]
 
 
 def test_a_missing_hf_path(tmp_path, train_file):
     assert problems(*own(tmp_path / "nope", train_file)) == [
-        f"model.hf_path='{tmp_path / 'nope'}' does not exist or is not a directory; expected a Hugging Face model "
-        "directory (config.json, weights, tokenizer)"
+        (
+            f"model.hf_path='{tmp_path / 'nope'}' does not exist or is not a directory; expected a Hugging Face model "
+            "directory (config.json, weights, tokenizer)"
+        )
     ]
 
 
@@ -111,16 +115,20 @@ def test_a_missing_train_file_and_a_missing_key_in_the_first_row(hf_dir, train_f
 def test_a_chat_template_asked_of_a_tokenizer_without_one(tmp_path, train_file):
     bare = write_tiny_hf_dir(tmp_path / "bare", chat_template=None)
     assert problems(*own(bare, train_file)) == [
-        f"data.apply_chat_template=true but the tokenizer of model.hf_path='{bare}' has no chat template; set "
-        "data.apply_chat_template=false or add one (chat_template.jinja, or 'chat_template' in tokenizer_config.json)"
+        (
+            f"data.apply_chat_template=true but the tokenizer of model.hf_path='{bare}' has no chat template; set "
+            "data.apply_chat_template=false or add one (chat_template.jinja, or 'chat_template' in tokenizer_config.json)"
+        )
     ]
     assert problems(*own(bare, train_file), "data.apply_chat_template=false") == []
 
 
 def test_reward_and_data_settings_that_cannot_work(hf_dir, train_file):
     assert problems(*own(hf_dir, train_file), "reward.type=task") == [
-        "reward.type='task' scores the built-in digit tasks (train.task); with data.train_files expected 'math', "
-        "'exact_match' or 'custom'"
+        (
+            "reward.type='task' scores the built-in digit tasks (train.task); with data.train_files expected 'math', "
+            "'exact_match' or 'custom'"
+        )
     ]
     assert problems(*own(hf_dir, train_file), "reward.type=custom") == [
         "reward.type='custom' needs reward.function ('pkg.module:fn' or 'path/to/file.py:fn')"
@@ -128,6 +136,8 @@ def test_reward_and_data_settings_that_cannot_work(hf_dir, train_file):
     assert problems(
         f"data.train_files=[{train_file}]", "data.prompt_key=question", "data.label_key=answer", "reward.type=math"
     ) == [
-        "data.train_files needs model.hf_path: dataset prompts are tokenised with the model's own tokenizer (the "
-        "built-in task tokenizer only knows digits)"
+        (
+            "data.train_files needs model.hf_path: dataset prompts are tokenised with the model's own tokenizer (the "
+            "built-in task tokenizer only knows digits)"
+        )
     ]

@@ -52,7 +52,7 @@ def pristine_wheel() -> Path:
 def _patched_paths() -> list[str]:
     paths = []
     for patch in apply.patches_for(VERSION):
-        paths += [m[len("b/") :] for m in re.findall(r"^\+\+\+ (\S+)", patch.read_text(), flags=re.M)]
+        paths += [m[len("b/") :] for m in re.findall(r"^\+\+\+ (\S+)", patch.read_text(), flags=re.MULTILINE)]
     return sorted(set(paths))
 
 
@@ -157,7 +157,9 @@ def test_cpu_murmur_hash_fallback_equals_reference_murmur3():
 
 def _stub_run(code: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO / "patches" / "stubs")}
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
 
 
 def test_stand_ins_import_and_fail_loudly_when_called():

@@ -46,13 +46,17 @@ def test_every_shipped_config_passes_the_config_rules(path, request):
     [
         (
             ["rollout.max_new_tokens=60"],
-            "rollout.max_new_tokens=60 plus the 7-token prompt of train.task='copy' exceeds model.seq_length=64; "
-            "expected rollout.max_new_tokens <= 57 or model.seq_length >= 67",
+            (
+                "rollout.max_new_tokens=60 plus the 7-token prompt of train.task='copy' exceeds model.seq_length=64; "
+                "expected rollout.max_new_tokens <= 57 or model.seq_length >= 67"
+            ),
         ),
         (
             ["model.seq_length=4"],
-            "rollout.max_new_tokens=4 plus the 7-token prompt of train.task='copy' exceeds model.seq_length=4; "
-            "expected model.seq_length >= 11",
+            (
+                "rollout.max_new_tokens=4 plus the 7-token prompt of train.task='copy' exceeds model.seq_length=4; "
+                "expected model.seq_length >= 11"
+            ),
         ),
         (["rollout.top_k=0"], "rollout.top_k=0 samples from no token; expected -1 (no top-k) or >= 1"),
         (["optim.lr=.inf"], "optim.lr=inf is not a finite number; expected a finite value"),
@@ -76,36 +80,48 @@ def test_every_shipped_config_passes_the_config_rules(path, request):
         (["train.reward_fn=json"], "train.reward_fn='json' must look like 'package.module:function'"),
         (
             ["rollout.top_k=50", "rollout.sampling_mask_max_tokens=32"],
-            "rollout.top_k=50 exceeds rollout.sampling_mask_max_tokens=32 (the largest kept set SGLang returns for "
-            "replay.keep_sampling_mask); lower top_k or raise the cap",
+            (
+                "rollout.top_k=50 exceeds rollout.sampling_mask_max_tokens=32 (the largest kept set SGLang returns for "
+                "replay.keep_sampling_mask); lower top_k or raise the cap"
+            ),
         ),
         (
             ["model.mtp_num_layers=1"],
-            "model.mtp_num_layers=1: multi-token prediction layers are neither built by the learner nor exported to "
-            "SGLang; expected 0",
+            (
+                "model.mtp_num_layers=1: multi-token prediction layers are neither built by the learner nor exported to "
+                "SGLang; expected 0"
+            ),
         ),
         (
             ["parallel.tp=2", "loss.entropy_coef=0.01"],
-            "replay.keep_sampling_mask=true with parallel.tp=2 and loss.entropy_coef=0.01: the kept-set entropy is not "
-            "computed on vocab-sharded logits yet (the kept-set log-prob is); expected loss.entropy_coef=0 or "
-            "parallel.tp=1",
+            (
+                "replay.keep_sampling_mask=true with parallel.tp=2 and loss.entropy_coef=0.01: the kept-set entropy is not "
+                "computed on vocab-sharded logits yet (the kept-set log-prob is); expected loss.entropy_coef=0 or "
+                "parallel.tp=1"
+            ),
         ),
         (
             ["parallel.pp=2", "model.first_k_dense_layers=1"],
-            "parallel.pp=2: pipeline stage(s) [0] would hold only dense layers (model.first_k_dense_layers=1, "
-            "model.moe_layer_freq=1, 1 decoder layer(s) per stage); expected every stage to hold a MoE layer: lower "
-            "parallel.pp",
+            (
+                "parallel.pp=2: pipeline stage(s) [0] would hold only dense layers (model.first_k_dense_layers=1, "
+                "model.moe_layer_freq=1, 1 decoder layer(s) per stage); expected every stage to hold a MoE layer: lower "
+                "parallel.pp"
+            ),
         ),
         (
             ["parallel.pp=2", "model.moe_token_dispatcher_type=allgather"],
-            "model.moe_token_dispatcher_type='allgather' with parallel.pp=2: Megatron-Core refuses the allgather "
-            "dispatcher with variable_seq_lengths, which pipeline stages need for ragged microbatches; "
-            "expected 'alltoall'",
+            (
+                "model.moe_token_dispatcher_type='allgather' with parallel.pp=2: Megatron-Core refuses the allgather "
+                "dispatcher with variable_seq_lengths, which pipeline stages need for ragged microbatches; "
+                "expected 'alltoall'"
+            ),
         ),
         (
             ["train.rollout_mode=async", "train.rollouts_from=/tmp/records"],
-            "train.rollout_mode=async overlaps generation with training; train.rollouts_from trains on saved records "
-            "without servers (set train.rollout_mode=sync)",
+            (
+                "train.rollout_mode=async overlaps generation with training; train.rollouts_from trains on saved records "
+                "without servers (set train.rollout_mode=sync)"
+            ),
         ),
         (
             ["parallel.cp=2"],
@@ -113,28 +129,38 @@ def test_every_shipped_config_passes_the_config_rules(path, request):
         ),
         (
             ["optim.optimizer_cpu_offload=true"],
-            "optim.optimizer_cpu_offload=true needs optim.use_distributed_optimizer=true (Megatron-Core keeps offloaded "
-            "and lower-precision optimizer state only in its distributed optimizer)",
+            (
+                "optim.optimizer_cpu_offload=true needs optim.use_distributed_optimizer=true (Megatron-Core keeps offloaded "
+                "and lower-precision optimizer state only in its distributed optimizer)"
+            ),
         ),
         (
             ["optim.use_precision_aware_optimizer=true"],
-            "optim.use_precision_aware_optimizer=true needs optim.use_distributed_optimizer=true (Megatron-Core keeps "
-            "offloaded and lower-precision optimizer state only in its distributed optimizer)",
+            (
+                "optim.use_precision_aware_optimizer=true needs optim.use_distributed_optimizer=true (Megatron-Core keeps "
+                "offloaded and lower-precision optimizer state only in its distributed optimizer)"
+            ),
         ),
         (
             ["optim.optimizer_offload_fraction=0.5", "optim.use_distributed_optimizer=true"],
-            "optim.optimizer_offload_fraction=0.5 has no effect without optim.optimizer_cpu_offload=true; expected 1.0 "
-            "or offload on",
+            (
+                "optim.optimizer_offload_fraction=0.5 has no effect without optim.optimizer_cpu_offload=true; expected 1.0 "
+                "or offload on"
+            ),
         ),
         (
             ["model.moe_router_score_function=sigmoid"],
-            "model.moe_router_score_function='sigmoid' (Qwen3-MoE routes with softmax): the HF <-> Megatron bridge "
-            "(weight sync to SGLang) cannot express it",
+            (
+                "model.moe_router_score_function='sigmoid' (Qwen3-MoE routes with softmax): the HF <-> Megatron bridge "
+                "(weight sync to SGLang) cannot express it"
+            ),
         ),
         (
             ["model.moe_router_num_groups=2", "model.moe_router_group_topk=1"],
-            "model.moe_router_num_groups=2 (Qwen3-MoE has no group-limited top-k): the HF <-> Megatron bridge "
-            "(weight sync to SGLang) cannot express it",
+            (
+                "model.moe_router_num_groups=2 (Qwen3-MoE has no group-limited top-k): the HF <-> Megatron bridge "
+                "(weight sync to SGLang) cannot express it"
+            ),
         ),
     ],
 )
@@ -172,17 +198,21 @@ def test_process_count_rule():
     cfg = load_config(overrides=["parallel.ep=2"])
     assert environment_problems(cfg, {"WORLD_SIZE": "2"}).problems == []
     assert environment_problems(cfg, {"WORLD_SIZE": "1"}).problems == [
-        "parallel.tp=1 pp=1 cp=1 ep=2 etp=1 need a process count divisible by tp*pp*cp=1 and etp*ep*pp=2; "
-        "this run has WORLD_SIZE=1 (start it with torchrun --nproc-per-node 2, or lower the sizes)"
+        (
+            "parallel.tp=1 pp=1 cp=1 ep=2 etp=1 need a process count divisible by tp*pp*cp=1 and etp*ep*pp=2; "
+            "this run has WORLD_SIZE=1 (start it with torchrun --nproc-per-node 2, or lower the sizes)"
+        )
     ]
 
 
 def test_data_parallel_ranks_must_share_each_minibatch():
     cfg = load_config(overrides=["train.prompts_per_step=3", "rollout.samples_per_prompt=1"])
     assert environment_problems(cfg, {"WORLD_SIZE": "2"}).problems == [
-        "each minibatch has 3 samples (train.prompts_per_step x rollout.samples_per_prompt / "
-        "train.minibatches_per_step), which the 2 data-parallel ranks of WORLD_SIZE=2 cannot share equally; "
-        "make it a multiple of 2"
+        (
+            "each minibatch has 3 samples (train.prompts_per_step x rollout.samples_per_prompt / "
+            "train.minibatches_per_step), which the 2 data-parallel ranks of WORLD_SIZE=2 cannot share equally; "
+            "make it a multiple of 2"
+        )
     ]
 
 
@@ -300,6 +330,8 @@ def test_glm4_moe_format_rules():
         ]
     )
     assert config_problems(cfg).problems == [
-        "model.moe_shared_expert_intermediate_size=48 must be a multiple of model.moe_ffn_hidden_size=32 (GLM-4.5 has "
-        "n_shared_experts >= 1 of that width): the HF <-> Megatron bridge (weight sync to SGLang) cannot express it"
+        (
+            "model.moe_shared_expert_intermediate_size=48 must be a multiple of model.moe_ffn_hidden_size=32 (GLM-4.5 has "
+            "n_shared_experts >= 1 of that width): the HF <-> Megatron bridge (weight sync to SGLang) cannot express it"
+        )
     ]

@@ -86,8 +86,10 @@ def test_every_model_field_is_classified():
         ),
         (
             {"tokenizer": {"<pad>": 0, "a": 1}},
-            r"tokenizer.vocab: \"[0-9a-f]{16} \(64 tokens\)\" in the records, "
-            r"\"[0-9a-f]{16} \(2 tokens\)\" here",
+            (
+                r"tokenizer.vocab: \"[0-9a-f]{16} \(64 tokens\)\" in the records, "
+                r"\"[0-9a-f]{16} \(2 tokens\)\" here"
+            ),
         ),
     ],
     ids=["experts", "top_k", "layers", "vocab", "fingerprint_hidden_size", "fingerprint_two_fields", "tokenizer"],

@@ -19,20 +19,20 @@ from tests.conftest import session_device
 def make_cfg(**model_overrides):
     """ExperimentConfig of a tiny MoE model (3 layers, 8 experts, top-2) with overrides on ``model``."""
 
-    model = dict(
-        num_layers=3,
-        hidden_size=32,
-        ffn_hidden_size=64,
-        num_attention_heads=4,
-        num_query_groups=2,
-        kv_channels=8,
-        vocab_size=128,
-        seq_length=64,
-        num_moe_experts=8,
-        moe_router_topk=2,
-        moe_ffn_hidden_size=16,
-        moe_token_dispatcher_type="allgather",
-    )
+    model = {
+        "num_layers": 3,
+        "hidden_size": 32,
+        "ffn_hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_query_groups": 2,
+        "kv_channels": 8,
+        "vocab_size": 128,
+        "seq_length": 64,
+        "num_moe_experts": 8,
+        "moe_router_topk": 2,
+        "moe_ffn_hidden_size": 16,
+        "moe_token_dispatcher_type": "allgather",
+    }
     train = model_overrides.pop("train", {})
     model.update(model_overrides)
     return ExperimentConfig(model=model, train=train)

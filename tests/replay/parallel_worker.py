@@ -16,34 +16,34 @@ import dataclasses
 
 from megatron.core.models.gpt import GPTModel
 
-from moe_rl.config import ExperimentConfig  # noqa: E402
+from moe_rl.config import ExperimentConfig
 from moe_rl.learner.cpu_shims import seed_model_parallel_rng
-from moe_rl.learner.dist import destroy_distributed, init_distributed  # noqa: E402
-from moe_rl.learner.model import _layer_spec, build_model, forward_logits, transformer_config_from  # noqa: E402
-from moe_rl.replay.binding import RoutingReplay  # noqa: E402
-from tests.conftest import rank_device  # noqa: E402
-from tests.replay.routing_probe import RoutingMapProbe, expected_map, random_routes  # noqa: E402
+from moe_rl.learner.dist import destroy_distributed, init_distributed
+from moe_rl.learner.model import _layer_spec, build_model, forward_logits, transformer_config_from
+from moe_rl.replay.binding import RoutingReplay
+from tests.conftest import rank_device
+from tests.replay.routing_probe import RoutingMapProbe, expected_map, random_routes
 
 E, K, L = 8, 2, 2
 
 
 def check(dispatcher: str, rank: int) -> None:
     cfg = ExperimentConfig(
-        model=dict(
-            num_layers=L,
-            hidden_size=32,
-            ffn_hidden_size=64,
-            num_attention_heads=4,
-            num_query_groups=2,
-            kv_channels=8,
-            vocab_size=128,
-            seq_length=32,
-            num_moe_experts=E,
-            moe_router_topk=K,
-            moe_ffn_hidden_size=16,
-            moe_token_dispatcher_type=dispatcher,
-        ),
-        parallel=dict(ep=2),
+        model={
+            "num_layers": L,
+            "hidden_size": 32,
+            "ffn_hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_query_groups": 2,
+            "kv_channels": 8,
+            "vocab_size": 128,
+            "seq_length": 32,
+            "num_moe_experts": E,
+            "moe_router_topk": K,
+            "moe_ffn_hidden_size": 16,
+            "moe_token_dispatcher_type": dispatcher,
+        },
+        parallel={"ep": 2},
     )
     model = build_model(cfg, seed=0)
     replay = RoutingReplay(model)
@@ -89,22 +89,22 @@ def check_pp(rank: int) -> None:
     # 4 decoder layers, layer 2 dense: MoE layers (global ids 0, 1, 2) are decoder layers 1, 3, 4;
     # stage 0 holds decoder layers 1-2 (MoE id 0), stage 1 holds 3-4 (MoE ids 1, 2).
     cfg = ExperimentConfig(
-        model=dict(
-            num_layers=4,
-            hidden_size=32,
-            ffn_hidden_size=64,
-            num_attention_heads=4,
-            num_query_groups=2,
-            kv_channels=8,
-            vocab_size=128,
-            seq_length=32,
-            num_moe_experts=E,
-            moe_router_topk=K,
-            moe_ffn_hidden_size=16,
-            moe_token_dispatcher_type="allgather",
-            moe_layer_freq=[1, 0, 1, 1],
-        ),
-        parallel=dict(pp=2),
+        model={
+            "num_layers": 4,
+            "hidden_size": 32,
+            "ffn_hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_query_groups": 2,
+            "kv_channels": 8,
+            "vocab_size": 128,
+            "seq_length": 32,
+            "num_moe_experts": E,
+            "moe_router_topk": K,
+            "moe_ffn_hidden_size": 16,
+            "moe_token_dispatcher_type": "allgather",
+            "moe_layer_freq": [1, 0, 1, 1],
+        },
+        parallel={"pp": 2},
     )
     init_distributed(cfg.parallel)
     model = build_pp_stage(cfg)
@@ -124,7 +124,7 @@ def check_pp(rank: int) -> None:
 
 
 def main() -> None:
-    env = init_distributed(ExperimentConfig(parallel=dict(ep=2)).parallel)
+    env = init_distributed(ExperimentConfig(parallel={"ep": 2}).parallel)
     for dispatcher in ("allgather", "alltoall"):  # two models in one process, each bound on its own
         check(dispatcher, env.rank)
     check_pp(env.rank)

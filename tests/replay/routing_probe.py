@@ -35,7 +35,7 @@ class RoutingMapProbe:
 
 def expected_map(routes_bslk: torch.Tensor, layer: int, num_experts: int) -> torch.Tensor:
     """``routing_map[S*B, E]`` that routes ``[B, S, L, K]`` should produce for one layer (row s*B + b)."""
-    B, S, _, K = routes_bslk.shape
+    B, S, _, _K = routes_bslk.shape
     out = torch.zeros(S * B, num_experts, dtype=torch.bool, device=routes_bslk.device)
     for b in range(B):
         for s in range(S):

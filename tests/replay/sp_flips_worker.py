@@ -19,14 +19,14 @@ if __name__ == "__main__":  # as torchrun's worker only: the test imports inputs
     # at import would hide it from the whole pytest session (make gpu-check saw 0 GPUs in every later test)
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the comparison is host-side: gloo ranks on any machine
 
-import torch  # noqa: E402
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from moe_rl.learner.dist import init_distributed  # noqa: E402
-from moe_rl.replay.driver import DispatchShard, add_flip_counts  # noqa: E402
-from moe_rl.replay.layout import from_megatron_layout, sequence_parallel_shard, to_megatron_layout  # noqa: E402
-from moe_rl.replay.metrics import routes_vs_map_flips  # noqa: E402
+from moe_rl.learner.dist import init_distributed
+from moe_rl.replay.driver import DispatchShard, add_flip_counts
+from moe_rl.replay.layout import from_megatron_layout, sequence_parallel_shard, to_megatron_layout
+from moe_rl.replay.metrics import routes_vs_map_flips
 
 B, S, L, K, E = 3, 8, 3, 2, 8
 

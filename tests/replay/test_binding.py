@@ -58,9 +58,8 @@ def test_replay_overrides_natural_routing(build, variant):
     model = build(**ROUTER_VARIANTS[variant])
     replay = RoutingReplay(model)
     ids = _ids(2, 10, 0)
-    with replay.record() as rec:
-        with torch.no_grad():
-            forward(model, ids)
+    with replay.record() as rec, torch.no_grad():
+        forward(model, ids)
     natural = rec.recorded(0)
     forced = random_routes(2, 10, 3, K, E, seed=1)
     probe = RoutingMapProbe(model)
@@ -109,8 +108,8 @@ def test_r3_replay_survives_full_recompute(build):
 @pytest.mark.parametrize(
     "recompute, recomputed_layers",
     [
-        (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1), [0]),
-        (dict(recompute_granularity="selective", recompute_modules=["moe"]), [0, 1, 2]),
+        ({"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1}, [0]),
+        ({"recompute_granularity": "selective", "recompute_modules": ["moe"]}, [0, 1, 2]),
     ],
     ids=["full_block_first_layer", "selective_moe"],
 )
@@ -133,9 +132,8 @@ def test_recompute_without_backward_in_context_raises(build):
     model = build(train={"recompute": "full"})
     model.train()
     replay = RoutingReplay(model)
-    with pytest.raises(ReplayError, match="recompute route set"):
-        with replay.replay([random_routes(1, 4, 3, K, E, seed=0)]):
-            forward(model, _ids(1, 4, 0))
+    with pytest.raises(ReplayError, match="recompute route set"), replay.replay([random_routes(1, 4, 3, K, E, seed=0)]):
+        forward(model, _ids(1, 4, 0))
 
 
 def test_router_weights_receive_gradients_under_replay(build):
@@ -167,9 +165,12 @@ def test_two_models_in_one_process_keep_their_own_routes(build):
 def test_unconsumed_route_raises(build):
     model = build()
     replay = RoutingReplay(model)
-    with pytest.raises(ReplayError, match="2 microbatch route set\\(s\\) given but 1 consumed"):
-        with replay.replay([random_routes(1, 4, 3, K, E, seed=s) for s in range(2)]), torch.no_grad():
-            forward(model, _ids(1, 4, 0))
+    with (
+        pytest.raises(ReplayError, match="2 microbatch route set\\(s\\) given but 1 consumed"),
+        replay.replay([random_routes(1, 4, 3, K, E, seed=s) for s in range(2)]),
+        torch.no_grad(),
+    ):
+        forward(model, _ids(1, 4, 0))
     # state does not leak into the next context
     with replay.replay([random_routes(1, 4, 3, K, E, seed=5)]), torch.no_grad():
         forward(model, _ids(1, 4, 0))
@@ -178,25 +179,33 @@ def test_unconsumed_route_raises(build):
 def test_forward_beyond_given_routes_raises(build):
     model = build()
     replay = RoutingReplay(model)
-    with pytest.raises(ReplayError, match="forward #2 needs routes but only 1"):
-        with replay.replay([random_routes(1, 4, 3, K, E, seed=0)]), torch.no_grad():
-            forward(model, _ids(1, 4, 0))
-            forward(model, _ids(1, 4, 1))
+    with (
+        pytest.raises(ReplayError, match="forward #2 needs routes but only 1"),
+        replay.replay([random_routes(1, 4, 3, K, E, seed=0)]),
+        torch.no_grad(),
+    ):
+        forward(model, _ids(1, 4, 0))
+        forward(model, _ids(1, 4, 1))
 
 
 def test_routes_for_other_sequence_length_raise_with_shapes(build):
     model = build()
     replay = RoutingReplay(model)
-    with pytest.raises(ReplayError, match=r"routes have shape \(10, 2\), the router sees \[S\*B=8"):
-        with replay.replay([random_routes(2, 5, 3, K, E, seed=0)]), torch.no_grad():
-            forward(model, _ids(2, 4, 0))
+    with (
+        pytest.raises(ReplayError, match=r"routes have shape \(10, 2\), the router sees \[S\*B=8"),
+        replay.replay([random_routes(2, 5, 3, K, E, seed=0)]),
+        torch.no_grad(),
+    ):
+        forward(model, _ids(2, 4, 0))
 
 
 def test_routes_with_wrong_layer_count_raise(build):
     replay = RoutingReplay(build())
-    with pytest.raises(ValueError, match=r"L_moe=3, K=2\]; got shape \(1, 4, 2, 2\)"):
-        with replay.replay([random_routes(1, 4, 2, K, E, seed=0)]):
-            pass
+    with (
+        pytest.raises(ValueError, match=r"L_moe=3, K=2\]; got shape \(1, 4, 2, 2\)"),
+        replay.replay([random_routes(1, 4, 2, K, E, seed=0)]),
+    ):
+        pass
 
 
 @pytest.mark.parametrize(
@@ -244,9 +253,8 @@ def test_binding_a_bound_model_twice_raises_until_closed(build):
     with pytest.raises(RuntimeError, match="already bound"):
         RoutingReplay(model)
     first.close()
-    with pytest.raises(RuntimeError, match="closed"):
-        with first.record():
-            pass
+    with pytest.raises(RuntimeError, match="closed"), first.record():
+        pass
     second = RoutingReplay(model)
     routes = random_routes(1, 4, 3, K, E, seed=0)
     probe = RoutingMapProbe(model)
@@ -257,6 +265,8 @@ def test_binding_a_bound_model_twice_raises_until_closed(build):
 
 def test_float_routes_are_refused(build):
     replay = RoutingReplay(build())
-    with pytest.raises(ValueError, match="must hold integer expert ids; got dtype torch.float32"):
-        with replay.replay([random_routes(1, 4, 3, K, E, seed=0).float()]):
-            pass
+    with (
+        pytest.raises(ValueError, match="must hold integer expert ids; got dtype torch.float32"),
+        replay.replay([random_routes(1, 4, 3, K, E, seed=0).float()]),
+    ):
+        pass

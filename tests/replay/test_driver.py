@@ -138,6 +138,8 @@ def test_r2_in_bypass_mode_and_r3_without_routes_raise(build):
     with pytest.raises(ValueError, match="correction.mode='decoupled'"):
         ReplayDriver(model, "r2", "bypass")
     driver = ReplayDriver(model, "r3")
-    with pytest.raises(ValueError, match="--enable-return-routed-experts"):
-        with driver.old_logprob_pass([MicrobatchRoutes(sample_ids=[0], valid=torch.ones(1, 4, dtype=torch.bool))]):
-            pass
+    with (
+        pytest.raises(ValueError, match="--enable-return-routed-experts"),
+        driver.old_logprob_pass([MicrobatchRoutes(sample_ids=[0], valid=torch.ones(1, 4, dtype=torch.bool))]),
+    ):
+        pass

@@ -125,19 +125,19 @@ def test_gradient_is_zero_outside_the_kept_set_and_matches_autograd_of_brute_for
     "kwargs, needle",
     [
         (
-            dict(logits=torch.zeros(2, 4), targets=torch.tensor([0, 4]), kept=None),
+            {"logits": torch.zeros(2, 4), "targets": torch.tensor([0, 4]), "kept": None},
             "targets must be token ids in [0, 4)",
         ),
-        (dict(logits=torch.zeros(2, 4), targets=torch.tensor([0]), kept=None), "targets must be [N]=2"),
+        ({"logits": torch.zeros(2, 4), "targets": torch.tensor([0]), "kept": None}, "targets must be [N]=2"),
         (
-            dict(logits=torch.zeros(2, 4), targets=torch.tensor([0, 1]), kept=KeptSets.from_lists([[0]])),
+            {"logits": torch.zeros(2, 4), "targets": torch.tensor([0, 1]), "kept": KeptSets.from_lists([[0]])},
             "kept.offsets must be [N+1]=3",
         ),
         (
-            dict(logits=torch.zeros(2, 4), targets=torch.tensor([0, 1]), kept=KeptSets.from_lists([[0], [9]])),
+            {"logits": torch.zeros(2, 4), "targets": torch.tensor([0, 1]), "kept": KeptSets.from_lists([[0], [9]])},
             "kept.ids must be token ids in [0, 4)",
         ),
-        (dict(logits=torch.zeros(4), targets=torch.tensor([0]), kept=None), "logits must be [N, V]"),
+        ({"logits": torch.zeros(4), "targets": torch.tensor([0]), "kept": None}, "logits must be [N, V]"),
     ],
 )
 def test_bad_input_names_the_field(kwargs, needle):

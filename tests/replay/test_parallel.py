@@ -22,7 +22,7 @@ def torchrun_output():
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [str(torchrun), "--nproc_per_node=2", f"--master_port={free_port()}", str(WORKER)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, check=False)
     return proc.returncode, proc.stdout, proc.stderr
 
 

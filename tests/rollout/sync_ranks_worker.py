@@ -28,18 +28,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from safetensors.torch import save_file
 
-from moe_rl.config import ExperimentConfig  # noqa: E402
-from moe_rl.learner.dist import destroy_distributed, init_distributed  # noqa: E402
-from moe_rl.learner.hf_export import export_hf_checkpoint  # noqa: E402
-from moe_rl.learner.hf_stream import HFStream  # noqa: E402
-from moe_rl.learner.train_step import Learner  # noqa: E402
-from moe_rl.records import RouteSpec  # noqa: E402
-from moe_rl.rollout.client import RolloutClient, SamplingSettings  # noqa: E402
-from moe_rl.sync.checks import reference_from_hf_dir  # noqa: E402
-from moe_rl.sync.transport import WeightSyncError, server_weight_version, update_weights_from_disk  # noqa: E402
-from moe_rl.sync.weight_sync import WeightSync  # noqa: E402
+from moe_rl.config import ExperimentConfig
+from moe_rl.learner.dist import destroy_distributed, init_distributed
+from moe_rl.learner.hf_export import export_hf_checkpoint
+from moe_rl.learner.hf_stream import HFStream
+from moe_rl.learner.train_step import Learner
+from moe_rl.records import RouteSpec
+from moe_rl.rollout.client import RolloutClient, SamplingSettings
+from moe_rl.sync.checks import reference_from_hf_dir
+from moe_rl.sync.transport import WeightSyncError, server_weight_version, update_weights_from_disk
+from moe_rl.sync.weight_sync import WeightSync
 
-MODEL = dict(num_layers=4, first_k_dense_layers=1, vocab_size=512)  # pp=2: a MoE layer on each stage
+MODEL = {"num_layers": 4, "first_k_dense_layers": 1, "vocab_size": 512}  # pp=2: a MoE layer on each stage
 BUCKET = 64 << 10  # small: many buckets, experts of both ep ranks in one bucket
 SAMPLING = SamplingSettings(temperature=0.8, top_p=0.9, top_k=16, max_new_tokens=8)
 PROMPTS = [[5, 17, 99, 250, 7, 31], [400, 12, 3, 88, 91, 64, 23, 9]]

@@ -67,7 +67,7 @@ def _spanning_sample(url, route_spec, model_dir, model_dir_v2, rollout_model_cfg
         client = _NoEosClient([url], route_spec, VOCAB, SamplingSettings(1.0, 1.0, TOP_K, BUDGET), pause_mode=mode)
         out, done = [], threading.Event()
 
-        def generate():
+        def generate(out=out, client=client, attempt=attempt, done=done):
             try:
                 out.extend(client.generate([PROMPT], n=1, step=attempt))
             finally:
@@ -245,9 +245,11 @@ def test_pause_and_continue_carry_the_admin_key_and_always_continue(keyed_server
 
     server, keys = keyed_server
     url = server.url
-    with pytest.raises(PartialRolloutError, match=f"{url}/pause_generation refused, HTTP 401"):
-        with paused_generation([url], "retract"):  # no key
-            pass
+    with (
+        pytest.raises(PartialRolloutError, match=f"{url}/pause_generation refused, HTTP 401"),
+        paused_generation([url], "retract"),
+    ):  # no key
+        pass
     body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}}
     replies = []
     with paused_generation([url], "retract", keys):
@@ -257,7 +259,6 @@ def test_pause_and_continue_carry_the_admin_key_and_always_continue(keyed_server
         assert not replies, "a request sent while paused must wait for /continue_generation"
     waiting.join(timeout=120)
     assert replies and replies[0].status_code == 200
-    with pytest.raises(RuntimeError, match="push failed"):
-        with paused_generation([url], "abort", keys):
-            raise RuntimeError("push failed")
+    with pytest.raises(RuntimeError, match="push failed"), paused_generation([url], "abort", keys):
+        raise RuntimeError("push failed")
     assert httpx.post(f"{url}/generate", json=body, timeout=60).status_code == 200, "left paused after a failure"

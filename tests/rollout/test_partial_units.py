@@ -35,9 +35,8 @@ def test_pause_mode_is_one_of_three_and_partial_is_off_by_default():
     expected = r"rollout.pause_mode='drain'; expected one of \('retract', 'abort', 'in_place'\)"
     with pytest.raises(ValueError, match=expected):
         check_pause_mode("drain")
-    with pytest.raises(ValueError, match="rollout.pause_mode"):
-        with paused_generation(["http://127.0.0.1:1"], "drain"):
-            pass
+    with pytest.raises(ValueError, match="rollout.pause_mode"), paused_generation(["http://127.0.0.1:1"], "drain"):
+        pass
 
 
 def test_partial_rollouts_need_the_async_producer_and_in_place_is_noted_as_approximate():

@@ -56,10 +56,10 @@ def test_a_killed_groups_semaphore_is_found_by_inode_and_removed():
 
 def test_importing_sglang_entry_leaves_tqdm_without_a_multiprocessing_lock():
     env = repo_env(ROOT)
-    run = lambda how: subprocess.run(  # noqa: E731
+    run = lambda how: subprocess.run(
         [sys.executable, "-c", TQDM_LOCKS, how],
         capture_output=True,
-        text=True,  # noqa: E731
+        text=True,
         env=env,
         timeout=120,
         check=True,

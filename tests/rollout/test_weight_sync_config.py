@@ -23,8 +23,10 @@ def test_distributed_resolves_gloo_for_cpu_servers_and_nccl_for_gpu_servers():
 def test_nccl_with_cpu_servers_is_refused_by_the_config_rules():
     cfg = load_config(overrides=["rollout.weight_sync=distributed", "rollout.weight_sync_backend=nccl"])
     assert config_problems(cfg).problems == [
-        "rollout.weight_sync_backend='nccl' with rollout.device='cpu': a CPU SGLang server receives weights over "
-        "gloo only; expected rollout.weight_sync_backend='gloo' (or 'auto')"
+        (
+            "rollout.weight_sync_backend='nccl' with rollout.device='cpu': a CPU SGLang server receives weights over "
+            "gloo only; expected rollout.weight_sync_backend='gloo' (or 'auto')"
+        )
     ]
 
 
@@ -66,8 +68,10 @@ def test_a_rendezvous_port_in_use_is_refused_by_the_environment_rules():
         cfg = load_config(overrides=["rollout.weight_sync=distributed", f"rollout.weight_sync_master_port={port}"])
         assert not port_is_free(port)
         assert environment_problems(cfg, {"WORLD_SIZE": "1"}).problems == [
-            f"rollout.weight_sync_master_port={port} is in use on this host; rank 0 listens there for the "
-            "weight-update group's rendezvous: expected a free port (or null: pick one)"
+            (
+                f"rollout.weight_sync_master_port={port} is in use on this host; rank 0 listens there for the "
+                "weight-update group's rendezvous: expected a free port (or null: pick one)"
+            )
         ]
         assert environment_problems(cfg, {"WORLD_SIZE": "2", "RANK": "1"}).problems == []  # rank 0 listens
     assert port_is_free(port)

@@ -29,7 +29,7 @@ def test_two_cell_grid_trains_both_cells_on_one_server_and_reports(tmp_path):
         "--out",
         str(tmp_path),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert len(list((tmp_path / "logs").glob("sglang_*.log"))) == 1  # one server for the whole grid
     rows = list(csv.DictReader((tmp_path / "summary.csv").open()))

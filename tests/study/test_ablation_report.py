@@ -67,7 +67,7 @@ def test_summary_csv_has_final_and_mean_per_cell_and_metric(tmp_path, three_cell
         else:
             assert float(row["final"]) == pytest.approx(final, rel=1e-12)
             assert float(row["mean"]) == pytest.approx(mean, rel=1e-12)
-    r3_reward = [r for r in rows if r["cell"] == "routing-r3" and r["metric"] == "reward/mean"][0]
+    r3_reward = next(r for r in rows if r["cell"] == "routing-r3" and r["metric"] == "reward/mean")
     assert r3_reward["steps"] == "3"  # 4 steps, one NaN
 
 
@@ -82,7 +82,7 @@ def test_report_md_tables_one_row_per_cell_and_links_existing_plots(tmp_path, th
     for row in rows:
         cell = row.split("|")[1].strip()
         assert row.split("|")[1 + reward_col].strip() == f"{_expected(effective[cell], 'reward/mean')[0]:.4g}"
-    links = re.findall(r"^!\[[^\]]*\]\(([^)]*)\)$", text, re.M)
+    links = re.findall(r"^!\[[^\]]*\]\(([^)]*)\)$", text, re.MULTILINE)
     assert len(links) == len(KEYS)
     assert all((report.parent / link).exists() for link in links)
 

@@ -93,7 +93,7 @@ def test_report_gives_mean_and_sample_std_over_seeds_and_bands(tmp_path):
     assert (single["final"], single["final_std"], single["seeds"]) == ("0.3", "", "1")
     text = report.read_text()
     assert "mean ± std over 3 seeds" in text
-    none_row = [line for line in text.split("## Final value")[1].splitlines() if line.startswith("| routing-none")][0]
+    none_row = next(line for line in text.split("## Final value")[1].splitlines() if line.startswith("| routing-none"))
     finals = [r[-1] for r in curves["routing-none"]]
     assert f"{statistics.fmean(finals):.4g} ± {statistics.stdev(finals):.2g}" in none_row
 

@@ -119,16 +119,16 @@ def test_fp8_rollout_weights_increase_the_gap(reports):
 
 
 def _numbers(**natural):
-    base = dict(
-        kl_k1=0.001,
-        kl_k3=0.001,
-        chi2_token=0.01,
-        chi2_seq=0.01,
-        ess=0.99,
-        ppl_ratio=1.0,
-        prob_pearson=0.999,
-        tokens_with_flip=0.0,
-    )
+    base = {
+        "kl_k1": 0.001,
+        "kl_k3": 0.001,
+        "chi2_token": 0.01,
+        "chi2_seq": 0.01,
+        "ess": 0.99,
+        "ppl_ratio": 1.0,
+        "prob_pearson": 0.999,
+        "tokens_with_flip": 0.0,
+    }
     nat = base | natural
     return {
         "settings": {"natural": nat, "r3": base, "ksm": base, "r3_ksm": base},

@@ -27,7 +27,7 @@ def _as_in_a_terminal() -> None:
 
 def start_like_a_terminal(cmd: list[str], env: dict, **kwargs) -> subprocess.Popen:
     """``cmd`` in its own session (its own foreground group, as in a terminal) with SIGINT at its default."""
-    return subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_as_in_a_terminal, **kwargs)
+    return subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_as_in_a_terminal, **kwargs)  # noqa: PLW1509 -- one signal() call
 
 
 def server_of(run_dir: Path, trainer: subprocess.Popen, timeout_s: float = 300) -> tuple[int, str]:

@@ -20,42 +20,42 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from moe_rl.config import ExperimentConfig  # noqa: E402
-from moe_rl.learner.dist import destroy_distributed, init_distributed  # noqa: E402
-from moe_rl.learner.hf_convert import export_hf_state_dict, read_hf_state_dict  # noqa: E402
-from moe_rl.learner.hf_init import write_random_hf_checkpoint  # noqa: E402
+from moe_rl.config import ExperimentConfig
+from moe_rl.learner.dist import destroy_distributed, init_distributed
+from moe_rl.learner.hf_convert import export_hf_state_dict, read_hf_state_dict
+from moe_rl.learner.hf_init import write_random_hf_checkpoint
 from moe_rl.learner.train_step import (
-    Learner,  # noqa: E402
+    Learner,
     default_logprob_fn,
 )
 from moe_rl.replay.dispatch_probe import DispatchProbe
-from moe_rl.replay.driver import MicrobatchRoutes, ReplayDriver  # noqa: E402
+from moe_rl.replay.driver import MicrobatchRoutes, ReplayDriver
 from moe_rl.train.logprob import make_logprob_fn
-from tests.conftest import rank_device  # noqa: E402
-from tests.replay.routing_probe import random_routes  # noqa: E402
+from tests.conftest import rank_device
+from tests.replay.routing_probe import random_routes
 
 E, K, L, V = 8, 2, 4, 128
 
 
 def config(pp: int, hf_dir: str) -> ExperimentConfig:
     return ExperimentConfig(
-        model=dict(
-            num_layers=L,
-            hidden_size=32,
-            ffn_hidden_size=64,
-            num_attention_heads=4,
-            num_query_groups=2,
-            kv_channels=8,
-            vocab_size=V,
-            seq_length=32,
-            num_moe_experts=E,
-            moe_router_topk=K,
-            moe_ffn_hidden_size=16,
-            moe_token_dispatcher_type="alltoall",
-        ),
-        parallel=dict(pp=pp),
-        checkpoint=dict(init_from_hf=hf_dir),
-        train=dict(steps=1),
+        model={
+            "num_layers": L,
+            "hidden_size": 32,
+            "ffn_hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_query_groups": 2,
+            "kv_channels": 8,
+            "vocab_size": V,
+            "seq_length": 32,
+            "num_moe_experts": E,
+            "moe_router_topk": K,
+            "moe_ffn_hidden_size": 16,
+            "moe_token_dispatcher_type": "alltoall",
+        },
+        parallel={"pp": pp},
+        checkpoint={"init_from_hf": hf_dir},
+        train={"steps": 1},
     )
 
 

@@ -19,11 +19,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from moe_rl.config import ModelConfig  # noqa: E402
-from moe_rl.records import RecordError, RolloutBatch, RolloutSample  # noqa: E402
-from moe_rl.source.step_records import StepRecords  # noqa: E402
+from moe_rl.config import ModelConfig
+from moe_rl.records import RecordError, RolloutBatch, RolloutSample
+from moe_rl.source.step_records import StepRecords
 
 MODEL = ModelConfig(num_layers=2, num_moe_experts=8, moe_router_topk=2, vocab_size=64)
 VOCAB = {f"t{i}": i for i in range(64)}

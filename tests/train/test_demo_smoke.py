@@ -39,7 +39,7 @@ def demo_run(tmp_path_factory):
         "checkpoint.save_interval=0",
     ]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
     assert proc.returncode == 0, f"moe-rl train failed:\n{proc.stderr[-4000:]}"
     seconds = time.perf_counter() - t0  # budget 120 s on 2 idle cores; a shared machine is slower, so no assert
     print(f"demo smoke (cold warm start + 2 RL steps): {seconds:.0f} s")

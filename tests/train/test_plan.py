@@ -35,9 +35,9 @@ def test_steps_and_seeds_shuffle_differently_and_reproducibly():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(minibatches=3), "train.minibatches_per_step=3 must divide the step's 8 samples"),
-        (dict(minibatches=2, dp_size=3, dp_rank=0), "4 samples .* 3 data-parallel ranks cannot share"),
-        (dict(minibatches=1, micro_batch_size=0), "train.micro_batch_size must be >= 1"),
+        ({"minibatches": 3}, "train.minibatches_per_step=3 must divide the step's 8 samples"),
+        ({"minibatches": 2, "dp_size": 3, "dp_rank": 0}, "4 samples .* 3 data-parallel ranks cannot share"),
+        ({"minibatches": 1, "micro_batch_size": 0}, "train.micro_batch_size must be >= 1"),
     ],
 )
 def test_impossible_splits_name_the_keys(kwargs, message):

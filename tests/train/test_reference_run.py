@@ -32,7 +32,7 @@ def test_kl_to_the_reference_is_logged_and_the_reference_is_checkpointed(tmp_pat
         "optim.ess_lr_scaling=true",
         "train.micro_batch_size=3",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = read_metrics(out / "metrics.jsonl")
     kl = [m["loss/kl_ref"] for m in metrics]

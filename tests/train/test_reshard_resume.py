@@ -72,7 +72,9 @@ def test_ep2_checkpoint_resumes_at_ep1_and_continues_the_same_run(resharded):
         want, got = read_global(ep2_step2, name), read_global(out / "checkpoints" / "step_00000002", name)
         assert sorted(want) == sorted(got)
         for k in want:
-            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=2e-6, msg=lambda m, k=k: f"{name} {k}: {m}")
+            torch.testing.assert_close(
+                got[k], want[k], rtol=1e-5, atol=2e-6, msg=lambda m, k=k, name=name: f"{name} {k}: {m}"
+            )
 
 
 @one_gpu_per_rank(2)

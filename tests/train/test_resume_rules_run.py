@@ -31,7 +31,7 @@ def _train(out, hf, steps, check=True):
         "correction.kl_alarm=null",  # records of another policy replayed on purpose: the KL alarm would skip them
         "precision.deterministic=true",
     ]  # on CUDA bitwise needs it (docs/gpu.md); a no-op on CPU
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc

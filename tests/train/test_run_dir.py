@@ -19,7 +19,7 @@ from moe_rl.train.run_dir import RunLock, guard_run_dir
 from moe_rl.train.run_identity import write_checkpoint_identity, write_run_id
 from tests.conftest import repo_env
 
-HOLD_LOCK = "import sys, time; from moe_rl.train.run_dir import RunLock; RunLock(__import__('pathlib').Path(sys.argv[1])).acquire(); print('locked', flush=True); time.sleep(600)"  # noqa: E501
+HOLD_LOCK = "import sys, time; from moe_rl.train.run_dir import RunLock; RunLock(__import__('pathlib').Path(sys.argv[1])).acquire(); print('locked', flush=True); time.sleep(600)"
 
 
 def _cfg(run_dir: Path, *overrides: str):
@@ -71,7 +71,7 @@ def test_resume_never_refuses_a_previous_run_unless_overwrite(tmp_path):
     with pytest.raises(
         RunDirError,
         match=r"holds a previous run \(config.yaml, metrics.jsonl \(2 lines\), checkpoints at steps \[2\].*checkpoint.overwrite=true",
-    ):  # noqa: E501
+    ):
         guard_run_dir(_cfg(tmp_path, "checkpoint.resume=never"), tmp_path, tmp_path / "checkpoints")
     assert (tmp_path / "metrics.jsonl").read_text().count("step") == 2  # untouched
     guard_run_dir(

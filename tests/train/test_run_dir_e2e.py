@@ -36,7 +36,7 @@ save_config(cfg, run / "config.yaml")
 
 def _train(run_dir: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", CONFIG, *BASE, f"train.output_dir={run_dir}", *overrides]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV, check=False)
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,9 @@ def test_the_e2e_trainer_starts_with_sigint_at_its_default_even_from_a_parent_th
     ]
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a background job of a non-interactive shell
     try:
-        inherited = subprocess.run(probe, capture_output=True, text=True, env=ENV).stdout.strip()
+        inherited = subprocess.run(probe, capture_output=True, text=True, env=ENV, check=False).stdout.strip(
+            check=False
+        )
         child = start_like_a_terminal(probe, ENV, stdout=subprocess.PIPE, text=True)
         out, _ = child.communicate(timeout=60)
     finally:

@@ -33,11 +33,13 @@ def test_the_issue_command_fails_in_one_line_naming_the_key(tmp_path):
         "logging.progress=false",
         "logging.tensorboard=false",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=repo_env(ROOT))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=repo_env(ROOT), check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines() == [
-        f"error: train.rollouts_from={RECORDS}: {RECORDS}/step_000000.safetensors: records were made for 8 experts; "
-        "model.num_moe_experts=16"
+        (
+            f"error: train.rollouts_from={RECORDS}: {RECORDS}/step_000000.safetensors: records were made for 8 experts; "
+            "model.num_moe_experts=16"
+        )
     ]
     assert not list(tmp_path.glob("checkpoints/*/")), "a checkpoint was written"
 
