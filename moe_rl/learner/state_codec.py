@@ -124,7 +124,7 @@ def load_state(path: str | Path, device: str = "cpu") -> dict:
             raw = (fh.metadata() or {}).get(SKELETON_KEY)
             if raw is None:
                 raise StateCodecError(f"{path} has no {SKELETON_KEY!r} metadata; not a moe_rl checkpoint shard")
-            tensors = {k: fh.get_tensor(k) for k in fh}
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118 -- safe_open is not iterable
         skeleton = json.loads(raw)
     except (SafetensorError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise StateCodecError(f"{path} is not a readable safetensors state: {exc}") from None
