@@ -103,9 +103,7 @@ def test_the_e2e_trainer_starts_with_sigint_at_its_default_even_from_a_parent_th
     ]
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a background job of a non-interactive shell
     try:
-        inherited = subprocess.run(probe, capture_output=True, text=True, env=ENV, check=False).stdout.strip(
-            check=False
-        )
+        inherited = subprocess.run(probe, capture_output=True, text=True, env=ENV, check=False).stdout.strip()
         child = start_like_a_terminal(probe, ENV, stdout=subprocess.PIPE, text=True)
         out, _ = child.communicate(timeout=60)
     finally:
