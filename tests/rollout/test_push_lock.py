@@ -84,7 +84,7 @@ def test_a_server_dead_since_its_last_batch_is_restarted_before_the_pause_and_sy
         yield SimpleNamespace(flush_cache=True)
         events.append(("continue",))
 
-    monkeypatch.setattr("moe_rl.rollout.partial.paused_generation", paused)
+    monkeypatch.setattr("moe_rl.source.producer.paused_generation", paused)  # where the producer binds it
     cfg = SimpleNamespace(rollout=SimpleNamespace(partial=True, pause_mode="retract"))
     dead = ["http://dead"]
 
