@@ -83,7 +83,6 @@ class PeakRSS:
 
 
 def own_state_bytes(learner) -> int:
-
     n = sum(p.numel() * p.element_size() for p in learner.module.parameters())
     for s in optimizer_slots(learner.optimizer):
         state = s.opt.state.get(s.main, {})
@@ -93,7 +92,6 @@ def own_state_bytes(learner) -> int:
 
 
 def worker(layout: str, scratch: Path) -> None:
-
     torch.set_num_threads(1)
     _, parallel, distopt = LAYOUTS[layout]
     cfg = ExperimentConfig.model_validate(

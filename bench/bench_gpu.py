@@ -83,7 +83,6 @@ used this one): 4 MoE layers, hidden 1024, 64 experts top-8, same vocab and toke
 
 
 def realistic_cfg(layers: int, tokens: int, fp8: dict | None = None, smoke: bool = False, learner: bool = False):
-
     model = {
         "num_layers": layers,
         "hidden_size": 2048,
@@ -122,7 +121,6 @@ def _timed(fn) -> float:
 
 
 def bench_replay(cfg, rounds: int, warmup: int) -> dict:
-
     model = build_model(cfg, seed=0)
     replay = RoutingReplay(model)
     L, K, E = replay.num_moe_layers, replay.top_k, replay.num_experts
@@ -164,7 +162,6 @@ def bench_replay(cfg, rounds: int, warmup: int) -> dict:
 
 
 def bench_learner_step(cfg, steps: int = 5) -> dict:
-
     learner = Learner(cfg, total_steps=steps + 1)
     replay = RoutingReplay(learner.model)
     L, K, E = replay.num_moe_layers, replay.top_k, replay.num_experts
@@ -229,7 +226,6 @@ def bench_deterministic(cfg, rounds: int, warmup: int) -> dict:
 
 
 def bench_fp8(layers: int, tokens: int) -> dict:
-
     missing = fp8_runtime_missing()
     if missing:
         return {"fp8_ran": False, "fp8_missing": missing}

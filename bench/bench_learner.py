@@ -45,7 +45,6 @@ def parse() -> argparse.Namespace:
 
 
 def relaunch_under_torchrun(args: argparse.Namespace) -> int:
-
     port = args.master_port or free_port()
     cmd = [
         sys.executable,

@@ -42,7 +42,6 @@ SETTINGS = {
 
 
 def cfg_for(optim: dict):
-
     model = {
         "num_layers": 2,
         "hidden_size": 512,
@@ -88,7 +87,6 @@ def host_bytes(opt) -> int:
 
 
 def run(name: str, optim: dict) -> dict:
-
     cfg = cfg_for(optim)
     RouterReplay.clear_global_router_replay_instances()
     torch.cuda.empty_cache()
@@ -137,7 +135,6 @@ def run(name: str, optim: dict) -> dict:
 
 
 def main() -> None:
-
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     init_distributed(cfg_for({}).parallel, environ={"MASTER_PORT": "29533"})
     for name, optim in SETTINGS.items():

@@ -293,7 +293,6 @@ def _loaded_error_types() -> tuple[type, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-
     for pattern in QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern, category=UserWarning)
     args = build_parser().parse_args(argv)

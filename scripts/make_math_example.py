@@ -79,7 +79,6 @@ def write_data(out: Path, n_eval: int = 200, seed: int = 0) -> None:
 
 
 def build_tokenizer(texts: list[str], vocab_size: int = 384):
-
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
@@ -95,7 +94,6 @@ def build_tokenizer(texts: list[str], vocab_size: int = 384):
 
 
 def write_model(data_dir: Path, out: Path, sft_steps: int, seed: int = 0) -> None:
-
     with open(data_dir / "train.jsonl") as rows:
         train = [json.loads(line) for line in rows]
     tok = build_tokenizer([r["prompt"] for r in train] + [r["solution"] for r in train] + ["system user assistant"])

@@ -62,7 +62,6 @@ TINY = {
 
 
 def write_tiny_glm4_moe(out: Path) -> Path:
-
     torch.manual_seed(0)
     model = Glm4MoeForCausalLM(Glm4MoeConfig(architectures=["Glm4MoeForCausalLM"], **TINY)).float()
     with torch.no_grad():  # a non-zero score-correction bias, so the probe sees it used
@@ -74,7 +73,6 @@ def write_tiny_glm4_moe(out: Path) -> Path:
 
 
 def probe_sglang(out: Path) -> None:
-
     model_dir = write_tiny_glm4_moe(out / "glm4_moe")
     spec = ServerSpec(model_path=str(model_dir), dtype="float32", mem_fraction_static=0.3, startup_timeout_s=600)
     try:
@@ -93,7 +91,6 @@ def probe_sglang(out: Path) -> None:
 
 
 def probe_megatron() -> None:
-
     cfg = ExperimentConfig.model_validate(
         {
             "model": {

@@ -164,7 +164,6 @@ class ParquetRows(Rows):
     key hashes the source's path, size and modification time (a changed file is copied again)."""
 
     def __init__(self, path: Path, cache_dir: Path | None):
-
         self.path = path
         stat = path.stat()
         key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]

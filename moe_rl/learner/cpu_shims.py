@@ -106,7 +106,6 @@ def _raises(fn: Callable[[], object]) -> bool:
 
 
 def _need_current_device() -> bool:
-
     calls = _source_mentions(rotary_pos_embedding, "torch.cuda.current_device()") or (
         _source_mentions(router, "torch.cuda.current_device()")
     )
@@ -128,12 +127,10 @@ def _apply_current_device() -> None:
 
 
 def _need_dispatcher_stream() -> bool:
-
     return getattr(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", _HOST_STREAM) is None and _raises(torch.cuda.Stream)
 
 
 def _apply_dispatcher_stream() -> None:
-
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _HOST_STREAM
     # The dispatcher compares the current stream with its side stream; returning
     # the same stand-in makes it take the "not on a side stream" branch.
@@ -144,7 +141,6 @@ def _apply_dispatcher_stream() -> None:
 
 
 def _need_split_sizes_numpy() -> bool:
-
     move = getattr(token_dispatcher, "maybe_move_tensor_to_cpu", None)
     if move is None or getattr(move, "_moe_rl_shim", False):
         return False
@@ -152,7 +148,6 @@ def _need_split_sizes_numpy() -> bool:
 
 
 def _apply_split_sizes_numpy() -> None:
-
     original = token_dispatcher.maybe_move_tensor_to_cpu
 
     def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
@@ -172,7 +167,6 @@ _EMPTY_RNG_STATE = torch.zeros(0, dtype=torch.uint8, device="cpu")
 
 
 def _need_cuda_rng_state() -> bool:
-
     return _raises(tp_random._get_cuda_rng_state)
 
 
@@ -188,7 +182,6 @@ def _apply_cuda_rng_state() -> None:
 
 
 def _need_cuda_synchronize() -> bool:
-
     return _source_mentions(p2p_communication, "torch.cuda.synchronize()") and _raises(torch.cuda.synchronize)
 
 

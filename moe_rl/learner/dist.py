@@ -180,7 +180,6 @@ class RankComm:
     """The learner ranks' side of a sync: rank 0 broadcasts, gathers (``collective=False``: this process alone)."""
 
     def __init__(self, collective: bool):
-
         self.dist = dist
         self.on = collective and dist.is_initialized() and dist.get_world_size() > 1
         self.rank = dist.get_rank() if self.on else 0

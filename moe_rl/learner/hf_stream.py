@@ -52,7 +52,6 @@ def size_buckets(named: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[B
 
 
 def _ps():
-
     return ps
 
 

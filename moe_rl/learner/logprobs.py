@@ -28,7 +28,6 @@ def uses_exact(model) -> bool:
 
 
 def _tp_group():
-
     if not ps.model_parallel_is_initialized() or ps.get_tensor_model_parallel_world_size() == 1:
         return None
     return ps.get_tensor_model_parallel_group()

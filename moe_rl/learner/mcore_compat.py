@@ -129,7 +129,6 @@ def need_expert_bias_fix() -> bool:
 
 
 def fix_expert_bias() -> None:
-
     TopKRouter._apply_expert_bias = _expert_bias_counts_valid_tokens
 
 

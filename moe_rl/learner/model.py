@@ -158,7 +158,6 @@ def _true_on_policy(cfg) -> frozenset[str]:
 
 
 def _exact_silu():
-
     return silu
 
 
@@ -172,7 +171,6 @@ def _pipeline_fields(pp: int, params_dtype: torch.dtype, on_gpu: bool) -> dict:
 
 
 def _layer_spec(tcfg, use_te: bool, exact: frozenset[str] = frozenset()):
-
     spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=use_te, normalization="RMSNorm")
     if exact:  # rollout.true_on_policy: the shared row-invariant kernels (moe_rl.exact)
         from moe_rl.learner.exact_spec import exact_layer_spec  # noqa: PLC0415  imports Megatron (lazy here)

@@ -47,12 +47,10 @@ def pipeline_size() -> int:
 
 
 def is_last_stage() -> bool:
-
     return pipeline_size() == 1 or ps.is_pipeline_last_stage()
 
 
 def _last_rank_and_group():
-
     return ps.get_pipeline_model_parallel_last_rank(), ps.get_pipeline_model_parallel_group()
 
 

@@ -68,7 +68,6 @@ def reference_path(ckpt_dir: str | Path) -> Path:
 
 
 def _reference_source(ckpt_dir: str | Path):
-
     path = reference_path(ckpt_dir)
     return GlobalFile(path, MODEL_FORMAT) if path.name == LEGACY_REFERENCE_FILE else ShardedDir(path.parent, "model")
 

@@ -142,7 +142,6 @@ def write_rank_file(directory: str | Path, kind: str, rank: int, world: int, ent
 
 
 def _save(directory: Path, kind: str, entries: Iterable[Entry]) -> None:
-
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     write_rank_file(directory, kind, rank, world, entries)
 

@@ -271,7 +271,6 @@ class DispatchShard:
 
     @classmethod
     def of(cls, tcfg) -> DispatchShard:
-
         sp = bool(tcfg.sequence_parallel) and tcfg.tensor_model_parallel_size > 1
         cp = tcfg.context_parallel_size > 1
         return cls(

@@ -81,7 +81,6 @@ def extract_answer(text: str, mode: str = "strict") -> str | None:
 
 
 def _parse(text: str):
-
     return parse(f"${text}$", extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()])
 
 

@@ -69,7 +69,6 @@ class PoolRewarder(Rewarder):
     """A verl-signature function in worker processes (``reward.timeout_s`` per call)."""
 
     def __init__(self, reward_cfg, tokenizer, log=print):
-
         self.spec, self.on_error, self.tokenizer, self.log = (
             function_spec(reward_cfg),
             reward_cfg.on_error,

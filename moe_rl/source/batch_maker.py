@@ -53,7 +53,6 @@ class BatchMaker:
         )
 
     def __call__(self, step: int, served: int, drawn: Callable[[], None] = lambda: None) -> Path:
-
         n, client, partial = self.cfg.rollout.samples_per_prompt, self.client, self.cfg.rollout.partial
         if (ws := self.weight_sync()) is not None:
             ws.check_servable(client.addresses)  # never sample a half-updated server

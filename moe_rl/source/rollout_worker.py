@@ -101,7 +101,6 @@ class _ServedView:
     """The learner's record of what the servers hold, as the batch maker checks it (``WeightSync``'s two checks)."""
 
     def __init__(self, keys):
-
         self.invalid: dict[str, str] = {}
         self.pushed = PushedWeights(keys)
 
@@ -111,7 +110,6 @@ class _ServedView:
             self.pushed.remember(state["label"], state["tensors"])
 
     def check_servable(self, addresses) -> None:
-
         check_servable(self.invalid, addresses)
 
 

@@ -68,7 +68,6 @@ def _row_config(cfg: ExperimentConfig, items: frozenset[str] | None, scratch: Pa
 
 
 def _measure_row(cfg: ExperimentConfig, num_prompts: int) -> dict:
-
     trainer = RLTrainer(cfg)
     try:
         batch = generate(trainer, num_prompts)

@@ -94,7 +94,6 @@ def _fmt(v) -> str:
 
 
 def _plots(numbers: dict, arrays: dict, out_dir: Path) -> list[str]:
-
     matplotlib.use("Agg")
 
     names = list(numbers["settings"])

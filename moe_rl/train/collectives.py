@@ -21,7 +21,6 @@ def dp_group():
 
 
 def dp_rank_and_size() -> tuple[int, int]:
-
     if not ps.model_parallel_is_initialized():
         return 0, 1
     return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()

@@ -75,7 +75,6 @@ class RLTrainer:
     """One experiment's learner, replay driver, task and sinks; ``run()`` drives the steps."""
 
     def __init__(self, cfg: ExperimentConfig, stop: StopRequest | None = None):
-
         check_supported(cfg)
         self.cfg = cfg
         self.run_dir = Path(cfg.train.output_dir)
@@ -261,7 +260,6 @@ class RLTrainer:
         )
 
     def run(self) -> Path:
-
         cfg = self.cfg
         if (done := run_complete_message(self.start_step, cfg.train.steps)) is not None:
             if self.is_main:

@@ -51,7 +51,6 @@ _CODE_FILES = ("train/warm_start.py", "tasks/synthetic.py", "tasks/tokenizer.py"
 
 
 def _code_version() -> str:
-
     root = Path(moe_rl.__file__).parent
     digest = hashlib.sha256(moe_rl.__version__.encode())
     for rel in _CODE_FILES:
@@ -221,7 +220,6 @@ def temper(weights: dict[str, torch.Tensor], temperature: float) -> dict[str, to
 
 
 def _save_atomic(weights: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     save_file(weights, str(tmp), metadata=metadata)
@@ -229,7 +227,6 @@ def _save_atomic(weights: dict[str, torch.Tensor], path: Path, metadata: dict[st
 
 
 def _load_into(module: torch.nn.Module, path: Path, weights: dict[str, torch.Tensor] | None = None) -> None:
-
     weights = load_file(str(path)) if weights is None else weights
     missing, unexpected = module.load_state_dict(weights, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]

@@ -156,7 +156,6 @@ def test_kl_abs_and_straight_through_forms(device, est):
 
 
 def test_defaults_follow_verl_unless_a_seed_gives_a_reason():
-
     loss = LossConfig()
     assert loss.kl_cov_coef == 0.1  # verl ppo_kl_coef; no paper value (docs/algo.md "Porting a verl config")
     assert loss.kl_estimator == "k2"  # seed 000: KL in the loss without IS weights -> k2 (verl: low_var_kl = k3)

@@ -187,7 +187,6 @@ def test_issue_40_smallest_m2po_case(device):
 
 
 def test_compute_policy_loss_keeps_its_positional_signature():
-
     params = list(inspect.signature(compute_policy_loss).parameters)
     assert params == [
         "loss_cfg",

@@ -21,7 +21,6 @@ from tests.learner.test_train_step import fixed_batch
 
 @pytest.fixture(scope="module")
 def megatron_world():
-
     return init_distributed(make_cfg().parallel, environ={})
 
 
@@ -30,13 +29,11 @@ def _nll(logp, entropy, mb):
 
 
 def _learner_logp(learner, mb):
-
     with torch.no_grad():
         return response_logprobs(learner.module, mb["input_ids"], mb["targets"], with_entropy=False)[0]
 
 
 def test_reference_is_the_initial_policy_frozen_and_kl_is_logged(megatron_world, device):
-
     cfg = make_cfg(optim={"lr": 1e-2})
     learner = Learner(cfg, total_steps=4)
     mb = {k: v.to(device) for k, v in fixed_batch(cfg.model.vocab_size, seed=1).items()}
@@ -72,7 +69,6 @@ def test_reference_is_the_initial_policy_frozen_and_kl_is_logged(megatron_world,
 
 
 def test_reference_saves_as_safetensors_and_reloads(megatron_world, tmp_path, device):
-
     cfg = make_cfg()
     learner = Learner(cfg, total_steps=2, model=build_model(cfg, seed=11))
     ref = ReferencePolicy.from_learner(cfg, learner.module)
@@ -88,7 +84,6 @@ def test_reference_saves_as_safetensors_and_reloads(megatron_world, tmp_path, de
 
 
 def test_reference_replays_the_given_routes(megatron_world, device):
-
     cfg = make_cfg()
     learner = Learner(cfg, total_steps=2)
     ref = ReferencePolicy.from_learner(cfg, learner.module)

@@ -111,7 +111,6 @@ def test_moe_layer_pattern_combines_freq_and_first_dense():
 
 
 def test_shipped_configs_validate():
-
     configs = sorted(Path(__file__).parents[2].joinpath("configs").glob("*.yaml"))
     assert {"tiny_cpu.yaml", "ablation_replay.yaml"} <= {p.name for p in configs}
     for path in configs:

@@ -24,7 +24,6 @@ MODEL = {
 
 
 def cfg(ep: int = 1, distopt: bool = False, clip_grad: float = 1.0):
-
     return ExperimentConfig.model_validate(
         {
             "model": {**MODEL, "moe_token_dispatcher_type": "alltoall"},

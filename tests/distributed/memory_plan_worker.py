@@ -53,7 +53,6 @@ def buffers(ddp) -> list:
 
 
 def measure(cfg) -> dict:
-
     init_distributed(cfg.parallel)
     learner, params, state = stepped_learner(cfg)
     return {
@@ -90,7 +89,6 @@ def optimizer_state_bytes(optimizer) -> int | None:
 
 
 def measure_distributed(cfg) -> dict:
-
     init_distributed(cfg.parallel)
     RouterReplay.clear_global_router_replay_instances()
     learner = Learner(cfg)

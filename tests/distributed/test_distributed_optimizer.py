@@ -94,7 +94,6 @@ def test_resumes_into_the_distributed_optimizer_from_dp1_and_from_the_plain_opti
 
 
 def _resume_at_one_rank(work, ckpt: str):
-
     lrn = Learner(cfg(), total_steps=4)
     meta = load_checkpoint(lrn, work / ckpt)
     return lrn, meta, _stats(lrn.train_step(_both(2), nll))
@@ -106,7 +105,6 @@ def _resume_at_one_rank(work, ckpt: str):
     ids=["dp2_distopt_to_dp1", "ep2_distopt_to_ep1"],
 )
 def test_a_distributed_optimizer_checkpoint_resumes_on_one_rank(runs, ckpt, want):
-
     work, res, _ = runs
     lrn, meta, got = _resume_at_one_rank(work, ckpt)
     assert meta["resharded_from"]["dp"] == 2 and meta["distributed_optimizer"] is True
@@ -129,7 +127,6 @@ def _to_format_3(step_dir) -> None:
 
 
 def test_a_previous_release_checkpoint_resumes_and_the_next_save_is_format_4(runs, tmp_path):
-
     work, _, one = runs
     shutil.copytree(work / "dp1", tmp_path / "old")
     _to_format_3(next((tmp_path / "old").glob("step_*")))

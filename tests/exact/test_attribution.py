@@ -36,7 +36,6 @@ def _cfg(kernels=None, on=True):
 
 
 def test_rows_are_stock_each_item_alone_each_item_left_out_and_all():
-
     rows = dict(attribution_rows(["lm_head", "router"]))
     assert list(rows) == ["stock", "+lm_head", "+router", "-lm_head", "-router", "all"]
     assert rows["stock"] is None and rows["all"] == ALL
@@ -45,7 +44,6 @@ def test_rows_are_stock_each_item_alone_each_item_left_out_and_all():
 
 
 def test_the_config_names_the_items_and_the_server_gets_only_a_subset():
-
     assert kernels_of(_cfg(on=False).rollout) == frozenset() and kernels_of(_cfg().rollout) == ALL
     assert kernels_of(_cfg(["router", "lm_head"]).rollout) == {"router", "lm_head"}
     env = server_env(ServerSpec.from_rollout_config(_cfg(["router", "lm_head"]).rollout, "/m"), base={})
@@ -60,7 +58,6 @@ def test_the_config_names_the_items_and_the_server_gets_only_a_subset():
 
 @pytest.mark.parametrize("kernels", [["lm_head"], ["attention", "rmsnorm"], ["linear", "router", "log_softmax"]])
 def test_the_learner_shares_exactly_the_named_items(megatron_world, kernels):
-
     model = build_model(_cfg(kernels))
     types = {type(m) for m in model.modules()}
     on = set(kernels)
@@ -75,7 +72,6 @@ def test_the_learner_shares_exactly_the_named_items(megatron_world, kernels):
 
 
 def test_attribute_refuses_a_config_that_cannot_be_exact():
-
     cfg = _cfg(on=False)
     cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"dtype": "bfloat16"})})
     with pytest.raises(ConfigError, match="rollout.dtype='bfloat16' with precision.params_dtype='float32'"):
@@ -85,7 +81,6 @@ def test_attribute_refuses_a_config_that_cannot_be_exact():
 
 
 def test_the_table_gives_each_rows_share_of_the_stock_mismatch():
-
     def row(kl, dmax, dmean, fp, fr):
         return {
             "kl_k3": kl,

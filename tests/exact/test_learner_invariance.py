@@ -21,7 +21,6 @@ def _cfg(exact: bool):
 
 
 def _routes(model, ids):
-
     maps, hooks = [], []
     for router in moe_routers(model):
         hooks.append(router.register_forward_hook(lambda _m, _i, out: maps.append(out[1].clone())))
@@ -34,7 +33,6 @@ def _routes(model, ids):
 
 @pytest.mark.parametrize("exact", [True, False])
 def test_row_invariance(exact, megatron_world):
-
     cfg = _cfg(exact)
     model = build_model(cfg, seed=5).eval()
     assert uses_exact(model) is exact

@@ -86,7 +86,6 @@ def test_dynamic_sampling_fails_naming_rounds_and_fraction_or_falls_back():
 
 
 def test_task_stream_round_zero_is_todays_draw_and_later_rounds_differ():
-
     task = DigitTask("copy", 64)
     stream = TaskStream(task, seed=1234)
     today = task.sample_prompts(4, np.random.default_rng([1234, 7]))

@@ -68,6 +68,5 @@ def test_plan_refuses_a_key_variable_that_is_not_set(slurm_env):
 
 
 def test_config_holds_a_variable_name_not_a_key():
-
     with pytest.raises(ConfigError, match="api_key_env"):
         load_config(None, [f"rollout.api_key_env=sk-{SECRET}!"])

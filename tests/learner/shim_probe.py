@@ -55,7 +55,6 @@ def exercise() -> None:
 
 
 def probe(left_out: str) -> None:
-
     names = tuple(n for n in cpu_shims.CPU_SHIMS if n != left_out)
     original_apply = cpu_shims.apply_cpu_shims
     original_apply(only=names)

@@ -39,7 +39,6 @@ def _cfg():
 
 
 def test_resume_reproduces_next_step_exactly(megatron_world, tmp_path):
-
     batches = [fixed_batch(256, seed=s) for s in range(3)]
     a = Learner(_cfg(), total_steps=6)
     a.train_step([batches[0]], random_subset_nll)
@@ -73,7 +72,6 @@ def test_resume_without_rng_restore_would_differ(megatron_world, tmp_path):
 
 
 def test_latest_only_moves_to_complete_checkpoints_and_old_ones_are_pruned(megatron_world, tmp_path):
-
     learner = Learner(_cfg(), total_steps=6)
     assert load_checkpoint(learner, tmp_path) is None and latest_step(tmp_path) is None
     for _ in range(3):
@@ -89,7 +87,6 @@ def test_latest_only_moves_to_complete_checkpoints_and_old_ones_are_pruned(megat
 
 
 def test_a_format_2_checkpoint_loads_only_on_the_world_size_that_wrote_it(megatron_world, tmp_path):
-
     learner = Learner(_cfg(), total_steps=2)
     d = tmp_path / "step_00000001"
     d.mkdir()
@@ -112,7 +109,6 @@ def test_a_format_2_checkpoint_loads_only_on_the_world_size_that_wrote_it(megatr
 
 
 def rng_now():
-
     return rng_state()
 
 
@@ -124,12 +120,10 @@ class _RunsCode:
         self.marker = str(marker)
 
     def __reduce__(self):
-
         return (os.system, (f"touch {self.marker}",))
 
 
 def test_checkpoint_holds_no_pickle_and_a_pickle_shard_is_refused(megatron_world, tmp_path):
-
     learner = Learner(_cfg(), total_steps=4)
     learner.train_step([fixed_batch(256)], random_subset_nll)
     d = save_checkpoint(learner, tmp_path, extra={"rl_step": 1})
@@ -157,7 +151,6 @@ def test_checkpoint_holds_no_pickle_and_a_pickle_shard_is_refused(megatron_world
 
 
 def test_a_save_killed_mid_write_leaves_the_previous_checkpoint_loadable(megatron_world, tmp_path):
-
     worker = Path(__file__).with_name("killed_save_worker.py")
     proc = subprocess.run(
         [sys.executable, str(worker), str(tmp_path)], capture_output=True, text=True, timeout=300, check=False
@@ -169,7 +162,6 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint_loadable(megatro
 
 
 def test_state_with_a_non_tensor_object_is_refused_at_save(tmp_path):
-
     with pytest.raises(StateCodecError, match=r"state.optimizer\[0\] is a .*_RunsCode"):
         save_state({"optimizer": [_RunsCode(tmp_path / "x")]}, tmp_path / "s.safetensors")
     assert not (tmp_path / "s.safetensors").exists()
@@ -177,7 +169,6 @@ def test_state_with_a_non_tensor_object_is_refused_at_save(tmp_path):
 
 @pytest.mark.parametrize("torn", ["rank_00000.safetensors", "model-r00000.safetensors", "optimizer-r00000.safetensors"])
 def test_corrupt_latest_checkpoint_falls_back_to_the_newest_valid_one(megatron_world, tmp_path, caplog, torn):
-
     learner = Learner(_cfg(), total_steps=6)
     for rl_step in (1, 2):
         learner.train_step([fixed_batch(256, seed=rl_step)], random_subset_nll)
@@ -204,7 +195,6 @@ def _full_filesystem(path):
 
 
 def test_disk_full_error_names_the_path_and_what_was_written(megatron_world, tmp_path):
-
     small = _full_filesystem(tmp_path / "small")
     try:
         with pytest.raises(
@@ -239,7 +229,6 @@ def _reindex(path, chunks: str) -> None:
 
 
 def test_a_crafted_checkpoint_is_refused_without_running_code(megatron_world, tmp_path, no_pickle):
-
     learner = Learner(_cfg(), total_steps=4)
     learner.train_step([fixed_batch(256)], random_subset_nll)
     good = save_checkpoint(learner, tmp_path, extra={"rl_step": 1}, step=1)
@@ -297,7 +286,6 @@ def test_a_checkpoint_from_another_layout_loads_its_global_state(megatron_world,
 
 
 def test_a_checkpoint_of_another_model_shape_fails_naming_the_tensor(megatron_world, tmp_path):
-
     save_checkpoint(Learner(_cfg(), total_steps=2), tmp_path)
     other = make_cfg(moe_ffn_hidden_size=16)
     with pytest.raises(

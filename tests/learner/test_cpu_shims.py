@@ -81,6 +81,5 @@ def test_shims_are_noops_once_the_failure_is_gone(megatron_world):
 
 
 def test_unknown_shim_name_is_rejected():
-
     with pytest.raises(ValueError, match=r"unknown CPU shim\(s\) \['cuda_graphs'\]"):
         apply_cpu_shims(only=("cuda_graphs",))

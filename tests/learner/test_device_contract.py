@@ -185,7 +185,6 @@ def _host_batch(vocab, b=2, t=8, seed=0):
 
 
 def test_entry_points_build_on_the_parameters_device(megatron_world, device):
-
     cfg = make_cfg()
     model = build_model(cfg, seed=3)
     param_device = next(model.parameters()).device
@@ -231,7 +230,6 @@ def test_factory_watch_can_fail(megatron_world):
 
 
 def test_learner_takes_host_microbatches(megatron_world, device):
-
     cfg = make_cfg()
     learner = Learner(cfg, total_steps=1)
 
@@ -247,7 +245,6 @@ def test_learner_takes_host_microbatches(megatron_world, device):
 
 
 def test_to_device_moves_every_tensor_in_a_microbatch_and_leaves_the_rest(device):
-
     mb = {
         "input_ids": torch.zeros(2, 3, dtype=torch.long, device="cpu"),
         "sample_ids": [4, 5],

@@ -18,7 +18,6 @@ def _expected_update(counts: torch.Tensor, rate: float = 1e-3) -> torch.Tensor:
 
 
 def test_expert_bias_moves_by_the_valid_token_counts_only(megatron_world, device):
-
     cfg = make_cfg(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
     learner = Learner(cfg)
     routers = [m for m in learner.module.modules() if hasattr(m, "expert_bias") and m.expert_bias is not None]

@@ -21,7 +21,6 @@ from tests.learner.conftest import make_cfg
 
 
 def test_fp8_config_maps_onto_megatron_field_names():
-
     fp8 = FP8Config(format="hybrid", recipe="delayed", amax_history_len=16, amax_compute_algo="max")
     assert fp8_transformer_fields(fp8) == {
         "fp8": "hybrid",
@@ -34,7 +33,6 @@ def test_fp8_config_maps_onto_megatron_field_names():
 
 
 def test_fp8_without_gpu_or_te_fails_at_config_time_naming_what_is_missing():
-
     missing = fp8_runtime_missing()
     if not missing:
         pytest.skip("this machine has a CUDA GPU and Transformer Engine: FP8 is allowed here")
@@ -74,7 +72,6 @@ def test_fp8_fields_reach_transformer_config_kwargs_with_faked_gpu_capability(mo
 
 
 def test_fp8_missing_lists_what_this_machine_lacks():
-
     assert fp8_runtime_missing(has_te=True, has_cuda=True) == []
     assert len(fp8_runtime_missing(has_te=False, has_cuda=True)) == 1
     assert "Transformer Engine" in fp8_runtime_missing(has_te=False, has_cuda=True)[0]
@@ -116,7 +113,6 @@ def test_deepseek_v3_router_options_reach_megatron(megatron_world, device):
 
 
 def test_first_dense_layers_and_router_list_skip_dense(megatron_world):
-
     cfg = make_cfg(num_layers=3, first_k_dense_layers=1)
     model = build_model(cfg)
     assert not hasattr(model.decoder.layers[0].mlp, "router")
@@ -124,21 +120,18 @@ def test_first_dense_layers_and_router_list_skip_dense(megatron_world):
 
 
 def test_routing_replay_is_attached_to_every_router(megatron_world):
-
     model = build_model(make_cfg())
     assert all(getattr(r, "router_replay", None) is not None for r in moe_routers(model))
 
 
 @pytest.mark.skipif(te_available() and torch.cuda.is_available(), reason="TE on a GPU supports tp > 1")
 def test_tensor_parallel_without_te_is_rejected_at_config_time():
-
     cfg = ExperimentConfig.model_validate({"parallel": {"tp": 2}})
     with pytest.raises(ValueError, match=r"parallel.tp=2 needs Transformer Engine on a GPU"):
         transformer_config_from(cfg)
 
 
 def test_mtp_is_rejected_with_a_clear_message():
-
     with pytest.raises(ValueError, match="model.mtp_num_layers=1"):
         transformer_config_from(make_cfg(mtp_num_layers=1))
 
@@ -172,19 +165,16 @@ def test_mtp_is_rejected_with_a_clear_message():
     ],
 )
 def test_launch_env_reads_torchrun_and_slurm(environ, expected):
-
     e = launch_env(environ)
     assert (e.rank, e.world_size, e.local_rank, e.master_addr, e.master_port, e.launcher) == expected
 
 
 def test_parallel_sizes_that_do_not_divide_the_world_are_refused():
-
     with pytest.raises(ValueError, match=r"do not divide world_size=1"):
         init_distributed(ParallelConfig(ep=2), environ={})
 
 
 def test_single_world_uses_gloo_on_cpu_nccl_on_gpu_and_megatron_groups_of_size_one(megatron_world):
-
     assert megatron_world.launcher == "single"
     assert dist.get_backend() == ("nccl" if torch.cuda.is_available() else "gloo")
     assert (

@@ -36,7 +36,6 @@ GLM = {
 
 @pytest.mark.parametrize("qk_layernorm", [False, True])
 def test_glm4_moe_hf_and_megatron_agree_after_conversion(qk_layernorm, megatron_world, tmp_path, device):
-
     cfg = make_cfg(**{**GLM, "qk_layernorm": qk_layernorm})
     hf_dir = write_random_hf_checkpoint(cfg.model, tmp_path / "hf", seed=3)
     model = build_model(cfg, seed=99).eval()
@@ -46,7 +45,6 @@ def test_glm4_moe_hf_and_megatron_agree_after_conversion(qk_layernorm, megatron_
 
 
 def test_glm4_moe_export_round_trips_hf_tensors_bitwise(megatron_world, tmp_path):
-
     cfg = make_cfg(**GLM)
     src = write_random_hf_checkpoint(cfg.model, tmp_path / "src", seed=5)
     cfg.checkpoint.init_from_hf = str(src)

@@ -25,7 +25,6 @@ VARIANTS = {
 
 
 def _hf_model(hf_dir, device):
-
     return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device).eval()
 
 
@@ -108,7 +107,6 @@ def test_export_round_trips_hf_tensors_bitwise(megatron_world, tmp_path):
 
 
 def test_import_rejects_checkpoint_of_another_shape(megatron_world, tmp_path):
-
     small = make_cfg(moe_ffn_hidden_size=16)
     src = write_random_hf_checkpoint(small.model, tmp_path / "src", seed=0)
     model = build_model(make_cfg(), seed=1)

@@ -18,7 +18,6 @@ from tests.learner.conftest import make_cfg
 
 @pytest.mark.parametrize("version", [(0, 15, 2), (0, 16, 0), (0, 20, 0), (1, 0, 0)])
 def test_versions_outside_the_supported_range_get_one_clear_error(version):
-
     have = ".".join(map(str, version))
     with pytest.raises(
         RuntimeError,
@@ -30,12 +29,10 @@ def test_versions_outside_the_supported_range_get_one_clear_error(version):
 
 @pytest.mark.parametrize("version", [(0, 16, 1), (0, 17, 0), (0, 19, 2)])
 def test_versions_inside_the_range_pass(version):
-
     assert check_megatron_core_version(version) == version
 
 
 def test_installed_version_is_the_imported_megatron_core():
-
     want = (Version(metadata.version("megatron-core")).release + (0, 0))[:3]  # the wheel that pip installed
     assert check_megatron_core_version() == want
 

@@ -35,7 +35,6 @@ def fixed_batch(vocab: int, b: int = 4, t: int = 24, seed: int = 0, device=None)
 
 
 def test_train_step_reduces_loss_on_fixed_batch(megatron_world, device):
-
     cfg = make_cfg(optim={"lr": 3e-3, "clip_grad": 1.0}, moe_aux_loss_coeff=1e-2)
     learner = Learner(cfg, total_steps=12)
     mb = fixed_batch(cfg.model.vocab_size, device=device)
@@ -73,7 +72,6 @@ def test_aux_loss_gradient_is_averaged_over_microbatches(megatron_world, device)
 
 
 def test_full_recompute_gives_same_gradients(megatron_world, device):
-
     mb = fixed_batch(256, seed=3, device=device)
     grads = {}
     for mode in ("none", "full"):
@@ -87,7 +85,6 @@ def test_full_recompute_gives_same_gradients(megatron_world, device):
 
 
 def test_grad_clipping_bounds_the_update_norm(megatron_world, device):
-
     cfg = make_cfg(optim={"lr": 1e-3, "clip_grad": 0.0})
     learner = Learner(cfg, total_steps=1)
     learner.train_step([fixed_batch(256, device=device)], nll_loss)
@@ -113,13 +110,11 @@ def test_grad_clipping_bounds_the_update_norm(megatron_world, device):
     ],
 )
 def test_lr_schedule_hand_values(style, step, expected):
-
     cfg = OptimConfig(lr=1.0, min_lr=0.1, lr_warmup_steps=4, lr_decay_style=style)
     assert lr_at(step, cfg, total_steps=12) == pytest.approx(expected)
 
 
 def test_loss_fn_must_return_scalar(megatron_world, device):
-
     learner = Learner(make_cfg(), total_steps=1)
     with pytest.raises(ValueError, match="scalar loss; got shape"):
         learner.train_step([fixed_batch(256, device=device)], lambda lp, e, mb: (lp, {}))

@@ -81,7 +81,6 @@ def workspace(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(workspace):
-
     spec = ServerSpec(
         model_path=str(workspace / "model"),
         dtype="bfloat16",
@@ -133,7 +132,6 @@ def two_steps(workspace, server):
 
 
 def test_prompts_are_the_chat_template_of_dataset_rows(workspace, two_steps):
-
     out, console = two_steps
     tok = AutoTokenizer.from_pretrained(workspace / "model", local_files_only=True)
     # rows are read when drawn (issue 40): the overlong row is skipped where the order reaches it, named once
@@ -154,7 +152,6 @@ def test_prompts_are_the_chat_template_of_dataset_rows(workspace, two_steps):
 
 
 def test_reward_function_got_the_decoded_responses_and_labels(workspace, two_steps):
-
     out, _ = two_steps
     tok = AutoTokenizer.from_pretrained(workspace / "model", local_files_only=True)
     calls = [json.loads(line) for line in (workspace / "calls_a.jsonl").read_text().splitlines()]
@@ -175,7 +172,6 @@ def test_reward_function_got_the_decoded_responses_and_labels(workspace, two_ste
 
 
 def test_exported_weights_carry_the_tokenizer_and_chat_template(workspace, two_steps):
-
     out, _ = two_steps
     exported = AutoTokenizer.from_pretrained(out / "hf" / "current", local_files_only=True)
     original = AutoTokenizer.from_pretrained(workspace / "model", local_files_only=True)

@@ -68,7 +68,6 @@ def test_a_large_parquet_is_tokenised_only_where_the_stream_draws(tmp_path, tok)
 
 
 def test_every_file_form_reads_rows_on_demand_like_the_eager_reader(tmp_path):
-
     chat = [{"role": "user", "content": "z"}]
     rows = [{"q": chat, "a": "1", "n": [1, 2]}, {"q": chat[::-1], "a": None, "n": []}, {"q": [], "a": "3", "n": [3]}]
     (tmp_path / "d.jsonl").write_text(
@@ -106,7 +105,6 @@ def test_a_null_or_missing_label_names_file_and_row(tmp_path, tok, row):
 
 
 def test_a_reward_function_that_declares_needs_label_false_gets_none_with_one_warning(tmp_path, tok):
-
     verl_file = tmp_path / "verl_reward.py"  # a verl reward file as it is: needs a label
     verl_file.write_text(
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n"
@@ -128,7 +126,6 @@ def test_a_reward_function_that_declares_needs_label_false_gets_none_with_one_wa
 
 
 def test_the_preflight_refuses_a_null_label_in_the_first_row(tmp_path):
-
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"q": "x", "a": None}) + "\n")
     problems = list(data_files(cfg_for(tmp_path, [path])))
@@ -177,7 +174,6 @@ def test_overlong_rows_are_skipped_where_they_fall_and_all_overlong_is_an_error(
 
 
 def test_an_hf_directory_without_tokenizer_files_is_refused_up_front(tmp_path, tiny_model_cfg):
-
     bare = tmp_path / "bare"  # config.json and weights, no tokenizer files
     bare.mkdir()
     (bare / "config.json").write_text(hf_config_from_model_config(tiny_model_cfg).to_json_string())
@@ -210,7 +206,6 @@ def test_an_hf_directory_without_tokenizer_files_is_refused_up_front(tmp_path, t
 
 
 def test_dataset_prompts_index_spans_files_in_order(tmp_path, tok):
-
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_text("".join(json.dumps({"q": f"a{i}", "a": "1"}) + "\n" for i in range(3)))
     b.write_text("".join(json.dumps({"q": f"b{i}", "a": "1"}) + "\n" for i in range(2)))

@@ -42,7 +42,6 @@ QWEN = {
 
 @pytest.mark.parametrize("keys", [QWEN, GLM], ids=["qwen3_moe", "glm4_moe"])
 def test_config_json_gives_back_every_key_hf_init_wrote(keys):
-
     m = ModelConfig(**keys)
     derived = model_keys_from_hf(json.loads(hf_config_from_model_config(m).to_json_string()))
     for key, value in derived.items():

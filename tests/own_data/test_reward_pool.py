@@ -77,6 +77,5 @@ def test_a_numpy_return_value_is_an_error_for_its_call_not_a_dead_worker(tmp_pat
     ],
 )
 def test_normalise_refuses_what_is_not_one_number(value, why):
-
     with pytest.raises(ValueError, match=why):
         _normalise(value)

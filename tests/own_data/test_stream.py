@@ -49,14 +49,12 @@ def test_resuming_from_a_saved_position_continues_exactly():
 
 
 def test_a_position_for_another_dataset_size_is_refused():
-
     stream = DatasetStream(items(4), seed=0)
     with pytest.raises(ValueError, match="for 5 prompts; data.train_files now yield 4"):
         stream.load_state({"epoch": 0, "index": 1, "size": 5})
 
 
 def test_records_carry_each_samples_dataset_file_and_row(tmp_path):
-
     def sample(file, row):
         return RolloutSample(
             prompt_ids=np.array([1, 2], np.int32),

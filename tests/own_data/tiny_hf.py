@@ -33,7 +33,6 @@ MODEL_VOCAB = 384  # > the tokenizer's size: padded embedding rows, as in Qwen
 
 
 def build_tokenizer(vocab_size: int = 320, chat_template: str | None = CHAT_TEMPLATE):
-
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
@@ -50,7 +49,6 @@ def build_tokenizer(vocab_size: int = 320, chat_template: str | None = CHAT_TEMP
 
 
 def tiny_model_config(**overrides):
-
     return ModelConfig(
         **{
             "num_layers": 2,

@@ -232,7 +232,6 @@ def test_unreachable_rollout_address_is_an_environment_problem():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
 def test_gpu_settings_are_environment_problems_on_cpu():
-
     assert not use_transformer_engine()
     cfg = load_config(overrides=["parallel.tp=2", "rollout.device=cuda", "precision.fp8={}"])
     assert config_problems(cfg).problems == []

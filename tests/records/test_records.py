@@ -251,7 +251,6 @@ def test_validation_against_model_names_the_field(change, message):
 
 
 def test_load_rejects_a_foreign_safetensors_file(tmp_path):
-
     save_file({"x": np.zeros(3, np.float32)}, str(tmp_path / "other.safetensors"))
     with pytest.raises(RecordError, match="not a moe_rl records file"):
         RolloutBatch.load(tmp_path / "other.safetensors")
@@ -263,7 +262,6 @@ def test_mixed_route_presence_is_rejected():
 
 
 def test_records_inspect_cli(tmp_path, capsys):
-
     path = RolloutBatch.from_samples([make_sample(3, 2, i) for i in range(3)], num_experts=8).save(
         tmp_path / "r.safetensors"
     )

@@ -89,7 +89,6 @@ def test_structural_errors_are_caught_without_a_model(device, tmp_path, mutate, 
 
 
 def test_logprob_tolerance_is_the_decoders(device, tmp_path):
-
     for value, ok in ((LOGPROB_TOLERANCE / 2, True), (LOGPROB_TOLERANCE * 2, False)):
         batch = _batch(device)
         batch.rollout_logp[0] = value

@@ -40,7 +40,6 @@ def make_cfg(**model_overrides):
 
 @pytest.fixture(scope="session")
 def megatron_world():
-
     return init_distributed(make_cfg().parallel, environ={})
 
 
@@ -55,7 +54,6 @@ def build(megatron_world):
 
 
 def forward(model, input_ids: torch.Tensor) -> torch.Tensor:
-
     return forward_logits(model, input_ids)
 
 

@@ -223,7 +223,6 @@ def test_router_paths_that_bypass_replay_raise(build, overrides, needle):
 
 
 def test_mtp_router_gets_no_routes_and_routes_naturally(compose):
-
     model = compose(mtp=True)
     replay = RoutingReplay(model)
     assert len(replay.layers) == 3, "only the decoder's MoE layers take routes"

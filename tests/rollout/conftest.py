@@ -30,7 +30,6 @@ def route_spec(rollout_model_cfg) -> RouteSpec:
 
 
 def _write(model_cfg, out_dir, seed):
-
     return write_random_hf_checkpoint(model_cfg, out_dir, seed=seed, dtype="float32")
 
 

@@ -11,7 +11,6 @@ from transformers import Qwen3MoeForCausalLM
 
 
 def load_hf_model(model_dir, dtype: torch.dtype):
-
     return Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
 
 

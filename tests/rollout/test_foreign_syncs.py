@@ -55,7 +55,6 @@ def test_foreign_batches_are_resynced_up_to_the_limit_then_the_run_stops(caplog)
 
 
 def test_expected_fingerprint_is_taken_in_the_served_dtype():
-
     router = torch.randn(8, 64)
     bf16 = fingerprint_entry(router.to(torch.bfloat16))
     assert expected_entries({"model.layers.0.mlp.gate.weight": router}, {"model.layers.0.mlp.gate.weight": bf16}) == {

@@ -109,7 +109,6 @@ def test_cpu_servers_fork_their_children_and_defer_other_model_modules():
 
 
 def test_the_entry_point_makes_sglangs_spawn_request_the_chosen_method():
-
     real, before = multiprocessing.set_start_method, multiprocessing.get_start_method(allow_none=True)
     try:
         _keep_start_method("fork")

@@ -242,7 +242,6 @@ def keyed_server(server_spec, tmp_path_factory):
 
 
 def test_pause_and_continue_carry_the_admin_key_and_always_continue(keyed_server):
-
     server, keys = keyed_server
     url = server.url
     with (

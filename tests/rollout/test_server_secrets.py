@@ -88,7 +88,6 @@ def test_no_get_endpoint_shows_a_key_and_server_info_needs_the_admin_key(admin_k
 
 
 def _pushed(model_dir) -> dict:
-
     return {k: v for f in sorted(model_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 

@@ -41,7 +41,6 @@ GLM = ModelConfig(
 
 @pytest.fixture(scope="module")
 def glm_dir(tmp_path_factory):
-
     return write_random_hf_checkpoint(GLM, tmp_path_factory.mktemp("glm4_moe"), seed=0)
 
 
@@ -80,7 +79,6 @@ def hf_routes(model, tokens: np.ndarray, device) -> np.ndarray:
 
 
 def test_glm4_moe_served_routes_equal_hf_teacher_forced_routing(batch, glm_dir, device):
-
     hf = AutoModelForCausalLM.from_pretrained(glm_dir, dtype=torch.float32).eval().to(device)
     agree = total = 0
     for s in batch:

@@ -120,7 +120,6 @@ def test_two_steps_generated_at_once_share_max_concurrency_and_the_older_goes_fi
 
 
 def _bodies(client, step):
-
     return [
         {"sampling_params": {"sampling_seed": sample_seed(client.seed, step, g, j)}} for g in range(6) for j in range(2)
     ]

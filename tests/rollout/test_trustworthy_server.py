@@ -166,7 +166,6 @@ def test_every_admin_endpoint_the_trainer_calls_refuses_a_call_without_the_admin
 
 
 def test_distributed_sync_without_the_admin_key_is_refused_before_any_rendezvous(keyed, model_dir):
-
     pool, keys, _ = keyed
     url = pool.addresses[0]
     served = {k: v for f in sorted(Path(model_dir).glob("*.safetensors")) for k, v in load_safetensors(f).items()}

@@ -79,6 +79,5 @@ def test_a_rendezvous_port_in_use_is_refused_by_the_environment_rules():
 
 @pytest.mark.parametrize("key", ["rollout.weight_sync=nccl", "rollout.weight_sync_backend=mpi"])
 def test_unknown_values_name_the_key(key):
-
     with pytest.raises(ConfigError, match=key.split("=")[0]):
         load_config(overrides=[key])

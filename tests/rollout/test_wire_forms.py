@@ -182,7 +182,6 @@ def test_only_loopback_addresses_count_as_this_host():
 
 
 def test_weight_sync_mode_follows_the_config_and_the_server_hosts(tiny_hf_dir):
-
     local, remote = ["http://127.0.0.1:30000"], ["http://10.1.2.3:30000"]
     cfg = load_config(None, [f"checkpoint.init_from_hf={tiny_hf_dir}"])
     assert cfg.rollout.weight_sync == "auto"

@@ -23,7 +23,6 @@ def test_package_root_holds_no_loose_study_modules():
 
 
 def test_cli_subcommands_still_reach_the_study_flow():
-
     args = build_parser().parse_args(["ablate", "configs/ablation_replay.yaml"])
     assert args.func.__name__ == "_ablate"
     args = build_parser().parse_args(["diagnose", "configs/tiny_cpu.yaml"])

@@ -156,7 +156,6 @@ def check_expert_bias(rank: int) -> None:
 
 
 def _default(model, mb, temperature):
-
     return default_logprob_fn(model, mb, temperature)
 
 

@@ -65,7 +65,6 @@ def test_an_eval_line_at_step_0_is_no_step_but_a_trained_step_still_is_a_run(tmp
 
 
 def test_a_damaged_warm_start_cache_is_named_in_one_line_and_rebuilt(tmp_path, capfd, device):
-
     init_distributed(ParallelConfig(), environ={})
     cfg = load_config(
         ROOT / "configs/demo.yaml", [f"train.warm_start.cache_dir={tmp_path}", "train.warm_start.steps=2"]
@@ -87,7 +86,6 @@ def test_a_damaged_warm_start_cache_is_named_in_one_line_and_rebuilt(tmp_path, c
 
 
 def test_records_inspect_names_the_array_that_is_one_row_short(tmp_path, capsys):
-
     batch = RolloutBatch.load(ROOT / "tests/data/records_tiny_cpu/step_000000.safetensors")
     n = len(batch)
     batch.prompt_lens = batch.prompt_lens[:-1]
@@ -109,7 +107,6 @@ def test_config_validate_on_a_fresh_clone_says_how_to_build_the_example_model(tm
 
 
 def test_no_label_samples_are_counted_per_step(tmp_path):
-
     class Constant(Rewarder):
         def score(self, prompts, responses):
             return Scores([1.0] * len(responses))

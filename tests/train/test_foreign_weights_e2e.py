@@ -47,7 +47,6 @@ def _attack(url: str, foreign_dir: Path, stop: threading.Event, pushes: list) ->
 
 @pytest.mark.timeout(1800)  # at load 40-70 on 2 cores the server start alone took over 15 minutes
 def test_another_model_pushed_under_the_runs_label_is_never_trained_on(tmp_path):
-
     cfg = load_config(ROOT / "configs/tiny_cpu.yaml")
     foreign = write_random_hf_checkpoint(cfg.model, tmp_path / "foreign", seed=77)
     run = tmp_path / "run"

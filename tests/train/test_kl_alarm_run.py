@@ -27,7 +27,6 @@ from tests.train.records_fixture import CONFIG, RECORDS, SHAPE, initial_hf_dir
 
 @pytest.fixture(scope="module")
 def foreign_hf(tmp_path_factory):
-
     return write_random_hf_checkpoint(load_config(CONFIG).model, tmp_path_factory.mktemp("foreign_hf"), seed=5)
 
 

@@ -161,7 +161,6 @@ def test_two_rank_expert_parallel_async_run_starts_its_own_server_from_rank_0(tm
 
 
 def test_the_server_environment_drops_the_learners_rendezvous_variables():
-
     torchrun = {
         "RANK": "0",
         "WORLD_SIZE": "2",

@@ -209,7 +209,6 @@ class StreamingMaker(Maker):
         self.finished: list[int] = []
 
     def __call__(self, step, served, drawn=lambda: None):
-
         self.calls.append((step, served))
         prompts = []
         for r in range(self.rounds(step)):
@@ -234,7 +233,6 @@ def _partial_push(producer, version):
 
 
 def _wait_until(cond, what):
-
     deadline = time.monotonic() + 30
     while not cond():
         assert time.monotonic() < deadline, what

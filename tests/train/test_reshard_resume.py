@@ -60,7 +60,6 @@ def resharded(tmp_path_factory):
 
 @one_gpu_per_rank(2)
 def test_ep2_checkpoint_resumes_at_ep1_and_continues_the_same_run(resharded):
-
     out, uninterrupted, ep2_step2, _ = resharded
     resumed = read_metrics(out / "metrics.jsonl")  # step 1 from the ep=2 run, step 2 from the ep=1 resume
     assert_same_steps(uninterrupted, resumed, "ep=2 -> ep=1 resume")
@@ -79,7 +78,6 @@ def test_ep2_checkpoint_resumes_at_ep1_and_continues_the_same_run(resharded):
 
 @one_gpu_per_rank(2)
 def test_resumed_state_equals_the_saved_global_state_and_the_reference_its_start(resharded):
-
     out, _, _, hf = resharded
     cfg = load_config(CONFIG, [*SHAPE, *RUN, "parallel.ep=1", f"checkpoint.init_from_hf={hf}"])
     init_distributed(cfg.parallel, environ={})

@@ -141,7 +141,6 @@ def test_unwritable_checkpoint_dir_is_caught_before_anything_starts(tmp_path):
 
 # ---------------------------------------------------------------- issue 21, item 4: checkpoint.dir and train.steps
 def _foreign_checkpoints(ckpt: Path, run_id: str | None, output_dir: Path) -> None:
-
     step = ckpt / "step_00000003"
     step.mkdir(parents=True)
     (step / "meta.json").write_text('{"step": 3, "extra": {"rl_step": 3}}')
@@ -162,7 +161,6 @@ def test_checkpoints_no_run_in_the_output_dir_wrote_are_refused(tmp_path):
 
 
 def test_checkpoints_of_another_run_are_refused_naming_it(tmp_path):
-
     ckpt = tmp_path / "shared_ckpt"
     _foreign_checkpoints(ckpt, "aaaaaaaaaaaa", tmp_path / "run_a")
     run_b = tmp_path / "run_b"

@@ -108,7 +108,6 @@ def one_rank(tmp_path_factory, hf_dir):
 
 
 def test_records_have_ragged_responses_and_several_microbatches():
-
     batch = RolloutBatch.load(RECORDS / "step_000000.safetensors")
     assert len(set(batch.response_lens.tolist())) > 1 and len(batch) == 16
 

@@ -42,7 +42,6 @@ def test_no_warning_configured_installs_no_handler():
 
 
 def _rank(rank: int, port: int, results) -> None:
-
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     stop = StopRequest("USR1")
     with stop.installed():

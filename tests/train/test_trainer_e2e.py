@@ -206,7 +206,6 @@ def _step_dir(latest: Path) -> Path:
 
 # ---------------------------------------------------------------------------------------------- async rollouts
 def _records_arrays(path: Path) -> dict:
-
     return load_file(str(path))
 
 

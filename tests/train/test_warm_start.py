@@ -37,12 +37,10 @@ def demo_cfg(tmp_path: Path, *overrides: str):
 
 @pytest.fixture(scope="module")
 def world():
-
     return init_distributed(ParallelConfig(), environ={})
 
 
 def test_sft_batch_puts_the_loss_on_answer_and_eos_targets_only(device):
-
     task, tok = DigitTask("copy_long", 64), build_task_tokenizer(64)
     short, long = task.make_prompt([1, 2, 3, 4, 5, 6, 7]), task.make_prompt([9] * 9)
     mb = sft_microbatch([short, long], device)
@@ -69,7 +67,6 @@ def _answer_nll(module, cfg, device) -> float:
 
 
 def test_warm_start_trains_caches_and_reloads_the_same_weights(world, tmp_path, device, monkeypatch):
-
     cfg = demo_cfg(tmp_path)
     fresh = Learner(cfg)
     before = _answer_nll(fresh.module, cfg, device)
@@ -90,7 +87,6 @@ def test_warm_start_trains_caches_and_reloads_the_same_weights(world, tmp_path, 
 
 
 def test_cache_key_follows_model_task_and_warm_start_settings_not_the_rl_seed(tmp_path):
-
     base = warm_start_key(demo_cfg(tmp_path))
     assert warm_start_key(demo_cfg(tmp_path, "train.seed=5", "rollout.seed=5", "optim.lr=0.1")) == base
     for change in (
@@ -106,7 +102,6 @@ def test_cache_key_follows_model_task_and_warm_start_settings_not_the_rl_seed(tm
 
 
 def test_a_cache_file_for_another_model_is_one_clear_error(world, tmp_path):
-
     cfg = demo_cfg(tmp_path)
     directory = cache_path(cfg)
     directory.mkdir(parents=True)
@@ -117,7 +112,6 @@ def test_a_cache_file_for_another_model_is_one_clear_error(world, tmp_path):
 
 
 def test_no_warm_start_configured_is_a_no_op(world, tmp_path):
-
     cfg = load_config(ROOT / "configs/tiny_cpu.yaml")
     learner = Learner(cfg)
     before = {k: v.clone() for k, v in learner.module.state_dict().items() if torch.is_tensor(v)}
