@@ -15,16 +15,14 @@ from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
 from moe_rl.exact.kernels import token_logprobs
-from moe_rl.learner.model import forward_logits
+from moe_rl.learner.model import forward_logits, unwrap
 
 __all__ = ["logprobs_from_logits", "response_logprobs", "uses_exact"]
 
 
 def uses_exact(model) -> bool:
     """Whether ``model`` was built for ``rollout.true_on_policy`` (its log-probs use ``kernels.token_logprobs``)."""
-    while hasattr(model, "module"):
-        model = model.module
-    return bool(getattr(model, "moe_rl_exact", False))
+    return bool(getattr(unwrap(model), "moe_rl_exact", False))
 
 
 def _tp_group():

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.utils import unwrap_model
 
 from moe_rl.replay.binding import moe_layer_pattern
 from moe_rl.replay.layer_hook import in_backward
@@ -49,8 +50,7 @@ class DispatchProbe:
     """Hooks on all MoE routers of ``model.decoder``; ``capture()`` collects their routing maps."""
 
     def __init__(self, model):
-        while hasattr(model, "module"):
-            model = model.module
+        model = unwrap_model(model)
         pattern = moe_layer_pattern(model.config)
         self.moe_layer_ids: list[int] = []
         self._routers: list[TopKRouter] = []
