@@ -132,12 +132,13 @@ def _rollout_steps(
                 f"'--dp-size {ln.gpus_per_node // per_server}' to rollout.extra_server_args to use them all"
             )
     # 0.0.0.0: the learner nodes connect from outside; same flags as the local launcher otherwise.
-    # No key configured: the script draws a fresh admin key at run time (generated_key_env), never in a file.
-    keys = {} if _configured_keys(cfg) else {"admin_api_key_env": RUN_ADMIN_KEY_ENV}
+    # No admin key configured: the script draws a fresh one at run time (generated_key_env), never in a file; the
+    # servers this job launches never take the API key on their admin endpoints.
+    keys = {} if cfg.rollout.admin_api_key_env else {"admin_api_key_env": RUN_ADMIN_KEY_ENV}
     spec = ServerSpec.from_rollout_config(cfg.rollout, served, host="0.0.0.0", port=ln.rollout_port, **keys)
     if keys:
         notes.append(
-            f"no rollout.api_key_env: a fresh random admin key for this job is exported as "
+            f"no rollout.admin_api_key_env: a fresh random admin key for this job is exported as "
             f"{RUN_ADMIN_KEY_ENV} to the servers and the learner (never written to a file)"
         )
     steps, urls = [], []
@@ -171,10 +172,6 @@ def rollout_port_file(log_dir: str, node: str) -> str:
     the job's ``logs-<job>`` folder, in ``ports-<job>``."""
     logs = PurePosixPath(log_dir)
     return str(logs.with_name(logs.name.replace("logs-", "ports-", 1)) / f"rollout-{node}.port")
-
-
-def _configured_keys(cfg: ExperimentConfig) -> bool:
-    return bool(cfg.rollout.api_key_env or cfg.rollout.admin_api_key_env)
 
 
 def _learner_step(
@@ -271,7 +268,7 @@ def build_launch_plan(cfg: ExperimentConfig, env: Mapping[str, str]) -> LaunchPl
         _rollout_steps(cfg, rollout_nodes, log_dir, env) if ln.rollout_nodes else ([], [], [])
     )
     addresses = urls or list(cfg.rollout.addresses)
-    generated = RUN_ADMIN_KEY_ENV if rollout_steps and not _configured_keys(cfg) else None
+    generated = RUN_ADMIN_KEY_ENV if rollout_steps and not cfg.rollout.admin_api_key_env else None
     key_vars = (*key_vars, generated) if generated else key_vars
     if key_vars:  # explicit: the rollout and learner steps inherit the variables holding the keys
         rollout_steps = [dataclasses.replace(st, srun_args=(*st.srun_args, "--export=ALL")) for st in rollout_steps]

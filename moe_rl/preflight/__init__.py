@@ -36,11 +36,13 @@ from moe_rl.exact.preflight import true_on_policy_settings
 from moe_rl.preflight.data import data_files, hf_model_directory, reward_settings
 from moe_rl.preflight.learner import accelerator, learner_features, optimizer_options, process_count
 from moe_rl.preflight.rollout import (
+    external_server_key_notes,
     partial_rollout_notes,
     partial_rollouts,
     rollout_addresses,
     rollout_mode,
     sampling_settings,
+    server_keys,
 )
 from moe_rl.preflight.sync import weight_sync_architecture, weight_sync_group, weight_sync_rendezvous
 from moe_rl.preflight.tasks import reward_fn_imports, task_and_lengths
@@ -124,6 +126,7 @@ def config_problems(cfg: ExperimentConfig) -> PreflightReport:
                 report.problems.append(problem)
                 keys_reported.add(key)
     report.notes.extend(partial_rollout_notes(cfg))
+    report.notes.extend(external_server_key_notes(cfg))
     if cfg.ksm_is_noop:
         report.notes.append(
             "replay.keep_sampling_mask=true with rollout.top_p=1 and rollout.top_k=-1: sampling is untruncated, "
@@ -135,7 +138,7 @@ def config_problems(cfg: ExperimentConfig) -> PreflightReport:
 # --- environment rules --------------------------------------------------------------------------
 
 
-ENV_RULES = (process_count, accelerator, rollout_addresses, weight_sync_rendezvous)
+ENV_RULES = (process_count, accelerator, server_keys, rollout_addresses, weight_sync_rendezvous)
 
 
 def environment_problems(cfg: ExperimentConfig, environ: Mapping[str, str] | None = None) -> PreflightReport:

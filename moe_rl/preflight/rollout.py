@@ -13,7 +13,15 @@ import httpx
 
 from moe_rl.config import ExperimentConfig
 
-__all__ = ["partial_rollout_notes", "partial_rollouts", "rollout_addresses", "rollout_mode", "sampling_settings"]
+__all__ = [
+    "external_server_key_notes",
+    "partial_rollout_notes",
+    "partial_rollouts",
+    "rollout_addresses",
+    "rollout_mode",
+    "sampling_settings",
+    "server_keys",
+]
 
 
 def sampling_settings(cfg: ExperimentConfig) -> Iterable[str]:
@@ -63,6 +71,26 @@ def partial_rollout_notes(cfg: ExperimentConfig) -> Iterable[str]:
 
 
 # --- environment rules --------------------------------------------------------------------------
+
+
+def server_keys(cfg: ExperimentConfig, environ: Mapping[str, str]) -> Iterable[str]:
+    r = cfg.rollout
+    api, admin = environ.get(r.api_key_env or ""), environ.get(r.admin_api_key_env or "")
+    if api and admin and api == admin:
+        yield (
+            f"rollout.api_key_env={r.api_key_env!r} and rollout.admin_api_key_env={r.admin_api_key_env!r} hold the "
+            "same key: every client that may generate could also push weights; expected two different keys"
+        )
+
+
+def external_server_key_notes(cfg: ExperimentConfig) -> Iterable[str]:
+    r = cfg.rollout
+    if r.addresses and r.api_key_env and not r.admin_api_key_env:
+        yield (
+            f"rollout.addresses with rollout.api_key_env={r.api_key_env!r} and no rollout.admin_api_key_env: servers "
+            "started without an admin key accept the API key on their admin endpoints (weight updates); moe_rl does "
+            "not start these servers and cannot change that (docs/operations.md)"
+        )
 
 
 def rollout_addresses(cfg: ExperimentConfig, environ: Mapping[str, str]) -> Iterable[str]:

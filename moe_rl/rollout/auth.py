@@ -5,8 +5,8 @@ config never holds a key), the ``Authorization`` header of each kind of call (SG
 on weight updates when it has one, the API key everywhere else), and never printing a key (``repr``
 redacts). The server side is ``sglang_entry`` (keys from the environment, redacted from its log).
 
-Secure by default: servers this run launches itself (no ``rollout.addresses``) with no key variable
-configured get a fresh random admin key (``ServerKeys.for_run``). It lives in the trainer's memory and
+Secure by default: servers this run launches itself (no ``rollout.addresses``) with no admin key variable
+configured get a fresh random admin key (``ServerKeys.for_run``), also beside a configured API key. It lives in the trainer's memory and
 reaches the server only through the server's environment (``RUN_ADMIN_KEY_ENV``); it is never written to
 a config, a log or the run directory. Servers given by ``rollout.addresses`` keep the configured keys.
 """
@@ -78,11 +78,14 @@ class ServerKeys:
 
     @classmethod
     def for_run(cls, rollout, environ: Mapping[str, str] | None = None) -> ServerKeys:
-        """The keys of a run's servers: the configured variables (an unset one raises ServerKeyError), else a
-        fresh admin key when the run launches its servers itself, else none (``rollout.addresses``)."""
-        if rollout.api_key_env or rollout.admin_api_key_env or rollout.addresses:
-            return cls.from_rollout_config(rollout, environ)
-        return cls.fresh()
+        """The keys of a run's servers: the configured variables (an unset one raises ServerKeyError). Servers the
+        run launches itself (no ``rollout.addresses``) always get an admin key apart from the API key: a fresh one
+        when ``rollout.admin_api_key_env`` is not set, so a client that may generate (the API key) may not push
+        weights. Servers given by ``rollout.addresses`` keep what they were started with."""
+        configured = cls.from_rollout_config(rollout, environ)
+        if rollout.addresses or rollout.admin_api_key_env:
+            return configured
+        return cls(api_key=configured.api_key, admin_api_key=cls.fresh().admin_api_key, generated=True)
 
     def server_env(self) -> dict[str, str]:
         """What a launched server's environment must add: the generated key under ``RUN_ADMIN_KEY_ENV``."""

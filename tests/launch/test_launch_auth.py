@@ -55,6 +55,21 @@ def test_plan_without_a_key_gives_its_servers_a_fresh_admin_key_at_run_time(slur
     assert len(keys) == 2 and all(len(k) == 64 and int(k, 16) >= 0 for k in keys)
 
 
+def test_plan_with_only_an_api_key_gives_its_servers_an_admin_key_of_their_own(slurm_env):
+    """Issue 57 (3): the job's servers take the configured API key for generation and a fresh admin key, drawn when
+    the script runs, for weight updates; the learner is handed both variables by name."""
+    cfg = load_config(QWEN3, ["rollout.api_key_env=MOE_RL_ROLLOUT_KEY"])
+    script = render_launch(cfg, dry_run=True, env=slurm_env("gpu[001-006]", MOE_RL_ROLLOUT_KEY=SECRET))
+    assert SECRET not in script
+    assert len([line for line in script.splitlines() if line.startswith(f"export {RUN_ADMIN_KEY_ENV}=")]) == 1
+    cmds = rendered_commands(script)
+    for argv in (c for c in cmds if "moe_rl.rollout.sglang_entry" in c):
+        assert flag_value(argv, "--api-key-env") == "MOE_RL_ROLLOUT_KEY"
+        assert flag_value(argv, "--admin-api-key-env") == RUN_ADMIN_KEY_ENV
+    (learner,) = [c for c in cmds if "torchrun" in c]
+    assert f"rollout.admin_api_key_env={RUN_ADMIN_KEY_ENV}" in learner
+
+
 def test_plan_with_external_servers_keeps_the_configured_rules(slurm_env):
     cfg = load_config(QWEN3, ["launch.rollout_nodes=0", 'rollout.addresses=["http://srv:30000"]'])
     script = render_launch(cfg, dry_run=True, env=slurm_env("gpu[001-004]"))
