@@ -5,7 +5,8 @@ set to ``launch.rollout_port``; if the server exits because another process on t
 (its HTTP port or an auxiliary one: ``moe_rl.rollout.ports.lost_a_bind``), start it again on the next port, up to
 ``--port-tries`` ports, each retry logged; once ``/health`` answers, write the port to ``--port-file``
 (atomically), which the job script reads to tell the learners the server's address. Then it waits on the
-server, stops the server's process group on SIGTERM/SIGINT (the job's cleanup) and exits with its code.
+server, stops the server's process group on SIGTERM/SIGINT (the job's cleanup; ``launcher.stop_group``, which also
+removes the ``/dev/shm`` files the group left) and exits with its code.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from moe_rl.rollout.launcher import die_with_parent
+from moe_rl.rollout.launcher import die_with_parent, stop_group
 from moe_rl.rollout.ports import lost_a_bind
 
 ROLLOUT_PORT_TRIES = 8  # ports launch.rollout_port .. +7 are tried on each rollout node
@@ -53,15 +54,6 @@ def _copy_output(proc: subprocess.Popen, seen: list[str]) -> None:
         sys.stdout.flush()
 
 
-def _stop(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=wait_s)
-            return
-
-
 def _start(argv: list[str], port: int, timeout_s: float) -> tuple[subprocess.Popen, threading.Thread]:
     """The server on ``port``, healthy; ServerExited or TimeoutError otherwise (its group stopped)."""
     proc = subprocess.Popen(
@@ -87,7 +79,7 @@ def _start(argv: list[str], port: int, timeout_s: float) -> tuple[subprocess.Pop
             time.sleep(1.0)
         raise TimeoutError(f"not healthy within {timeout_s} s (rollout.startup_timeout_s)")
     except BaseException:
-        _stop(proc)
+        stop_group(proc)
         raise
 
 
@@ -121,7 +113,7 @@ def serve(argv: list[str], first_port: int, tries: int, port_file: Path, timeout
         print(f"moe_rl serve: healthy on port {port}; published in {port_file}", file=sys.stderr, flush=True)
 
         def stop_and_exit(signum, _frame, proc=proc):
-            _stop(proc)
+            stop_group(proc)
             sys.exit(128 + signum)
 
         previous = {s: signal.signal(s, stop_and_exit) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -130,7 +122,7 @@ def serve(argv: list[str], first_port: int, tries: int, port_file: Path, timeout
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
-            _stop(proc)
+            stop_group(proc)
         echo.join(timeout=5.0)
         return code
     print(f"moe_rl serve: ports {first_port}-{first_port + tries - 1} were all taken", file=sys.stderr, flush=True)

@@ -204,22 +204,8 @@ class SGLangServer:
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM the process group, SIGKILL what is left after `grace_s`; idempotent."""
         proc, self.process = self.process, None
-        if proc is None:
-            return
-        pgid = proc.pid  # start_new_session=True: the group id is the leader's pid
-        self.shm_files.update(group_shm_files(pgid))
-        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, sig)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=wait_s)
-            if not _group_alive(pgid):
-                break
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=1.0)
-        if not _group_alive(pgid):  # nobody maps them any more: SGLang leaves these behind
-            remove_shm_files(self.shm_files)
-            self.shm_files.clear()
+        if proc is not None:
+            stop_group(proc, grace_s, self.shm_files)
 
     def restart(self) -> None:
         """Stop what is left of the server and start it again on the same port."""
@@ -231,6 +217,27 @@ class SGLangServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 15.0, shm_files: dict[Path, int] | None = None) -> None:
+    """SIGTERM the process group ``proc`` leads (started with ``start_new_session=True``), SIGKILL what is left after
+    ``grace_s``; once the group is gone, remove the ``/dev/shm`` files it mapped (``shm_files``, path -> inode, is
+    updated with those it maps now and cleared when removed): nobody maps them any more, and SGLang leaves them."""
+    pgid = proc.pid  # the group id is the leader's pid
+    files = {} if shm_files is None else shm_files
+    files.update(group_shm_files(pgid))
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=wait_s)
+        if not _group_alive(pgid):
+            break
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=1.0)
+    if not _group_alive(pgid):
+        remove_shm_files(files)
+        files.clear()
 
 
 def _group_alive(pgid: int) -> bool:
