@@ -9,6 +9,7 @@ input mask — rejection only ever removes tokens — plus its metrics.
 from __future__ import annotations
 
 import math
+from typing import get_args
 
 import torch
 
@@ -25,22 +26,11 @@ from moe_rl.algo.tensors import (
     metric,
     seq_valid,
 )
+from moe_rl.config.algo_sections import RejectionMode
 
 Metrics = dict[str, torch.Tensor]
 
-RS_MODES = (
-    "token_k1",
-    "token_k2",
-    "token_k3",
-    "seq_sum_k1",
-    "seq_sum_k2",
-    "seq_sum_k3",
-    "seq_mean_k1",
-    "seq_mean_k2",
-    "seq_mean_k3",
-    "seq_max_k2",
-    "seq_max_k3",
-)
+RS_MODES = get_args(RejectionMode)  # the config's list of correction.rs_mode values, in its order
 
 
 def token_divergence(log_rho: torch.Tensor, estimator: str) -> torch.Tensor:
