@@ -8,9 +8,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 import warnings
 
+from moe_rl import console
 from moe_rl.config import ConfigError, dump_config, load_config
 from moe_rl.config.memory_plan import launch_world, memory_plan
 from moe_rl.records import RecordError, RolloutBatch
@@ -296,6 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     for pattern in QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern, category=UserWarning)
     args = build_parser().parse_args(argv)
+    console.install()  # log lines around the progress bar, once per job (rank 0)
+    # SIGTERM stops as Ctrl-C does (launch.signal=TERM: the run's StopRequest takes it over while it is armed)
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, console.raise_terminated)
     try:
         rc = args.func(args)
     except Exception as exc:
@@ -303,11 +310,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {exc}", file=sys.stderr)
         rc = 2  # every rank fails alike on these (decided on rank 0), so the groups can be torn down together
-    except KeyboardInterrupt:  # servers were stopped and the lock released by the finally blocks on the way out
-        print(
-            "interrupted (Ctrl-C): stopped; rerun the same command to resume from the last checkpoint", file=sys.stderr
-        )
-        return 130
+    except KeyboardInterrupt as exc:  # servers were stopped and the lock released by the finally blocks on the way out
+        terminated = isinstance(exc, console.Terminated)
+        what, rc = (f"terminated ({exc.name})", 128 + exc.signum) if terminated else ("interrupted (Ctrl-C)", 130)
+        print(f"{what}: stopped; rerun the same command to resume from the last checkpoint", file=sys.stderr)
+        return rc
     _close_distributed()
     return rc
 

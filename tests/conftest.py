@@ -13,12 +13,15 @@ from moe_rl.config import ModelConfig, load_config
 from moe_rl.learner.hf_init import write_random_hf_checkpoint
 from moe_rl.rollout.launcher import SGLangServer
 from moe_rl.rollout.server_spec import ServerSpec
+from tests.shm_watch import pytest_runtest_protocol, pytest_sessionfinish, pytest_sessionstart
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # One intra-op thread: the tiny models are dispatch-bound, and a second thread fights the SGLang
 # server process (and the other torchrun rank) for the machine's 2 cores.
 torch.set_num_threads(1)
+
+__all__ = ["pytest_runtest_protocol", "pytest_sessionfinish", "pytest_sessionstart"]  # the /dev/shm check
 
 
 def session_device() -> torch.device:

@@ -25,6 +25,7 @@ import httpx
 
 from moe_rl.rollout.launcher import die_with_parent, stop_group
 from moe_rl.rollout.ports import lost_a_bind
+from moe_rl.rollout.shm import group_shm_files
 
 ROLLOUT_PORT_TRIES = 8  # ports launch.rollout_port .. +7 are tried on each rollout node
 
@@ -54,8 +55,12 @@ def _copy_output(proc: subprocess.Popen, seen: list[str]) -> None:
         sys.stdout.flush()
 
 
-def _start(argv: list[str], port: int, timeout_s: float) -> tuple[subprocess.Popen, threading.Thread]:
-    """The server on ``port``, healthy; ServerExited or TimeoutError otherwise (its group stopped)."""
+def _start(
+    argv: list[str], port: int, timeout_s: float, shm_files: dict[Path, int]
+) -> tuple[subprocess.Popen, threading.Thread]:
+    """The server on ``port``, healthy; ServerExited or TimeoutError otherwise (its group stopped). ``shm_files``
+    gains the ``/dev/shm`` files its group maps, found while it starts and once healthy: a job step's SIGTERM reaches
+    the server's processes as it reaches this one, so they may be gone before ``stop_group`` looks."""
     proc = subprocess.Popen(
         with_port(argv, port),
         stdout=subprocess.PIPE,
@@ -70,16 +75,18 @@ def _start(argv: list[str], port: int, timeout_s: float) -> tuple[subprocess.Pop
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:
+            shm_files.update(group_shm_files(proc.pid))  # a server that dies before /health leaves them
             if proc.poll() is not None:
                 echo.join(timeout=5.0)
                 raise ServerExited(proc.returncode, lost_a_bind("".join(seen)))
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2.0).status_code == 200:
+                    shm_files.update(group_shm_files(proc.pid))
                     return proc, echo
             time.sleep(1.0)
         raise TimeoutError(f"not healthy within {timeout_s} s (rollout.startup_timeout_s)")
     except BaseException:
-        stop_group(proc)
+        stop_group(proc, shm_files=shm_files)
         raise
 
 
@@ -93,8 +100,9 @@ def _publish(port_file: Path, port: int) -> None:
 def serve(argv: list[str], first_port: int, tries: int, port_file: Path, timeout_s: float) -> int:
     """Run the server (see the module docstring); returns the exit code for the step."""
     for port in range(first_port, first_port + tries):
+        shm_files: dict[Path, int] = {}
         try:
-            proc, echo = _start(argv, port, timeout_s)
+            proc, echo = _start(argv, port, timeout_s, shm_files)
         except ServerExited as exc:
             if not exc.lost_port:
                 print(f"moe_rl serve: the server on port {port} {exc}", file=sys.stderr, flush=True)
@@ -112,8 +120,8 @@ def serve(argv: list[str], first_port: int, tries: int, port_file: Path, timeout
         _publish(port_file, port)
         print(f"moe_rl serve: healthy on port {port}; published in {port_file}", file=sys.stderr, flush=True)
 
-        def stop_and_exit(signum, _frame, proc=proc):
-            stop_group(proc)
+        def stop_and_exit(signum, _frame, proc=proc, shm_files=shm_files):
+            stop_group(proc, shm_files=shm_files)
             sys.exit(128 + signum)
 
         previous = {s: signal.signal(s, stop_and_exit) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -122,7 +130,7 @@ def serve(argv: list[str], first_port: int, tries: int, port_file: Path, timeout
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
-            stop_group(proc)
+            stop_group(proc, shm_files=shm_files)
         echo.join(timeout=5.0)
         return code
     print(f"moe_rl serve: ports {first_port}-{first_port + tries - 1} were all taken", file=sys.stderr, flush=True)

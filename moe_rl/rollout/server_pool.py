@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 
+from moe_rl.console import raise_terminated
 from moe_rl.rollout.auth import RUN_ADMIN_KEY_ENV, ServerKeys
 from moe_rl.rollout.launcher import ServerStartError, SGLangServer, log_tail
 from moe_rl.rollout.server_spec import ServerSpec
@@ -32,15 +33,12 @@ logger = logging.getLogger(__name__)
 
 @contextlib.contextmanager
 def terminate_on_signals() -> Iterator[None]:
-    """In the main thread, turn SIGTERM/SIGHUP into SystemExit so `finally` blocks stop servers."""
+    """In the main thread, raise SIGTERM/SIGHUP as ``console.Terminated`` so `finally` blocks stop servers (and
+    ``moe-rl`` says so in one line)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-
-    def _raise(signum, _frame):
-        raise SystemExit(128 + signum)
-
-    previous = {s: signal.signal(s, _raise) for s in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {s: signal.signal(s, raise_terminated) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
     finally:

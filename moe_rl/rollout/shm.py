@@ -23,12 +23,28 @@ def group_shm_files(pgid: int, shm_dir: Path = SHM_DIR) -> dict[Path, int]:
     tqdm's multiprocessing lock in SGLang's spawned scheduler) as a temp file, maps it and then links it
     under its name, so ``/proc/<pid>/maps`` shows ``/dev/shm/sem.XXXXXX (deleted)`` for a live ``sem.mp-*``.
     """
+    inodes = held_inodes(pgid, shm_dir)
+    return {path: inode for path, inode in shm_entries(shm_dir).items() if inode in inodes}
+
+
+def shm_entries(shm_dir: Path = SHM_DIR) -> dict[Path, int]:
+    """``{path: inode}`` of every entry in ``shm_dir`` now."""
+    found: dict[Path, int] = {}
+    with contextlib.suppress(OSError), os.scandir(shm_dir) as entries:
+        for entry in entries:
+            with contextlib.suppress(OSError):
+                found[Path(entry.path)] = entry.inode()
+    return found
+
+
+def held_inodes(pgid: int | None = None, shm_dir: Path = SHM_DIR) -> set[int]:
+    """Inodes of the ``shm_dir`` files mapped or open in a live process of group ``pgid`` (None: any process)."""
     inodes: set[int] = set()
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
-            if os.getpgid(int(proc.name)) != pgid:
+            if pgid is not None and os.getpgid(int(proc.name)) != pgid:
                 continue
             inodes.update(
                 int(fields[4])
@@ -41,13 +57,7 @@ def group_shm_files(pgid: int, shm_dir: Path = SHM_DIR) -> dict[Path, int]:
             with contextlib.suppress(OSError):
                 if os.readlink(fd).startswith(f"{shm_dir}/"):
                     inodes.add(os.stat(fd).st_ino)
-    found: dict[Path, int] = {}
-    with contextlib.suppress(OSError), os.scandir(shm_dir) as entries:
-        for entry in entries:
-            with contextlib.suppress(OSError):
-                if entry.inode() in inodes:
-                    found[Path(entry.path)] = entry.inode()
-    return found
+    return inodes
 
 
 def remove_shm_files(files: dict[Path, int]) -> None:

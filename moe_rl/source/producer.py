@@ -55,11 +55,12 @@ def _user_errors() -> tuple[type, ...]:
 
 
 def raise_batch_failure(step: int, error: BaseException, who: str):
-    """Re-raise ``error`` (a batch source failed making step ``step``'s batch) in the learner's thread: a bad dataset
-    row or reward as it is (its one-line message), anything else naming the step and ``who`` failed."""
+    """Re-raise ``error`` (a batch source failed making the batch of step index ``step``) in the learner's thread: a
+    bad dataset row or reward as it is (its one-line message), anything else naming the step (1-based, as metrics.jsonl
+    counts) and ``who`` failed."""
     if isinstance(error, _user_errors()):
         raise error
-    raise RuntimeError(f"{who} failed while making step {step}'s batch: {type(error).__name__}: {error}") from error
+    raise RuntimeError(f"{who} failed while making step {step + 1}'s batch: {type(error).__name__}: {error}") from error
 
 
 class InlineBatches:
@@ -301,7 +302,7 @@ def pending_records(resume_meta: dict, records_dir: Path) -> dict[int, Path]:
         source = Path(resume_meta["files_dir"]) / name
         if not source.is_file():
             raise FileNotFoundError(
-                f"{source}: the checkpoint lists step {step}'s finished records but does not "
+                f"{source}: the checkpoint lists step {int(step) + 1}'s finished records but does not "
                 "hold them (a damaged checkpoint); start over or restore the file"
             )
         target = Path(records_dir) / name

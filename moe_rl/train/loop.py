@@ -167,7 +167,7 @@ class RLTrainer:
         if self.from_records:
             if not path.is_file():
                 raise FileNotFoundError(
-                    f"train.rollouts_from={self.cfg.train.rollouts_from}: no records for step {step} (expected {path})"
+                    f"train.rollouts_from={self.cfg.train.rollouts_from}: no records for step {step + 1} (expected {path})"
                 )
             return self.records.load(path)
         made = self.weights.calls.on_rank0(lambda: self._make_batch(client, step))  # a re-sync on the way runs on all
@@ -192,7 +192,7 @@ class RLTrainer:
         plan = self.plan(step)
         if plan.num_samples != len(batch):
             raise RecordError(
-                f"{self.records_dir}: step {step} has {len(batch)} samples; the config asks for "
+                f"{self.records_dir}: step {step + 1} has {len(batch)} samples; the config asks for "
                 f"{plan.num_samples} (train.prompts_per_step x rollout.samples_per_prompt)"
             )
         truncated = torch.tensor([f == "length" for f in batch.finish_reasons], dtype=torch.bool)

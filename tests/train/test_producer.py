@@ -115,7 +115,7 @@ def test_a_failing_batch_is_raised_in_the_learner_naming_the_step(tmp_path):
     producer = AsyncProducer(make, 0, 2, 1, served_version=0)
     producer.start()
     try:
-        with pytest.raises(RuntimeError, match="making step 0's batch: ConnectionError: server gone"):
+        with pytest.raises(RuntimeError, match="making step 1's batch: ConnectionError: server gone"):
             producer.batch(0)
     finally:
         producer.close()
@@ -161,7 +161,7 @@ def test_a_killed_run_resumed_from_its_checkpoint_trains_every_prompt_once(tmp_p
 
 def test_a_checkpoint_listing_records_it_does_not_hold_is_refused(tmp_path):
     meta = {"extra": {"async": {"ready_steps": [4]}}, "files_dir": str(tmp_path / "files")}
-    with pytest.raises(FileNotFoundError, match="step 4's finished records"):
+    with pytest.raises(FileNotFoundError, match="step 5's finished records"):
         pending_records(meta, tmp_path / "rollouts")
 
 
@@ -311,7 +311,7 @@ def test_a_push_that_waits_for_batches_waits_for_every_step_in_flight(tmp_path):
 
 def test_a_later_steps_failure_lets_the_step_in_flight_before_it_finish_and_train(tmp_path):
     """Step 1 fails while step 0 (a slow reply) is still in flight: step 0's batch is still handed over (and
-    trained), and step 1's failure is raised naming step 1."""
+    trained), and step 1's failure is raised naming it as the log counts steps, 1-based: step 2."""
     gate, stream = threading.Event(), ListStream()
     maker = StreamingMaker(tmp_path, stream, gate, slow_step=0)
 
@@ -326,7 +326,7 @@ def test_a_later_steps_failure_lets_the_step_in_flight_before_it_finish_and_trai
         _wait_until(lambda: producer._error is not None, "step 1 never ran beside step 0")
         threading.Timer(0.2, gate.set).start()
         assert producer.batch(0).read_text() == "0"
-        with pytest.raises(RuntimeError, match="making step 1's batch: ConnectionError: server gone"):
+        with pytest.raises(RuntimeError, match="making step 2's batch: ConnectionError: server gone"):
             producer.batch(1)
     finally:
         gate.set()
