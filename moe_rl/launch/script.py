@@ -26,8 +26,18 @@ _HELPERS = """\
 rollout_pids=() rollout_nodes=() learner_pid="" stop_signal=""
 cleanup() {
   trap - TERM INT USR1 USR2
+  # the servers first, with SIGUSR2, which srun forwards as it is (on SIGTERM srun SIGKILLs its tasks, and a killed
+  # `moe_rl.launch serve` cannot stop its server's processes or remove their /dev/shm files); then what is left
+  for pid in "${rollout_pids[@]}"; do kill -USR2 "$pid" 2>/dev/null || true; done
+  local deadline=$((SECONDS + 30))
+  while ((SECONDS < deadline)) && rollout_running; do sleep 0.5; done
   for pid in "${rollout_pids[@]}" $learner_pid; do kill "$pid" 2>/dev/null || true; done
   wait 2>/dev/null || true
+}
+rollout_running() {  # a rollout step's srun still runs (bash reaps its exited children at once)
+  local pid
+  for pid in "${rollout_pids[@]}"; do kill -0 "$pid" 2>/dev/null && return 0; done
+  return 1
 }
 trap cleanup EXIT
 trap 'exit 143' TERM INT

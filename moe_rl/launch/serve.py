@@ -5,8 +5,8 @@ set to ``launch.rollout_port``; if the server exits because another process on t
 (its HTTP port or an auxiliary one: ``moe_rl.rollout.ports.lost_a_bind``), start it again on the next port, up to
 ``--port-tries`` ports, each retry logged; once ``/health`` answers, write the port to ``--port-file``
 (atomically), which the job script reads to tell the learners the server's address. Then it waits on the
-server, stops the server's process group on SIGTERM/SIGINT (the job's cleanup; ``launcher.stop_group``, which also
-removes the ``/dev/shm`` files the group left) and exits with its code.
+server, stops the server's process group on SIGTERM/SIGINT/SIGUSR2 (SIGUSR2 is the job script's cleanup;
+``launcher.stop_group``, which also removes the ``/dev/shm`` files the group left) and exits with its code.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from moe_rl.rollout.ports import lost_a_bind
 from moe_rl.rollout.shm import group_shm_files
 
 ROLLOUT_PORT_TRIES = 8  # ports launch.rollout_port .. +7 are tried on each rollout node
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
 
 
 class ServerExited(RuntimeError):
@@ -98,7 +99,27 @@ def _publish(port_file: Path, port: int) -> None:
 
 
 def serve(argv: list[str], first_port: int, tries: int, port_file: Path, timeout_s: float) -> int:
-    """Run the server (see the module docstring); returns the exit code for the step."""
+    """Run the server (see the module docstring); returns the exit code for the step.
+
+    SIGTERM, SIGINT and SIGUSR2 stop it, at any point: raised here as SystemExit, they unwind through the blocks that
+    stop the server's group and remove its ``/dev/shm`` files. The job script stops its rollout steps with SIGUSR2,
+    which ``srun`` forwards as it is (on SIGTERM ``srun`` SIGKILLs its tasks, and a killed wrapper cleans nothing).
+    """
+
+    def stop(signum, _frame):
+        for s in STOP_SIGNALS:  # the first one stops; another (scancel's TERM, then the script's USR2) must not cut
+            signal.signal(s, signal.SIG_IGN)  # the cleanup short
+        raise SystemExit(128 + signum)
+
+    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
+    try:
+        return _serve(argv, first_port, tries, port_file, timeout_s)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _serve(argv: list[str], first_port: int, tries: int, port_file: Path, timeout_s: float) -> int:
     for port in range(first_port, first_port + tries):
         shm_files: dict[Path, int] = {}
         try:
@@ -119,18 +140,12 @@ def serve(argv: list[str], first_port: int, tries: int, port_file: Path, timeout
             return 1
         _publish(port_file, port)
         print(f"moe_rl serve: healthy on port {port}; published in {port_file}", file=sys.stderr, flush=True)
-
-        def stop_and_exit(signum, _frame, proc=proc, shm_files=shm_files):
-            stop_group(proc, shm_files=shm_files)
-            sys.exit(128 + signum)
-
-        previous = {s: signal.signal(s, stop_and_exit) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             code = proc.wait()
         finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
             stop_group(proc, shm_files=shm_files)
+            if shm_files:  # removed ones are dropped: these belong to a process of the group still alive
+                print(f"moe_rl serve: {len(shm_files)} /dev/shm files of the server left", file=sys.stderr, flush=True)
         echo.join(timeout=5.0)
         return code
     print(f"moe_rl serve: ports {first_port}-{first_port + tries - 1} were all taken", file=sys.stderr, flush=True)

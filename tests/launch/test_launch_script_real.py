@@ -23,9 +23,12 @@ from moe_rl.config import load_config
 from moe_rl.launch import render_launch
 from moe_rl.learner.hf_init import write_random_hf_checkpoint
 from moe_rl.rollout.ports import free_port
+from moe_rl.rollout.shm import held_inodes, shm_entries
 
 LOCAL_SRUN = r"""#!/usr/bin/env bash
-# Local stand-in for srun: drop the srun options, honour --output, run the command on this host.
+# Local stand-in for srun: drop the srun options, honour --output, run the command on this host. Signals as the real
+# srun treats them (seen on the local SLURM cluster): SIGTERM kills the task with SIGKILL ("srun: forcing job
+# termination"); SIGUSR1/SIGUSR2 are forwarded as they are.
 out=/dev/stdout
 while [[ $# -gt 0 && $1 == --* ]]; do
   [[ $1 == --output=* ]] && out=${1#--output=}
@@ -33,7 +36,14 @@ while [[ $# -gt 0 && $1 == --* ]]; do
   shift
 done
 echo "$@" >> "$SRUN_CALLS"
-exec "$@" >"${out//%N/local}" 2>&1
+"$@" >"${out//%N/local}" 2>&1 &
+task=$!
+trap 'kill -KILL $task 2>/dev/null' TERM
+trap 'kill -USR1 $task 2>/dev/null' USR1
+trap 'kill -USR2 $task 2>/dev/null' USR2
+rc=0
+while kill -0 $task 2>/dev/null; do wait $task; rc=$?; done  # a trapped signal interrupts the wait
+exit $rc
 """
 
 
@@ -42,7 +52,11 @@ exec "$@" >"${out//%N/local}" 2>&1
 @pytest.mark.timeout(600)
 def test_rendered_script_trains_one_step_with_a_local_srun_stand_in(tmp_path):
     """Also issue 57 (5): another process holds ``launch.rollout_port`` on the rollout node (a busy shared node), so
-    the step's server comes up on the next port, publishes it, and the learner is told that one."""
+    the step's server comes up on the next port, publishes it, and the learner is told that one. And issue 57 (6):
+    the job's end leaves nothing in /dev/shm. Break tried: the script's cleanup sending SIGTERM to the rollout srun
+    (as it did) SIGKILLs the serve wrapper, and the server's ``sglang_loads_*.shm`` stays behind."""
+
+    before = shm_entries()
 
     run_dir = tmp_path / "run"
     squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -108,3 +122,9 @@ def test_rendered_script_trains_one_step_with_a_local_srun_stand_in(tmp_path):
     assert "POST /update_weights_from_disk" in server_log
     ps = subprocess.run(["pgrep", "-f", f"--model-path {hf}"], capture_output=True, text=True, check=False)
     assert ps.stdout.strip() == "", "the rollout server outlived the launch script"
+    assert (
+        "server's process group is stopped" not in server_log or "/dev/shm files of the server left" not in server_log
+    )
+    held = held_inodes()
+    left = [p.name for p, i in shm_entries().items() if p not in before and i not in held and "sglang" in p.name]
+    assert left == [], f"the job left /dev/shm entries: {left}"
