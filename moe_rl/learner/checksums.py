@@ -1,9 +1,10 @@
 """Checkpoint files bound to their save: sha256 checksums taken while a file is written, verified on load.
 
 Owns format 5's integrity record (``checkpoint`` owns the layout and the fallback). Every file of a save is
-written through ``HashingFile``, which feeds each buffer to sha256 on its way to the file: one digest of the
-whole file (``sha256sum`` prints the same) and one per ``CHUNK_BYTES`` (64 MiB) chunk of it, so the data is
-hashed from the memory it is written from, never read back. The records of every rank's files go into the
+written through ``HashingFile``, which feeds each buffer to sha256 on its way to the file, one digest per
+``CHUNK_BYTES`` (64 MiB) chunk, so the data is hashed once, from the memory it is written from, never read
+back; the file's digest is the sha256 of its chunk digests (``top_digest``: one pass over the data, not
+two, which a separate whole-file sha256 would cost). The records of every rank's files go into the
 save's ``meta.json`` (written last) as ``{"algorithm": "sha256", "chunk_bytes": C, "files": {name: {"bytes",
 "sha256", "chunks": [...]}}}``. The learner's own safetensors files also carry ``run_id`` and ``step`` in
 their ``__metadata__`` (``binding``), so a file of another run or another save is told apart by its header
@@ -31,6 +32,7 @@ __all__ = [
     "checksum_table",
     "hashed_copy",
     "hashed_write",
+    "top_digest",
     "verify_file",
     "verify_save",
 ]
@@ -52,18 +54,20 @@ def binding(run_id: str | None, step: int) -> dict[str, str]:
 
 
 class HashingFile:
-    """A binary file opened for writing whose every written byte also goes to the file and chunk digests."""
+    """A binary file opened for writing whose every written byte also goes to the chunk digests."""
 
     def __init__(self, fh, chunk_bytes: int | None = None):
         self.fh, self.chunk_bytes = fh, chunk_bytes or CHUNK_BYTES
-        self.whole, self.chunk, self.chunks = hashlib.sha256(), hashlib.sha256(), []
+        self.chunk, self.chunks = hashlib.sha256(), []
         self.size = self.filled = 0
 
     def write(self, data) -> None:
         view = memoryview(data).cast("B")
         self.fh.write(view)
-        self.whole.update(view)
         self.size += len(view)
+        self._hash(view)
+
+    def _hash(self, view: memoryview) -> None:
         while len(view):
             take = min(len(view), self.chunk_bytes - self.filled)
             self.chunk.update(view[:take])
@@ -76,7 +80,12 @@ class HashingFile:
     def record(self) -> dict:
         """``{"bytes", "sha256", "chunks"}`` of everything written (call once, after the last write)."""
         chunks = self.chunks + ([self.chunk.hexdigest()] if self.filled or not self.chunks else [])
-        return {"bytes": self.size, ALGORITHM: self.whole.hexdigest(), "chunks": chunks}
+        return {"bytes": self.size, ALGORITHM: top_digest(chunks), "chunks": chunks}
+
+
+def top_digest(chunks: list[str]) -> str:
+    """A file's digest: sha256 of its chunk digests (32 bytes each, in order)."""
+    return hashlib.sha256(b"".join(bytes.fromhex(c) for c in chunks)).hexdigest()
 
 
 def hashed_write(path: str | Path, pieces: Iterable, chunk_bytes: int | None = None) -> dict:
@@ -146,8 +155,12 @@ def verify_file(path: str | Path, record: dict, chunk_bytes: int, bound: tuple[s
     if size != record.get("bytes"):
         raise DamagedCheckpoint(f"{path} has {size} bytes; meta.json recorded {record.get('bytes')}")
     want = record.get("chunks") or []
-    if len(want) != max(1, -(-size // chunk_bytes)):
-        raise DamagedCheckpoint(f"{path}: meta.json records {len(want)} chunks for {size} bytes; meta.json is damaged")
+    try:
+        consistent = len(want) == max(1, -(-size // chunk_bytes)) and top_digest(want) == record.get(ALGORITHM)
+    except (TypeError, ValueError):
+        consistent = False
+    if not consistent:
+        raise DamagedCheckpoint(f"{path}: meta.json's checksums of this file do not add up; meta.json is damaged")
     buf = bytearray(min(chunk_bytes, max(size, 1)))
     view = memoryview(buf)
     with open(path, "rb") as fh:

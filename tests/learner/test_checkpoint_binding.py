@@ -68,7 +68,8 @@ def test_every_file_carries_the_run_and_step_and_meta_json_its_checksums(megatro
         record = table["files"][name]
         data = (d / name).read_bytes()
         assert record["bytes"] == len(data) and len(record["chunks"]) == 1
-        assert record["sha256"] == record["chunks"][0] == hashlib.sha256(data).hexdigest()
+        assert record["chunks"] == [hashlib.sha256(data).hexdigest()]  # one chunk: the file's plain sha256
+        assert record["sha256"] == hashlib.sha256(bytes.fromhex(record["chunks"][0])).hexdigest()
     # a carried file (the async producer's records) is checked too, by rank 0
     (d / "files" / "records.bin").write_bytes(b"finished but untrained recordz")
     meta, _, warnings = _resume(tmp_path, caplog)
