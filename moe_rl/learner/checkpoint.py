@@ -360,7 +360,9 @@ def load_checkpoint(learner, ckpt_dir: str | Path, step: int | None = None) -> d
             problems.append(f"{d.name}: {reason}")
             continue
         if problems and rank == 0:
-            logger.warning("resuming from %s instead of the newer unreadable checkpoint(s): %s", d, "; ".join(problems))
+            logger.warning(
+                "resuming from %s instead of the newer unreadable or damaged checkpoint(s): %s", d, "; ".join(problems)
+            )
         if meta["format_version"] in UNCHECKED_VERSIONS and rank == 0:
             logger.warning("%s is a format-%d checkpoint (%s)", d, meta["format_version"], UNCHECKED)
         return _apply(learner, d, meta, shard, problems)
