@@ -17,9 +17,12 @@ Megatron tracker keeps this layout's seeding (its streams are per tp/ep rank), w
 A checkpoint becomes visible only when complete: files go to a temp dir that rank 0 renames, then
 ``latest`` is replaced. Loading never unpickles (safetensors + JSON only); a step dir holding a
 pickle-based file (``*.pt``, a ``torch_dist`` ``.metadata``, ...) is refused without reading it.
-Format 3 checkpoints (the previous release: one global ``model.safetensors`` / ``optimizer.safetensors``)
-load on any layout; format 2 (per-rank state dicts) on the layout that wrote them.
-A corrupt or missing newest checkpoint falls back to the newest readable one, with a warning.
+Format 5 binds every file to its save (``checksums``): headers carry the run id and step, ``meta.json``
+(written last) each file's sha256 digests, taken as it is written; a load verifies them, each rank its own
+files. Formats 2-4 (no checksums) load with one warning; 3 (one global ``model.safetensors`` /
+``optimizer.safetensors``) on any layout, 2 (per-rank state dicts) on the layout that wrote them.
+A corrupt, damaged or missing newest checkpoint falls back to the newest readable one, with one warning
+(rank 0's, naming the file and what differed, whichever rank found it).
 Write failures (disk full, permissions) name the path.
 """
 
@@ -37,6 +40,15 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from moe_rl.learner.checksums import (
+    DamagedCheckpoint,
+    binding,
+    checksum_table,
+    hashed_copy,
+    hashed_write,
+    verify_save,
+)
+from moe_rl.learner.dist import RankComm
 from moe_rl.learner.global_state import (
     MODEL_FORMAT,
     OPTIMIZER_FORMAT,
@@ -47,7 +59,7 @@ from moe_rl.learner.global_state import (
 )
 from moe_rl.learner.rng_streams import portable_rng, rng_state, set_rng_state
 from moe_rl.learner.sharded_state import ShardedDir, rank_file, save_model_shards, save_optimizer_shards
-from moe_rl.learner.state_codec import StateCodecError, load_state, save_state
+from moe_rl.learner.state_codec import StateCodecError, load_state, state_bytes
 
 __all__ = [
     "CheckpointError",
@@ -62,8 +74,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 # 1 = torch.save pickles (refused); 2 = per-rank state dicts (same layout only); 3 = one global file per kind
-# written by rank 0 (the previous release; still loads on any layout); 4 = each rank writes what it owns
-FORMAT_VERSION = 4
+# written by rank 0 (still loads on any layout); 4 = each rank writes what it owns; 5 = 4 + run id / step in
+# every file's header and per-file / per-chunk sha256 in meta.json (``checksums``)
+FORMAT_VERSION = 5
+UNCHECKED_VERSIONS, UNCHECKED = (2, 3, 4), "an earlier release: no checksums, its files were loaded unverified"
 MODEL_FILE, OPTIMIZER_FILE = "model.safetensors", "optimizer.safetensors"  # format 3
 # What torch.save / torch_dist / pickle write: never opened, the step dir is refused.
 PICKLE_PATTERNS = ("*.pt", "*.pth", "*.pkl", "*.pickle", "*.bin", "*.distcp", ".metadata")
@@ -74,14 +88,21 @@ class CheckpointError(RuntimeError):
 
 
 def _rank_world() -> tuple[int, int]:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _first_problem(reason: str) -> str:
+    """``""`` when no rank has a problem, else the lowest such rank's ``reason``, on every rank."""
+    if _all_ranks_agree(not reason) or not dist.is_initialized() or dist.get_world_size() == 1:
+        return reason
+    reasons: list = [None] * dist.get_world_size()
+    dist.all_gather_object(reasons, reason)
+    return next(r for r in reasons if r)
 
 
 def _all_ranks_agree(ok: bool) -> bool:
@@ -166,13 +187,15 @@ def save_checkpoint(
     extra: dict | None = None,
     step: int | None = None,
     files: dict[str, Path] | None = None,
+    run_id: str | None = None,
 ) -> Path:
     """Save ``learner`` (collective: every rank calls it) as ``step_<step>``; returns the step directory.
 
     ``step`` names the directory (default: the learner's optimizer step); ``extra`` (JSON-serialisable,
     e.g. the trainer's data cursor) goes in ``meta.json``; ``files`` (rank 0's ``{name: source}``, e.g. the
     async producer's finished-but-untrained records) are copied into ``<step dir>/files/`` inside the same
-    atomic rename, so they exist exactly when the checkpoint does. Older checkpoints beyond ``keep_last`` are
+    atomic rename, so they exist exactly when the checkpoint does. ``run_id`` (the trainer's) and ``step`` go in
+    every file's header and ``meta.json``, with every file's checksums (``checksums``). Older checkpoints beyond ``keep_last`` are
     deleted after the new one is visible. Raises CheckpointError naming the path on ENOSPC / EACCES.
     """
     if keep_last < 1:
@@ -192,28 +215,30 @@ def save_checkpoint(
     _barrier()
     shard = {"format_version": FORMAT_VERSION, "step": step, "optimizer_step": learner.step, "rng": rng_state()}
     shard_path = tmp / f"rank_{rank:05d}.safetensors"
+    bound, records = binding(run_id, step), {}
     for what, path, write in (  # every rank writes only what it owns: no gather, nothing through rank 0
         (
             f"rank {rank}'s model weights",
             rank_file(tmp, "model", rank),
-            lambda p: save_model_shards(learner.module, p.parent),
+            lambda p: save_model_shards(learner.module, p.parent, bound),
         ),
         (
             f"rank {rank}'s optimizer state",
             rank_file(tmp, "optimizer", rank),
-            lambda p: save_optimizer_shards(learner.optimizer, learner.module, p.parent),
+            lambda p: save_optimizer_shards(learner.optimizer, learner.module, p.parent, bound),
         ),
-        (f"rank {rank}'s RNG / step file", shard_path, lambda p: save_state(shard, p)),
+        (f"rank {rank}'s RNG / step file", shard_path, lambda p: hashed_write(p, [state_bytes(shard, bound)])),
     ):
         try:
-            write(path)
+            records[path.name] = write(path)
         except OSError as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             raise _write_error(exc, what, path) from None
-    _barrier()
+    gathered = RankComm(collective=True).gather(records)  # also the point where every rank has written
     if rank == 0:
         meta = {
             "format_version": FORMAT_VERSION,
+            "run_id": run_id,
             "step": step,
             "optimizer_step": learner.step,
             "world_size": world,
@@ -224,8 +249,9 @@ def save_checkpoint(
         try:
             for name, source in (files or {}).items():
                 (tmp / CARRIED_FILES).mkdir(exist_ok=True)
-                shutil.copyfile(source, tmp / CARRIED_FILES / name)
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+                records[f"{CARRIED_FILES}/{name}"] = hashed_copy(source, tmp / CARRIED_FILES / name)
+            meta["checksums"] = checksum_table({k: v for part in gathered for k, v in part.items()} | records)
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))  # last: the save's table of contents
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -282,8 +308,10 @@ def _read_step_dir(d: Path, rank: int, world: int) -> tuple[dict, dict]:
                 f"(parallel={meta['parallel']}); it loads only on that layout; this job has {world}"
             )
         return meta, load_state(d / f"rank_{rank:05d}.safetensors")
-    if version not in (3, FORMAT_VERSION):
-        raise StateCodecError(f"{d} has format_version {version}; expected {FORMAT_VERSION} (or 2, 3)")
+    if version not in (3, 4, FORMAT_VERSION):
+        raise StateCodecError(f"{d} has format_version {version}; expected {FORMAT_VERSION} (or 2, 3, 4)")
+    if version == FORMAT_VERSION:  # this rank's files: run id / step in their headers, their chunk digests
+        verify_save(d, meta, rank, world)
     _sources(d, version)  # every header readable, every rank's file present
     return meta, load_state(d / f"rank_{rank if _same_layout(meta) else 0:05d}.safetensors")
 
@@ -292,7 +320,7 @@ def _sources(d: Path, version: int):
     """(model source, optimizer source) of a format-3 or format-4 step dir (headers read, no tensor)."""
     if version == 3:
         return GlobalFile(d / MODEL_FILE, MODEL_FORMAT), GlobalFile(d / OPTIMIZER_FILE, OPTIMIZER_FORMAT)
-    return ShardedDir(d, "model"), ShardedDir(d, "optimizer")
+    return ShardedDir(d, "model"), ShardedDir(d, "optimizer")  # formats 4 and 5
 
 
 def _distributed_optimizer(learner) -> bool:
@@ -309,8 +337,9 @@ def load_checkpoint(learner, ckpt_dir: str | Path, step: int | None = None) -> d
 
     The checkpoint may come from another parallel layout (tp, etp, ep, dp): weights and Adam state
     are resharded, ``meta["resharded_from"]`` names the saved layout (None when it is this one).
-    With ``step=None`` an unreadable newest checkpoint (truncated file, missing meta) is skipped with a
-    warning naming it and the one used instead; CheckpointError when every candidate is unreadable.
+    With ``step=None`` an unreadable or damaged newest checkpoint (truncated file, missing meta, a file of
+    another run or save, a checksum mismatch) is skipped with one warning (rank 0) naming it, what differed
+    and the one used instead; CheckpointError when every candidate is unreadable.
     A pickle file in the step dir, or a model that does not fit the weights, raises at once.
     """
     ckpt_dir = Path(ckpt_dir)
@@ -323,15 +352,19 @@ def load_checkpoint(learner, ckpt_dir: str | Path, step: int | None = None) -> d
         d = _step_dir(ckpt_dir, s)
         try:
             meta, shard = _read_step_dir(d, rank, world)
-            ok, reason = True, ""
-        except (StateCodecError, GlobalStateError) as exc:
-            meta, shard, ok, reason = None, None, False, str(exc)
-        if not _all_ranks_agree(ok):
-            problems.append(f"{d.name}: {reason or 'unreadable on another rank'}")
-            logger.warning("checkpoint %s is unreadable (%s); trying an older one", d, reason or "on another rank")
+            reason = ""
+        except (StateCodecError, GlobalStateError, DamagedCheckpoint) as exc:
+            meta, shard, reason = None, None, str(exc) or type(exc).__name__
+        reason = _first_problem(reason)  # every rank skips it when one rank found its files damaged
+        if reason:
+            problems.append(f"{d.name}: {reason}")
             continue
-        if problems:
-            logger.warning("resuming from %s instead of the newer unreadable checkpoint(s): %s", d, "; ".join(problems))
+        if problems and rank == 0:
+            logger.warning(
+                "resuming from %s instead of the newer unreadable or damaged checkpoint(s): %s", d, "; ".join(problems)
+            )
+        if meta["format_version"] in UNCHECKED_VERSIONS and rank == 0:
+            logger.warning("%s is a format-%d checkpoint (%s)", d, meta["format_version"], UNCHECKED)
         return _apply(learner, d, meta, shard, problems)
     raise CheckpointError(f"no readable checkpoint under {ckpt_dir}: " + "; ".join(problems))
 

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 
+from moe_rl.learner.checksums import HashingFile
 from moe_rl.learner.global_state import (
     GlobalStateError,
     adam_state,
@@ -72,9 +73,10 @@ def rank_file(directory: str | Path, kind: str, rank: int) -> Path:
     return Path(directory) / f"{kind}-r{rank:05d}.safetensors"
 
 
-def write_safetensors(path: str | Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> None:
+def write_safetensors(path: str | Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> dict:
     """Write ``tensors`` as one safetensors file, each streamed from its own memory (no serialised copy
-    of the whole set, as ``safetensors.torch.save_file`` makes), then fsync. OSError propagates."""
+    of the whole set, as ``safetensors.torch.save_file`` makes), then fsync; the file's checksum record
+    (``checksums``: hashed from the same buffers as they are written). OSError propagates."""
     header: dict = {"__metadata__": metadata}
     offset = 0
     for key, t in tensors:
@@ -86,14 +88,16 @@ def write_safetensors(path: str | Path, tensors: list[tuple[str, torch.Tensor]],
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors' own writer pads it
     with open(path, "wb") as fh:
-        fh.write(struct.pack("<Q", len(raw)))
-        fh.write(raw)
+        out = HashingFile(fh)
+        out.write(struct.pack("<Q", len(raw)))
+        out.write(raw)
         for _, t in tensors:
             if t.numel():
                 host = t.detach().to("cpu").contiguous()  # a copy only for a device or non-contiguous tensor
-                fh.write(host.reshape(-1).view(torch.uint8).numpy().data)
+                out.write(host.reshape(-1).view(torch.uint8).numpy().data)
         fh.flush()
         os.fsync(fh.fileno())
+    return out.record()
 
 
 def _chunks(entries: Iterable[Entry]) -> tuple[list[tuple[str, torch.Tensor]], list[dict]]:
@@ -126,40 +130,44 @@ def _chunks(entries: Iterable[Entry]) -> tuple[list[tuple[str, torch.Tensor]], l
     return tensors, index
 
 
-def write_rank_file(directory: str | Path, kind: str, rank: int, world: int, entries: Iterable[Entry]) -> Path:
-    """Write rank ``rank``'s (of ``world``) ``kind`` file: the chunks of ``entries`` and their JSON index."""
+def write_rank_file(
+    directory: str | Path, kind: str, rank: int, world: int, entries: Iterable[Entry], bound: dict | None = None
+) -> dict:
+    """Write rank ``rank``'s (of ``world``) ``kind`` file: the chunks of ``entries`` and their JSON index, plus
+    ``bound`` (``checksums.binding``: run id, step) in its metadata; returns the file's checksum record."""
     tensors, index = _chunks(entries)
-    meta = {
+    meta = (bound or {}) | {
         "format": SHARD_FORMAT,
         "kind": kind,
         "rank": str(rank),
         "world_size": str(world),
         "chunks": json.dumps(index),
     }
-    path = rank_file(directory, kind, rank)
-    write_safetensors(path, tensors, meta)
-    return path
+    return write_safetensors(rank_file(directory, kind, rank), tensors, meta)
 
 
-def _save(directory: Path, kind: str, entries: Iterable[Entry]) -> None:
+def _save(directory: Path, kind: str, entries: Iterable[Entry], bound: dict | None) -> dict:
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    write_rank_file(directory, kind, rank, world, entries)
+    return write_rank_file(directory, kind, rank, world, entries, bound)
 
 
-def save_model_shards(model, directory: str | Path) -> None:
-    """This rank writes ``model-r<rank>.safetensors`` with the model tensors it owns (no collective)."""
+def save_model_shards(model, directory: str | Path, bound: dict | None = None) -> dict:
+    """This rank writes ``model-r<rank>.safetensors`` with the model tensors it owns (no collective); ``bound``
+    goes in its metadata; returns its checksum record."""
     tensors = {n: t.detach() for n, t in model_tensors(model).items()}
     slices = local_slices(model, tensors)
     mine = writes_whole(slices, {n: t.numel() * t.element_size() for n, t in tensors.items()})
-    _save(Path(directory), "model", ((slices[n].global_name, slices[n], tensors[n], None) for n in sorted(mine)))
+    entries = ((slices[n].global_name, slices[n], tensors[n], None) for n in sorted(mine))
+    return _save(Path(directory), "model", entries, bound)
 
 
 def _step_slice(s: TensorSlice) -> TensorSlice:
     return TensorSlice(s.local_name, s.global_name, (1,), (Box(0, 1, (0,), (1,)),), False)
 
 
-def save_optimizer_shards(optimizer, model, directory: str | Path) -> None:
-    """This rank writes ``optimizer-r<rank>.safetensors`` with the Adam state it owns (no collective).
+def save_optimizer_shards(optimizer, model, directory: str | Path, bound: dict | None = None) -> dict:
+    """This rank writes ``optimizer-r<rank>.safetensors`` with the Adam state it owns (no collective); ``bound``
+    goes in its metadata; returns its checksum record.
 
     Without the distributed optimizer that is the state of the parameters ``ownership.writes_whole``
     gives it; with it, this rank's flat shard of each parameter (tp/etp rank 0 only for a tp-replicated
@@ -183,7 +191,7 @@ def save_optimizer_shards(optimizer, model, directory: str | Path) -> None:
             entries.append((f"main/{s.global_name}", s, slot.main, slot.flat_range))
         if slot.flat_range is None or slot.flat_range[0] == 0:
             entries.append((f"step/{s.global_name}", _step_slice(s), state["step"], None))
-    _save(Path(directory), "optimizer", entries)
+    return _save(Path(directory), "optimizer", entries, bound)
 
 
 class ShardedDir:

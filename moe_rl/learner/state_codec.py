@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save, save_file
 
-__all__ = ["SKELETON_KEY", "StateCodecError", "load_state", "save_state"]
+__all__ = ["SKELETON_KEY", "StateCodecError", "load_state", "save_state", "state_bytes"]
 
 SKELETON_KEY = "moe_rl_state"  # safetensors metadata entry holding the JSON skeleton
 
@@ -97,6 +97,14 @@ def _decode(node, tensors: dict[str, torch.Tensor], path: str):
         if tag == "__items__":
             return {k: _decode(v, tensors, f"{path}[{k!r}]") for k, v in value}
     return {k: _decode(v, tensors, f"{path}.{k}") for k, v in node.items()}
+
+
+def state_bytes(state: dict, metadata: dict[str, str] | None = None) -> bytes:
+    """The safetensors bytes ``save_state`` would write (plus ``metadata``), for a caller that writes them
+    itself (the checkpoint hashes them on their way to the file). StateCodecError as in ``save_state``."""
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = _encode(state, "state", tensors, set())
+    return save(tensors, metadata=(metadata or {}) | {SKELETON_KEY: json.dumps(skeleton)})
 
 
 def save_state(state: dict, path: str | Path) -> None:

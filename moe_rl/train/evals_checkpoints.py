@@ -105,8 +105,14 @@ class RunCheckpoints:
             self.save_reference()  # first: no checkpoint exists without its reference
             extra, files = self.contents(step)
             save_checkpoint(
-                self.learner, self.ckpt_dir, cfg.checkpoint.keep_last, extra=extra, step=step, files=files
-            )  # dirs named by RL step
+                self.learner,
+                self.ckpt_dir,
+                cfg.checkpoint.keep_last,
+                extra=extra,
+                step=step,
+                files=files,
+                run_id=self.run_id,
+            )  # dirs named by RL step; every file bound to this run and step
         if stopping:
             self.stop.stopped_after = step
         return stopping

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -53,6 +54,29 @@ def all_ranks(flag: bool) -> bool:
     return bool(t)
 
 
+def damaged_own_file_on_rank1(lrn: Learner, ckpt: Path, rank: int) -> dict:
+    """Issue 57: steps 1 and 2 saved, 4 bytes of rank 1's model file of step 2 flipped (by rank 1), loaded on
+    both ranks: every rank's loaded step and the warnings each rank logged."""
+    for s in (1, 2):
+        save_checkpoint(lrn, ckpt, step=s, run_id="run0000000d2")
+    if rank == 1:
+        victim = ckpt / "step_00000002" / "model-r00001.safetensors"
+        data = bytearray(victim.read_bytes())
+        data[-40:-36] = bytes(b ^ 0xFF for b in data[-40:-36])
+        victim.write_bytes(bytes(data))
+    dist.barrier()
+    seen: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("moe_rl.learner.checkpoint").addHandler(handler)
+    meta = load_checkpoint(Learner(cfg(ep=2, distopt=True), total_steps=4), ckpt)
+    logging.getLogger("moe_rl.learner.checkpoint").removeHandler(handler)
+    steps, warnings = [None, None], [None, None]
+    dist.all_gather_object(steps, meta["step"])
+    dist.all_gather_object(warnings, seen)
+    return {"steps": steps, "warnings": warnings}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", required=True)
@@ -87,6 +111,7 @@ def main() -> None:
     res["ep2_distopt_step1"] = step(ep2, rank, 1)
     save_checkpoint(ep2, work / "ckpt_ep2_distopt")
     res["ep2_distopt_step2"] = step(ep2, rank, 2)
+    res["fallback"] = damaged_own_file_on_rank1(ep2, work / "damaged", rank)
     if rank == 0:
         (work / "result.json").write_text(json.dumps(res, indent=1))
     dist.barrier()

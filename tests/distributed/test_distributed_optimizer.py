@@ -7,7 +7,9 @@ weights (a 1-rank checkpoint written here). Shown:
 * a dp=2 step with the distributed optimizer equals the plain dp=2 step and the 1-rank step;
 * the resharding matrix, each resumed run's next step equal to the uninterrupted run's: dp=2 distributed
   -> dp=1, dp=1 -> dp=2 distributed, dp=2 plain -> dp=2 distributed, ep=2 distributed -> ep=1 dp=1, and a
-  format-3 checkpoint (the previous release's global files) -> this release, which then saves format 4.
+  format-3 checkpoint (the previous release's global files) -> this release, which then saves format 5;
+* (issue 57) a flipped byte in rank 1's own file: rank 1's verification refuses it, both ranks fall back
+  to the previous checkpoint, and rank 0 alone warns, naming rank 1's file and chunk.
 
 Tolerances: the distributed optimizer reduce-scatters what the plain one all-reduces (for 2 ranks the
 same single addition per element) and updates the same fp32 elements with the same torch AdamW, but
@@ -126,7 +128,7 @@ def _to_format_3(step_dir) -> None:
     (step_dir / "meta.json").write_text(json.dumps({**meta, "format_version": 3}))
 
 
-def test_a_previous_release_checkpoint_resumes_and_the_next_save_is_format_4(runs, tmp_path):
+def test_a_previous_release_checkpoint_resumes_and_the_next_save_is_format_5(runs, tmp_path):
     work, _, one = runs
     shutil.copytree(work / "dp1", tmp_path / "old")
     _to_format_3(next((tmp_path / "old").glob("step_*")))
@@ -135,5 +137,16 @@ def test_a_previous_release_checkpoint_resumes_and_the_next_save_is_format_4(run
     assert got == one["step2"], "the previous release's checkpoint must resume bit for bit on its layout"
     d = save_checkpoint(lrn, tmp_path / "new")
     assert (
-        json.loads((d / "meta.json").read_text())["format_version"] == 4 and (d / "model-r00000.safetensors").is_file()
+        json.loads((d / "meta.json").read_text())["format_version"] == 5 and (d / "model-r00000.safetensors").is_file()
     )
+
+
+def test_a_file_damaged_on_rank_1_makes_both_ranks_fall_back_with_one_warning_on_rank_0(runs):
+    """Issue 57, item 2: rank 1 verifies its own file and finds a flipped byte; the ranks agree on step 1."""
+    work, res, _ = runs
+    fallback = res["fallback"]
+    assert fallback["steps"] == [1, 1], fallback
+    assert fallback["warnings"][1] == [], "rank 1 printed the warning too"
+    (warning,) = fallback["warnings"][0]
+    victim = work / "damaged" / "step_00000002" / "model-r00001.safetensors"
+    assert "resuming from" in warning and f"{victim}: chunk 0 (bytes 0-" in warning, warning

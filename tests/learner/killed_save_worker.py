@@ -40,7 +40,7 @@ def main() -> None:
         if Path(path).name.startswith("optimizer-"):
             write(path, tensors[: len(tensors) // 2], metadata)  # a torn file on disk, then kill -9
             os.kill(os.getpid(), signal.SIGKILL)
-        write(path, tensors, metadata)
+        return write(path, tensors, metadata)
 
     sharded_state.write_safetensors = write_then_die
     save_checkpoint(learner, ckpt)

@@ -255,11 +255,15 @@ def test_a_crafted_checkpoint_is_refused_without_running_code(megatron_world, tm
         assert load_checkpoint(Learner(_cfg(), total_steps=4), tmp_path)["step"] == 1, victim
         assert not marker.exists(), "loading a checkpoint ran the attacker's command"
         shutil.rmtree(evil)
-    # pickle bytes smuggled into the metadata of the safetensors files and meta.json stay inert data
+    # pickle bytes smuggled into the metadata of the safetensors files and meta.json stay inert data: the
+    # rewritten file fails its checksums (format 5), and without them (format 4) it loads as data
     state = load_state(good / "rank_00000.safetensors")
     save_state({**state, "rng": {**state["rng"], "evil": payload}}, good / "rank_00000.safetensors")
+    with pytest.raises(CheckpointError, match=r"rank_00000\.safetensors carries no run id / step in its header"):
+        load_checkpoint(Learner(_cfg(), total_steps=4), tmp_path)
     meta = json.loads((good / "meta.json").read_text())
-    (good / "meta.json").write_text(json.dumps({**meta, "extra": {**meta["extra"], "evil": payload.hex()}}))
+    meta = {**meta, "format_version": 4, "extra": {**meta["extra"], "evil": payload.hex()}}
+    (good / "meta.json").write_text(json.dumps(meta))
     assert load_checkpoint(Learner(_cfg(), total_steps=4), tmp_path)["step"] == 1
     assert not marker.exists()
 

@@ -67,6 +67,12 @@ def test_ep2_checkpoint_resumes_at_ep1_and_continues_the_same_run(resharded):
     meta = json.loads((out / "checkpoints" / "step_00000002" / "meta.json").read_text())
     assert meta["parallel"]["ep"] == 1 and meta["world_size"] == 1 and meta["extra"]["rl_step"] == 2
     assert json.loads((out / "checkpoints" / "step_00000001" / "meta.json").read_text())["parallel"]["ep"] == 2
+    run_id = (out / "run_id").read_text().strip()  # both saves (2 ranks, then 1) bound to the run (issue 57)
+    assert (
+        meta["run_id"]
+        == run_id
+        == json.loads((out / "checkpoints" / "step_00000001" / "meta.json").read_text())["run_id"]
+    )
     for name in ("model", "optimizer"):  # the state after step 2, either way
         want, got = read_global(ep2_step2, name), read_global(out / "checkpoints" / "step_00000002", name)
         assert sorted(want) == sorted(got)
