@@ -9,7 +9,6 @@ this package imports every module that registers one, so ``LOSS_TYPES`` and
 """
 
 from moe_rl.algo.advantages import (
-    ADVANTAGE_ESTIMATORS,
     broadcast_to_tokens,
     compute_advantages,
     grpo_advantages,
@@ -21,14 +20,22 @@ from moe_rl.algo.advantages import (
 )
 from moe_rl.algo.aggregation import AGGREGATIONS, aggregate, default_denominator
 from moe_rl.algo.covariance_losses import ClipCovParams, KLCovParams, clip_cov_loss, kl_cov_loss, token_covariance
+from moe_rl.algo.group_estimators import (
+    gdpo_advantages,
+    gpg_advantages,
+    grpo_passk_advantages,
+    remax_advantages,
+)
 from moe_rl.algo.importance import icepop_weights, sequence_icepop_weights, truncated_is_weights, weight_stats
 from moe_rl.algo.kl import KL_ESTIMATORS, kl_penalty
 from moe_rl.algo.losses import (
     CISPOParams,
+    GPGParams,
     GSPOParams,
     PPOClipParams,
     ReinforceParams,
     cispo_loss,
+    gpg_loss,
     gspo_loss,
     gspo_token_loss,
     ppo_clip_loss,
@@ -79,6 +86,7 @@ from moe_rl.algo.shaped_losses import (
     sapo_loss,
 )
 from moe_rl.algo.tensors import LOG_RATIO_BOUND, metrics_to_floats
+from moe_rl.algo.token_baselines import optimal_token_baseline_advantages
 from moe_rl.algo.variance_control import (
     M2PO_DEFAULT_TAU,
     ess_fraction_from_sums,
@@ -88,6 +96,7 @@ from moe_rl.algo.variance_control import (
 )
 
 LOSS_TYPES = policy_loss_names()  # every loss module above has registered its losses
+ADVANTAGE_ESTIMATORS = adv_estimator_names()  # likewise every estimator module
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -103,6 +112,7 @@ __all__ = [
     "CorrectionConfigLike",
     "DPPOParams",
     "GMPOParams",
+    "GPGParams",
     "GSPOParams",
     "KLCovParams",
     "LossConfigLike",
@@ -128,12 +138,16 @@ __all__ = [
     "ess_fraction_from_sums",
     "ess_lr_scale",
     "ess_scaled_lr",
+    "gdpo_advantages",
     "get_adv_estimator",
     "get_adv_estimator_fn",
     "get_loss",
     "get_policy_loss_fn",
     "gmpo_loss",
+    "gpg_advantages",
+    "gpg_loss",
     "grpo_advantages",
+    "grpo_passk_advantages",
     "gspo_loss",
     "gspo_token_loss",
     "icepop_weights",
@@ -147,6 +161,7 @@ __all__ = [
     "opo_advantages",
     "opob_advantages",
     "opsm_mask",
+    "optimal_token_baseline_advantages",
     "policy_loss",
     "policy_loss_names",
     "ppo_clip_loss",
@@ -157,6 +172,7 @@ __all__ = [
     "reinforce_loss",
     "reinforce_pp_advantages",
     "rejection_mask",
+    "remax_advantages",
     "rloo_advantages",
     "sapo_loss",
     "sequence_icepop_weights",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_rl.algo.registry import AdvantageInputs, adv_estimator_names, get_adv_estimator_fn, register_adv_est
+from moe_rl.algo.registry import AdvantageInputs, get_adv_estimator_fn, register_adv_est
 
 
 def _check_rewards(rewards: torch.Tensor) -> torch.Tensor:
@@ -98,6 +98,7 @@ def _whiten(x: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
     (x − mean)/(std + 1e-6) gave ±0.738.
     """
     w = torch.ones_like(x) if weights is None else weights.to(x.dtype)
+    w = torch.where(w.sum() > 0, w, torch.ones_like(w))  # all-empty responses: count each once, never 0/0
     n = w.sum()
     mean = (w * x).sum() / n
     var = (w * (x - mean) ** 2).sum() / (n - 1).clamp_min(1)  # unbiased, like verl's masked_whiten
@@ -235,9 +236,6 @@ def _vcpo_opob(x: AdvantageInputs, adv_cfg) -> torch.Tensor:
     return opob_advantages(x.rewards, x.is_weights, x.grad_sq_norms, x.group_size, x.group_ids)
 
 
-ADVANTAGE_ESTIMATORS = adv_estimator_names()
-
-
 def compute_advantages(
     adv_cfg,
     rewards: torch.Tensor,
@@ -247,12 +245,34 @@ def compute_advantages(
     lengths: torch.Tensor | None = None,
     is_weights: torch.Tensor | None = None,
     grad_sq_norms: torch.Tensor | None = None,
+    reward_baselines: torch.Tensor | None = None,
+    reward_components: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    old_logp: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    token_is_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``adv[B]`` from ``rewards[B]`` as the config's ``advantage`` section asks.
+    """``adv[B]`` (or ``[B, T]`` for the token baselines) from ``rewards[B]`` as the config's ``advantage`` asks.
 
-    ``adv_cfg`` needs ``estimator`` (a registered name, ``ADVANTAGE_ESTIMATORS``) and ``eps``. ``opo``
+    ``adv_cfg`` needs ``estimator`` (a registered name, ``moe_rl.algo.ADVANTAGE_ESTIMATORS``) and ``eps``. ``opo``
     needs ``lengths[B]``; ``vcpo_opob`` needs ``is_weights[B]`` and ``grad_sq_norms[B]``;
-    ``reinforce_pp`` uses ``lengths`` if given (token-weighted whitening, as verl).
+    ``reinforce_pp`` and ``gdpo`` use ``lengths`` if given (token-weighted whitening, as verl); ``remax``
+    needs ``reward_baselines[B]``; ``gdpo`` with ``gdpo_reward_keys`` needs ``reward_components[B, K]``;
+    ``optimal_token_baseline`` / ``tir_optimal_token_baseline`` need ``mask``, ``old_logp`` and
+    ``sum_pi_squared`` [B, T] (``token_is_weights`` [B, T] optional) and return ``[B, T]``.
     """
-    x = AdvantageInputs(rewards, group_size, group_ids, lengths, is_weights, grad_sq_norms)
+    x = AdvantageInputs(
+        rewards,
+        group_size,
+        group_ids,
+        lengths,
+        is_weights,
+        grad_sq_norms,
+        reward_baselines,
+        reward_components,
+        mask,
+        old_logp,
+        sum_pi_squared,
+        token_is_weights,
+    )
     return get_adv_estimator_fn(adv_cfg.estimator)(x, adv_cfg)

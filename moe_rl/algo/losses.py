@@ -1,4 +1,4 @@
-"""Policy-gradient surrogate losses on ``[B, T]`` log-probs: PPO-clip, GSPO, GSPO-token, CISPO, REINFORCE.
+"""Policy-gradient surrogate losses on ``[B, T]`` log-probs: PPO-clip, GSPO, GSPO-token, CISPO, REINFORCE, GPG.
 
 Each is registered by its ``loss.type`` (``moe_rl.algo.registry``): a function of the validated
 :class:`~moe_rl.algo.registry.LossInputs` and its hyper-parameter model, returning the per-token
@@ -214,6 +214,24 @@ def reinforce_loss(x: LossInputs, p: ReinforceParams) -> tuple[torch.Tensor, Met
     Off-policy REINFORCE with truncated IS (seed 003, "Theoretical Foundation: From
     REINFORCE to Decoupled PPO"; seed 002 TIS form;
     seed 000, "Bypass mode loss": for REINFORCE the IS weights are applied explicitly).
+    ``x.old_logp`` is not read.
+    """
+    return -x.advantages * x.logp, {}
+
+
+@dataclass(frozen=True)
+class GPGParams(LossParams):
+    """GPG reads no loss-specific key."""
+
+
+@register_policy_loss("gpg", GPGParams, anchored=False)
+def gpg_loss(x: LossInputs, p: GPGParams) -> tuple[torch.Tensor, Metrics]:
+    """GPG (verl ``register_policy_loss("gpg")``): ℓ_t = −w_t · A_t · log π_θ(y_t), no ratio, no clip.
+
+    verl 0.9.1 ``compute_policy_loss_gpg``: ``pg_losses = -log_prob * advantages``, times
+    ``rollout_is_weights`` when given, then ``agg_loss`` (GPG, Chu et al. 2025, arXiv:2504.02546: the
+    plain policy gradient with the group-baseline advantage of ``advantage.estimator: gpg``). The same
+    per-token term as ``reinforce``; its own name so a verl config's ``loss_mode: gpg`` ports by name.
     ``x.old_logp`` is not read.
     """
     return -x.advantages * x.logp, {}

@@ -214,7 +214,11 @@ def surrogate_loss(loss_cfg: LossConfigLike, x: LossInputs) -> tuple[torch.Tenso
 class AdvantageInputs:
     """What an advantage estimator reads: ``rewards[B]`` and the groups (``group_size`` contiguous, or
     ``group_ids[B]``), with ``lengths[B]`` (response token counts), ``is_weights[B]`` (sequence IS
-    weights) and ``grad_sq_norms[B]`` for the estimators that use them."""
+    weights) and ``grad_sq_norms[B]`` for the estimators that use them; ``reward_baselines[B]`` (ReMax:
+    the greedy sample's reward), ``reward_components[B, K]`` (GDPO: one column per reward), and the
+    token tensors of the optimal token baselines — ``mask[B, T]``, ``old_logp[B, T]`` (π_old),
+    ``sum_pi_squared[B, T]`` (Σ_v π_v² of π_old's softmax) and ``token_is_weights[B, T]`` (verl's
+    ``rollout_is_weights``)."""
 
     rewards: torch.Tensor
     group_size: int | None = None
@@ -222,6 +226,12 @@ class AdvantageInputs:
     lengths: torch.Tensor | None = None
     is_weights: torch.Tensor | None = None
     grad_sq_norms: torch.Tensor | None = None
+    reward_baselines: torch.Tensor | None = None
+    reward_components: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    old_logp: torch.Tensor | None = None
+    sum_pi_squared: torch.Tensor | None = None
+    token_is_weights: torch.Tensor | None = None
 
 
 AdvEstimatorFn = Callable[[AdvantageInputs, Any], torch.Tensor]
@@ -229,7 +239,9 @@ _ADV_ESTIMATORS: dict[str, AdvEstimatorFn] = {}
 
 
 def register_adv_est(name: str) -> Callable[[AdvEstimatorFn], AdvEstimatorFn]:
-    """Decorator: register ``fn(x: AdvantageInputs, adv_cfg) -> adv[B]`` as ``advantage.estimator`` ``name``.
+    """Decorator: register ``fn(x: AdvantageInputs, adv_cfg) -> adv`` as ``advantage.estimator`` ``name``.
+
+    ``adv`` is ``[B]`` (one value per response) or, for a per-token baseline, ``[B, T]`` on ``x.mask``.
 
     ``adv_cfg`` is the config's ``advantage`` section (its hyper-parameters, e.g. ``eps``).
     """

@@ -121,6 +121,7 @@ class LossConfig(Section):
         "dppo_kl",
         "clip_cov",
         "kl_cov",
+        "gpg",
     ] = "ppo_clip"
     clip_low: float = Field(0.2, ge=0, description="epsilon_low (dppo_*: divergence bound for A <= 0)")
     clip_high: float = Field(0.28, ge=0, description="epsilon_high (dppo_*: divergence bound for A > 0)")
@@ -191,10 +192,46 @@ class AdvantageConfig(Section):
         "reinforce_pp_baseline",
         "opo",
         "vcpo_opob",
+        "gpg",
+        "grpo_passk",
+        "gdpo",
+        "remax",
+        "optimal_token_baseline",
+        "tir_optimal_token_baseline",
     ] = "grpo"
     eps: float = Field(
         1e-6, gt=0, description="GRPO: A = (r - mean) / (std + eps); REINFORCE++ whitening uses var + 1e-8"
     )
+    norm_adv_by_std_in_grpo: bool = Field(
+        True,
+        description="grpo_passk, gdpo: divide by the group std + eps (verl's name; grpo vs grpo_no_std choose it by name)",
+    )
+    gdpo_reward_keys: list[str] | None = Field(
+        None,
+        description="gdpo: the reward function's keys, one reward component each (verl's name); None = the one reward",
+    )
+    gdpo_reward_weights: list[float] | None = Field(
+        None, description="gdpo: weight of each component in the sum (verl's name); None = all 1"
+    )
+    handle_zero_tail: bool = Field(
+        True,
+        description="optimal_token_baseline, tir_optimal_token_baseline: baseline 0 where a group's unique longest "
+        "response runs past the second-longest (verl's name)",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> AdvantageConfig:
+        if self.gdpo_reward_weights is not None:
+            if not self.gdpo_reward_keys:
+                raise ValueError("advantage.gdpo_reward_weights needs advantage.gdpo_reward_keys (one weight per key)")
+            if len(self.gdpo_reward_weights) != len(self.gdpo_reward_keys):
+                raise ValueError(
+                    f"advantage.gdpo_reward_weights has {len(self.gdpo_reward_weights)} weights, expected one per "
+                    f"advantage.gdpo_reward_keys ({len(self.gdpo_reward_keys)})"
+                )
+        if self.gdpo_reward_keys is not None and len(set(self.gdpo_reward_keys)) != len(self.gdpo_reward_keys):
+            raise ValueError(f"advantage.gdpo_reward_keys: expected distinct keys, got {self.gdpo_reward_keys}")
+        return self
 
 
 class OptimConfig(Section):

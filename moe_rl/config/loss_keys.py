@@ -29,6 +29,7 @@ READS: dict[str, tuple[str, ...]] = {
     "dppo_kl": (*CLIPS, "dppo_ratio_cap"),
     "clip_cov": (*CLIPS, *COV_CLIP),
     "kl_cov": COV_KL,
+    "gpg": (),
 }
 LOSS_SPECIFIC = tuple(sorted({k for keys in READS.values() for k in keys}))
 

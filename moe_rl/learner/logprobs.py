@@ -1,4 +1,4 @@
-"""Per-token log-probs and entropy from (possibly vocab-sharded) learner logits.
+"""Per-token log-probs, entropy and Σ_v π_v² from (possibly vocab-sharded) learner logits.
 
 Owns the fp32, temperature-scaled log-softmax over the *global* vocabulary when
 the logits are split across tensor-parallel ranks (``logits[B, T, V/tp]``), and
@@ -17,7 +17,7 @@ from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_para
 from moe_rl.exact.kernels import token_logprobs
 from moe_rl.learner.model import forward_logits, unwrap
 
-__all__ = ["logprobs_from_logits", "response_logprobs", "uses_exact"]
+__all__ = ["logprobs_from_logits", "response_logprobs", "sum_pi_squared_from_logits", "uses_exact"]
 
 
 def uses_exact(model) -> bool:
@@ -100,6 +100,31 @@ def logprobs_from_logits(
         expected = _all_reduce_sum((exp * shifted).sum(dim=-1), group) / sum_exp
         entropy = log_z - expected
     return logp, entropy
+
+
+@torch.no_grad()
+def sum_pi_squared_from_logits(logits: torch.Tensor, *, temperature: float = 1.0, tp_group="auto") -> torch.Tensor:
+    """``logits[B, T, V/tp]`` -> Σ_v π_v² ``[B, T]`` of softmax(logits / temperature) over the full vocabulary.
+
+    The optimal token baselines' input (``moe_rl.algo.token_baselines``: w_t = 1 − 2π_t + Σ_v π_v²) and the
+    exact form of ``logit_grad_sq_norm``. Max-shifted: with e = exp(z − max z), Σπ² = Σe² / (Σe)², both sums
+    all-reduced over the tp shards in one call (verl's ``vocab_parallel_sum_pi_squared``). No gradient; at
+    least fp32 (fp64 logits stay fp64). Not yet called by the trainer (docs/algo.md, "verl 0.9.1's estimators").
+    """
+    if logits.dim() != 3:
+        raise ValueError(f"expected logits[B, T, V]; got shape {tuple(logits.shape)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0; got {temperature}")
+    group = _tp_group() if tp_group == "auto" else tp_group
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    z_max = z.amax(dim=-1, keepdim=True)
+    if group is not None:
+        dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group)
+    e = (z - z_max).exp()
+    sums = torch.stack([e.sum(dim=-1), (e * e).sum(dim=-1)])  # one all-reduce for Σe and Σe²
+    if group is not None:
+        dist.all_reduce(sums, group=group)
+    return sums[1] / (sums[0] * sums[0])
 
 
 def response_logprobs(

@@ -16,7 +16,7 @@ The schema (``moe_rl.config.schema``) already guarantees per-field types and ran
 This module is the entry point (``preflight``, ``run_preflight``, ``config_problems``,
 ``environment_problems``) and holds the rule lists; the rules live by subsystem: ``tasks``,
 ``learner``, ``rollout``, ``sync``, ``data`` (model directory, datasets, reward) here, and the
-config-only rules in ``moe_rl.config`` (``loss_keys``, ``eval_section``, ``memory_plan``) and
+config-only rules in ``moe_rl.config`` (``loss_keys``, ``advantage_keys``, ``eval_section``, ``memory_plan``) and
 ``moe_rl.exact.preflight``. It sits beside ``cli``: it imports the subsystems, ``moe_rl.config``
 imports none of them.
 """
@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from moe_rl.config import ConfigError, ExperimentConfig
+from moe_rl.config.advantage_keys import advantage_settings
 from moe_rl.config.eval_section import eval_and_filters
 from moe_rl.config.loss_keys import ignored_loss_keys
 from moe_rl.config.memory_plan import memory_fits
@@ -105,6 +106,7 @@ CONFIG_RULES: tuple[ConfigRule, ...] = (
     weight_sync_architecture,
     weight_sync_group,
     ignored_loss_keys,
+    advantage_settings,
     data_files,
     reward_settings,
     eval_and_filters,

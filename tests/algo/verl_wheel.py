@@ -4,7 +4,7 @@ The differential tests (tests/algo/test_verl_parity.py) run verl's code, not a t
 it, without installing verl (its import pulls ray, omegaconf, transformers, tensordict) and
 without committing any of it. ``load()`` fetches the wheel (``pip download verl==0.9.1
 --no-deps``, or the file named by $MOE_RL_VERL_WHEEL) into $MOE_RL_CACHE_DIR/verl091 (default
-~/.cache/moe_rl/verl091), checks its pinned sha256, copies the named top-level functions out of
+~/.cache/moe_rl/verl091), checks its pinned sha256, copies the named top-level functions (and the estimator enum) out of
 its source — each function's text exactly as in the wheel, minus its docstring — into an
 importable package ``verl091`` next to it, with config stand-ins whose field defaults are read
 from verl's ``ActorConfig`` / ``PolicyLossConfig`` dataclasses, and imports that package.
@@ -40,12 +40,21 @@ class WheelUnavailable(RuntimeError):
 MODULES = {
     "torch_functional.py": (
         "verl/utils/torch_functional.py",
-        ["masked_sum", "masked_mean", "distributed_masked_mean"],
+        ["masked_sum", "masked_mean", "distributed_masked_mean", "masked_var", "masked_whiten"],
         ["import torch"],
     ),
     "core_algos.py": (
         "verl/trainer/ppo/core_algos.py",
         [
+            "AdvantageEstimator",
+            "register_adv_est",
+            "compute_grpo_outcome_advantage",
+            "compute_gdpo_outcome_advantage",
+            "compute_grpo_passk_outcome_advantage",
+            "compute_remax_outcome_advantage",
+            "compute_gpg_outcome_advantage",
+            "compute_optimal_token_baseline_advantage",
+            "compute_multi_turn_optimal_token_baseline_advantage",
             "register_policy_loss",
             "agg_loss",
             "compute_policy_loss_vanilla",
@@ -62,8 +71,11 @@ MODULES = {
             "compute_policy_loss_gpg",
         ],
         [
+            "from collections import defaultdict",
+            "from enum import Enum",
             "from typing import Any, Callable, Optional",
             "",
+            "import numpy as np",
             "import torch",
             "",
             "from . import torch_functional as verl_F",
@@ -71,6 +83,7 @@ MODULES = {
             "",
             "PolicyLossFn = Callable",
             "POLICY_LOSS_REGISTRY: dict = {}",
+            "ADV_ESTIMATOR_REGISTRY: dict = {}",
         ],
     ),
     "rollout_corr_helper.py": (
@@ -105,10 +118,11 @@ CONFIG_CLASSES = ("PolicyLossConfig", "ActorConfig")
 
 
 def _function_text(source: str, tree: ast.Module, name: str) -> str:
-    """The function ``name`` (decorators included) exactly as in ``source`` (parsed: ``tree``), without its docstring."""
+    """The function or class ``name`` (decorators included) exactly as in ``source`` (parsed: ``tree``),
+    without its docstring."""
     lines = source.splitlines()
     for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.name == name:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name:
             start = min([d.lineno for d in node.decorator_list] + [node.lineno]) - 1
             body = lines[start : node.end_lineno]
             first = node.body[0]
@@ -120,7 +134,7 @@ def _function_text(source: str, tree: ast.Module, name: str) -> str:
                 drop = set(range(first.lineno - 1 - start, first.end_lineno - start))
                 body = [line for i, line in enumerate(body) if i not in drop]
             return "\n".join(body)
-    raise WheelUnavailable(f"{name}: not a top-level function of the wheel's source")
+    raise WheelUnavailable(f"{name}: not a top-level function or class of the wheel's source")
 
 
 def _config_text(source: str) -> str:

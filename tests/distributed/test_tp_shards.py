@@ -1,4 +1,4 @@
-"""Tensor parallelism over gloo (torchrun, 2 ranks): Keep Sampling Mask on vocab-sharded logits and
+"""Tensor parallelism over gloo (torchrun, 2 ranks): Keep Sampling Mask and Σ_v π_v² on vocab-sharded logits and
 HF-export gathering of hand-sharded tp/etp state dicts, each against the unsharded reference.
 
 The worker runs on CPU tensors by design (gloo; two ranks cannot share one GPU under NCCL).
@@ -30,6 +30,14 @@ def test_keep_mask_on_vocab_shards_equals_unsharded(reports):
         assert ksm["logp_max_diff"] < 1e-12, (rank, ksm)
         assert ksm["outside_equal"] and ksm["num_outside"] >= 1, (rank, ksm)
         assert ksm["max_abs_grad"] > 0.1 and ksm["grad_max_diff"] < 1e-12, (rank, ksm)
+
+
+@pytest.mark.distributed
+def test_sum_pi_squared_on_vocab_shards_equals_unsharded(reports):
+    """The optimal token baselines' Σ_v π_v² (issue 54): all-reduced over tp it is the full softmax's."""
+    for rank, r in enumerate(reports):
+        spp = r["spp"]
+        assert spp["max_rel_diff"] < 1e-12 and 0 < spp["min"] < spp["max"] <= 1, (rank, spp)
 
 
 @pytest.mark.distributed

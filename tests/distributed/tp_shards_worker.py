@@ -2,7 +2,8 @@
 
 1. Keep Sampling Mask on vocab-sharded logits: each rank holds half the vocabulary; log-probs,
    outside-mask flags and gradients must equal the unsharded computation (float64).
-2. HF export gathering: a state dict sharded BY HAND here (column/row/SwiGLU/vocab splits written
+2. Σ_v π_v² (``sum_pi_squared_from_logits``) on vocab-sharded logits against the unsharded softmax.
+3. HF export gathering: a state dict sharded BY HAND here (column/row/SwiGLU/vocab splits written
    out below, not by the code under test) is gathered by ``gather_tp_shards`` and compared with the
    full one; ``tp_slice`` must give back each rank's hand shard.
 Writes a JSON report to ``--out`` from rank 0.
@@ -18,6 +19,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from moe_rl.learner.logprobs import sum_pi_squared_from_logits
 from moe_rl.learner.tp_shards import gather_tp_shards, tp_slice
 from moe_rl.replay.keep_mask import KeptSets, keep_mask_logprobs
 
@@ -55,6 +57,16 @@ def ksm_check(rank: int) -> dict:
         "grad_max_diff": float((shard.grad - ref_grad).abs().max()),
         "max_abs_grad": float(ref_grad.abs().max()),
     }
+
+
+def sum_pi_squared_check(rank: int) -> dict:
+    """Σ_v π_v² on vocab shards (each rank half the vocabulary) against softmax(z/τ)² summed, float64."""
+    g = torch.Generator().manual_seed(12)
+    full = (torch.randn(2, N, V, generator=g) * 4).double()
+    ref = torch.softmax(full / 0.7, dim=-1).pow(2).sum(-1)
+    shard = full[..., rank * V // TP : (rank + 1) * V // TP]
+    got = sum_pi_squared_from_logits(shard, temperature=0.7, tp_group=dist.group.WORLD)
+    return {"max_rel_diff": float(((got - ref).abs() / ref).max()), "min": float(ref.min()), "max": float(ref.max())}
 
 
 def full_state() -> dict:
@@ -113,7 +125,7 @@ def main() -> None:
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    result = {"ksm": ksm_check(rank), "gather": gather_check(rank)}
+    result = {"ksm": ksm_check(rank), "gather": gather_check(rank), "spp": sum_pi_squared_check(rank)}
     reports = [None, None]
     dist.all_gather_object(reports, result)
     if rank == 0:

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_rl.learner.logprobs import logprobs_from_logits, response_logprobs
+from moe_rl.learner.logprobs import logprobs_from_logits, response_logprobs, sum_pi_squared_from_logits
 from moe_rl.learner.model import build_model
 from tests.learner.conftest import make_cfg
 
@@ -89,3 +89,17 @@ def test_packed_forward_matches_padded_forward(megatron_world, device):
     with torch.no_grad():
         lp_leak, _ = response_logprobs(model, packed_in, packed_tg)
     assert not torch.allclose(lp_leak[0, 8:], lp_pad[1, :5], atol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_sum_pi_squared_matches_the_softmax(device, temperature):
+    """Σ_v π_v² of softmax(z/τ) (the optimal token baselines' input), on logits up to ±60: finite, in (0, 1]."""
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(3, 4, 50, generator=g, dtype=torch.float64) * 20).to(device)
+    logits[0, 0] = 0.0  # uniform: Σπ² = 1/V
+    got = sum_pi_squared_from_logits(logits, temperature=temperature, tp_group=None)
+    ref = torch.softmax(logits / temperature, dim=-1).pow(2).sum(-1)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=0)
+    assert abs(float(got[0, 0]) - 1 / 50) < 1e-15 and bool(((got > 0) & (got <= 1)).all())
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        sum_pi_squared_from_logits(logits, temperature=0.0, tp_group=None)
