@@ -287,6 +287,7 @@ USER_ERRORS = (
     ("moe_rl.train.kl_alarm", "KLAlarmStop"),
     ("moe_rl.rollout.launcher", "ServerStartError"),
     ("moe_rl.sync.transport", "WeightSyncError"),
+    ("moe_rl.source.rollout_restart", "RolloutProcessError"),
 )
 
 

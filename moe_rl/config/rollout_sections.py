@@ -126,6 +126,12 @@ class RolloutConfig(Section):
     )
     health_timeout_s: float = Field(30.0, gt=0, le=600, description="a server silent this long counts as hung")
     max_server_restarts: int = Field(2, ge=0, description="restarts of a dead server this run launched")
+    max_process_restarts: int = Field(
+        2,
+        ge=0,
+        description="restarts of a dead async rollout process (train.rollout_mode=async), each from the last "
+        "handed-over step; one more death stops the run (exit code 2)",
+    )
     max_foreign_syncs: int = Field(
         2,
         ge=0,

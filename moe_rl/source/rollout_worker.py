@@ -7,7 +7,10 @@ an ``AsyncProducer`` that makes steps ``start, start+1, …`` ahead of the learn
 each, their requests sharing the client's slots), under the same admission rule as before
 (``train.max_staleness``): prompts, generation (partial rollouts stitched by the
 client), rewards, dynamic sampling, records written atomically to ``rollouts/step_<s>.safetensors``. Each
-finished step is announced to the learner (``made``); the learner never decodes a reply.
+finished step is announced to the learner (``made``), and before it the prompt-stream position once the step has
+drawn its prompts (``drawn``: where a process restarted by the learner takes the next step's prompts from); the
+learner never decodes a reply. An error that kills the process is sent first in one line (``crashed``; its traceback
+goes to ``WorkerSpec.log_path``).
 
 What it cannot do itself it asks the learner for (``ask``): a re-sync of the servers (the weights live in the
 learner: collective over every learner rank, run at rank 0's next wait) and a server restart (one supervisor,
@@ -25,8 +28,10 @@ import ctypes
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +43,7 @@ from moe_rl.sync.checks import check_servable
 from moe_rl.sync.integrity import version_label
 from moe_rl.sync.served_weights import PushedWeights
 
-__all__ = ["BatchRestarts", "PromptSide", "WorkerSpec", "portable_error", "worker_main"]
+__all__ = ["BatchRestarts", "PromptSide", "WorkerSpec", "portable_error", "send_crash", "worker_main"]
 
 _SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP")
 
@@ -54,6 +59,7 @@ class WorkerSpec:
     data_state: dict | None  # the checkpoint's prompt-stream position
     cpus: list[int]  # [] = the trainer's affinity
     parent_pid: int
+    log_path: str = ""  # where an error that kills the process leaves its traceback (the trainer prints one line)
 
 
 @dataclass
@@ -221,10 +227,21 @@ class _Worker:
         )
 
     def _make(self, step: int, served: int, drawn) -> Path:
-        """The producer's ``make``: the batch maker's records, announced to the learner (or its failure)."""
+        """The producer's ``make``: the batch maker's records, announced to the learner (or its failure). Once the
+        step has drawn its prompts the learner is told the stream's position (where a restarted process would take
+        the next step's prompts from), before the next step may draw."""
         self.restarts.start_batch()  # on the step's own thread
+        told = []
+
+        def drawn_once() -> None:
+            if not told:
+                told.append(True)
+                self.send("drawn", step, self.side.prompts.state())
+                drawn()
+
         try:
-            path = self.maker(step, served, drawn)
+            path = self.maker(step, served, drawn_once)
+            drawn_once()  # (before "made": the learner knows the position after every step it is handed)
         except BaseException as exc:
             self.send("failed", step, portable_error(exc))
             raise
@@ -317,5 +334,23 @@ def worker_main(conn, spec: WorkerSpec) -> None:
     conn.send(("ready",))
     try:
         worker.serve()
-    finally:
+    except BaseException as exc:  # noqa: BLE001 -- the trainer names it in one line; the traceback goes to the log
+        send_crash(worker.send, spec.log_path, exc)
         worker.close()
+        sys.exit(1)  # (no traceback on the trainer's console)
+    worker.close()
+
+
+def send_crash(send, log_path: str, exc: BaseException) -> None:
+    """Tell the trainer (``send``) the error that kills the process in one line, its last (and where its traceback
+    is: appended to ``log_path``)."""
+    line = " ".join(part.strip() for part in traceback.format_exception_only(exc)[-1].splitlines() if part.strip())
+    if log_path:
+        with contextlib.suppress(OSError):
+            Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+            with open(log_path, "a") as log:
+                log.write(f"rollout process {os.getpid()} died at {time.strftime('%Y-%m-%d %H:%M:%S')}:\n")
+                log.write("".join(traceback.format_exception(exc)))
+            line = f"{line}; traceback in {log_path}"
+    with contextlib.suppress(OSError):
+        send("crashed", line)

@@ -27,10 +27,13 @@ def spawn_rollout_process(
     cfg: ExperimentConfig, run_id: str, nonce: str, records_dir: Path, data_state: dict | None
 ) -> RolloutProcess:
     """Async mode: rank 0's rollout process (``moe_rl.source.rollout_process``), started with its prompts (from the
-    checkpoint's prompt-stream position ``data_state``, None for a fresh run)."""
-    return RolloutProcess.spawn(
-        WorkerSpec(cfg, run_id, nonce, str(records_dir), data_state, process_cpus(cfg.rollout), os.getpid())
+    checkpoint's prompt-stream position ``data_state``, None for a fresh run); restarted when it dies, at most
+    ``rollout.max_process_restarts`` times; an error that kills it leaves its traceback in ``logs/rollout_process.log``."""
+    log_path = str(Path(cfg.train.output_dir) / "logs" / "rollout_process.log")
+    spec = WorkerSpec(
+        cfg, run_id, nonce, str(records_dir), data_state, process_cpus(cfg.rollout), os.getpid(), log_path
     )
+    return RolloutProcess.spawn(spec, cfg.rollout.max_process_restarts)
 
 
 def sync_client(cfg: ExperimentConfig, addresses: list[str], keys: ServerKeys, prompt_side: PromptSide):

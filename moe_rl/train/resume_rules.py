@@ -56,6 +56,7 @@ RESUME_SAFE_KEYS = (
     "rollout.startup_timeout_s",
     "rollout.health_timeout_s",
     "rollout.max_server_restarts",
+    "rollout.max_process_restarts",
     "rollout.api_key_env",
     "rollout.admin_api_key_env",
     "logging.*",
