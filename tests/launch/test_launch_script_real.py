@@ -27,8 +27,9 @@ from moe_rl.rollout.shm import held_inodes, shm_entries
 
 LOCAL_SRUN = r"""#!/usr/bin/env bash
 # Local stand-in for srun: drop the srun options, honour --output, run the command on this host. Signals as the real
-# srun treats them (seen on the local SLURM cluster): SIGTERM kills the task with SIGKILL ("srun: forcing job
-# termination"); SIGUSR1/SIGUSR2 are forwarded as they are.
+# srun treats them (seen on the local SLURM cluster): SIGTERM kills every process of the step with SIGKILL ("srun:
+# forcing job termination"; slurmstepd tracks the step's processes whatever their session); SIGUSR1/SIGUSR2 are
+# forwarded to the task as they are.
 out=/dev/stdout
 while [[ $# -gt 0 && $1 == --* ]]; do
   [[ $1 == --output=* ]] && out=${1#--output=}
@@ -38,7 +39,8 @@ done
 echo "$@" >> "$SRUN_CALLS"
 "$@" >"${out//%N/local}" 2>&1 &
 task=$!
-trap 'kill -KILL $task 2>/dev/null' TERM
+tree() { echo "$1"; local c; for c in $(ps -o pid= --ppid "$1"); do tree "$c"; done; }
+trap 'kill -KILL $(tree $task) 2>/dev/null' TERM
 trap 'kill -USR1 $task 2>/dev/null' USR1
 trap 'kill -USR2 $task 2>/dev/null' USR2
 rc=0
