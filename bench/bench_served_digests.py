@@ -4,8 +4,8 @@ The same function runs on both sides (``moe_rl.sync.served_weights.tensor_digest
 patch 0014's ``received_digest`` on every server rank as each tensor arrives), so one timing is the cost added to a
 push on each side (in sequence within a side; the learner's ranks and the server's ranks hash in parallel). Models:
 tiny (configs/tiny_cpu.yaml), cpu_midsize (configs/cpu_midsize.yaml) and the 306M expert-heavy model of
-``bench_weight_sync.py`` (``300m``); the HF state dict's real names and shapes (from the HF model on the meta device),
-random values, in fp32 (the CPU learners' export) and bf16.
+``bench_weight_sync.py`` (``300m``); the HF state dict moe_rl sends (``write_random_hf_checkpoint``: one tensor per
+expert projection), random values, in fp32 (the CPU learners' export) and bf16.
 
   python bench/bench_served_digests.py [--repeats 3] [--models tiny,cpu_midsize,300m]
 """
@@ -16,14 +16,15 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from moe_rl.config import load_config
-from moe_rl.learner.hf_init import hf_config_from_model_config
+from moe_rl.learner.hf_convert import read_hf_state_dict
+from moe_rl.learner.hf_init import write_random_hf_checkpoint
 from moe_rl.sync.served_weights import tensor_digests
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,10 +38,9 @@ CONFIGS = {
 }
 
 
-def hf_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config_from_model_config(model_cfg))
-    return {n: tuple(t.shape) for n, t in model.state_dict().items()}
+def hf_state(model_cfg) -> dict[str, torch.Tensor]:
+    with tempfile.TemporaryDirectory() as tmp:
+        return read_hf_state_dict(write_random_hf_checkpoint(model_cfg, tmp, seed=0))
 
 
 def main() -> None:
@@ -51,9 +51,9 @@ def main() -> None:
     torch.manual_seed(0)
     print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}")
     for name in args.models.split(","):
-        shapes = hf_shapes(CONFIGS[name]())
+        fp32 = hf_state(CONFIGS[name]())
         for dtype in (torch.float32, torch.bfloat16):
-            state = {n: torch.randn(s, dtype=dtype) for n, s in shapes.items()}
+            state = {n: t.to(dtype) for n, t in fp32.items()}
             params = sum(t.numel() for t in state.values())
             mib = sum(t.numel() * t.element_size() for t in state.values()) / 2**20
             times = []
