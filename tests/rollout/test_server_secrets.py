@@ -92,7 +92,7 @@ def _pushed(model_dir) -> dict:
 
 
 def test_served_digests_follow_every_push_and_catch_foreign_weights(
-    admin_keyed, model_dir, model_dir_v2, rollout_model_cfg, caplog
+    admin_keyed, model_dir, model_dir_v2, rollout_model_cfg, tmp_path, device
 ):
     url, keys, _ = admin_keyed
     pushed = PushedWeights(keys)
@@ -119,6 +119,18 @@ def test_served_digests_follow_every_push_and_catch_foreign_weights(
         ws.pushed.check([url], "step-2-abcd0123")
     ws.push(_pushed(model_dir_v2), [url], "step-2-abcd0123")  # the re-sync restores it
     ws.pushed.check([url], "step-2-abcd0123")
+
+    # the disk and distributed transports: what each sent is what the server received, every tensor
+    disk = WeightSync("disk", rollout_model_cfg, export_dir=tmp_path / "export", template_dir=model_dir, keys=keys)
+    disk.push(_pushed(model_dir), [url], "step-3-abcd0123")
+    disk.pushed.check([url], "step-3-abcd0123")
+    dist = WeightSync("distributed", rollout_model_cfg, keys=keys, group_options={"backend": "gloo"})
+    try:
+        dist.push(_pushed(model_dir_v2), [url], "step-4-abcd0123")
+        dist.pushed.check([url], "step-4-abcd0123")
+        assert set(dist.pushed.by_label["step-4-abcd0123"]) == set(_pushed(model_dir_v2))
+    finally:
+        dist.close()
 
 
 def test_every_secret_server_argument_is_redacted_at_any_depth():
