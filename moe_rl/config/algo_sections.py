@@ -84,9 +84,22 @@ class CorrectionConfig(Section):
         "trained on (alarm/kl_k3, alarm/skipped=1); normal ranges of the shipped configs in docs/operations.md; None = off",
     )
     kl_alarm_max_in_row: int = Field(3, ge=1, description="this many alarmed steps in a row stop the run (exit code 2)")
+    kl_alarm_factor: float | None = Field(
+        100.0,
+        ge=0,
+        description="also alarm when offpolicy/kl_k3 exceeds this many times its running median over the last "
+        "kl_alarm_window trained-on steps (after kl_alarm_warmup of them); None or 0 = off",
+    )
+    kl_alarm_window: int = Field(20, ge=0, description="steps in the adaptive alarm's running median; 0 = off")
+    kl_alarm_warmup: int = Field(5, ge=0, description="steps in the window before the adaptive alarm may fire")
 
     @model_validator(mode="after")
     def _check(self) -> CorrectionConfig:
+        if self.kl_alarm_factor and self.kl_alarm_window and self.kl_alarm_warmup > self.kl_alarm_window:
+            raise ValueError(
+                f"correction.kl_alarm_warmup={self.kl_alarm_warmup} must be <= correction.kl_alarm_window="
+                f"{self.kl_alarm_window} (the adaptive alarm would never fire)"
+            )
         if self.icepop_low >= self.icepop_high:
             raise ValueError(
                 f"correction.icepop_low={self.icepop_low} must be < correction.icepop_high={self.icepop_high}"

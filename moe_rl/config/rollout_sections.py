@@ -136,7 +136,12 @@ class RolloutConfig(Section):
         2,
         ge=0,
         description="re-syncs in a row after a batch made under weights the trainer did not push (label "
-        "or fingerprint); one more stops the run (exit code 2)",
+        "or digests); one more stops the run (exit code 2)",
+    )
+    check_served_weights: bool = Field(
+        True,
+        description="check every batch against the digests of every tensor the servers received (SGLang patch "
+        "0014, admin key) and the trainer sent; false: labels only (correction.kl_alarm is the net behind)",
     )
 
 

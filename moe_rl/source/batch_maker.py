@@ -76,7 +76,7 @@ class BatchMaker:
                 resync=resync,
                 restart=self.restart,
                 newer_ok=partial,  # a partial rollout ends under the weights pushed meanwhile
-                check_served=check_served,
+                check_served=check_served if self.cfg.rollout.check_served_weights else None,
                 max_foreign_syncs=self.cfg.rollout.max_foreign_syncs,
             )
 

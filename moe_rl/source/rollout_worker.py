@@ -15,7 +15,7 @@ goes to ``WorkerSpec.log_path``).
 What it cannot do itself it asks the learner for (``ask``): a re-sync of the servers (the weights live in the
 learner: collective over every learner rank, run at rank 0's next wait) and a server restart (one supervisor,
 ``ServerPool``, in rank 0). The learner tells it every push (``pushed``: the version, for admission, and the
-fingerprints the served-weights check compares), holds it around a push or an eval (``hold``/``unhold``) and
+digests the served-weights check compares), holds it around a push or an eval (``hold``/``unhold``) and
 asks it for its times, its checkpoint state and evals. Signals that end or checkpoint a run (SIGTERM, SIGUSR1,
 SIGINT, SIGHUP) are the trainer's: this process ignores them and is closed by it; it dies with the trainer
 (``PR_SET_PDEATHSIG`` and a parent watch), and its reward workers with it (their pipe closes).
@@ -112,8 +112,8 @@ class _ServedView:
 
     def update(self, state: dict) -> None:
         self.invalid = dict(state["invalid"])
-        if state.get("label") and state.get("tensors") is not None:
-            self.pushed.remember(state["label"], state["tensors"])
+        if state.get("label") and state.get("digests") is not None:
+            self.pushed.remember(state["label"], state["digests"])
 
     def check_servable(self, addresses) -> None:
         check_servable(self.invalid, addresses)

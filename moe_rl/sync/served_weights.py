@@ -1,27 +1,30 @@
-"""The served-weights fingerprint: do the servers hold the weights the trainer pushed, whatever their label?
+"""The served-weights digests: do the servers hold every tensor the trainer pushed, whatever their label?
 
-Owns the fingerprint's definition on the trainer side, its query and its comparison. Labels alone cannot
-catch foreign weights (anyone who can push can copy a label), so every generation batch is also checked
-against a fingerprint of the weights the servers really hold:
+Owns the digest's definition on the trainer side, its query and its comparison. Labels alone cannot catch
+foreign weights (anyone who can push can copy a label), so every generation batch is also checked against the
+digests of what the servers really received:
 
-* **What is fingerprinted** (``FINGERPRINT_SUFFIXES``, the same rule as SGLang patch 0010): every RMSNorm
-  weight and every MoE router weight (``*norm.weight``, ``*mlp.gate.weight``). Every server rank holds these
-  whole, under their Hugging Face names, at any tp/ep, and every RL update changes the routers. Each is
-  hashed in full, in the dtype the server holds it: ``"<dtype>:<sha256 of its bytes, 16 hex>"``.
-* **Expected** (``fingerprint_tensors`` / ``expected_entries``): from the tensors that were pushed, taken by
-  whoever pushes them (today rank 0 holds the whole export; a push that streams from the owning ranks takes
-  each rank's fingerprinted tensors on that rank). ``PushedWeights`` remembers the last few pushes by label.
-* **Served** (``served_entries``): ``POST /weights_checker {"action": "fingerprint"}`` with the admin key,
-  one entry dict per server rank, read from the live tensors when asked (disk, tensor and distributed pushes
-  alike, and any other change).
-* **Checked** (``PushedWeights.check``): every server rank's entries must equal those of the label the batch
-  was made for (with ``newer_ok``: or of a later push of the same run); else ``ForeignWeightsError`` naming
-  the server, the label and both fingerprints (``moe_rl.sync.integrity.generate_checked`` re-syncs).
+* **What is digested** (``tensor_digest``, the same function as SGLang patch 0014's ``received_digest``): every
+  tensor of a push, under its Hugging Face name, as it travels: ``"<dtype>:<shape>:<sha256, 32 hex>"`` of its
+  C-order bytes in the dtype it is sent in (the learner's export dtype; under ``rollout.weight_quantization`` the
+  fake-quantised tensors as sent, i.e. before any fusion, sharding or quantisation the server does on load).
+  The disk transport digests the tensors it writes (safetensors keeps their bytes); ``load_dir`` reads the files.
+* **Expected** (``PushedWeights.remember``): the digests of every tensor each sending rank sent, gathered to rank 0
+  (strings only), kept for the last few pushes by label.
+* **Served** (``served_digests``): ``POST /weights_checker {"action": "received_digests"}`` with the admin key,
+  one dict per server rank: the digest of the last tensor the rank received under each name through
+  ``/update_weights_from_{disk,tensor,distributed}`` (recorded as each arrives; an IPC load or a
+  ``reset_tensors`` empties it).
+* **Checked** (``PushedWeights.check``): every server rank's dict must equal that of the label the batch was made
+  for (with ``newer_ok``: or of a later push of the same run), name for name: a changed, missing or extra tensor
+  is ``ForeignWeightsError`` naming the server, the label, both digests and the tensors that differ
+  (``moe_rl.sync.integrity.generate_checked`` re-syncs). ``rollout.check_served_weights=false`` turns it off.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -35,53 +38,60 @@ from moe_rl.rollout.auth import ServerKeys, tls
 from moe_rl.sync.integrity import ForeignWeightsError, ForeignWeightsStop
 
 __all__ = [
-    "FINGERPRINT_SUFFIXES",
     "PushedWeights",
     "digest",
-    "expected_entries",
-    "fingerprint_entry",
-    "fingerprint_tensors",
-    "served_entries",
+    "hf_dir_digests",
+    "served_digests",
+    "tensor_digest",
+    "tensor_digests",
 ]
 
-FINGERPRINT_SUFFIXES = ("norm.weight", "mlp.gate.weight")
 KEEP_PUSHES = 4  # labels remembered by default: the current one and a few before it (async: max_staleness + 2)
 
 
-def fingerprint_tensors(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The fingerprinted tensors of an HF-named state dict (copied: the caller may reuse its buffers)."""
-    return {n: t.detach().to("cpu", copy=True) for n, t in named.items() if n.endswith(FINGERPRINT_SUFFIXES)}
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """``"<dtype>:<shape x-joined>:<sha256 of its C-order bytes, 32 hex>"``, as patch 0014 digests what arrives."""
+    t = tensor.detach()
+    data = t.to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    shape = "x".join(str(d) for d in t.shape)
+    return f"{str(t.dtype).removeprefix('torch.')}:{shape}:{hashlib.sha256(memoryview(data.numpy())).hexdigest()[:32]}"
 
 
-def fingerprint_entry(tensor: torch.Tensor, dtype: str | None = None) -> str:
-    """``"<dtype>:<16 hex>"`` of ``tensor`` cast to ``dtype`` (the served dtype; default its own), as patch 0010."""
-    t = tensor.detach().to("cpu")
-    if dtype is not None:
-        t = t.to(getattr(torch, dtype))
-    data = t.contiguous().reshape(-1).view(torch.uint8)
-    return f"{str(t.dtype).removeprefix('torch.')}:{hashlib.sha256(memoryview(data.numpy())).hexdigest()[:16]}"
+def tensor_digests(named: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """The digest of every tensor of an HF-named state dict (as it is sent)."""
+    return {name: tensor_digest(t) for name, t in named.items()}
 
 
-def expected_entries(tensors: Mapping[str, torch.Tensor], served: Mapping[str, str]) -> dict[str, str]:
-    """The entries the pushed ``tensors`` give in the dtypes ``served`` reports (own dtype for names it lacks)."""
-    return {n: fingerprint_entry(t, served[n].split(":", 1)[0] if n in served else None) for n, t in tensors.items()}
+def hf_dir_digests(hf_dir: str | Path) -> dict[str, str]:
+    """The digests of the tensors SGLang loads from an HF directory: the index's files, else every safetensors."""
+    hf_dir = Path(hf_dir)
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({hf_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(hf_dir.glob("*.safetensors"))
+    digests: dict[str, str] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            digests |= {n: tensor_digest(f.get_tensor(n)) for n in f.keys()}  # noqa: SIM118
+    return digests
 
 
 def digest(entries: Mapping[str, str]) -> str:
-    """One short hex fingerprint of a set of entries (for logs and messages)."""
+    """One short hex digest of a set of entries (for logs and messages)."""
     h = hashlib.sha256()
     for name in sorted(entries):
         h.update(f"{name}={entries[name]};".encode())
     return h.hexdigest()[:16]
 
 
-def served_entries(address: str, keys: ServerKeys | None, timeout_s: float = 60.0) -> list[dict[str, str]]:
-    """Every server rank's fingerprint entries; ForeignWeightsStop when the server cannot say (one line)."""
+def served_digests(address: str, keys: ServerKeys | None, timeout_s: float = 60.0) -> list[dict[str, str]]:
+    """Every server rank's received digests; ForeignWeightsStop when the server cannot say (one line)."""
     why = None
     try:
         resp = httpx.post(
             f"{address}/weights_checker",
-            json={"action": "fingerprint"},
+            json={"action": "received_digests"},
             timeout=timeout_s,
             headers=keys.headers(admin=True) if keys else {},
             verify=tls(),
@@ -93,33 +103,43 @@ def served_entries(address: str, keys: ServerKeys | None, timeout_s: float = 60.
         why = f"{type(err).__name__}: {err}"
     if why is not None:
         raise ForeignWeightsStop(
-            f"cannot check the weights {address} serves: /weights_checker fingerprint failed ({why}); it needs the "
-            "admin key and an SGLang with moe_rl's patch 0010 (python patches/apply.py)"
+            f"cannot check the weights {address} serves: /weights_checker received_digests failed ({why}); it needs "
+            "the admin key and an SGLang with moe_rl's patch 0014 (python patches/apply.py), or set "
+            "rollout.check_served_weights=false"
         )
     return [dict(r["checksums"]) for r in ranks]
 
 
+def _differ(mine: Mapping[str, str], served: Mapping[str, str]) -> list[str]:
+    """The names whose digests differ, each marked: changed, ``(missing)`` on the server or ``(extra)`` there."""
+    out = []
+    for name in sorted(set(mine) | set(served)):
+        if name not in served:
+            out.append(f"{name} (missing)")
+        elif name not in mine:
+            out.append(f"{name} (extra)")
+        elif mine[name] != served[name]:
+            out.append(name)
+    return out
+
+
 class PushedWeights:
-    """The fingerprinted tensors of the last ``keep`` pushes, by label; ``check`` compares the servers."""
+    """The digests of the last ``keep`` pushes, by label; ``check`` compares the servers' received digests."""
 
     def __init__(self, keys: ServerKeys | None = None, timeout_s: float = 60.0, keep: int = KEEP_PUSHES):
         self.keys, self.timeout_s, self.keep = keys, timeout_s, keep
-        self.by_label: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
+        self.by_label: OrderedDict[str, dict[str, str]] = OrderedDict()
 
-    def remember(self, label: str, named: Mapping[str, torch.Tensor]) -> None:
-        """``named``: the HF-named tensors just pushed as ``label`` (only the fingerprinted ones are kept)."""
+    def remember(self, label: str, digests: Mapping[str, str]) -> None:
+        """``digests``: ``name -> tensor_digest`` of every tensor just pushed as ``label``."""
         self.by_label.pop(str(label), None)
-        self.by_label[str(label)] = fingerprint_tensors(named)
+        self.by_label[str(label)] = dict(digests)
         while len(self.by_label) > self.keep:
             self.by_label.popitem(last=False)
 
     def remember_hf_dir(self, label: str, hf_dir: str | Path) -> None:
-        """The same for a push from an HF checkpoint directory (reads only the fingerprinted tensors)."""
-        named = {}
-        for path in sorted(Path(hf_dir).glob("*.safetensors")):
-            with safe_open(str(path), framework="pt") as f:
-                named |= {n: f.get_tensor(n) for n in f.keys() if n.endswith(FINGERPRINT_SUFFIXES)}  # noqa: SIM118
-        self.remember(label, named)
+        """The same for a push from an HF checkpoint directory (reads every tensor SGLang loads from it)."""
+        self.remember(label, hf_dir_digests(hf_dir))
 
     @staticmethod
     def _acceptable(pushed: Mapping, label: str, newer_ok: bool) -> list[str]:
@@ -134,19 +154,18 @@ class PushedWeights:
         return ok
 
     def check(self, addresses: Sequence[str], label: str, newer_ok: bool = False) -> None:
-        """ForeignWeightsError unless every server rank serves the weights pushed as ``label`` (see module doc)."""
+        """ForeignWeightsError unless every server rank received the tensors pushed as ``label`` (module doc)."""
         pushed = dict(self.by_label)  # a snapshot: the trainer may push (partial rollouts) while a producer checks
         labels = self._acceptable(pushed, label, newer_ok)
         if not labels:  # nothing pushed under this label by this trainer: nothing to compare with
             raise ForeignWeightsStop(f"no push of {label!r} is known to this trainer: cannot check the served weights")
         for address in addresses:
-            for rank, served in enumerate(served_entries(address.rstrip("/"), self.keys, self.timeout_s)):
-                expected = {lb: expected_entries(pushed[lb], served) for lb in labels}
-                if not any(served == e for e in expected.values()):
-                    mine = expected[labels[0]]
-                    differ = sorted(n for n in set(mine) | set(served) if mine.get(n) != served.get(n))
+            for rank, served in enumerate(served_digests(address.rstrip("/"), self.keys, self.timeout_s)):
+                if not any(served == pushed[lb] for lb in labels):
+                    mine = pushed[labels[0]]
+                    differ = _differ(mine, served)
                     raise ForeignWeightsError(
-                        f"foreign weights on {address} (rank {rank}): label {label!r} serves fingerprint "
+                        f"foreign weights on {address} (rank {rank}): label {label!r} serves digest "
                         f"{digest(served)}, the trainer pushed {digest(mine)} ({len(differ)} of {len(mine)} "
-                        f"fingerprinted tensors differ, e.g. {differ[:2]})"
+                        f"tensors differ, e.g. {differ[:2]})"
                     )

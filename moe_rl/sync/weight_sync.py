@@ -27,8 +27,8 @@ rollouts from it, and the next (always full) sync makes it valid again. After ev
 on every server must report the new ``weight_version``; samples carry the version of the reply.
 
 Every successful push is remembered by label in ``WeightSync.pushed`` (``served_weights.PushedWeights``: the
-fingerprinted tensors of what was sent, taken by the ranks that sent them), so each generation batch can be
-checked against what the servers really hold. A push whose label is overwritten behind it, or that fails,
+digest of every tensor sent, taken by the ranks that sent them as they send it and gathered to rank 0; none with
+``rollout.check_served_weights=false``), so each generation batch can be checked against what the servers received. A push whose label is overwritten behind it, or that fails,
 is pushed again at most ``rollout.max_foreign_syncs`` times in a row, then the run stops
 (``ForeignWeightsStop``, one line).
 """
@@ -51,7 +51,7 @@ from moe_rl.sync import senders as ws
 from moe_rl.sync.checks import check_servable, check_shapes, check_weights, quantize_state_dict, reference_from_hf_dir
 from moe_rl.sync.group import WeightGroup, group_options
 from moe_rl.sync.integrity import ForeignWeightsStop
-from moe_rl.sync.served_weights import PushedWeights, fingerprint_tensors
+from moe_rl.sync.served_weights import PushedWeights, tensor_digests
 from moe_rl.sync.transport import WeightSyncError, check_version, is_local_address, update_weights_from_disk
 
 __all__ = ["WEIGHT_SYNC_MODES", "WeightSync"]
@@ -87,6 +87,7 @@ class WeightSync:
         group_options: Mapping | None = None,
         max_foreign_syncs: int | None = None,
         keep_pushes: int = 4,
+        digests: bool = True,
     ):
         if mode not in WEIGHT_SYNC_MODES:
             raise ValueError(f"rollout.weight_sync={mode!r}; expected one of {WEIGHT_SYNC_MODES} (or 'auto')")
@@ -106,7 +107,8 @@ class WeightSync:
         self._planned: dict[str, tuple[int, ...]] = {}  # the names and shapes of the sync under way (rank 0)
         self.group_options = dict(group_options or {})  # distributed: WeightGroup's backend / master address, port
         self.group = None  # distributed: this rank's open WeightGroup (a pipeline stage's source)
-        self.pushed = PushedWeights(keys, timeout_s, max(4, keep_pushes))  # fingerprints of the last pushes
+        self.pushed = PushedWeights(keys, timeout_s, max(4, keep_pushes))  # digests of the last pushes
+        self.digests = digests  # digest every tensor sent (rollout.check_served_weights)
         self.max_foreign_syncs = max_foreign_syncs  # None: a failed push raises its WeightSyncError at once
 
     @classmethod
@@ -140,6 +142,7 @@ class WeightSync:
             group_options=group_options(r),
             max_foreign_syncs=r.max_foreign_syncs,
             keep_pushes=cfg.train.max_staleness + 2,
+            digests=r.check_served_weights,
         )
 
     def check_servable(self, addresses: Sequence[str]) -> None:
@@ -184,7 +187,10 @@ class WeightSync:
             version, lambda: update_weights_from_disk(addresses, hf_dir, version, self.timeout_s, keys=self.keys)
         )
         self.version = str(version)
-        self.pushed.remember_hf_dir(version, hf_dir)
+        if self.digests:
+            self.pushed.remember_hf_dir(version, hf_dir)
+        else:
+            self.pushed.remember(version, {})
 
     # ------------------------------------------------------------------ inside a sync
     def _header(self, addresses: Sequence[str], version: str) -> dict:
@@ -239,17 +245,17 @@ class WeightSync:
                 f"{a} keeps its previous weights: {m}" for a, m in start["refused"].items()
             )
         sender = self._sender(mode, stream, start, header) if stream.sender else None
-        fingerprints: dict = {}
+        digests: dict[str, str] = {}  # of every tensor this rank sends, as sent (served_weights.tensor_digest)
         for stage in range(stream.stages):  # pipeline stages take turns (one source and group each)
             if stage == stream.stage:
                 for bucket in stream.buckets():
                     named = quantize_state_dict(dict(bucket), self.weight_quantization)
-                    if mode != "disk":
-                        fingerprints.update(fingerprint_tensors(named))
+                    if self.digests:
+                        digests.update(tensor_digests(named))
                     sender.send(list(named.items()))
                     del named, bucket
             comm.barrier_if(stream.stages > 1)
-        reports = comm.gather((sender.report() if sender else None, fingerprints))
+        reports = comm.gather((sender.report() if sender else None, digests))
         outcome = self._finish(header, start, reports, flush_cache) if comm.rank0 else None
         return comm.bcast(outcome)
 
@@ -286,7 +292,7 @@ class WeightSync:
             except WeightSyncError as err:
                 return bool(getattr(err, "foreign_label", False)), str(err)
             self._done(version)
-            self.pushed.remember_hf_dir(version, path)
+            self.pushed.remember(version, {n: d for _, ds in reports for n, d in ds.items()})
             return None
         loaded = {a: sum(r["loaded"][a] for r in sent) for a in addresses}
         errors = {a: next((r["errors"][a] for r in sent if r["errors"][a]), None) for a in addresses}
@@ -311,7 +317,7 @@ class WeightSync:
         if failures:
             return foreign, f"weight sync to version {version!r} failed: " + "; ".join(failures)
         self._done(version)
-        self.pushed.remember(version, {n: t for _, fp in reports for n, t in fp.items()})
+        self.pushed.remember(version, {n: d for _, ds in reports for n, d in ds.items()})
         return None
 
     def _done(self, version: str) -> None:

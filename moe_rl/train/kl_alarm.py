@@ -14,12 +14,24 @@ token ``n`` versions old also carries the policy's own ``n`` updates (measured: 
 at staleness 1 in the tiny async run, 3e-7 at staleness 0), which the alarm cannot tell from foreign weights. An
 async step with no fresh token is not checked (``alarm/unchecked = 1``; the fingerprint still is).
 
+**Adaptive** (``correction.kl_alarm_factor``, ``kl_alarm_window``, ``kl_alarm_warmup``): a step also alarms when its
+``offpolicy/kl_k3`` exceeds ``factor`` x the median of the last ``window`` checked steps, once ``warmup`` steps are in
+the window. An absolute threshold must sit above every config's normal range (1e-2 by default), while foreign experts
+lifted the tiny run's 3e-7 to 7e-4 … 4e-3 (issue 57): 1,000-10,000x its own normal, under the threshold. The median
+is over the steps that were trained on: an alarmed step never enters it, so weights that stay foreign cannot raise
+the median until they pass as normal (the cost: a real, lasting shift of the mismatch alarms until
+``kl_alarm_max_in_row`` stops the run; raise the factor or turn it off). The median is floored at ``MEDIAN_FLOOR``
+(a mismatch numerically zero, e.g. identical kernels, would otherwise alarm on rounding). The window starts empty at a
+resume. Step numbers in messages are the 1-based steps of metrics.jsonl.
+
 Rank 0 decides and broadcasts the value, so every rank skips (or trains) the same step.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
+from collections import deque
 
 import torch
 
@@ -30,20 +42,55 @@ __all__ = ["KLAlarm", "KLAlarmStop"]
 
 logger = logging.getLogger(__name__)
 
+MEDIAN_FLOOR = 1e-8  # the adaptive alarm needs kl_k3 > factor x max(median, this): 1e-6 at the default factor
+
 
 class KLAlarmStop(RuntimeError):
     """``correction.kl_alarm_max_in_row`` steps in a row were over the alarm; the message says why and what to do."""
 
 
 class KLAlarm:
-    """Per run: ``check(step, kl)`` -> skip this step?; counts skipped steps in a row."""
+    """Per run: ``check(step, kl)`` -> skip this step?; counts skipped steps in a row, keeps the adaptive window."""
 
-    def __init__(self, threshold: float | None, max_in_row: int):
+    def __init__(
+        self,
+        threshold: float | None,
+        max_in_row: int,
+        factor: float | None = None,
+        window: int = 20,
+        warmup: int = 5,
+    ):
         self.threshold, self.max_in_row, self.in_row = threshold, max_in_row, 0
+        self.factor = factor if factor and window else None  # None/0 factor or a 0 window: the adaptive alarm is off
+        self.warmup = max(1, warmup)
+        self.recent: deque[float] = deque(maxlen=max(1, window))  # kl_k3 of the last trained-on steps
+
+    @classmethod
+    def from_config(cls, correction) -> KLAlarm:
+        c = correction
+        return cls(c.kl_alarm, c.kl_alarm_max_in_row, c.kl_alarm_factor, c.kl_alarm_window, c.kl_alarm_warmup)
 
     @property
     def enabled(self) -> bool:
-        return self.threshold is not None
+        return self.threshold is not None or self.factor is not None
+
+    def median(self) -> float | None:
+        """The running median the adaptive alarm compares with (None: off, or still warming up)."""
+        if self.factor is None or len(self.recent) < self.warmup:
+            return None
+        return statistics.median(self.recent)
+
+    def why(self, kl: float) -> str | None:
+        """Why ``kl`` alarms (both figures named), or None."""
+        reasons = []
+        if self.threshold is not None and kl > self.threshold:
+            reasons.append(f"> correction.kl_alarm={self.threshold:g}")
+        if (median := self.median()) is not None and kl > self.factor * max(median, MEDIAN_FLOOR):
+            reasons.append(
+                f"= {kl / max(median, MEDIAN_FLOOR):.3g}x its running median {median:.3g} over the last "
+                f"{len(self.recent)} steps (> correction.kl_alarm_factor={self.factor:g})"
+            )
+        return " and ".join(reasons) or None
 
     @staticmethod
     def batch_kl_k3(
@@ -74,23 +121,26 @@ class KLAlarm:
         return False, {}
 
     def check(self, step: int, kl: float) -> bool:
-        """True: do not train on ``step`` (logged once); KLAlarmStop after ``max_in_row`` such steps in a row."""
-        if kl <= self.threshold:
+        """True: do not train on ``step`` (the 1-based step of metrics.jsonl; logged once); KLAlarmStop after
+        ``max_in_row`` such steps in a row. A step that does not alarm enters the adaptive window."""
+        why = self.why(kl)
+        if why is None:
             self.in_row = 0
+            self.recent.append(kl)
             return False
         self.in_row += 1
         if self.in_row >= self.max_in_row:
             raise KLAlarmStop(
-                f"step {step}: offpolicy/kl_k3={kl:.3g} is over correction.kl_alarm={self.threshold:g} for "
-                f"{self.in_row} steps in a row (correction.kl_alarm_max_in_row={self.max_in_row}): the rollouts do "
+                f"step {step}: offpolicy/kl_k3={kl:.3g} {why}, {self.in_row} step{'s' * (self.in_row != 1)} in a row "
+                f"(correction.kl_alarm_max_in_row={self.max_in_row}): the rollouts do "
                 "not come from the weights the learner holds (foreign or half-applied weights, another model, a "
                 "rollout dtype or kernel change); stopping. Check the server and its weights, then resume"
             )
         logger.warning(
-            "kl alarm: step %d not trained on: offpolicy/kl_k3=%.3g > correction.kl_alarm=%g (%d in a row, stop at %d)",
+            "kl alarm: step %d not trained on: offpolicy/kl_k3=%.3g %s (%d in a row, stop at %d)",
             step,
             kl,
-            self.threshold,
+            why,
             self.in_row,
             self.max_in_row,
         )

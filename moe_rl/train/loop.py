@@ -134,7 +134,7 @@ class RLTrainer:
             self.prompt_side,
             source=lambda: self.source,
         )
-        self.kl_alarm = KLAlarm(cfg.correction.kl_alarm, cfg.correction.kl_alarm_max_in_row)
+        self.kl_alarm = KLAlarm.from_config(cfg.correction)
         self.plan(self.start_step)  # an impossible split fails here, before any server starts
         if self.is_main and not self.from_records and cfg.train.rollout_mode == "async":
             # bad data or reward fails here, before any server
@@ -223,7 +223,9 @@ class RLTrainer:
                 if old is not None
                 else old_logprob_rows(cfg, self.learner, self.driver, self.logprob_fn, plan, inputs)
             )
-            skip, alarm_row = self.kl_alarm.verdict(step, batch, pi, width, cfg.ksm_active, inputs.staleness)
+            skip, alarm_row = self.kl_alarm.verdict(  # step + 1: the 1-based step of metrics.jsonl
+                step + 1, batch, pi, width, cfg.ksm_active, inputs.staleness
+            )
             if skip:  # not trained on: the row says why (alarm/*), not offpolicy/kl_k3
                 return alarm_row | {"reward/mean": float(rewards.mean()), "time/rollout_s": t_rollout}
         if self.reference is not None:

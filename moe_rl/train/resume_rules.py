@@ -69,6 +69,9 @@ RESUME_SAFE_KEYS = (
     "rollout.max_foreign_syncs",
     "correction.kl_alarm",
     "correction.kl_alarm_max_in_row",
+    "correction.kl_alarm_factor",
+    "correction.kl_alarm_window",
+    "correction.kl_alarm_warmup",
 )
 
 

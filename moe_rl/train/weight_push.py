@@ -171,14 +171,14 @@ class WeightPusher:
 
     def served_state(self) -> dict | None:
         """What rank 0 knows the servers hold, for the rollout process's checks: the half-updated servers and the
-        fingerprinted tensors of the version last pushed (None before the first push)."""
+        digests of every tensor of the version last pushed (None before the first push)."""
         ws = self.sync
         if ws is None or ws.version is None:
             return None
         return {
             "invalid": dict(ws.invalid),
             "label": ws.version,
-            "tensors": ws.pushed.by_label.get(ws.version),
+            "digests": ws.pushed.by_label.get(ws.version),
             "version": self.live,
         }
 

@@ -2,7 +2,7 @@
 
 The server side (a real server serving another model under the run's label) is tested in
 ``test_server_secrets.py`` and end to end in ``tests/train/test_foreign_weights_e2e.py``; here the counting,
-the one log line and the stop, with the fingerprint check standing in as a callable.
+the one log line and the stop, with the served-weights check standing in as a callable.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from moe_rl.rollout.replies import RolloutError
 from moe_rl.sync.integrity import ForeignWeightsError, ForeignWeightsStop, generate_checked
-from moe_rl.sync.served_weights import PushedWeights, digest, expected_entries, fingerprint_entry
+from moe_rl.sync.served_weights import PushedWeights, digest, tensor_digest, tensor_digests
 
 LABEL = "step-3-0a1b2c3d"
 
@@ -54,16 +54,18 @@ def test_foreign_batches_are_resynced_up_to_the_limit_then_the_run_stops(caplog)
         _checked(1, 0, caplog)
 
 
-def test_expected_fingerprint_is_taken_in_the_served_dtype():
-    router = torch.randn(8, 64)
-    bf16 = fingerprint_entry(router.to(torch.bfloat16))
-    assert expected_entries({"model.layers.0.mlp.gate.weight": router}, {"model.layers.0.mlp.gate.weight": bf16}) == {
-        "model.layers.0.mlp.gate.weight": bf16
-    }
-    assert fingerprint_entry(router) != fingerprint_entry(router + 1e-6) and bf16.startswith("bfloat16:")
+def test_a_digest_names_dtype_shape_and_bytes_and_every_tensor_is_kept(device):
+    expert = torch.randn(8, 64, device=device)
+    d = tensor_digest(expert)
+    assert d.startswith("float32:8x64:") and len(d.rsplit(":", 1)[1]) == 32
+    assert tensor_digest(expert.t().contiguous().t()) == d  # the C-order bytes, whatever the layout
+    assert tensor_digest(expert.to(torch.bfloat16)).startswith("bfloat16:8x64:")  # the dtype as sent
+    assert tensor_digest(expert.reshape(64, 8)) != d and tensor_digest(expert + 1e-6) != d
+    assert tensor_digest(torch.tensor(1.0)).startswith("float32::")
     pushed = PushedWeights()
-    pushed.remember(LABEL, {"model.norm.weight": torch.ones(4), "model.layers.0.mlp.experts.0.up_proj.weight": router})
-    assert list(pushed.by_label[LABEL]) == ["model.norm.weight"]  # only the fingerprinted names are kept
+    named = {"model.norm.weight": torch.ones(4), "model.layers.0.mlp.experts.0.up_proj.weight": expert}
+    pushed.remember(LABEL, tensor_digests(named))
+    assert sorted(pushed.by_label[LABEL]) == sorted(named)  # every tensor, the experts too
     assert digest({"a": "x"}) != digest({"a": "y"})
 
 

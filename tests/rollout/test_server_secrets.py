@@ -3,8 +3,8 @@
 1. No secret in any reply (patch 0009): every GET route SGLang registers (enumerated from its FastAPI app in a
    process with the server's environment, not a hard-coded list) read without a key shows no key; the
    server-arguments endpoints refuse a call without the admin key and, with it, show ``<redacted>``.
-2. The served-weights fingerprint (patch 0010): after a disk and a tensor push it equals the fingerprint of
-   what was pushed; another model pushed under the same label is caught (``foreign weights``, both fingerprints).
+2. The served-weights digests (patch 0014): after a disk and a tensor push they equal the digests of what was
+   pushed, every tensor; another model pushed under the same label is caught (``foreign weights``, both digests).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from moe_rl.rollout.auth import ServerKeys
 from moe_rl.rollout.launcher import SGLangServer
 from moe_rl.rollout.server_spec import ServerSpec, server_env
 from moe_rl.sync.integrity import ForeignWeightsError
-from moe_rl.sync.served_weights import FINGERPRINT_SUFFIXES, PushedWeights
+from moe_rl.sync.served_weights import PushedWeights
 from moe_rl.sync.transport import update_weights_from_disk
 from moe_rl.sync.weight_sync import WeightSync
 
@@ -91,14 +91,14 @@ def _pushed(model_dir) -> dict:
     return {k: v for f in sorted(model_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
-def test_served_fingerprint_follows_every_push_and_catches_foreign_weights(
-    admin_keyed, model_dir, model_dir_v2, rollout_model_cfg, caplog
+def test_served_digests_follow_every_push_and_catch_foreign_weights(
+    admin_keyed, model_dir, model_dir_v2, rollout_model_cfg, tmp_path, device
 ):
     url, keys, _ = admin_keyed
     pushed = PushedWeights(keys)
     update_weights_from_disk([url], model_dir, "step-1-abcd0123", keys=keys)
     pushed.remember_hf_dir("step-1-abcd0123", model_dir)
-    assert any(n.endswith(FINGERPRINT_SUFFIXES[1]) for n in pushed.by_label["step-1-abcd0123"])  # routers are in it
+    assert set(pushed.by_label["step-1-abcd0123"]) == set(_pushed(model_dir))  # every tensor
     pushed.check([url], "step-1-abcd0123")
 
     # the tensor transport: a push of other weights is seen, and it is what WeightSync remembers
@@ -113,12 +113,24 @@ def test_served_fingerprint_follows_every_push_and_catches_foreign_weights(
     update_weights_from_disk([url], model_dir, "step-2-abcd0123", keys=keys)
     with pytest.raises(
         ForeignWeightsError,
-        match=r"foreign weights on .*label 'step-2-abcd0123' serves fingerprint "
+        match=r"foreign weights on .*label 'step-2-abcd0123' serves digest "
         r"[0-9a-f]{16}, the trainer pushed [0-9a-f]{16}",
     ):
         ws.pushed.check([url], "step-2-abcd0123")
     ws.push(_pushed(model_dir_v2), [url], "step-2-abcd0123")  # the re-sync restores it
     ws.pushed.check([url], "step-2-abcd0123")
+
+    # the disk and distributed transports: what each sent is what the server received, every tensor
+    disk = WeightSync("disk", rollout_model_cfg, export_dir=tmp_path / "export", template_dir=model_dir, keys=keys)
+    disk.push(_pushed(model_dir), [url], "step-3-abcd0123")
+    disk.pushed.check([url], "step-3-abcd0123")
+    dist = WeightSync("distributed", rollout_model_cfg, keys=keys, group_options={"backend": "gloo"})
+    try:
+        dist.push(_pushed(model_dir_v2), [url], "step-4-abcd0123")
+        dist.pushed.check([url], "step-4-abcd0123")
+        assert set(dist.pushed.by_label["step-4-abcd0123"]) == set(_pushed(model_dir_v2))
+    finally:
+        dist.close()
 
 
 def test_every_secret_server_argument_is_redacted_at_any_depth():

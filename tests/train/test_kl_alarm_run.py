@@ -54,9 +54,9 @@ def test_a_step_over_the_alarm_is_not_trained_on_and_two_in_a_row_stop_the_run(t
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "step 1: offpolicy/kl_k3=" in errors[0] and "for 2 steps in a row" in errors[0], errors
-    assert proc.stderr.count("kl alarm: step 0 not trained on") == 1, proc.stderr[-3000:]
-    (row,) = read_metrics(tmp_path / "foreign" / "metrics.jsonl")  # step 0's row; step 1 stopped the run
+    assert len(errors) == 1 and "step 2: offpolicy/kl_k3=" in errors[0] and ", 2 steps in a row" in errors[0], errors
+    assert proc.stderr.count("kl alarm: step 1 not trained on") == 1, proc.stderr[-3000:]
+    (row,) = read_metrics(tmp_path / "foreign" / "metrics.jsonl")  # step 1's row; step 2 stopped the run
     assert row["alarm/skipped"] == 1 and row["alarm/kl_k3"] > alarm and "offpolicy/kl_k3" not in row, row
     assert "train/loss" not in row and "train/grad_norm" not in row, row  # no optimizer step ran
     print(f"\nforeign weights: alarm/kl_k3 = {row['alarm/kl_k3']:.3g} (correction.kl_alarm = {alarm:g})")
