@@ -14,8 +14,8 @@ Modules import Megatron lazily where they can; importing this package pulls in t
 from moe_rl.learner.checkpoint import latest_step, load_checkpoint, save_checkpoint
 from moe_rl.learner.cpu_shims import apply_cpu_shims
 from moe_rl.learner.dist import destroy_distributed, init_distributed, launch_env
-from moe_rl.learner.hf_convert import load_hf_weights
 from moe_rl.learner.hf_export import export_hf_checkpoint
+from moe_rl.learner.hf_import import load_hf_weights
 from moe_rl.learner.logprobs import logprobs_from_logits, response_logprobs
 from moe_rl.learner.model import build_model, forward_logits, moe_routers, transformer_config_from
 from moe_rl.learner.train_step import Learner, StepStats

@@ -3,17 +3,16 @@
 Owns the name/layout mapping between a HuggingFace Qwen3-MoE or GLM-4.5 (``Glm4MoeForCausalLM``:
 q/k/v bias, shared experts, score-correction bias; ``model.hf_architecture``) safetensors
 checkpoint (on-disk names, one tensor per expert projection) and the learner's
-``GPTModel`` state, plus importing an HF directory into a (possibly expert-
-parallel) model and exporting one for SGLang weight sync. Measured mapping
+``GPTModel`` state, plus exporting one for SGLang weight sync. Importing reads per rank
+(``hf_import.load_hf_weights``, built on ``hf_name_map``); ``read_hf_state_dict`` + ``hf_to_megatron``
+convert a whole checkpoint at once (tests and small tools: every tensor in memory, twice). Measured mapping
 details: /work/shared/notes/megatron-core-on-cpu.md ("HF Qwen3-MoE <-> ...").
 
 Layout facts that a parity test catches when broken:
   * ``linear_qkv`` rows are grouped per query group: ``[q heads of group g; k_g; v_g]``.
   * ``linear_fc1`` is ``cat([gate_proj, up_proj])`` (gate first, SwiGLU).
 Both Megatron specs are handled: TE-spec names are mapped to local-spec names first
-(``canonical_name``). tp, etp and ep shards are gathered on export and sliced on import
-(``moe_rl.learner.tp_shards``); under pipeline parallelism each stage's local layer numbers are
-made global (``decoder.layers.<local>`` -> ``<offset + local>``) and each stage imports its own layers.
+(``canonical_name``). tp, etp and ep shards are gathered on export (``moe_rl.learner.tp_shards``).
 The per-tensor conversion (``megatron_tensor_to_hf``) is what the streaming export and weight sync use
 (``hf_stream``, ``hf_export``); ``export_hf_state_dict`` gathers the whole model (an oracle for tests).
 """
@@ -34,13 +33,7 @@ from moe_rl.learner.hf_init import write_hf_side_files
 from moe_rl.learner.model import unwrap
 from moe_rl.learner.ownership import (
     canonical_name,
-    expert_slot,
-    globalise_layer,
-    local_expert_range,
-    stage_layer_offset,
-    tp_rank_and_size,
 )
-from moe_rl.learner.tp_shards import tp_slice
 
 __all__ = [
     "canonical_name",
@@ -48,7 +41,6 @@ __all__ = [
     "full_megatron_state_dict",
     "hf_name_map",
     "hf_to_megatron",
-    "load_hf_weights",
     "megatron_tensor_to_hf",
     "megatron_to_hf",
     "read_hf_state_dict",
@@ -211,37 +203,6 @@ def read_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
     for f in files:
         state.update(load_file(hf_dir / f))
     return state
-
-
-def load_hf_weights(model, hf_dir: str | Path, model_cfg) -> None:
-    """Copy an HF checkpoint into ``model`` in place (this rank's experts under ep > 1, its stage's layers
-    under pp > 1)."""
-    full = hf_to_megatron(read_hf_state_dict(hf_dir), model_cfg)
-    start, _ = local_expert_range(model)
-    offset = stage_layer_offset(model)
-    target = unwrap(model).state_dict()
-    loaded = set()
-    with torch.no_grad():
-        for name, tensor in target.items():
-            global_name = globalise_layer(canonical_name(name), offset)
-            slot = expert_slot(global_name)
-            src = global_name if slot is None else f"{slot[0]}{start + slot[1]}.{slot[2]}"
-            if src not in full:
-                continue
-            shard = tp_slice(src, full[src], *tp_rank_and_size(src))
-            if shard.shape != tensor.shape:
-                on_rank = f" ({tuple(shard.shape)} on this tp rank)" if shard.shape != full[src].shape else ""
-                raise ValueError(
-                    f"{name}: HF tensor has shape {tuple(full[src].shape)}{on_rank}, "
-                    f"model expects {tuple(tensor.shape)}"
-                )
-            tensor.copy_(shard.to(tensor.dtype))
-            loaded.add(name)
-    params = {n for n, _ in unwrap(model).named_parameters()}
-    if params - loaded:
-        raise KeyError(
-            f"{len(params - loaded)} model parameters not found in {hf_dir}, e.g. {sorted(params - loaded)[:3]}"
-        )
 
 
 def full_megatron_state_dict(model, grads: bool = False) -> dict[str, torch.Tensor]:

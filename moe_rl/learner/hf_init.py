@@ -99,8 +99,12 @@ def write_hf_side_files(model_cfg, out_dir: str | Path) -> None:
     build_task_tokenizer(model_cfg.vocab_size).save_pretrained(out_dir)
 
 
-def write_random_hf_checkpoint(model_cfg, out_dir: str | Path, seed: int = 0, dtype: str = "float32") -> Path:
+def write_random_hf_checkpoint(
+    model_cfg, out_dir: str | Path, seed: int = 0, dtype: str = "float32", max_shard_size: str | None = None
+) -> Path:
     """Write a random-init checkpoint (``model.hf_architecture``) + task tokenizer to ``out_dir`` and return it.
+
+    ``max_shard_size`` (e.g. ``"20MB"``) writes several shards and ``model.safetensors.index.json``.
 
     Score-correction biases (GLM-4.5) are drawn too, so conversions that drop them are caught.
     """
@@ -115,6 +119,6 @@ def write_random_hf_checkpoint(model_cfg, out_dir: str | Path, seed: int = 0, dt
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(0.1 * torch.randn(buf.shape, generator=gen, device="cpu"))
-    model.save_pretrained(out_dir)
+    model.save_pretrained(out_dir, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     build_task_tokenizer(model_cfg.vocab_size).save_pretrained(out_dir)
     return out_dir

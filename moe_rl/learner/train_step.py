@@ -22,8 +22,8 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from moe_rl.config.hf_model import initial_weights_dir, side_files_dir
 from moe_rl.learner.device import model_device, to_device
 from moe_rl.learner.dist import deterministic_kernels
-from moe_rl.learner.hf_convert import load_hf_weights
 from moe_rl.learner.hf_export import export_hf_checkpoint
+from moe_rl.learner.hf_import import load_hf_weights
 from moe_rl.learner.logprobs import response_logprobs
 from moe_rl.learner.model import build_model, unwrap
 from moe_rl.learner.optimizer import (

@@ -1,5 +1,7 @@
 """torchrun worker (2 ranks; gloo on CPU, one GPU per rank with nccl): expert parallel ep=2 vs ep=1, and vocab-parallel log-probs at tp=2.
 
+Also (issue 52) each rank's per-rank HF import at ep=2 against the former whole-dict import.
+
 Run: ``torchrun --nproc_per_node=2 --master_port=<free> tests/distributed/ep_parity_worker.py
 --hf-dir <tiny HF dir> --out <result.json> --work <scratch dir>``. Rank 0 writes the JSON the pytest
 wrapper (``test_expert_parallel.py``) asserts on. Both layouts see the same
@@ -24,12 +26,14 @@ from moe_rl.config import ExperimentConfig, ParallelConfig
 from moe_rl.learner.checkpoint import load_checkpoint, save_checkpoint
 from moe_rl.learner.dist import init_distributed
 from moe_rl.learner.global_state import param_state
-from moe_rl.learner.hf_convert import full_megatron_state_dict, load_hf_weights, read_hf_state_dict
+from moe_rl.learner.hf_convert import full_megatron_state_dict, read_hf_state_dict
+from moe_rl.learner.hf_import import load_hf_weights
 from moe_rl.learner.logprobs import logprobs_from_logits
 from moe_rl.learner.model import build_model
 from moe_rl.learner.sharded_state import read_global
 from moe_rl.learner.train_step import Learner
 from tests.conftest import rank_device
+from tests.learner.hf_import_check import check_rank_import
 
 MODEL = {
     "num_layers": 2,
@@ -62,6 +66,17 @@ def _cfg(ep: int, dispatcher: str):
             "train": {"seed": 3},
         }
     )
+
+
+def hf_import_at_ep2(hf_dir: str, work: Path, rank: int) -> list[dict]:
+    """Issue 52: each rank's per-rank HF import equals the whole-dict import; returns both ranks' reports."""
+    cfg = _cfg(2, "alltoall")
+    init_distributed(cfg.parallel)
+    report = check_rank_import(build_model(cfg), hf_dir, cfg.model)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / f"hf_import_rank{rank}.json").write_text(json.dumps(report))
+    dist.barrier()
+    return [json.loads((work / f"hf_import_rank{r}.json").read_text()) for r in range(2)]
 
 
 def _learner(hf_dir: str, ep: int, dispatcher: str) -> Learner:
@@ -209,6 +224,7 @@ def main() -> None:
             "worst_grad": max(diffs, key=diffs.get),
             "max_abs_grad": max(float(t.abs().max()) for t in ref["grads"].values()),
         }
+    result["hf_import_ep2"] = hf_import_at_ep2(args.hf_dir, Path(args.work), rank)
     result["ep2_export_and_resume"] = export_and_resume_at_ep2(args.hf_dir, Path(args.work), rank)
     result["vocab_parallel_tp2"] = vocab_parallel_check(rank)
     if rank == 0:

@@ -1,4 +1,5 @@
-"""Expert parallel over gloo (torchrun, 2 ranks): ep=2 equals ep=1, exports and resumes; tp=2 log-probs."""
+"""Expert parallel over gloo (torchrun, 2 ranks): ep=2 equals ep=1, exports and resumes; tp=2 log-probs;
+the per-rank HF import at ep=2."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from moe_rl.learner.hf_init import write_random_hf_checkpoint
 from tests.conftest import one_gpu_per_rank
 from tests.distributed.ep_parity_worker import MODEL
 from tests.distributed.torchrun import run_worker
+from tests.learner.hf_import_check import bytes_problems, uncovered
 
 pytestmark = [pytest.mark.distributed, one_gpu_per_rank(2)]
 WORKER = Path(__file__).with_name("ep_parity_worker.py")
@@ -65,3 +67,21 @@ def test_ep2_checkpoint_holds_every_rank_shard_and_resumes_at_ep1(ep_result):
     r = ep_result["ep2_export_and_resume"]
     assert r["checkpoint_holds_every_rank_shard"], "a rank's weights / Adam state are not where the global file says"
     assert r["ep2_to_ep1_resume_same_step"], "the ep=2 checkpoint resumed at ep=1 gives another next step"
+
+
+@pytest.mark.timeout(300)
+def test_ep2_hf_import_reads_only_each_ranks_share_and_equals_the_whole_dict_import(ep_result):
+    """Issue 52: each rank's import equals the former whole-dict import bitwise; by the reader's own byte
+    counter it reads at most its own share plus the largest tensor, and the two ranks together read every
+    byte of the checkpoint. The former whole-file read (every rank reads the whole checkpoint) fails the bound."""
+    reports = ep_result["hf_import_ep2"]
+    assert all(r["bitwise_equal"] for r in reports), "per-rank import differs from the whole-dict import at ep=2"
+    assert not bytes_problems(reports), bytes_problems(reports)
+    assert not uncovered(reports), f"no rank read {uncovered(reports)[:3]}"
+    for r in reports:
+        assert r["bytes_read"] < 0.75 * r["checkpoint_bytes"], (r["bytes_read"], r["checkpoint_bytes"])
+    whole_file = [
+        {**r, "bytes_read": r["checkpoint_bytes"], "bytes_by_file": {"model.safetensors": r["checkpoint_bytes"]}}
+        for r in reports
+    ]
+    assert bytes_problems(whole_file), "the bytes bound does not tell a whole-file read from a per-rank one"

@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from moe_rl.learner.hf_convert import canonical_name, load_hf_weights, read_hf_state_dict
+from moe_rl.learner.hf_convert import canonical_name, read_hf_state_dict
+from moe_rl.learner.hf_import import load_hf_weights
 from moe_rl.learner.hf_init import write_random_hf_checkpoint
 from moe_rl.learner.model import build_model, forward_logits, moe_routers
 from moe_rl.learner.train_step import Learner

@@ -10,8 +10,11 @@ Megatron's 1F1B schedule (``Learner.train_step`` / ``forward_logprobs``). Checks
 - ``expert_bias``: each stage's routers move their expert bias by the valid tokens they dispatched;
 - ``export``: the HF checkpoint exported from pp=2 (both stages' layers, global numbers) equals the one
   the same weights give with pp=1 (rank 0 compares; also equal to the imported checkpoint).
+
+Each stage's per-rank HF import (issue 52) is also reported, as ``hf_import_pp2_rank<r>.json`` next to the HF dir.
 """
 
+import json
 import sys
 from pathlib import Path
 
@@ -24,6 +27,7 @@ from moe_rl.config import ExperimentConfig
 from moe_rl.learner.dist import destroy_distributed, init_distributed
 from moe_rl.learner.hf_convert import export_hf_state_dict, read_hf_state_dict
 from moe_rl.learner.hf_init import write_random_hf_checkpoint
+from moe_rl.learner.model import build_model
 from moe_rl.learner.train_step import (
     Learner,
     default_logprob_fn,
@@ -32,6 +36,7 @@ from moe_rl.replay.dispatch_probe import DispatchProbe
 from moe_rl.replay.driver import MicrobatchRoutes, ReplayDriver
 from moe_rl.train.logprob import make_logprob_fn
 from tests.conftest import rank_device
+from tests.learner.hf_import_check import check_rank_import
 from tests.replay.routing_probe import random_routes
 
 E, K, L, V = 8, 2, 4, 128
@@ -174,6 +179,8 @@ def main() -> None:
         write_random_hf_checkpoint(config(2, hf_dir).model, hf_dir, seed=0)
     dist.barrier()
     learner, pp2 = export(2, hf_dir)
+    report = check_rank_import(build_model(config(2, hf_dir)), hf_dir, config(2, hf_dir).model)
+    (Path(hf_dir).parent / f"hf_import_pp2_rank{rank}.json").write_text(json.dumps(report))
     check_r2(learner, rank)
     check_unbound(learner, rank)  # last: the router it leaves out stays adopted by the closed binding
     check_expert_bias(rank)

@@ -7,6 +7,7 @@ export from a pp=2 layout (equal to pp=1's). The end-to-end pp=2 == 1 rank equal
 checkpoint at pp=1 through the CLI.
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -19,6 +20,7 @@ from moe_rl.learner.dist import free_port
 from moe_rl.learner.sharded_state import ShardedDir
 from moe_rl.train.metrics_log import read_metrics
 from tests.conftest import one_gpu_per_rank
+from tests.learner.hf_import_check import bytes_problems, uncovered
 from tests.train.records_fixture import initial_hf_dir
 from tests.train.test_step_equality import assert_same_steps, run
 
@@ -34,23 +36,36 @@ def worker_output(tmp_path_factory):
     cmd = [str(torchrun), "--nproc_per_node=2", f"--master_port={free_port()}", str(WORKER), str(hf_dir)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=False)
-    return proc.returncode, proc.stdout, proc.stderr[-4000:]
+    reports = [hf_dir.parent / f"hf_import_pp2_rank{r}.json" for r in range(2)]
+    return proc.returncode, proc.stdout, proc.stderr[-4000:], [p.read_text() if p.exists() else None for p in reports]
 
 
 @pytest.mark.parametrize("check", ["r2", "unbound"])
 def test_replay_binds_each_stage_to_its_own_moe_layers(worker_output, check):
-    rc, out, err = worker_output
+    rc, out, err, _ = worker_output
     assert f"rank 0 {check}: OK" in out and f"rank 1 {check}: OK" in out, f"rc={rc}\n{out[-3000:]}\n{err}"
 
 
 def test_each_stage_updates_its_routers_expert_bias_from_its_own_token_counts(worker_output):
-    rc, out, err = worker_output
+    rc, out, err, _ = worker_output
     assert "rank 0 expert_bias: OK" in out and "rank 1 expert_bias: OK" in out, f"rc={rc}\n{out[-3000:]}\n{err}"
 
 
 def test_hf_export_from_two_stages_equals_one_stage(worker_output):
-    rc, out, err = worker_output
+    rc, out, err, _ = worker_output
     assert rc == 0 and "rank 0 export: OK" in out, f"rc={rc}\n{out[-3000:]}\n{err}"
+
+
+def test_each_stage_imports_only_its_layers_from_hf_equal_to_the_whole_dict_import(worker_output):
+    """Issue 52: at pp=2 each stage reads only its own layers (plus embedding / output layer) by the reader's
+    byte counter, equal bitwise to the former whole-dict import; the two stages together read every byte."""
+    rc, out, err, raw = worker_output
+    assert None not in raw, f"rc={rc}\n{out[-3000:]}\n{err}"
+    reports = [json.loads(r) for r in raw]
+    assert all(r["bitwise_equal"] for r in reports), "per-stage import differs from the whole-dict import"
+    assert not bytes_problems(reports), bytes_problems(reports)
+    assert not uncovered(reports), f"no stage read {uncovered(reports)[:3]}"
+    assert all(r["bytes_read"] < 0.75 * r["checkpoint_bytes"] for r in reports), [r["bytes_read"] for r in reports]
 
 
 def test_a_pp2_checkpoint_holds_every_stage_and_resumes_at_pp1(tmp_path):

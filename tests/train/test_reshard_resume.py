@@ -28,7 +28,7 @@ from moe_rl.config import load_config
 from moe_rl.learner.checkpoint import load_checkpoint
 from moe_rl.learner.dist import init_distributed
 from moe_rl.learner.global_state import param_state
-from moe_rl.learner.hf_convert import load_hf_weights
+from moe_rl.learner.hf_import import load_hf_weights
 from moe_rl.learner.model import build_model
 from moe_rl.learner.reference import ReferencePolicy
 from moe_rl.learner.sharded_state import read_global
