@@ -14,7 +14,10 @@ tensor): ``GlobalFile`` reads the previous release's single global file (``model
 per-rank files of format 4. Loading is local: each rank reads the global tensors it holds a part of
 and slices its part for the current (tp, etp, ep, pp, dp) layout — for Megatron's distributed
 optimizer its flat range of each parameter — so any checkpoint resumes on any layout, with the
-distributed optimizer on or off. ``optimizer_slots`` names what every optimizer kind updates.
+distributed optimizer on or off. ``optimizer_slots`` names what every optimizer kind updates, including the
+distributed optimizer's layouts under ``optimizer_cpu_offload`` with and without ``use_precision_aware_optimizer``
+(``HybridDeviceOptimizer``; the one master each checkpoints: ``_distributed_slots``); ``adam_state`` /
+``set_adam_state`` read and write a slot's state where that layout keeps it.
 
 ``gather_global`` / ``gather_stages`` gather this rank's tensors into whole global tensors (the
 per-step HF export uses them; checkpoints no longer do). Files are safetensors (JSON header, raw
@@ -319,7 +322,7 @@ def set_adam_state(slot: Slot, main: torch.Tensor | None, exp_avg, exp_avg_sq, s
         if main is not None:
             for t in (slot.main, *slot.mirrors):
                 t.copy_(main.reshape(t.shape))
-    like = slot.main.detach()
+    like = slot.state_key.detach()  # the tensor the torch optimizer steps (HDO: its host copy)
     state = slot.opt.state[slot.state_key]
     state.clear()
     state.update(

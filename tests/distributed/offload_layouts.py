@@ -18,6 +18,7 @@ from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
 
 from moe_rl.config import ExperimentConfig
 from moe_rl.learner import optimizer as learner_optimizer
+from moe_rl.learner.fp8 import te_available
 from moe_rl.learner.model import build_model
 from moe_rl.learner.train_step import Learner
 from tests.distributed.distopt_data import MODEL
@@ -62,20 +63,22 @@ def _params_on_gpu_stand_in(self, offload_fraction):
 
 @contextlib.contextmanager
 def gpu_stand_ins(device: torch.device):
-    """Without CUDA: the calls that need Transformer Engine or a GPU, faked (none on a GPU)."""
-    if device.type == "cuda":
-        yield
-        return
-    with (
-        # TE stand-in: OptimizerConfig.__post_init__ asks is_te_min_version("2.1.0") under precision-aware (no TE: TypeError)
-        mock.patch.object(optimizer_config, "is_te_min_version", lambda version: False),
-        mock.patch.object(torch.cuda, "current_stream", lambda device=None: _GpuStandInStream()),
-        mock.patch.object(
-            hybrid_optimizer.HybridDeviceOptimizer, "_get_sub_optimizer_param_groups", _params_on_gpu_stand_in
-        ),
-        # moe_rl's own refusal of offload without CUDA (there is no device state to move)
-        mock.patch.object(learner_optimizer, "_check_options", lambda optim_cfg: None),
-    ):
+    """The calls that need Transformer Engine (without TE) or a GPU (on the host), faked; on a GPU with TE none:
+    there the test runs HDO's real host<->device copies (``make gpu-check`` runs tests/learner)."""
+    with contextlib.ExitStack() as stack:
+        if not te_available():  # TE stand-in: OptimizerConfig.__post_init__ asks is_te_min_version (TypeError)
+            stack.enter_context(mock.patch.object(optimizer_config, "is_te_min_version", lambda version: False))
+        if device.type != "cuda":
+            stack.enter_context(
+                mock.patch.object(torch.cuda, "current_stream", lambda device=None: _GpuStandInStream())
+            )
+            stack.enter_context(
+                mock.patch.object(
+                    hybrid_optimizer.HybridDeviceOptimizer, "_get_sub_optimizer_param_groups", _params_on_gpu_stand_in
+                )
+            )
+            # moe_rl's own refusal of offload without CUDA (there is no device state to move)
+            stack.enter_context(mock.patch.object(learner_optimizer, "_check_options", lambda optim_cfg: None))
         yield
 
 
@@ -83,7 +86,7 @@ def offload_cfg(optim: dict) -> ExperimentConfig:
     return ExperimentConfig.model_validate(
         {
             "model": {**MODEL, "moe_token_dispatcher_type": "alltoall"},
-            "precision": {"params_dtype": "bfloat16"},
+            "precision": {"params_dtype": "bfloat16", "deterministic": True},  # CUDA: bitwise resume; CPU: no-op
             "optim": {"lr": 1e-3, "clip_grad": 1.0, "weight_decay": 0.01, "use_distributed_optimizer": True, **optim},
             "train": {"seed": 3},
         }
