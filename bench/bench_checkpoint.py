@@ -85,8 +85,8 @@ class PeakRSS:
 def own_state_bytes(learner) -> int:
     n = sum(p.numel() * p.element_size() for p in learner.module.parameters())
     for s in optimizer_slots(learner.optimizer):
-        state = s.opt.state.get(s.main, {})
-        n += sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t))
+        state = s.opt.state.get(s.state_key, {})
+        n += sum(t.numel() * t.element_size() for k, t in state.items() if torch.is_tensor(t) and k != "master_param")
         n += s.main.numel() * s.main.element_size() if s.separate_main else 0
     return n
 

@@ -14,7 +14,10 @@ tensor): ``GlobalFile`` reads the previous release's single global file (``model
 per-rank files of format 4. Loading is local: each rank reads the global tensors it holds a part of
 and slices its part for the current (tp, etp, ep, pp, dp) layout — for Megatron's distributed
 optimizer its flat range of each parameter — so any checkpoint resumes on any layout, with the
-distributed optimizer on or off. ``optimizer_slots`` names what every optimizer kind updates.
+distributed optimizer on or off. ``optimizer_slots`` names what every optimizer kind updates, including the
+distributed optimizer's layouts under ``optimizer_cpu_offload`` with and without ``use_precision_aware_optimizer``
+(``HybridDeviceOptimizer``; the one master each checkpoints: ``_distributed_slots``); ``adam_state`` /
+``set_adam_state`` read and write a slot's state where that layout keeps it.
 
 ``gather_global`` / ``gather_stages`` gather this rank's tensors into whole global tensors (the
 per-step HF export uses them; checkpoints no longer do). Files are safetensors (JSON header, raw
@@ -30,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
+from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 from safetensors import SafetensorError, safe_open
 
 from moe_rl.learner.model import unwrap
@@ -58,6 +62,7 @@ __all__ = [
     "model_tensors",
     "optimizer_slots",
     "param_state",
+    "set_adam_state",
 ]
 
 MODEL_FORMAT, OPTIMIZER_FORMAT = "moe_rl.global_model/1", "moe_rl.global_optimizer/1"
@@ -172,22 +177,74 @@ def load_model(model, source) -> None:
 @dataclass(frozen=True)
 class Slot:
     """One parameter as an optimizer sees it: ``main`` is what it updates (``param`` itself, an fp32
-    master copy, or a distributed optimizer's flat shard ``[start, stop)`` of ``param`` flattened)."""
+    master copy, or a distributed optimizer's flat shard ``[start, stop)`` of ``param`` flattened), never None.
+
+    ``opt.state[key]`` holds its Adam state (``key`` is ``main`` but under Megatron's ``HybridDeviceOptimizer``,
+    whose inner torch optimizer steps a host copy); ``mirrors`` are tensors a load writes ``main`` into too (the
+    host copy HDO steps); ``owner`` is the ``DistributedOptimizer`` whose accessor reads the state.
+    """
 
     param: torch.Tensor
     main: torch.Tensor
     opt: torch.optim.Optimizer
     flat_range: tuple[int, int] | None = None
+    key: torch.Tensor | None = None
+    mirrors: tuple[torch.Tensor, ...] = ()
+    owner: object = None
+    hdo: tuple | None = None  # (HybridDeviceOptimizer, the tensor its own state is keyed by)
 
     @property
     def separate_main(self) -> bool:
         """True when ``main`` is an fp32 master copy, not ``param`` (or a view of it)."""
         return self.main is not self.param and self.param.dtype != self.main.dtype
 
+    @property
+    def state_key(self) -> torch.Tensor:
+        return self.main if self.key is None else self.key
+
+
+def _distributed_slots(optimizer) -> Iterator[Slot]:
+    """Megatron's ``DistributedOptimizer``: this dp rank's flat range of each parameter, in each layout it builds.
+
+    The inner optimizer's param (``param_groups[g][i]`` for ``model_param_group_index_map[p] == (g, i)``, as
+    Megatron's ``_get_main_param_and_optimizer_states`` finds it) is the fp32 master shard, or the model
+    param's shard (fp32 params; and bf16 ones under ``use_precision_aware_optimizer_no_fp8_or_ds_fp8``, where
+    ``shard_main_param`` is None). Under ``HybridDeviceOptimizer`` (``optimizer_cpu_offload``) the torch
+    optimizer steps HDO's inner tensor of it (a host copy, fp32 under ``param_update_in_fp32``):
+
+    * offload + precision-aware: main = that fp32 inner tensor (HDO's ``master_param``), the only master;
+    * offload alone: main = ``shard_main_param`` (the accessor's ``param``, format-compatible with no offload),
+      mirrored into HDO's host copy (its ``master_param``), which equals it after every step (HDO copies the
+      host result back into it); a load writes both;
+    * no offload: main = the inner param, as before.
+    """
+    inner_opt = optimizer.optimizer
+    hdo = inner_opt if isinstance(inner_opt, HybridDeviceOptimizer) else None
+    precision_aware = optimizer.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+    stepped_by = {
+        id(x): o for o in (hdo.sub_optimizers if hdo else ()) for grp in o.param_groups for x in grp["params"]
+    }
+    for model_groups in (optimizer.model_float16_groups, optimizer.model_fp32_groups):
+        for group in model_groups:
+            for p in group:
+                g, i = optimizer.model_param_group_index_map[p]
+                opt_param = inner_opt.param_groups[g]["params"][i]
+                r = optimizer._get_model_param_range_map(p)["param"]
+                if hdo is None:
+                    yield Slot(p, opt_param, inner_opt, (r.start, r.end), owner=optimizer)
+                    continue
+                inner = hdo.param_to_inner_param[opt_param]
+                main = inner if precision_aware else opt_param
+                mirrors = () if inner is main else (inner,)
+                yield Slot(
+                    p, main, stepped_by[id(inner)], (r.start, r.end), inner, mirrors, optimizer, (hdo, opt_param)
+                )
+
 
 def optimizer_slots(optimizer) -> Iterator[Slot]:
     """Every parameter the optimizer updates on this rank: torch optimizers (the CPU learner without the
-    distributed optimizer), Megatron's Float16 / FP32 / Distributed optimizers and ``ChainedOptimizer``."""
+    distributed optimizer), Megatron's Float16 / FP32 / Distributed optimizers (with or without CPU offload and
+    the precision-aware optimizer) and ``ChainedOptimizer``."""
     if optimizer is None:  # Megatron's stub optimizer of a rank without parameters in that chain
         return
     if isinstance(optimizer, torch.optim.Optimizer):
@@ -198,15 +255,7 @@ def optimizer_slots(optimizer) -> Iterator[Slot]:
         for opt in optimizer.chained_optimizers:
             yield from optimizer_slots(opt)
     elif hasattr(optimizer, "shard_fp32_groups"):  # DistributedOptimizer: this dp rank's range of each param
-        pairs = (
-            (optimizer.model_float16_groups, optimizer.shard_fp32_from_float16_groups),
-            (optimizer.model_fp32_groups, optimizer.shard_fp32_groups),
-        )
-        for model_groups, shard_groups in pairs:
-            for model_group, shard_group in zip(model_groups, shard_groups, strict=True):
-                for p, shard in zip(model_group, shard_group, strict=True):
-                    r = optimizer._get_model_param_range_map(p)["param"]
-                    yield Slot(p, shard, optimizer.optimizer, (r.start, r.end))
+        yield from _distributed_slots(optimizer)
     elif hasattr(optimizer, "fp32_from_float16_groups"):
         for model_group, main_group in zip(optimizer.float16_groups, optimizer.fp32_from_float16_groups, strict=True):
             for p, main in zip(model_group, main_group, strict=True):
@@ -228,7 +277,7 @@ def param_state(optimizer, param) -> dict:
     (under the distributed optimizer: for this rank's shard of it)."""
     for slot in optimizer_slots(optimizer):
         if slot.param is param:
-            return slot.opt.state.get(slot.main, {})
+            return slot.opt.state.get(slot.state_key, {})
     raise KeyError("the optimizer does not update this parameter")
 
 
@@ -243,8 +292,18 @@ def named_slots(optimizer, model) -> Iterator[tuple[str, Slot]]:
 
 def adam_state(name: str, slot: Slot) -> dict[str, torch.Tensor]:
     """``exp_avg``, ``exp_avg_sq`` (shaped as ``slot.main``) and ``step`` (a host scalar) of a slot; zeros before
-    its first step (Adam treats zero moments at step 0 exactly as a fresh state)."""
-    state = slot.opt.state.get(slot.main, {})
+    its first step (Adam treats zero moments at step 0 exactly as a fresh state). Under the distributed
+    optimizer read through Megatron's ``_get_main_param_and_optimizer_states``, whose ``param`` must be
+    ``slot.main`` or (offload alone) its mirror."""
+    state = dict(slot.opt.state.get(slot.state_key, {}))
+    if state and slot.owner is not None:
+        state = dict(slot.owner._get_main_param_and_optimizer_states(slot.param))
+        main = state.pop("param")
+        master = state.get("master_param", slot.main)
+        if main is not slot.main or not any(master is t for t in (slot.main, *slot.mirrors)):
+            raise GlobalStateError(f"optimizer state of {name}: Megatron's main param is not the one checkpointed")
+    if state.get("master_param") is not None and any(state["master_param"] is t for t in (slot.main, *slot.mirrors)):
+        del state["master_param"]  # HybridDeviceOptimizer's name for the tensor it steps: main or its mirror
     unknown = set(state) - set(ADAM_KEYS)
     if unknown:
         raise GlobalStateError(
@@ -253,6 +312,29 @@ def adam_state(name: str, slot: Slot) -> dict[str, torch.Tensor]:
     out = {k: state[k] if k in state else torch.zeros_like(slot.main) for k in ("exp_avg", "exp_avg_sq")}
     out["step"] = torch.as_tensor(state.get("step", 0.0), dtype=torch.float32, device="cpu").detach().reshape(1)
     return out
+
+
+def set_adam_state(slot: Slot, main: torch.Tensor | None, exp_avg, exp_avg_sq, step: torch.Tensor) -> None:
+    """Write a slot's master (into ``main`` and its mirrors; None: leave them) and Adam state, in place where the
+    optimizer keeps it (``HybridDeviceOptimizer``: its inner torch optimizer's state, which HDO's own ``state``
+    shares, with ``master_param`` naming the tensor it steps, as HDO leaves them after a step)."""
+    with torch.no_grad():
+        if main is not None:
+            for t in (slot.main, *slot.mirrors):
+                t.copy_(main.reshape(t.shape))
+    like = slot.state_key.detach()  # the tensor the torch optimizer steps (HDO: its host copy)
+    state = slot.opt.state[slot.state_key]
+    state.clear()
+    state.update(
+        step=step.clone().to(torch.float32),
+        exp_avg=exp_avg.to(like.dtype, copy=True).to(like.device),
+        exp_avg_sq=exp_avg_sq.to(like.dtype, copy=True).to(like.device),
+    )
+    if slot.hdo is not None:
+        hdo, hdo_key = slot.hdo
+        if hdo.param_update_in_fp32:
+            state["master_param"] = slot.state_key
+        hdo.state[hdo_key] = state
 
 
 def _slot_part(source, key: str, name: str, slot: Slot) -> torch.Tensor:
@@ -269,21 +351,14 @@ def load_optimizer(optimizer, model, source) -> None:
     """
     start, _ = local_expert_range(model)
     offset = stage_layer_offset(model)
-    with torch.no_grad():
-        for name, slot in named_slots(optimizer, model):
-            g = global_name(name, start, offset)
-            lo, hi = slot.flat_range or (0, slot.param.numel())
-            if slot.separate_main:
-                key = f"main/{g}"
-                slot.main.copy_(
-                    _slot_part(source, key, g, slot)
-                    if key in source.keys
-                    else slot.param.detach().reshape(-1)[lo:hi].view_as(slot.main)
-                )
-            like = slot.main.detach()
-            step = _local_part(source, f"step/{g}", g, torch.empty(1, device="cpu"), split=False).reshape(())
-            slot.opt.state[slot.main] = {
-                "step": step.clone().to(torch.float32),
-                "exp_avg": _slot_part(source, f"exp_avg/{g}", g, slot).to(like.dtype, copy=True).to(like.device),
-                "exp_avg_sq": _slot_part(source, f"exp_avg_sq/{g}", g, slot).to(like.dtype, copy=True).to(like.device),
-            }
+    for name, slot in named_slots(optimizer, model):
+        g = global_name(name, start, offset)
+        lo, hi = slot.flat_range or (0, slot.param.numel())
+        main = None
+        if slot.separate_main and f"main/{g}" in source.keys:
+            main = _slot_part(source, f"main/{g}", g, slot)
+        elif slot.main.untyped_storage().data_ptr() != slot.param.untyped_storage().data_ptr() or slot.mirrors:
+            main = slot.param.detach().reshape(-1)[lo:hi]  # a master the source lacks starts from the parameter
+        step = _local_part(source, f"step/{g}", g, torch.empty(1, device="cpu"), split=False).reshape(())
+        moments = (_slot_part(source, f"{k}/{g}", g, slot) for k in ("exp_avg", "exp_avg_sq"))
+        set_adam_state(slot, main, *moments, step)

@@ -2,9 +2,10 @@
 
 Owns the config rules the learner build and the training loop would raise on (multi-token prediction,
 Keep Sampling Mask entropy under tp, context parallelism, pipeline stages without a MoE layer, sizes not
-divisible by their tensor-parallel shards, distributed-optimizer options that need each other) and the
-environment rules of this machine and process (the process count vs the parallel sizes; Transformer
-Engine, FP8 and a GPU where the config asks for them).
+divisible by their tensor-parallel shards, distributed-optimizer options that need each other, the one
+optimizer layout checkpoints cannot save yet) and the environment rules of this machine and process (the
+process count vs the parallel sizes; Transformer Engine, FP8, the precision-aware optimizer, CPU offload and a
+GPU where the config asks for them).
 """
 
 from __future__ import annotations
@@ -65,6 +66,16 @@ def optimizer_options(cfg: ExperimentConfig) -> Iterable[str]:
         yield (
             f"optim.optimizer_offload_fraction={o.optimizer_offload_fraction} has no effect without "
             "optim.optimizer_cpu_offload=true; expected 1.0 or offload on"
+        )
+    saves_midway = cfg.checkpoint.save_interval > 0 or cfg.launch.signal is not None
+    if o.use_distributed_optimizer and o.use_precision_aware_optimizer and not o.optimizer_cpu_offload and saves_midway:
+        # the layouts that save: no offload, offload alone, offload + precision-aware (learner.global_state)
+        yield (
+            "optim.use_precision_aware_optimizer=true without optim.optimizer_cpu_offload: Transformer Engine's "
+            "FusedAdam keeps the master weights and moments inside itself, a layout checkpoints cannot save yet, "
+            f"and checkpoint.save_interval={cfg.checkpoint.save_interval} / launch.signal={cfg.launch.signal} "
+            "would save mid-run; expected optim.optimizer_cpu_offload=true, use_precision_aware_optimizer=false, "
+            "or checkpoint.save_interval=0 and launch.signal=null (then only the save after the last step fails)"
         )
 
 
@@ -139,5 +150,16 @@ def accelerator(cfg: ExperimentConfig, environ: Mapping[str, str]) -> Iterable[s
         missing = fp8_runtime_missing()
         if missing:
             yield f"precision.fp8 needs {' and '.join(missing)}; expected precision.fp8=null on this machine"
+    o = cfg.optim
+    if o.use_precision_aware_optimizer and not o.optimizer_cpu_offload and not use_transformer_engine():
+        yield (
+            "optim.use_precision_aware_optimizer=true without optim.optimizer_cpu_offload needs Transformer "
+            "Engine's FusedAdam on a GPU; expected false on this machine"
+        )
+    if o.optimizer_cpu_offload and not torch.cuda.is_available():
+        yield (
+            "optim.optimizer_cpu_offload=true moves the optimizer state from the GPU to the host, and this "
+            "machine has none; expected false on this machine"
+        )
     if not cfg.rollout.addresses and cfg.rollout.device == "cuda" and not torch.cuda.is_available():
         yield "rollout.device='cuda' launches SGLang on a GPU, and this machine has none; expected rollout.device='cpu'"

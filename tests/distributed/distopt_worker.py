@@ -27,6 +27,7 @@ from moe_rl.learner.dist import init_distributed
 from moe_rl.learner.global_state import optimizer_slots
 from moe_rl.learner.train_step import Learner
 from tests.distributed.distopt_data import cfg, data_shard, nll
+from tests.distributed.offload_layouts import LAYOUTS, gpu_stand_ins, offload_cfg, offload_learner
 
 
 def learner(work: Path, ep: int, distopt: bool, start: str = "init") -> Learner:
@@ -77,6 +78,23 @@ def damaged_own_file_on_rank1(lrn: Learner, ckpt: Path, rank: int) -> dict:
     return {"steps": steps, "warnings": warnings}
 
 
+def offload_precision_aware(work: Path, rank: int) -> dict:
+    """Issue 52: the 235B/DeepSeek optimizer layout (offload + precision-aware, GPU stand-ins) at dp=2: step 1,
+    saved, step 2; a fresh learner resumed from the save, its step 2 (params compared on every rank)."""
+    init_distributed(offload_cfg(LAYOUTS["offload+precision_aware"]).parallel)  # ep=1 after the ep=2 learners
+    with gpu_stand_ins(torch.device("cpu")):
+        a = offload_learner(LAYOUTS["offload+precision_aware"])
+        step(a, rank, 1)
+        save_checkpoint(a, work / "ckpt_offload_pa")
+        out = {"offload_pa_step2": step(a, rank, 2)}
+        b = offload_learner(LAYOUTS["offload+precision_aware"], seed=11)
+        load_checkpoint(b, work / "ckpt_offload_pa")
+        out["offload_pa_resumed"] = step(b, rank, 2)
+    pa, pb = params(a), params(b)
+    out["offload_pa_resumed_params_bitwise"] = all_ranks(all(torch.equal(pa[n], pb[n]) for n in pa))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", required=True)
@@ -112,6 +130,7 @@ def main() -> None:
     save_checkpoint(ep2, work / "ckpt_ep2_distopt")
     res["ep2_distopt_step2"] = step(ep2, rank, 2)
     res["fallback"] = damaged_own_file_on_rank1(ep2, work / "damaged", rank)
+    res.update(offload_precision_aware(work, rank))
     if rank == 0:
         (work / "result.json").write_text(json.dumps(res, indent=1))
     dist.barrier()

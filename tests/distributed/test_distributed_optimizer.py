@@ -8,6 +8,8 @@ weights (a 1-rank checkpoint written here). Shown:
 * the resharding matrix, each resumed run's next step equal to the uninterrupted run's: dp=2 distributed
   -> dp=1, dp=1 -> dp=2 distributed, dp=2 plain -> dp=2 distributed, ep=2 distributed -> ep=1 dp=1, and a
   format-3 checkpoint (the previous release's global files) -> this release, which then saves format 5;
+* (issue 52) the 235B/DeepSeek layout (offload + precision-aware, GPU stand-ins: ``offload_layouts``) at dp=2
+  resumes bit for bit at dp=2, and at dp=1;
 * (issue 57) a flipped byte in rank 1's own file: rank 1's verification refuses it, both ranks fall back
   to the previous checkpoint, and rank 0 alone warns, naming rank 1's file and chunk.
 
@@ -35,6 +37,7 @@ from moe_rl.learner.sharded_state import read_global
 from moe_rl.learner.train_step import Learner
 from tests.conftest import one_gpu_per_rank
 from tests.distributed.distopt_data import cfg, data_shard, nll
+from tests.distributed.offload_layouts import LAYOUTS, gpu_stand_ins, offload_learner
 from tests.distributed.torchrun import REPO, run_worker
 from tests.learner.conftest import megatron_world  # noqa: F401 - the 1-rank gloo world fixture
 
@@ -150,3 +153,15 @@ def test_a_file_damaged_on_rank_1_makes_both_ranks_fall_back_with_one_warning_on
     (warning,) = fallback["warnings"][0]
     victim = work / "damaged" / "step_00000002" / "model-r00001.safetensors"
     assert "resuming from" in warning and f"{victim}: chunk 0 (bytes 0-" in warning, warning
+
+
+def test_the_offload_precision_aware_layout_resumes_at_two_ranks_and_at_one(runs, device):
+    """Issue 52 item 2: dp=2 -> dp=2 bit for bit; dp=2 -> dp=1 (both shards as two microbatches) to REL."""
+    work, res, _ = runs
+    want = res["offload_pa_step2"]
+    assert res["offload_pa_resumed"] == want and res["offload_pa_resumed_params_bitwise"], res
+    with gpu_stand_ins(device):
+        lrn = offload_learner(LAYOUTS["offload+precision_aware"], seed=11)
+        meta = load_checkpoint(lrn, work / "ckpt_offload_pa")
+        got = _stats(lrn.train_step(_both(2), nll))
+    assert meta["resharded_from"]["dp"] == 2 and _close(got, want), (got, want)

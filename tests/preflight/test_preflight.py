@@ -248,6 +248,57 @@ def test_gpu_settings_are_environment_problems_on_cpu():
     )
 
 
+PA_ONLY = ["optim.use_distributed_optimizer=true", "optim.use_precision_aware_optimizer=true"]
+
+
+@pytest.mark.parametrize(
+    "overrides, refused",
+    [
+        ([*PA_ONLY, "checkpoint.save_interval=0"], True),  # TE FusedAdam's layout; SLURM's warning (USR1) saves
+        ([*PA_ONLY, "launch.signal=null", "checkpoint.save_interval=5"], True),
+        ([*PA_ONLY, "launch.signal=null", "checkpoint.save_interval=0"], False),
+        ([*PA_ONLY, "optim.optimizer_cpu_offload=true", "checkpoint.save_interval=5"], False),  # 235B/DeepSeek: saved
+        (["optim.use_distributed_optimizer=true", "optim.optimizer_cpu_offload=true"], False),  # offload alone: saved
+    ],
+    ids=["pa", "pa_interval", "pa_no_midway_save", "offload_pa", "offload"],
+)
+def test_only_the_optimizer_layout_checkpoints_cannot_save_is_refused(overrides, refused):
+    """Issue 52 item 2: precision-aware without offload (TE FusedAdam) until a mid-run save cannot happen; the
+    layouts the cluster configs ship save (tests/learner/test_optimizer_layouts.py)."""
+    problems = config_problems(load_config(CONFIGS[0].parent / "tiny_cpu.yaml", overrides)).problems
+    assert [p for p in problems if "FusedAdam" in p] == (
+        [
+            (
+                "optim.use_precision_aware_optimizer=true without optim.optimizer_cpu_offload: Transformer Engine's "
+                "FusedAdam keeps the master weights and moments inside itself, a layout checkpoints cannot save yet, and "
+                f"checkpoint.save_interval={'5' if 'checkpoint.save_interval=5' in overrides else '0'} / launch.signal="
+                f"{'None' if 'launch.signal=null' in overrides else 'USR1'} would save mid-run; expected "
+                "optim.optimizer_cpu_offload=true, use_precision_aware_optimizer=false, or checkpoint.save_interval=0 and "
+                "launch.signal=null (then only the save after the last step fails)"
+            )
+        ]
+        if refused
+        else []
+    ), problems
+
+
+def test_optimizer_flags_that_need_a_gpu_are_environment_problems_on_cpu():
+    problems = environment_problems(load_config(overrides=PA_ONLY), {"WORLD_SIZE": "1"}).problems
+    assert problems == [
+        (
+            "optim.use_precision_aware_optimizer=true without optim.optimizer_cpu_offload needs Transformer Engine's "
+            "FusedAdam on a GPU; expected false on this machine"
+        )
+    ]
+    cfg = load_config(overrides=[*PA_ONLY, "optim.optimizer_cpu_offload=true"])
+    assert environment_problems(cfg, {"WORLD_SIZE": "1"}).problems == [
+        (
+            "optim.optimizer_cpu_offload=true moves the optimizer state from the GPU to the host, and this machine has "
+            "none; expected false on this machine"
+        )
+    ]
+
+
 # --- loader: paths that are not YAML files, duplicate keys ---------------------------------------
 
 
