@@ -4,7 +4,9 @@ Owns the request (sampling params, per-sample `sampling_seed`, log-probs, routed
 sampling masks), bounded concurrency (one pool of slots for every batch in flight, oldest step first:
 ``moe_rl.rollout.slots``), the server of each request (``rollout.load_balance``: the one with the
 fewest of this client's requests in flight, or round robin), retries with backoff on
-connection errors and 5xx, and the all-or-nothing rule: a batch either comes back whole or the
+connection errors and 5xx and on requests aborted from outside the run (an admin's ``/abort_request``, or the
+abort of an ``/update_weight_version`` or ``/pause_generation``: sent again, counted, one line per batch), and the
+all-or-nothing rule: a batch either comes back whole or the
 call raises RolloutError. What a reply means (the error classes, its status and body, the sample it decodes to) is
 `moe_rl.rollout.replies`; continuing a reply aborted by a pause is `moe_rl.rollout.partial`; the HTTP session
 (aiohttp, for its CPU per request) is `moe_rl.rollout.http_session`.
@@ -13,7 +15,9 @@ call raises RolloutError. What a reply means (the error classes, its status and 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -35,8 +39,17 @@ from moe_rl.rollout.partial import (
     kv_stale_tokens,
     stitch,
 )
-from moe_rl.rollout.replies import Retryable, RolloutError, RolloutRequestError, read_reply, reply_to_sample
+from moe_rl.rollout.replies import (
+    OutsideAborts,
+    Retryable,
+    RolloutError,
+    RolloutRequestError,
+    read_reply,
+    reply_to_sample,
+)
 from moe_rl.rollout.slots import StepSlots
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -88,6 +101,7 @@ class RolloutClient:
         max_retries: int = 3,
         backoff_s: float = 0.5,
         headers: dict[str, str] | None = None,
+        admin_headers: dict[str, str] | None = None,
         health_timeout_s: float | None = None,
         stop_token_ids: Sequence[int] | None = None,
         pause_mode: str | None = None,
@@ -108,6 +122,7 @@ class RolloutClient:
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self.headers = dict(headers or {})  # Authorization when the servers have an API key (auth.py)
+        self.admin_headers = dict(admin_headers or {})  # resuming a server paused from outside the run (health.py)
         self.health_timeout_s = health_timeout_s  # a server silent this long aborts the batch (health.py)
         self.stop_token_ids = (
             None if stop_token_ids is None else [int(t) for t in stop_token_ids]
@@ -140,6 +155,7 @@ class RolloutClient:
             "max_concurrency": r.max_concurrency,
             "max_retries": r.max_retries,
             "headers": ServerKeys.from_rollout_config(r).headers(),
+            "admin_headers": ServerKeys.from_rollout_config(r).headers(admin=True),
             "health_timeout_s": r.health_timeout_s,
             "pause_mode": r.pause_mode if r.partial else None,
             "load_balance": r.load_balance,
@@ -237,34 +253,60 @@ class RolloutClient:
             for j in range(n)
         ]
         gate = self._slots.gate(step)  # the client's max_concurrency, across the batches of every thread
+        aborts = OutsideAborts()
         async with http_session.Session(self.max_concurrency, self.request_timeout_s, self.headers) as http:
 
             async def whole_batch():
                 try:
                     async with asyncio.TaskGroup() as tg:  # first failure cancels the rest: no partial batch
-                        tasks = [tg.create_task(self._one(http, gate, *job, counters=counters)) for job in jobs]
+                        tasks = [tg.create_task(self._one(http, gate, *job, counters, aborts)) for job in jobs]
                 except* RolloutError as group:
                     raise group.exceptions[0] from None
                 return [t.result() for t in tasks]
 
-            return await run_watched(whole_batch(), self.addresses, self.health_timeout_s, self.headers, self._replied)
+            try:
+                return await run_watched(
+                    whole_batch(),
+                    self.addresses,
+                    self.health_timeout_s,
+                    self.headers,
+                    self._replied,
+                    self.admin_headers,
+                )
+            finally:
+                if aborts.count:
+                    logger.warning(
+                        "rollout: %d request(s) of a batch were aborted by the server, not by this run (an outside "
+                        "/abort_request, /update_weight_version or /pause_generation), and sent again (%s)",
+                        aborts.count,
+                        aborts.first,
+                    )
 
     async def _one(
-        self, http, gate, prompt, group_id, seed, start, counters: PartialCounters | None = None
+        self,
+        http,
+        gate,
+        prompt,
+        group_id,
+        seed,
+        start,
+        counters: PartialCounters | None = None,
+        aborts: OutsideAborts | None = None,
     ) -> RolloutSample:
         budget, counters = self.sampling.max_new_tokens, counters or self.partial_counters
+        attempts = functools.partial(self._attempts, aborts=aborts)
         async with gate:
-            sample, aborted = await self._attempts(http, prompt, group_id, seed, start, budget, counters)
+            sample, aborted = await attempts(http, prompt, group_id, seed, start, budget, counters)
             for _ in range(self.max_continuations):
                 k = 0 if sample is None else len(sample.response_ids)
                 if not aborted or k >= budget:
                     break
                 counters.continued_requests += 1
                 if k == 0:  # ended before its first token (still queued, or in prefill): ask again, same request
-                    sample, aborted = await self._attempts(http, prompt, group_id, seed, start, budget, counters)
+                    sample, aborted = await attempts(http, prompt, group_id, seed, start, budget, counters)
                     continue
                 head_prompt = continuation_prompt(sample)  # rows before len - 1 came with the aborted reply
-                tail, aborted = await self._attempts(
+                tail, aborted = await attempts(
                     http, head_prompt, group_id, continuation_seed(seed, k), len(head_prompt) - 1, budget - k, counters
                 )
                 if tail is not None:  # None: the continuation itself was aborted while queued; send it again
@@ -280,11 +322,20 @@ class RolloutClient:
         return sample
 
     async def _attempts(
-        self, http, prompt, group_id, seed, start, max_new_tokens, counters: PartialCounters | None = None
+        self,
+        http,
+        prompt,
+        group_id,
+        seed,
+        start,
+        max_new_tokens,
+        counters: PartialCounters | None = None,
+        aborts: OutsideAborts | None = None,
     ) -> tuple[RolloutSample | None, bool]:
         """One request with retries: (sample, whether a pause aborted it); the sample is None when a pause
         aborted the request before its first token or while it sat in the waiting queue (``is_queued_abort``:
-        no routes in the reply, nothing to continue from): it is sent again whole."""
+        no routes in the reply, nothing to continue from): it is sent again whole. Outside ``pause_mode="abort"``
+        an abort_all's reply is an outside abort (``aborts``): retried like a 5xx, within ``max_retries``."""
         body = self.request_body(prompt, seed, start, max_new_tokens)
         errors = []
         order = self._server_order()  # a retry moves to the next server in it
@@ -295,6 +346,8 @@ class RolloutClient:
                 self._outstanding[index] += 1
             try:
                 reply = await self._post(http, url, body)
+                if self.pause_mode != "abort" and is_pause_abort(meta := reply.get("meta_info") or {}):
+                    raise Retryable((aborts or OutsideAborts()).count_one(url, meta))
                 paused = self.pause_mode == "abort" and is_pause_abort(reply["meta_info"])
                 if paused and (not reply["output_ids"] or is_queued_abort(reply["meta_info"])):
                     return None, True

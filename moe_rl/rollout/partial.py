@@ -32,6 +32,7 @@ import numpy as np
 from moe_rl.records import RolloutSample
 from moe_rl.records.versions import parse_version_label
 from moe_rl.rollout.auth import ServerKeys, tls
+from moe_rl.rollout.health import run_may_pause
 
 PAUSE_MODES = ("retract", "abort", "in_place")
 EXACT_PAUSE_MODES = ("retract", "abort")  # re-prefill under the new weights: every token has one version
@@ -90,20 +91,21 @@ def paused_generation(
     check_pause_mode(mode)
     addresses = tuple(a.rstrip("/") for a in addresses)
     paused: list[str] = []
-    try:
-        for address in addresses:
-            _admin_post(address, "pause_generation", {"mode": mode}, keys, timeout_s)
-            paused.append(address)
-        yield PauseWindow(mode, addresses)
-    finally:
-        failures = []
-        for address in paused:
-            try:
-                _admin_post(address, "continue_generation", {}, keys, timeout_s)
-            except PartialRolloutError as err:
-                failures.append(str(err))
-        if failures:
-            raise PartialRolloutError("servers left paused: " + "; ".join(failures))
+    with run_may_pause():  # the run's own pause: the watchdog resumes none meanwhile (health.py)
+        try:
+            for address in addresses:
+                _admin_post(address, "pause_generation", {"mode": mode}, keys, timeout_s)
+                paused.append(address)
+            yield PauseWindow(mode, addresses)
+        finally:
+            failures = []
+            for address in paused:
+                try:
+                    _admin_post(address, "continue_generation", {}, keys, timeout_s)
+                except PartialRolloutError as err:
+                    failures.append(str(err))
+            if failures:
+                raise PartialRolloutError("servers left paused: " + "; ".join(failures))
 
 
 # ----------------------------------------------------------------------------------- provenance

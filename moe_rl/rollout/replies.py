@@ -1,6 +1,7 @@
 """What one SGLang ``/generate`` reply means: the rollout errors, and a reply read into a ``RolloutSample``.
 
-Owns the error classes of the rollout client (what is retried and what is not), reading a reply's HTTP status
+Owns the error classes of the rollout client (what is retried and what is not: ``OutsideAborts`` counts a batch's
+requests aborted by an admin call from outside the run, which the client sends again), reading a reply's HTTP status
 and body, and checking and decoding it into one sample (``moe_rl.records.decode_sglang_meta``, per-token weight
 versions from ``moe_rl.rollout.partial``). It sends nothing: requests, retries and servers are ``client``'s.
 """
@@ -34,6 +35,19 @@ class RolloutResponseError(RolloutError):
 
 class Retryable(Exception):
     """Connection error or 5xx: worth another try, possibly on another server."""
+
+
+class OutsideAborts:
+    """One batch's requests aborted by an outside call (a request's event loop only: no lock needed)."""
+
+    def __init__(self):
+        self.count, self.first = 0, ""
+
+    def count_one(self, url: str, meta_info: dict) -> str:
+        why = f"{url} aborted the request ({meta_info['finish_reason'].get('message')!r}): an outside abort"
+        self.count += 1
+        self.first = self.first or why
+        return why
 
 
 def read_reply(url: str, status: int, raw: bytes) -> dict:

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from moe_rl.data.loaders import DataError
 from moe_rl.reward.scorer import RewardError
+from moe_rl.rollout.health import run_may_pause
 from moe_rl.rollout.partial import paused_generation
 
 __all__ = ["AsyncProducer", "InlineBatches", "pending_records", "push_section", "raise_batch_failure"]
@@ -228,7 +229,8 @@ class AsyncProducer:
                 raise
             self._wait_s += time.perf_counter() - t0  # the learner waits for the batch in flight
         try:
-            yield
+            with run_may_pause():  # the trainer may pause the servers inside: the watchdog resumes none (health.py)
+                yield
         finally:
             with self._cond:
                 self._held -= 1

@@ -204,7 +204,9 @@ class _Worker:
         self.view = _ServedView(keys)
         if state is not None:
             self.view.update(state)
-        self.client = RolloutClient.from_config(cfg, addresses, headers=keys.headers(), **self.side.stop_tokens(cfg))
+        self.client = RolloutClient.from_config(
+            cfg, addresses, headers=keys.headers(), admin_headers=keys.headers(admin=True), **self.side.stop_tokens(cfg)
+        )
         self.maker = BatchMaker(
             cfg,
             self.side.samples,

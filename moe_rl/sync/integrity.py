@@ -118,8 +118,8 @@ def generate_checked(
             ) from None
         resyncs += 1
         logger.warning(
-            "%s; the batch is not trained on: re-syncing the weights and regenerating (%d/%d)",
-            err,
+            "%s: re-syncing the weights and regenerating (%d/%d)",
+            str(err) if str(err).endswith("not trained on") else f"{err}; the batch is not trained on",
             resyncs,
             max_foreign_syncs,
         )

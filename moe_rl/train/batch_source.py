@@ -39,7 +39,9 @@ def spawn_rollout_process(
 def sync_client(cfg: ExperimentConfig, addresses: list[str], keys: ServerKeys, prompt_side: PromptSide):
     """Sync mode: rank 0's client of the servers, for the inline batches and eval: the run's API key (a generated
     one by default); dataset prompts stop at EOS."""
-    return RolloutClient.from_config(cfg, addresses, headers=keys.headers(), **prompt_side.stop_tokens(cfg))
+    return RolloutClient.from_config(
+        cfg, addresses, headers=keys.headers(), admin_headers=keys.headers(admin=True), **prompt_side.stop_tokens(cfg)
+    )
 
 
 def inline_batch_maker(

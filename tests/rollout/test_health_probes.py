@@ -7,6 +7,7 @@ a batch's end held up the weight push after it (``begin_weight_update`` waits fo
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import httpx
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 from moe_rl.rollout.client import RolloutClient, SamplingSettings
-from moe_rl.rollout.health import ServerHungError, watch_health
+from moe_rl.rollout.health import ServerHungError, run_may_pause, watch_health
 from moe_rl.rollout.ports import free_port
 from moe_rl.sync import senders
 
@@ -88,3 +89,32 @@ def test_an_idle_healthy_server_is_not_called_hung_at_a_short_timeout(sglang_ser
             await asyncio.wait_for(watch_health([sglang_server.url], 1.5), 4.5)
 
     asyncio.run(main())
+
+
+@pytest.mark.sglang
+def test_a_server_paused_from_outside_the_run_is_resumed_and_one_the_run_pauses_is_not(sglang_server, caplog):
+    """Issue 57: an admin's ``/pause_generation`` during a batch. The watchdog finds the paused server silent, sees it up
+    but paused and resumes it (one line), unless the run holds a pause section itself: then the paused server is
+    left alone (and, silent past the timeout, hung as before)."""
+    url = sglang_server.url
+    httpx.post(f"{url}/pause_generation", json={"mode": "abort"}, timeout=60).raise_for_status()
+    try:
+
+        async def guarded():
+            with run_may_pause(), pytest.raises(ServerHungError):
+                await asyncio.wait_for(watch_health([url], 1.5), 8.0)
+
+        asyncio.run(guarded())
+        assert httpx.get(f"{url}/ready", timeout=10).status_code == 503, "the run's own pause was resumed"
+
+        async def outside():
+            with pytest.raises(TimeoutError):  # resumed, then answering: never hung
+                await asyncio.wait_for(watch_health([url], 1.5), 6.0)
+
+        with caplog.at_level(logging.WARNING, logger="moe_rl.rollout.health"):
+            asyncio.run(outside())
+        assert httpx.get(f"{url}/ready", timeout=10).status_code == 200
+        lines = [r.getMessage() for r in caplog.records if "paused by an outside /pause_generation" in r.getMessage()]
+        assert len(lines) == 1 and "resumed it" in lines[0], caplog.text
+    finally:
+        httpx.post(f"{url}/continue_generation", json={}, timeout=60)
