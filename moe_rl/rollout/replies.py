@@ -26,7 +26,8 @@ class RolloutError(RuntimeError):
 
 
 class RolloutRequestError(RolloutError):
-    """The server rejected a request (HTTP 4xx or an aborted generation): not retried."""
+    """The server rejected a request (HTTP 4xx, or a generation it aborted for a reason of its own): not retried.
+    An abort_all's reply (an outside abort: ``OutsideAborts``) is retried by the client instead."""
 
 
 class RolloutResponseError(RolloutError):
