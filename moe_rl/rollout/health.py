@@ -97,7 +97,7 @@ async def _resume_if_paused(http: httpx.AsyncClient, address: str, admin_headers
         return False
     logger.warning(
         "rollout server %s was paused by an outside /pause_generation (this run did not pause it): resumed it "
-        "(/continue_generation); its aborted requests are sent again",
+        "(/continue_generation); the requests it held go on (any it aborted are sent again)",
         address,
     )
     return True

@@ -2,8 +2,8 @@
 
 A ``moe-rl train`` run (tiny_cpu, on the session's tiny_cpu server as a user's own server) while a thread holding the
 server's admin access (the session server has no keys: its admin endpoints are open) calls, each right after one of the
-run's pushes (the server is about to generate, or generating), each followed by a ``/flush_cache`` (harmless: nothing to
-handle):
+run's pushes (the abort once the batch after it is in flight: ``/flush_cache`` is refused then, and flushes the cache
+otherwise: harmless, nothing to handle):
 
 * ``/update_weight_version {"new_version": ...}``: SGLang aborts the requests in flight and relabels the weights; the
   aborted requests are sent again and the batch comes back under the foreign label: a label mismatch, re-synced under
@@ -50,11 +50,19 @@ def _label(http: httpx.Client, url: str) -> str | None:
     return None if str(label).endswith(".partial") else label
 
 
+def _busy(http: httpx.Client, url: str, notes: Counter) -> bool:
+    """True while the server has requests running or waiting: SGLang refuses ``/flush_cache`` then (and flushes the
+    cache otherwise: the cache-flush rule, harmless)."""
+    status = http.post(f"{url}/flush_cache").status_code
+    notes[f"flush_cache {status}"] += 1
+    return status != 200
+
+
 def _outsider(url: str, console: Path, trainer: subprocess.Popen, done: list[str], notes: Counter) -> None:
     """Each call of ``CALLS`` right after one of the run's pushes (a new label), when its next batch is about to be
-    or is being generated; the abort is sent every 0.2 s for 1 s there, to find requests in flight (each is aborted
-    at most twice there: the client's retries back off 0.5 s, then 1 s). A call is made again after the next push
-    until the console shows it handled: one that lands between a batch and the next push has nothing to act on."""
+    generated (the version change and the pause act on it whenever it comes); the abort once that batch is in flight
+    (``_busy``, for up to 10 s). A call is made again after the next push until the console shows it handled: one
+    that lands between a batch and the next push has nothing to act on."""
 
     def alive() -> bool:
         return trainer.poll() is None
@@ -68,16 +76,17 @@ def _outsider(url: str, console: Path, trainer: subprocess.Popen, done: list[str
             for _ in range(4):
                 while alive() and _label(http, url) in (label, FOREIGN, None):  # the run's next push
                     threading.Event().wait(0.01)
+                label, before, deadline = _label(http, url), handled_lines(mark), time.monotonic() + 10
+                while (
+                    path == "abort_request" and alive() and time.monotonic() < deadline and not _busy(http, url, notes)
+                ):
+                    pass
                 if not alive():
                     return
-                label, before = _label(http, url), handled_lines(mark)
-                for _ in range(5 if path == "abort_request" else 1):
-                    try:
-                        notes[f"{path} {http.post(f'{url}/{path}', json=body).status_code}"] += 1
-                    except httpx.HTTPError as err:
-                        notes[f"{path} {type(err).__name__}"] += 1
-                    threading.Event().wait(0.2)
-                notes[f"flush_cache {http.post(f'{url}/flush_cache').status_code}"] += 1
+                try:
+                    notes[f"{path} {http.post(f'{url}/{path}', json=body).status_code}"] += 1
+                except httpx.HTTPError as err:
+                    notes[f"{path} {type(err).__name__}"] += 1
                 while alive() and handled_lines(mark) == before and _label(http, url) in (label, FOREIGN, None):
                     threading.Event().wait(0.05)  # until handled, or the run pushed again (the chance is gone)
                 if handled_lines(mark) > before:
@@ -96,10 +105,10 @@ def test_an_outside_version_change_abort_and_pause_during_a_run_are_handled_with
         "moe_rl.cli",
         "train",
         str(ROOT / "configs/tiny_cpu.yaml"),
-        "train.steps=4",
+        "train.steps=5",
         "train.prompts_per_step=4",
         "rollout.samples_per_prompt=4",
-        "rollout.max_new_tokens=8",
+        "rollout.max_new_tokens=16",
         "train.micro_batch_size=8",
         "checkpoint.save_interval=0",
         "logging.tensorboard=false",
@@ -132,6 +141,6 @@ def test_an_outside_version_change_abort_and_pause_during_a_run_are_handled_with
     assert resync and "(1/2)" in resync[0], out[-4000:]  # counted against rollout.max_foreign_syncs (2)
     assert any("aborted" in line and "sent again" in line for line in out.splitlines()), out[-4000:]
     rows = read_metrics(run / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(1, 5))
+    assert [r["step"] for r in rows] == list(range(1, 6))
     print(f"\ntrainer {time.monotonic() - t0:.0f} s; step_s {[round(r['time/step_s'], 1) for r in rows]}")
     print(notes, "\n" + "\n".join(line for line in out.splitlines() if "outside" in line or FOREIGN in line))
