@@ -311,8 +311,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {exc}", file=sys.stderr)
         rc = 2  # every rank fails alike on these (decided on rank 0), so the groups can be torn down together
-    except KeyboardInterrupt as exc:  # servers were stopped and the lock released by the finally blocks on the way out
-        terminated = isinstance(exc, console.Terminated)
+    except (KeyboardInterrupt, console.Terminated) as exc:  # the finally blocks on the way out stopped the servers
+        terminated = isinstance(exc, console.Terminated)  # and released the lock
         what, rc = (f"terminated ({exc.name})", 128 + exc.signum) if terminated else ("interrupted (Ctrl-C)", 130)
         print(f"{what}: stopped; rerun the same command to resume from the last checkpoint", file=sys.stderr)
         return rc

@@ -46,8 +46,11 @@ def test_a_server_that_replies_is_not_probed_and_one_that_stops_is(device):
 
 @pytest.mark.sglang
 def test_a_push_after_a_long_batch_waits_for_no_probe(sglang_server, route_spec, device):
-    """A batch longer than the probe interval (1 s at health_timeout_s=3): no ``/health`` reaches the replying
-    server, and the push's ``begin_weight_update`` right after the batch is not held up."""
+    """A batch longer than two probe intervals (3 s at health_timeout_s=9): no ``/health`` reaches the replying
+    server, and the push's ``begin_weight_update`` right after the batch is not held up. The interval is 3 s, not
+    the 1 s of health_timeout_s=3 this test used: on a loaded CI machine two replies of the 2-at-a-time batch came
+    more than 1 s apart, and the watchdog then rightly probed the server (1 probe); the replies of this batch come
+    ~0.1 s apart on an idle machine, so a gap of a whole interval means the server is not replying."""
     log = sglang_server.log_path
     client = RolloutClient(
         [sglang_server.url],
@@ -55,18 +58,19 @@ def test_a_push_after_a_long_batch_waits_for_no_probe(sglang_server, route_spec,
         512,
         SamplingSettings(max_new_tokens=12),
         max_concurrency=2,
-        health_timeout_s=3.0,
+        health_timeout_s=9.0,
     )
     rng = np.random.default_rng(0)
     client.generate([[5, 6, 7]])  # a fresh server's first request takes seconds of warm-up: no reply, so probed
     time.sleep(1.2)  # a probe's access-log line is written when its handler returns (up to ~1 s later)
     probes = log.read_text(errors="replace").count('"GET /health HTTP')
     count, batch_s = 32, 0.0
-    while batch_s < 2.2:  # longer than two probe intervals, on a faster machine too
+    while batch_s < 6.5:  # longer than two probe intervals, on a faster machine too
         prompts = [rng.integers(4, 512, size=int(rng.integers(5, 20))).tolist() for _ in range(count)]
         t0 = time.monotonic()
         client.generate(prompts, n=2)
-        batch_s, count = time.monotonic() - t0, 2 * count
+        batch_s = time.monotonic() - t0
+        count = max(2 * count, int(count * 7.5 / max(batch_s, 0.1)))  # the next try is long enough
     t1 = time.monotonic()
     refused = senders.begin([sglang_server.url], {}, 30.0)
     begin_s = time.monotonic() - t1

@@ -10,8 +10,9 @@ Owns the root logging handler that ``cli.main`` installs (``install``), and ``Te
   by rank, e.g. a file only that rank reads), prefixed with ``[rank N]``. The rank is ``torch.distributed``'s once
   it is initialised, else torchrun's ``RANK``.
 * **A stop signal.** SIGTERM and SIGHUP (``kill``'s default, a closed terminal) are raised in the main thread as
-  ``Terminated``, a ``KeyboardInterrupt`` as Ctrl-C's: the ``finally`` blocks on the way out stop the servers and
-  release the lock, and ``cli.main`` ends with one line, as for Ctrl-C (``raise_terminated`` is the handler).
+  ``Terminated``, a ``SystemExit(128 + signum)``: the ``finally`` blocks on the way out stop the servers and release
+  the lock; ``cli.main`` ends with one line, as for Ctrl-C, and a program that embeds the server pool exits with
+  ``128 + signum`` and no traceback, as a process killed by the signal would (``raise_terminated`` is the handler).
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ __all__ = ["EVERY_RANK", "RankFilter", "Terminated", "TqdmHandler", "install", "
 EVERY_RANK = {"every_rank": True}  # logger.warning(..., extra=EVERY_RANK): printed on every rank that logs it
 
 
-class Terminated(KeyboardInterrupt):
-    """A stop signal (SIGTERM, SIGHUP) raised like Ctrl-C's KeyboardInterrupt; ``signum`` is which."""
+class Terminated(SystemExit):
+    """A stop signal (SIGTERM, SIGHUP) raised as ``SystemExit(128 + signum)``; ``signum`` is which."""
 
     def __init__(self, signum: int):
-        super().__init__(signum)
+        super().__init__(128 + signum)
         self.signum = signum
 
     @property
