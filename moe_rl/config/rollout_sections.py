@@ -49,6 +49,15 @@ class RolloutConfig(Section):
         "master_address); None = loopback when every server is on this host, else this host's address on the route "
         "to the first server",
     )
+    weight_sync_stage_addresses: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="distributed sync: the address the servers reach each pipeline stage's source rank at, one per "
+        "stage in stage order (stage s's weight-update group rendezvous there; that source rank listens on "
+        "weight_sync_master_port + s); instead of weight_sync_master_address, which serves every stage. None = "
+        "weight_sync_master_address, or each source's own host (loopback when every server is on it, else its "
+        "address on the route to the first server)",
+    )
     weight_sync_master_port: int | None = Field(
         None,
         ge=1,

@@ -91,6 +91,17 @@ class ExperimentConfig(Section):
                 f"(train.prompts_per_step * rollout.samples_per_prompt = "
                 f"{self.train.prompts_per_step * self.rollout.samples_per_prompt})"
             )
+        stages = self.rollout.weight_sync_stage_addresses
+        if stages is not None and (len(stages) != p.pp or not all(a.strip() for a in stages)):
+            raise ValueError(
+                f"rollout.weight_sync_stage_addresses={stages} must name one address per pipeline stage "
+                f"(parallel.pp={p.pp})"
+            )
+        if stages is not None and self.rollout.weight_sync_master_address is not None:
+            raise ValueError(
+                "rollout.weight_sync_stage_addresses and rollout.weight_sync_master_address are both set; "
+                "set one (the list names every stage's address)"
+            )
         if self.rollout.top_k != -1 and self.rollout.top_k > m.vocab_size:
             raise ValueError(f"rollout.top_k={self.rollout.top_k} must be -1 or <= model.vocab_size={m.vocab_size}")
         return self

@@ -9,6 +9,7 @@ HF export). It must not build models or touch optimizer state.
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import socket
 from dataclasses import dataclass
@@ -162,6 +163,13 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
+def _comm_device() -> torch.device:
+    """Where the default group's tensors live: the current GPU under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def decided_by_rank0(decide):
     """``decide()`` evaluated on rank 0 only and broadcast: every rank returns rank 0's answer.
 
@@ -172,7 +180,7 @@ def decided_by_rank0(decide):
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return decide()
     box = [decide() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0)  # size: decide()'s answer (a path, a flag: a few hundred bytes)
     return box[0]
 
 
@@ -189,15 +197,31 @@ class RankComm:
         if not self.on:
             return obj
         box = [obj]
-        self.dist.broadcast_object_list(box, src=0)
+        self.dist.broadcast_object_list(box, src=0)  # size: the caller's (bounded) header / verdict; see callers
         return box[0]
 
     def gather(self, obj) -> list | None:
-        """Every rank's ``obj`` in rank order on rank 0, None elsewhere."""
+        """Every rank's ``obj`` in rank order on rank 0, None elsewhere, with no padding: one 8-byte length per
+        rank (a fixed-size tensor gather), then rank 0 receives each rank's pickled bytes in turn at its own size
+        (``gather_object`` would allocate the largest payload x world on rank 0's device). Rank 0 holds the sum of
+        the payloads, which it keeps anyway; no other rank holds more than its own."""
         if not self.on:
             return [obj]
-        out = [None] * self.dist.get_world_size() if self.rank0 else None
-        self.dist.gather_object(obj, out, dst=0)
+        world, device = self.dist.get_world_size(), _comm_device()
+        data = pickle.dumps(obj) if not self.rank0 else b""
+        sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+        self.dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=device))
+        if not self.rank0:
+            if data:
+                self.dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device), dst=0)
+            return None
+        out = [obj]
+        for rank in range(1, world):
+            n = int(sizes[rank].item())
+            buf = torch.empty(n, dtype=torch.uint8, device=device)
+            if n:
+                self.dist.recv(buf, src=rank)
+            out.append(pickle.loads(buf.cpu().numpy().tobytes()) if n else None)
         return out
 
     def barrier_if(self, needed: bool) -> None:

@@ -117,6 +117,8 @@ def gather_stages(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | N
     group = ps.get_pipeline_model_parallel_group()
     first = dist.get_process_group_ranks(group)[0]
     parts = [None] * dist.get_world_size(group) if dist.get_rank() == first else None
+    # size: the whole model. TEST ORACLE ONLY (export_hf_state_dict, for tests and benchmarks on small models);
+    # the trainer streams (hf_stream) and tests/house/test_small_gathers.py keeps it out of every other module
     dist.gather_object(state, parts, dst=first, group=group)
     if parts is None:
         return None

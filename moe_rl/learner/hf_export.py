@@ -112,13 +112,15 @@ def export_hf_checkpoint(
     weights). Returns the path on rank 0, None elsewhere.
     """
     comm = RankComm(collective=True)
-    tmp = comm.bcast(str(begin_dir(out_dir)) if comm.rank0 else None)
+    tmp = comm.bcast(str(begin_dir(out_dir)) if comm.rank0 else None)  # size: one path
     stream = HFStream(model, model_cfg, bucket_bytes, gather_experts=False)
     writer = ShardWriter(tmp, f"model-r{comm.rank:05d}")
     for bucket in stream.buckets():
         named = {n: t if dtype is None else t.to(dtype) for n, t in bucket}
         writer.write(transform(named) if transform is not None else named)
         del named, bucket
+    # size: this rank's tensor names -> file name (~100 B per tensor it wrote) and an int, received by rank 0 at
+    # its own size (no padding); rank 0 writes them all into the index anyway
     every = comm.gather((writer.weight_map, writer.total_size))
     path = finish_dir(Path(tmp), out_dir, every, model_cfg, template_dir) if comm.rank0 else None
     comm.barrier_if(True)  # the directory exists before any rank goes on

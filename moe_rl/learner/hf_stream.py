@@ -8,8 +8,10 @@ Owns who sends which HF tensor and the collectives that assemble each one, one b
   replica 0 for experts); a tp/etp-split tensor is gathered to tp/etp rank 0 of that replica
   (``dist.gather``: one tensor at a time, nothing lands on the other ranks);
 * experts stay with their expert-parallel owner (``gather_experts=False``: the disk and tensor transports,
-  each owner sends its own) or are gathered, expert by expert, to the stage's first rank (``True``: the
-  distributed transport, one source rank per pipeline stage, as slime's ``update_weight_from_distributed``);
+  each owner sends its own) or are gathered to the stage's first rank (``True``: the distributed transport,
+  one source rank per pipeline stage, as slime's ``update_weight_from_distributed``) per bucket: each ep
+  rank's copy of an expert tensor is received point to point only once the open bucket has room for it, so
+  no rank holds more than ``bucket_bytes`` (or one tensor, when bigger) for the stream (``peak_bytes``);
 * each pipeline stage streams its own layers; the caller lets stages take turns (``stage``, ``stages``).
 
 Megatron -> HF conversion is per tensor (``hf_convert.megatron_tensor_to_hf``); a tensor that needs no
@@ -83,6 +85,8 @@ class HFStream:
         self.stage = ps.get_pipeline_model_parallel_rank() if self.distributed else 0
         self.stages = ps.get_pipeline_model_parallel_world_size() if self.distributed else 1
         self._plan: dict | None = None
+        self._size = 0  # bytes in the open bucket
+        self.peak_bytes = 0  # the most this rank held for buckets() at once in several tensors (bucket + received)
 
     # ------------------------------------------------------------------ roles
     def _replica0(self, expert: bool) -> bool:
@@ -148,12 +152,32 @@ class HFStream:
         return None
 
     # ------------------------------------------------------------------ the stream
+    def _held(self, tensors: int, nbytes: int) -> None:
+        """Count what this rank holds for the stream right now: ``nbytes`` in ``tensors`` Megatron tensors (one
+        tensor over the bucket size goes alone and is not counted: it cannot be split)."""
+        if tensors > 1:
+            self.peak_bytes = max(self.peak_bytes, nbytes)
+
+    def _expert_sources(self, g: str, t: torch.Tensor) -> list[tuple[str, int | None]]:
+        """Expert tensor ``g``: ``(global name, ep rank's global rank to receive it from, None: this one)`` for
+        every ep rank on the group's first rank; on the others it sends its own (point to point) and gets ``[]``."""
+        group = _ps().get_expert_model_parallel_group()
+        first = dist.get_global_rank(group, 0)
+        if dist.get_rank() != first:
+            dist.send(t.detach().contiguous(), dst=first, group=group)
+            return []
+        names = self._expert_names(g)
+        return [(names[0], None)] + [(names[r], dist.get_global_rank(group, r)) for r in range(1, self.ep)]
+
     def buckets(self) -> Iterator[Bucket]:
         """HF ``(name, tensor)`` lists of about ``bucket_bytes`` (a bigger tensor goes alone), on the ranks that
-        send them; collective over this rank's stage (every rank of the stage must drain it)."""
+        send them; collective over this rank's stage (every rank of the stage must drain it). Experts gathered to
+        the stage's first rank arrive one ep rank's tensor at a time, after the bucket they would overflow has
+        gone: no rank holds more than ``bucket_bytes`` in several tensors for the stream (``peak_bytes`` counts it;
+        a single bigger tensor goes alone)."""
         ps = _ps() if self.distributed else None
         bucket: Bucket = []
-        size = 0
+        self._size, count = 0, 0  # bytes and Megatron tensors in the open bucket
         for local, g, expert, rank, _, split in self._units():
             t = self.tensors[local].detach()
             if split:  # tp/etp shards -> the full tensor on tp/etp rank 0
@@ -164,20 +188,21 @@ class HFStream:
                 t = merge_tp_shards(g, shards)
             elif rank != 0:
                 continue
-            items = [(g, t)]
-            if expert and self.gather_experts and self.ep > 1:
-                parts = _gather_to_first(t, ps.get_expert_model_parallel_group())
-                if parts is None:
-                    continue
-                items = list(zip(self._expert_names(g), parts))
-            for mg, full in items:
+            nbytes = t.numel() * t.element_size()
+            gathered = expert and self.gather_experts and self.ep > 1
+            for mg, src in self._expert_sources(g, t) if gathered else [(g, None)]:
+                if bucket and self._size + nbytes > self.bucket_bytes:  # room for it first, then receive it
+                    yield bucket
+                    bucket, self._size, count = [], 0, 0
+                full = t
+                if src is not None:
+                    full = torch.empty_like(t)
+                    dist.recv(full, src=src, group=ps.get_expert_model_parallel_group())
                 for name, part in megatron_tensor_to_hf(mg, full, self.model_cfg, self.names):
-                    nbytes = part.numel() * part.element_size()
-                    if bucket and size + nbytes > self.bucket_bytes:
-                        yield bucket
-                        bucket, size = [], 0
                     bucket.append((name, part))
-                    size += nbytes
-            del items, t
+                    self._size += part.numel() * part.element_size()
+                count += 1
+                self._held(count, self._size)
+            del t
         if bucket:
             yield bucket

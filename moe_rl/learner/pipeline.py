@@ -75,6 +75,7 @@ def object_from_last_stage(obj):
         return obj
     src, group = _last_rank_and_group()
     box = [obj if is_last_stage() else None]
+    # size: the caller's per-step scalars (losses and metrics of one step, a flag): a few KB, never tensors of the model
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 

@@ -315,6 +315,8 @@ def gather_stage_flips(layer_ids, flips: torch.Tensor, group) -> tuple[list[int]
     """
 
     parts = [None] * dist.get_world_size(group)
+    # size: this stage's layer ids and one bool per (token of the microbatch, local layer): grows with the batch
+    # and the layer count, never with the weights
     dist.all_gather_object(parts, (list(layer_ids), flips.cpu()), group=group)
     ids = [lid for part_ids, _ in parts for lid in part_ids]
     merged = torch.cat([part for _, part in parts], dim=-1)

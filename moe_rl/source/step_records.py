@@ -100,7 +100,7 @@ class StepRecords:
                 error = str(exc)
         if world > 1:
             box = [(None if batch is None else batch.sha256, error)]
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0)  # size: one sha256 hex and at most one error line
             digest, error = box[0]
             if error is None and rank != 0:
                 try:
@@ -111,6 +111,7 @@ class StepRecords:
                         f"an earlier session, or one not yet visible on this node's filesystem)"
                     )
             verdicts = [None] * world
+            # size: at most one error line per rank (a few hundred bytes)
             dist.all_gather_object(verdicts, None if rank == 0 else error)
             error = error or next((e for e in verdicts if e is not None), None)
         if error is not None:

@@ -8,6 +8,7 @@ is the only place such an export is caught), and the FP8 fake quantisation both 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from collections.abc import Mapping
@@ -24,6 +25,7 @@ __all__ = [
     "check_servable",
     "check_shapes",
     "check_weights",
+    "plan_digest",
     "quantize_state_dict",
     "reference_from_hf_dir",
 ]
@@ -76,6 +78,18 @@ def check_shapes(shapes: Mapping[str, tuple[int, ...]], reference: Mapping[str, 
                 f"weights to sync: {name} has shape {tuple(shape)}, the served model has "
                 f"{tuple(reference[name])}; nothing was sent"
             )
+
+
+def plan_digest(shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, int]:
+    """``(count, sum of a 64-bit hash of every "name:shape")`` of a set of names and shapes: 16 bytes whatever
+    the model. The digests of disjoint parts add up to the digest of the whole, so every rank digests its own
+    plan and rank 0 compares their sum with the served model's; a missing, extra, renamed or reshaped tensor
+    changes it (a duplicate and a missing name do not cancel: their hashes differ)."""
+    total = 0
+    for name, shape in shapes.items():
+        key = f"{name}:{'x'.join(str(int(d)) for d in shape)}".encode()
+        total += int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+    return len(shapes), total % (1 << 64)
 
 
 def check_weights(named: Mapping[str, torch.Tensor], reference: Mapping[str, tuple[int, ...]] | None) -> None:

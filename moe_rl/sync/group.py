@@ -51,7 +51,25 @@ def group_options(rollout) -> dict:
         "backend": default_backend(rollout.device) if backend == "auto" else backend,
         "master_address": rollout.weight_sync_master_address,
         "master_port": rollout.weight_sync_master_port,
+        "stage_addresses": rollout.weight_sync_stage_addresses,
     }
+
+
+def stage_group_options(options: dict, stage: int) -> dict:
+    """``group_options`` for pipeline stage ``stage``'s source rank: its own address (``stage_addresses[stage]``,
+    else the one master address, else its own host's: ``master_address_for`` runs on that rank) and its own
+    rendezvous port (``master_port + stage``)."""
+    out = dict(options)
+    stages = out.pop("stage_addresses", None)
+    if stages:
+        if stage >= len(stages):
+            raise WeightSyncError(
+                f"rollout.weight_sync_stage_addresses names {len(stages)} address(es); pipeline stage {stage} has none"
+            )
+        out["master_address"] = stages[stage]
+    if out.get("master_port"):
+        out["master_port"] += stage
+    return out
 
 
 def master_address_for(addresses: Sequence[str], configured: str | None = None) -> str:

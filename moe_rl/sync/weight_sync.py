@@ -10,8 +10,8 @@ and a re-sync of a restarted server is the same collective call from the live we
 * ``disk``: each sending rank writes its buckets as safetensors files of one HF directory, rank 0 the
   index and side files; the servers load it with ``/update_weights_from_disk`` (any host that sees the
   path; SGLang rolls back on failure);
-* ``distributed``: one source rank per pipeline stage (experts gathered to it tensor by tensor) broadcasts
-  into its own weight-update group with the servers (``/update_weights_from_distributed``, gloo for CPU
+* ``distributed``: one source rank per pipeline stage (experts gathered to it per bucket) broadcasts
+  into its own weight-update group (at its own address: ``group.stage_group_options``) with the servers (``/update_weights_from_distributed``, gloo for CPU
   servers, NCCL for GPU servers; ``group.WeightGroup``); the stages take turns;
 * ``auto``: tensor when every server address is on this host, else disk.
 
@@ -19,8 +19,9 @@ Rank 0 opens the session (``/begin_weight_update``) on every server, the senders
 ``<version>.partial``, then rank 0 ends the session and labels the servers that loaded everything with the
 version (``/update_weight_version``) and flushes their cache. FP8 rollout weights
 (``rollout.weight_quantization``) are applied per bucket with the function the disk export uses. Before
-anything is sent the weights are checked: the names and shapes every rank will send (meta tensors, gathered
-to rank 0) against the previous sync (or the server's checkpoint), every rank's own tensors finite on their
+anything is sent the weights are checked: the names and shapes every rank will send (meta tensors, as a
+16-byte digest per rank, ``checks.plan_digest``; the plans themselves only when the digests disagree) against
+the previous sync (or the server's checkpoint), every rank's own tensors finite on their
 device; a failure there sends nothing and raises on every rank. A sync that fails after some buckets were
 loaded leaves that server half-updated (no rollback): it is marked invalid, ``check_servable`` refuses
 rollouts from it, and the next (always full) sync makes it valid again. After every sync ``GET /model_info``
@@ -48,8 +49,15 @@ from moe_rl.learner.hf_export import begin_dir, finish_dir
 from moe_rl.learner.hf_stream import HFStream
 from moe_rl.rollout.auth import ServerKeys
 from moe_rl.sync import senders as ws
-from moe_rl.sync.checks import check_servable, check_shapes, check_weights, quantize_state_dict, reference_from_hf_dir
-from moe_rl.sync.group import WeightGroup, group_options
+from moe_rl.sync.checks import (
+    check_servable,
+    check_shapes,
+    check_weights,
+    plan_digest,
+    quantize_state_dict,
+    reference_from_hf_dir,
+)
+from moe_rl.sync.group import WeightGroup, group_options, stage_group_options
 from moe_rl.sync.integrity import ForeignWeightsStop
 from moe_rl.sync.served_weights import PushedWeights, tensor_digests
 from moe_rl.sync.transport import WeightSyncError, check_version, is_local_address, update_weights_from_disk
@@ -104,7 +112,8 @@ class WeightSync:
         self.invalid: dict[str, str] = {}  # address -> why
         self.version: str | None = None
         self.keys = keys
-        self._planned: dict[str, tuple[int, ...]] = {}  # the names and shapes of the sync under way (rank 0)
+        self._planned = None  # the names and shapes (push) or their plan_digest (sync) under way (rank 0)
+        self.plan_digest: tuple[int, int] | None = None  # plan_digest of the last successful sync or push (rank 0)
         self.group_options = dict(group_options or {})  # distributed: WeightGroup's backend / master address, port
         self.group = None  # distributed: this rank's open WeightGroup (a pipeline stage's source)
         self.pushed = PushedWeights(keys, timeout_s, max(4, keep_pushes))  # digests of the last pushes
@@ -158,14 +167,22 @@ class WeightSync:
         the served model, every rank's tensors finite on their device): a failure there sends nothing and
         raises WeightSyncError on every rank. ``flush_cache=False`` only inside an ``in_place`` pause."""
         t0, comm = time.perf_counter(), RankComm(collective=True)
+        # size: the mode, the server addresses, a label and the admin headers (independent of the model)
         header = comm.bcast(self._header(addresses, version) if comm.rank0 else None)
         stream = HFStream(
             model_module, self.model_cfg, self.bucket_bytes, gather_experts=header["mode"] == "distributed"
         )
-        plan, bad = stream.plan(), stream.nonfinite()
-        checked = comm.gather((plan, bad))
+        plan, bad = {n: shape for n, (shape, _) in stream.plan().items()}, stream.nonfinite()
+        # size: 16 bytes and at most one tensor name per rank (the plan's digest, not the plan)
+        checked = comm.gather((plan_digest(plan), bad))
         verdict = self._check_plans(checked) if comm.rank0 else None
-        if (verdict := comm.bcast(verdict)) is not None:
+        # size: None, "detail" or one error line; on "detail" the digests disagree: which tensors (sends nothing)
+        if (verdict := comm.bcast(verdict)) == "detail":
+            # size: every rank's names x shapes, once, only on this error path (nothing is sent after it)
+            detail = comm.gather(plan)
+            verdict = self._plan_detail(detail) if comm.rank0 else None
+            verdict = comm.bcast(verdict)  # size: one error line
+        if verdict is not None:
             raise WeightSyncError(verdict)
         self._stream(stream, comm, header, flush_cache)
         return time.perf_counter() - t0
@@ -205,17 +222,33 @@ class WeightSync:
         }
 
     def _check_plans(self, checked: list) -> str | None:
-        """Rank 0: every rank's ``(plan, first non-finite tensor)`` -> None, or why nothing may be sent."""
-        shapes = {n: shape for plan, _ in checked for n, (shape, _) in plan.items()}
+        """Rank 0: every rank's ``(plan_digest, first non-finite tensor)`` -> None, ``"detail"`` (the digests
+        disagree with the served model's: gather the plans to say which tensors), or why nothing may be sent."""
+        bad = [(r, name) for r, (_, name) in enumerate(checked) if name is not None]
+        if bad:
+            return f"weights to sync: {bad[0][1]} (rank {bad[0][0]}) holds NaN or Inf values; nothing was sent"
+        count, total = sum(c for (c, _), _ in checked), sum(t for (_, t), _ in checked) % (1 << 64)
+        if self.reference is not None:
+            expected = plan_digest(self.reference)
+        else:
+            expected = self.plan_digest  # None before the first sync: nothing to compare with
+        if expected is not None and (count, total) != expected:
+            return "detail"
+        self._planned = (count, total)
+        return None
+
+    def _plan_detail(self, plans: list) -> str:
+        """Rank 0, after the digests disagreed: which names or shapes differ (``check_shapes``' message)."""
+        shapes = {n: shape for plan in plans for n, shape in plan.items()}
         try:
             check_shapes(shapes, self.reference)
         except WeightSyncError as err:
             return str(err)
-        bad = [(r, name) for r, (_, name) in enumerate(checked) if name is not None]
-        if bad:
-            return f"weights to sync: {bad[0][1]} (rank {bad[0][0]}) holds NaN or Inf values; nothing was sent"
-        self._planned = shapes
-        return None
+        dup = sum(len(p) for p in plans) - len(shapes)
+        return (
+            f"weights to sync do not match the last sync: {len(shapes)} tensors"
+            f"{f' ({dup} sent by two ranks)' if dup else ''}, the last sync sent {self.plan_digest[0]}; nothing was sent"
+        )
 
     def _stream(self, stream, comm, header: dict, flush_cache: bool) -> None:
         """Attempts (collective) until one succeeds, through ``_again``; every rank gets the same outcome."""
@@ -237,7 +270,7 @@ class WeightSync:
                 start = {"tmp": str(begin_dir(self.export_dir)), "refused": {}}
             else:
                 start = {"tmp": None, "refused": ws.begin(addresses, headers, self.timeout_s)}
-        start = comm.bcast(start)
+        start = comm.bcast(start)  # size: a path and at most one refusal line per server
         if start["refused"]:  # nothing was sent: every server keeps its previous weights
             if comm.rank0:
                 ws.end([a for a in addresses if a not in start["refused"]], headers, self.timeout_s)
@@ -255,9 +288,11 @@ class WeightSync:
                     sender.send(list(named.items()))
                     del named, bucket
             comm.barrier_if(stream.stages > 1)
+        # size: this rank's sender report (per server address; disk: its files' names) and one ~50-byte digest
+        # string per tensor it sent, received by rank 0 at its own size (no padding), which keeps them all anyway
         reports = comm.gather((sender.report() if sender else None, digests))
         outcome = self._finish(header, start, reports, flush_cache) if comm.rank0 else None
-        return comm.bcast(outcome)
+        return comm.bcast(outcome)  # size: None or (flag, one line per server)
 
     def _sender(self, mode: str, stream, start: dict, header: dict):
         if mode == "disk":
@@ -265,9 +300,7 @@ class WeightSync:
         args = (header["addresses"], header["version"], header["headers"], self.timeout_s)
         if mode == "tensor":
             return ws.TensorSender(*args)
-        options = dict(self.group_options)
-        if options.get("master_port"):
-            options["master_port"] += stream.stage  # one rendezvous port per pipeline stage's source
+        options = stage_group_options(self.group_options, stream.stage)  # this stage's address and port
         self.group = WeightGroup.reuse(
             self.group, header["addresses"], timeout_s=self.timeout_s, headers=header["headers"], **options
         )
@@ -321,7 +354,11 @@ class WeightSync:
         return None
 
     def _done(self, version: str) -> None:
-        self.reference = dict(self._planned)
+        if isinstance(self._planned, dict):  # a push from a ready state dict: its names and shapes
+            self.reference = dict(self._planned)
+            self.plan_digest = plan_digest(self.reference)
+        else:  # a sync: what was sent matched the reference (when there is one); its digest is the next sync's
+            self.plan_digest = self._planned
         self.version = str(version)
 
     def _again(self, version: str, send) -> None:

@@ -106,7 +106,7 @@ class KLAlarm:
             mask = mask & (staleness.to(rows.device) == 0)
         value = [float(offpolicy_metrics(rows.float(), mu.float(), mask)["offpolicy/kl_k3"]) if mask.any() else None]
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.broadcast_object_list(value, src=0)  # gloo or NCCL alike
+            torch.distributed.broadcast_object_list(value, src=0)  # size: one float; gloo or NCCL alike
         return value[0]
 
     def verdict(

@@ -110,13 +110,13 @@ def decide_cache_hit(directory: Path, rank: int, world: int) -> tuple[bool, list
         views = [mine]
     else:
         views = [None] * world if rank == 0 else None
-        torch.distributed.gather_object(mine, views, dst=0)
+        torch.distributed.gather_object(mine, views, dst=0)  # size: a flag and at most one damaged-file line per rank
     box = [None]
     if rank == 0:
         missing = [r for r, (has, _) in enumerate(views) if not has]
         box = [(not missing, missing, [why for _, why in views if why])]
     if world > 1:
-        torch.distributed.broadcast_object_list(box, src=0)
+        torch.distributed.broadcast_object_list(box, src=0)  # size: a flag, rank numbers, damaged-file lines
     hit, missing, bad = box[0]
     return hit, missing, bad, weights if hit else None
 
@@ -126,6 +126,7 @@ def _broadcast_meta(meta: dict | None) -> dict:
     if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
         return meta
     box = [meta]
+    # size: meta.json: a key, the config section and one short row per warm-start step (a few KB)
     torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
 

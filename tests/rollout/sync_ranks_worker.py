@@ -9,8 +9,11 @@
   then rank 0 generates and saves the tokens, log-probs and routes to ``ROOT/<layout>-<mode>.npz``
   (the server is put back on V1 between transports, so each sync is a real change).
 
+The distributed sync gives each pipeline stage's source its own address (``stage_addresses``: two loopback
+addresses, so only the plumbing is exercised: the server reaches stage 1's source at 127.0.0.2).
 Last, a NaN on rank 1 only: the sync must send nothing and raise the same error on both ranks.
-``ROOT/report.json``: which ranks sent, the largest bucket of several tensors, the NaN sync's errors and the
+``ROOT/report.json``: which ranks sent, the largest bucket of several tensors, the most any rank held for
+the stream at once (``HFStream.peak_bytes``: the open bucket plus what it received), the NaN sync's errors and the
 version the server reports after it. The test compares everything.
 """
 
@@ -42,6 +45,7 @@ from moe_rl.sync.weight_sync import WeightSync
 MODEL = {"num_layers": 4, "first_k_dense_layers": 1, "vocab_size": 512}  # pp=2: a MoE layer on each stage
 BUCKET = 64 << 10  # small: many buckets, experts of both ep ranks in one bucket
 SAMPLING = SamplingSettings(temperature=0.8, top_p=0.9, top_k=16, max_new_tokens=8)
+STAGE_ADDRESSES = ["127.0.0.1", "127.0.0.2"]  # one per pipeline stage (ep2: one stage, the first); both loopback
 PROMPTS = [[5, 17, 99, 250, 7, 31], [400, 12, 3, 88, 91, 64, 23, 9]]
 
 
@@ -69,16 +73,21 @@ def stream_to_rank0(learner, cfg, root: Path, layout: str) -> dict:
         dist.barrier()
     assert set(sent) == set(plan) and all(tuple(sent[n].shape) == plan[n][0] for n in sent), "plan() != buckets()"
     every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object((sent, max(sizes, default=0), stream.sender), every, dst=0)
+    dist.gather_object((sent, max(sizes, default=0), stream.sender, stream.peak_bytes), every, dst=0)
     if every is None:
         return {}
     merged = {}
-    for part, _, _ in every:
+    for part, *_ in every:
         assert not set(part) & set(merged), "a tensor was sent twice"
         merged.update(part)
 
     save_file(merged, root / f"{layout}_stream.safetensors")
-    return {"senders": [s for _, _, s in every], "max_multi_bucket": max(m for _, m, _ in every)}
+    return {
+        "senders": [s for _, _, s, _ in every],
+        "max_multi_bucket": max(m for _, m, _, _ in every),
+        "peak_bytes": max(p for *_, p in every),
+        "largest_expert": max(t.numel() * t.element_size() for n, t in merged.items() if ".experts." in n),
+    }
 
 
 def run(layout: str, url: str, v1: str, v2: str, root: Path, **parallel) -> dict:
@@ -97,9 +106,14 @@ def run(layout: str, url: str, v1: str, v2: str, root: Path, **parallel) -> dict
             bucket_bytes=BUCKET,
             reference=reference_from_hf_dir(v1) if rank0 else None,
             timeout_s=120,
-            group_options={"backend": "gloo"},
+            group_options={"backend": "gloo", "stage_addresses": STAGE_ADDRESSES},
         )
         ws.sync(learner.module, [url] if rank0 else [], f"{layout}-{mode}")
+        if mode == "distributed":  # the address each stage's source advertised to the server
+            where = [None] * dist.get_world_size() if rank0 else None
+            # size: one address per rank
+            dist.gather_object(None if ws.group is None else ws.group.master_address, where, dst=0)
+            report["group_addresses"] = where
         ws.close()
         if rank0:
             np.savez(root / f"{layout}-{mode}.npz", **generate(url, cfg))

@@ -7,7 +7,9 @@ Oracles, independent of the code under test: the learner was loaded from a rando
   from the v2 directory (today's disk sync of the file): the same tokens, log-probs and routes.
 
 Breaks tried: expert ids gathered as ``e * ep + r`` fail the export equality (72 tensors differ); a disk
-sync whose index lists rank 0's files only fails the served equality (SGLang keeps rank 1's tensors old).
+sync whose index lists rank 0's files only fails the served equality (SGLang keeps rank 1's tensors old);
+each expert tensor gathered whole from every ep rank before it is bucketed (``dist.gather`` per tensor, as
+before issue 52) fails the held-bytes bound (the open bucket plus ep copies of the tensor).
 """
 
 from __future__ import annotations
@@ -92,8 +94,16 @@ def test_the_streamed_export_and_sync_stream_give_back_the_checkpoint_bit_for_bi
             bad = [n for n in want if not torch.equal(got[n], want[n])]
             assert not bad, f"{layout}: {len(bad)} tensors differ, e.g. {bad[:3]}"
         assert report[layout]["max_multi_bucket"] <= worker.BUCKET, "a bucket of several tensors exceeds its size"
+        assert 2 * report[layout]["largest_expert"] <= worker.BUCKET, "experts of both ep ranks fit in a bucket"
+        assert 0 < report[layout]["peak_bytes"] <= worker.BUCKET, (
+            f"{layout}: a rank held {report[layout]['peak_bytes']} bytes for the stream at once "
+            f"(rollout.weight_sync_bucket_mb: {worker.BUCKET}): experts must be gathered per bucket, not per tensor"
+        )
     assert report["ep2"]["senders"] == [True, False], "experts are gathered to one source (ep=2, one stage)"
     assert report["pp2"]["senders"] == [True, True], "one source per pipeline stage"
+    # each stage's source advertised its own address and the server joined there (plumbing only: both loopback)
+    assert report["pp2"]["group_addresses"] == worker.STAGE_ADDRESSES
+    assert report["ep2"]["group_addresses"] == [worker.STAGE_ADDRESSES[0], None]
 
 
 @one_gpu_per_rank(2)
