@@ -237,10 +237,10 @@ class ShardedDir:
                 "ranks; a rank's file is missing"
             )
         self.keys, self.bytes_read = set(self.chunks), 0
-        names = {id(fh): path for fh, path in zip(self.handles, files, strict=True)}
+        self.files = {id(fh): path for fh, path in zip(self.handles, files, strict=True)}
         for key in sorted(self.keys):
             try:
-                self._check(key, names)
+                self._check(key)
             except (KeyError, TypeError, ValueError, SafetensorError) as exc:
                 raise GlobalStateError(f"{self.where}: the chunk index of {key} is unreadable ({exc!r})") from None
 
@@ -272,18 +272,31 @@ class ShardedDir:
             at += b - a
         rows = sum(b.row_stop - b.row_start for b in s.boxes)
         local = (at,) if flat else (rows, *s.boxes[0].shape[1:]) if shape else ()
-        out = torch.empty(at, dtype=self._dtype(key), device="cpu")
-        got = read_runs(request, [r for fh, c in self.chunks[key] for r in self._runs(fh, c)], out)
+        dtype = self._dtype(key)
+        out = torch.empty(at, dtype=dtype, device="cpu")
+        got = read_runs(request, [r for fh, c in self.chunks[key] for r in self._runs(fh, c, dtype)], out)
         if got != at:  # the chunks partition the tensor (checked at open): a request outside it
             raise GlobalStateError(f"{self.where}: {key}: {at - got} of this rank's elements are in no saved chunk")
         return out.view(local)
 
     def _dtype(self, key: str) -> torch.dtype:
         fh, c = self.chunks[key][0]
-        return _FROM_DTYPE[fh.get_slice(c["key"]).get_dtype()]
+        return _FROM_DTYPE.get(fh.get_slice(c["key"]).get_dtype(), torch.float32)
 
-    def _runs(self, fh, c: dict) -> list:
-        """A chunk as ``partial_read`` runs, each with its reader (counting the bytes it reads)."""
+    def _slice(self, fh, c: dict, dtype: torch.dtype):
+        """The stored tensor of chunk ``c`` (a ``get_slice`` handle, nothing read), checked against its index entry."""
+        sl = fh.get_slice(c["key"])
+        stored, kind = tuple(sl.get_shape()), _FROM_DTYPE.get(sl.get_dtype())
+        want = (c["flat"][1] - c["flat"][0],) if c["flat"] else tuple(c["box"])
+        if stored != want or kind != dtype:
+            raise GlobalStateError(
+                f"{self.files[id(fh)]}: chunk {c['key']} of {c['name']} holds {stored} {sl.get_dtype()} for a box "
+                f"{c['box']} (flat {c['flat']}) of {dtype}; the file's chunk index is corrupt"
+            )
+        return sl
+
+    def _runs(self, fh, c: dict, dtype: torch.dtype) -> list:
+        """A chunk as ``partial_read`` runs, each with its reader (checking the stored tensor, counting the bytes)."""
         offsets, box = tuple(c["offsets"]), tuple(c["box"])
 
         def count(t: torch.Tensor) -> torch.Tensor:
@@ -291,35 +304,30 @@ class ShardedDir:
             ShardedDir.process_bytes_read += t.numel() * t.element_size()
             return t
 
+        def whole(region: tuple) -> torch.Tensor:
+            sl = self._slice(fh, c, dtype)
+            return count(sl[region] if box else fh.get_tensor(c["key"]))  # 0-d: get_slice takes no index
+
         if c["flat"] is None:
-            if not box:
-                return [((offsets, box, 0), -1, lambda _: count(fh.get_tensor(c["key"])))]
-            return [((offsets, box, 0), -1, lambda sl: count(fh.get_slice(c["key"])[sl]))]
-        a, b = c["flat"]
+            return [((offsets, box, 0), -1, whole)]
+        a, _ = c["flat"]
 
         def ranges(spans: list[tuple[int, int]]) -> torch.Tensor:
-            sl = fh.get_slice(c["key"])
+            sl = self._slice(fh, c, dtype)
             return torch.cat([count(sl[s : s + n]) for s, n in spans])
 
         return [
             ((tuple(o + x for o, x in zip(offsets, off, strict=True)), ext, f), f - a, ranges)
-            for off, ext, f in flat_boxes(box, a, b)
+            for off, ext, f in flat_boxes(box, *c["flat"])
         ]
 
-    def _check(self, key: str, files: dict) -> None:
-        """Every chunk of ``key`` fits its stored tensor (one dtype), and the chunks cover the global tensor
-        exactly once (from the headers: no data read)."""
-        shape, boxes, kinds = self.shape(key), [], {}
+    def _check(self, key: str) -> None:
+        """The chunks of ``key`` cover the global tensor exactly once (from the chunk index: no data read)."""
+        shape, boxes = self.shape(key), []
         for fh, c in self.chunks[key]:
-            stored = tuple(fh.get_slice(c["key"]).get_shape())
-            want = (c["flat"][1] - c["flat"][0],) if c["flat"] else tuple(c["box"])
-            dtype = fh.get_slice(c["key"]).get_dtype()
-            if tuple(c["shape"]) != shape or stored != want or dtype != kinds.setdefault(key, dtype):
-                raise GlobalStateError(
-                    f"{files[id(fh)]}: chunk {c['key']} of {key} holds {stored} {dtype} for a box {c['box']} "
-                    f"(flat {c['flat']}) of {c['shape']}; the file's chunk index is corrupt"
-                )
-            label = f"{files[id(fh)].name}:{c['key']}"
+            label = f"{self.files[id(fh)].name}:{c['key']}"
+            if tuple(c["shape"]) != shape:
+                raise GlobalStateError(f"{label}: a chunk of {key} of shape {c['shape']}, others say {shape}")
             if c["flat"] is None:
                 boxes.append((tuple(c["offsets"]), tuple(c["box"]), label))
             else:

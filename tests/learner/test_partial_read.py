@@ -10,6 +10,7 @@ exactly its share), while the full assembly reads every global tensor whole and 
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -18,7 +19,7 @@ import torch
 from moe_rl.learner.global_state import GlobalStateError
 from moe_rl.learner.ownership import tensor_slice
 from moe_rl.learner.partial_read import check_partition, flat_boxes
-from moe_rl.learner.sharded_state import ShardedDir, write_rank_file
+from moe_rl.learner.sharded_state import SHARD_FORMAT, ShardedDir, rank_file, write_rank_file, write_safetensors
 from moe_rl.learner.tp_shards import tp_slice
 
 EXPERTS = 4
@@ -28,6 +29,7 @@ FULL = {
     "decoder.layers.0.self_attention.linear_qkv.weight": torch.arange(4 * 6, dtype=torch.float32).reshape(4, 6),
     "decoder.layers.0.input_layernorm.weight": torch.arange(6, dtype=torch.float32) + 0.5,  # replicated over tp
     "decoder.layers.0.self_attention.core_attention.k": torch.arange(3 * 4 * 5, dtype=torch.float32).reshape(3, 4, 5),
+    "decoder.layers.0.mlp.router.scale": torch.tensor(3.5),  # 0-d
     **{
         f"decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc2.weight": torch.arange(24, dtype=torch.float32)
         .reshape(6, 4)
@@ -171,3 +173,14 @@ def test_a_gap_or_an_overlap_is_refused_naming_the_tensor_and_both_files(tmp_pat
         rf"optimizer-r00001.safetensors:{key}@0 overlap",
     ):
         ShardedDir(tmp_path, "optimizer")
+
+
+def test_a_chunk_index_that_does_not_fit_its_stored_tensor_is_refused_naming_the_file(tmp_path):
+    name = "decoder.layers.0.self_attention.core_attention.k"
+    key = f"exp_avg/{name}"
+    index = [{"key": f"{key}@0", "name": key, "shape": [3, 4, 5], "offsets": [0, 0, 0], "box": [3, 4, 5], "flat": None}]
+    meta = {"format": SHARD_FORMAT, "kind": "optimizer", "rank": "0", "world_size": "1", "chunks": json.dumps(index)}
+    write_safetensors(rank_file(tmp_path, "optimizer", 0), [(f"{key}@0", torch.zeros(3, 4, 4))], meta)
+    src = ShardedDir(tmp_path, "optimizer")  # the index alone covers the tensor
+    with pytest.raises(GlobalStateError, match=r"optimizer-r00000.safetensors: chunk .*k@0 of .* holds \(3, 4, 4\)"):
+        src.full(key)
