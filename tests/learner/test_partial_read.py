@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from moe_rl.learner.global_state import GlobalStateError
+from moe_rl.learner.global_state import GlobalStateError, Slot, _slot_part
 from moe_rl.learner.ownership import tensor_slice
 from moe_rl.learner.partial_read import check_partition, flat_boxes
 from moe_rl.learner.sharded_state import SHARD_FORMAT, ShardedDir, rank_file, write_rank_file, write_safetensors
@@ -184,3 +184,18 @@ def test_a_chunk_index_that_does_not_fit_its_stored_tensor_is_refused_naming_the
     src = ShardedDir(tmp_path, "optimizer")  # the index alone covers the tensor
     with pytest.raises(GlobalStateError, match=r"optimizer-r00000.safetensors: chunk .*k@0 of .* holds \(3, 4, 4\)"):
         src.full(key)
+
+
+def test_the_optimizer_load_passes_its_flat_range_to_the_reader(megatron_world, tmp_path, device):
+    """The loader's own path (``global_state._slot_part``, as ``load_optimizer`` calls it) on a dp=2 save read
+    as the other half of a distributed optimizer's shards: it reads that half's bytes, not the whole tensor."""
+    _write(tmp_path, 1, 2)
+    src = ShardedDir(tmp_path, "optimizer")
+    own = 0
+    for name, full in FULL.items():
+        flat = _flat(full.numel(), 1, 2)
+        slot = Slot(full.clone(), full.reshape(-1)[flat[0] : flat[1]], None, flat)
+        got = _slot_part(src, f"exp_avg/{name}", name, slot)
+        assert torch.equal(got.to(device), full.reshape(-1)[flat[0] : flat[1]].to(device)), name
+        own += got.numel() * got.element_size()
+    assert src.bytes_read == own
