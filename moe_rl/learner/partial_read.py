@@ -8,8 +8,9 @@ concatenation (a distributed-optimizer shard). Both are cut into *runs*, sub-box
 in their tensor's flat order (``flat_boxes``: at most ``2 * ndim - 1`` per flat range); each pair of a
 request run and a chunk run meets in at most one box, read with ``safe_open(...).get_slice`` — the N-d
 slice of a whole chunk, or the contiguous 1-d ranges of a flat chunk — and written into place. No
-global tensor and no cover map: ``check_partition`` proves from the boxes alone (a sweep over dim 0)
-that the chunks cover a tensor exactly once, and the elements a request gets are counted.
+global tensor and no cover map: ``check_cover`` proves from the chunk index alone that the chunks cover a
+tensor exactly once (per box, its flat ranges sorted in one pass; the boxes, by ``check_partition``'s sweep
+over dim 0), and the elements a request gets are counted.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["Run", "check_partition", "flat_boxes", "intersect", "read_runs"]
+__all__ = ["Run", "check_cover", "check_partition", "flat_boxes", "intersect", "read_runs"]
 
 Run = tuple[tuple[int, ...], tuple[int, ...], int]
 """``(offsets, shape, flat start)``: a box contiguous in its tensor's flat order, starting at that flat index."""
@@ -106,6 +107,11 @@ def check_partition(shape: Sequence[int], boxes: Sequence[tuple[tuple[int, ...],
     """'' when ``boxes`` ``(offsets, extent, label)`` cover a tensor of ``shape`` exactly once, else what is
     wrong: ``"<m> elements missing, <t> written twice"`` (and the labels of two overlapping boxes). A box
     outside the tensor counts as written twice. Sweeps dim 0: only boxes whose rows meet are compared."""
+    return _problem(*_partition(shape, boxes))
+
+
+def _partition(shape: Sequence[int], boxes: Sequence[tuple[tuple[int, ...], tuple[int, ...], str]]) -> tuple:
+    """``(elements missing, elements written twice, what overlaps)`` of ``check_partition``."""
     shape = tuple(shape)
     total, volume, twice, pair = math.prod(shape), 0, 0, ""
     active: list[tuple[tuple[int, ...], tuple[int, ...], str]] = []
@@ -123,7 +129,34 @@ def check_partition(shape: Sequence[int], boxes: Sequence[tuple[tuple[int, ...],
                 twice += math.prod(meet[1])
                 pair = pair or f"{other} and {label} overlap"
         active.append((off, ext, label))
-    missing = total - (volume - twice)
+    return total - (volume - twice), twice, pair
+
+
+def check_cover(shape: Sequence[int], chunks: Sequence[tuple[tuple[int, ...], tuple[int, ...], int, int, str]]) -> str:
+    """``check_partition`` for saved chunks ``(offsets, box, a, b, label)`` (elements ``[a, b)`` of the box
+    flattened; a whole chunk is ``[0, numel)``): the chunks of each box must cover ``[0, numel)`` of it exactly
+    once (sorted ranges: one pass), and the boxes partition the tensor (``check_partition`` over the few boxes)."""
+    groups: dict[tuple, list[tuple[int, int, str]]] = {}
+    for off, box, a, b, label in chunks:
+        groups.setdefault((tuple(off), tuple(box)), []).append((a, b, label))
+    missing = twice = 0
+    pair = ""
+    for (_, box), ranges in groups.items():
+        n, pos, last = math.prod(box), 0, ""
+        for a, b, label in sorted(ranges):
+            if a < 0 or b > n or a > b:
+                twice, pair = twice + max(b - a, 0), pair or f"{label} lies outside its box"
+                continue
+            missing += max(a - pos, 0)
+            if a < pos:
+                twice, pair = twice + min(pos, b) - a, pair or f"{last} and {label} overlap"
+            pos, last = max(pos, b), label
+        missing += n - pos
+    m, t, p = _partition(shape, [(off, box, rs[0][2]) for (off, box), rs in groups.items()])
+    return _problem(missing + m, twice + t, pair or p)
+
+
+def _problem(missing: int, twice: int, pair: str) -> str:
     if not missing and not twice:
         return ""
     return f"{missing} elements missing, {twice} written twice" + (f"; {pair}" if pair else "")

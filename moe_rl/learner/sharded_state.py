@@ -22,6 +22,7 @@ and the data raw bytes.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import struct
@@ -40,7 +41,7 @@ from moe_rl.learner.global_state import (
     named_slots,
 )
 from moe_rl.learner.ownership import Box, TensorSlice, local_slices, tp_rank_and_size, writes_whole
-from moe_rl.learner.partial_read import check_partition, flat_boxes, read_runs
+from moe_rl.learner.partial_read import check_cover, flat_boxes, read_runs
 
 __all__ = [
     "SHARD_FORMAT",
@@ -323,19 +324,14 @@ class ShardedDir:
 
     def _check(self, key: str) -> None:
         """The chunks of ``key`` cover the global tensor exactly once (from the chunk index: no data read)."""
-        shape, boxes = self.shape(key), []
+        shape, chunks = self.shape(key), []
         for fh, c in self.chunks[key]:
             label = f"{self.files[id(fh)].name}:{c['key']}"
             if tuple(c["shape"]) != shape:
                 raise GlobalStateError(f"{label}: a chunk of {key} of shape {c['shape']}, others say {shape}")
-            if c["flat"] is None:
-                boxes.append((tuple(c["offsets"]), tuple(c["box"]), label))
-            else:
-                boxes += [
-                    (tuple(o + x for o, x in zip(c["offsets"], off, strict=True)), ext, label)
-                    for off, ext, _ in flat_boxes(c["box"], *c["flat"])
-                ]
-        if problem := check_partition(shape, boxes):
+            a, b = c["flat"] or (0, math.prod(c["box"]))
+            chunks.append((tuple(c["offsets"]), tuple(c["box"]), int(a), int(b), label))
+        if problem := check_cover(shape, chunks):
             raise GlobalStateError(
                 f"{self.where}: {key} is not covered exactly once by the saved chunks "
                 f"({problem}); the checkpoint is incomplete or corrupt"

@@ -199,3 +199,18 @@ def test_the_optimizer_load_passes_its_flat_range_to_the_reader(megatron_world, 
         assert torch.equal(got.to(device), full.reshape(-1)[flat[0] : flat[1]].to(device)), name
         own += got.numel() * got.element_size()
     assert src.bytes_read == own
+
+
+def test_chunks_of_overlapping_boxes_are_refused(tmp_path):
+    """The cover check across boxes (not only flat ranges of one box): a tp=1 copy and a tp=2 shard of one tensor."""
+    name = "decoder.layers.0.self_attention.linear_proj.weight"
+    key, full = f"exp_avg/{name}", FULL[name]
+    write_rank_file(tmp_path, "optimizer", 0, 2, [(key, tensor_slice(name, name, tuple(full.shape), 0, 1), full, None)])
+    shard = tp_slice(name, full, 1, 2)
+    write_rank_file(
+        tmp_path, "optimizer", 1, 2, [(key, tensor_slice(name, name, tuple(shard.shape), 1, 2), shard, None)]
+    )
+    with pytest.raises(
+        GlobalStateError, match=rf"{key} .*0 elements missing, 24 written twice; .*r00000.* and .*overlap"
+    ):
+        ShardedDir(tmp_path, "optimizer")
