@@ -10,8 +10,8 @@ Owns the names and the loading of that state, whatever stores it:
 
 A *source* is anything with ``keys`` (a set of global keys) and ``full(key)`` (the whole global
 tensor): ``GlobalFile`` reads the previous release's single global file (``model.safetensors`` /
-``optimizer.safetensors``, checkpoint format 3); ``sharded_state.ShardedDir`` assembles the
-per-rank files of format 4. Loading is local: each rank reads the global tensors it holds a part of
+``optimizer.safetensors``, checkpoint format 3); ``sharded_state.ShardedDir`` (formats 4 and 5) also has
+``shape(key)`` and ``part(key, slice, flat)``, which read only the saved bytes of this rank's part. Loading is local: each rank reads the global tensors it holds a part of
 and slices its part for the current (tp, etp, ep, pp, dp) layout — for Megatron's distributed
 optimizer its flat range of each parameter — so any checkpoint resumes on any layout, with the
 distributed optimizer on or off. ``optimizer_slots`` names what every optimizer kind updates, including the
@@ -44,9 +44,10 @@ from moe_rl.learner.ownership import (
     globalise_layer,
     local_expert_range,
     stage_layer_offset,
+    tensor_slice,
     tp_rank_and_size,
 )
-from moe_rl.learner.tp_shards import gather_tp_shards, tp_slice
+from moe_rl.learner.tp_shards import gather_tp_shards, tp_slice, tp_split_dim
 
 __all__ = [
     "MODEL_FORMAT",
@@ -150,19 +151,35 @@ class GlobalFile:
         return self.fh.get_tensor(key)
 
 
-def _local_part(source, key: str, name: str, like: torch.Tensor, split: bool = True) -> torch.Tensor:
-    """This rank's part of global tensor ``key`` (tp/etp-sliced as ``name`` is), checked against ``like``."""
+def _local_part(
+    source, key: str, name: str, like: torch.Tensor, split: bool = True, flat: tuple[int, int] | None = None
+) -> torch.Tensor:
+    """This rank's part of global tensor ``key`` (tp/etp-sliced as ``name`` is), checked against ``like``; with
+    ``flat``, that range of it flattened. A source with ``part`` (``ShardedDir``) reads only those bytes."""
     if key not in source.keys:
         raise GlobalStateError(f"{source.where} lacks {key!r}; expected the same model config (names differ)")
+    rank, size = tp_rank_and_size(name) if split else (0, 1)
+    if hasattr(source, "part"):
+        s = tensor_slice(name, name, tuple(like.shape), rank, size)
+        saved = source.shape(key)
+        if saved != s.global_shape:
+            dim, _ = tp_split_dim(name)
+            held = tuple(n // size if d == dim else n for d, n in enumerate(saved))
+            on_rank = f" ({held} on this rank)" if held != saved else ""
+            raise GlobalStateError(
+                f"{source.where}: size mismatch for {key}: saved {saved}{on_rank}, the "
+                f"model expects {tuple(like.shape)}; the model config differs"
+            )
+        return source.part(key, s, flat)
     full = source.full(key)
-    part = tp_slice(name, full, *tp_rank_and_size(name)) if split else full
+    part = tp_slice(name, full, rank, size)
     if part.shape != like.shape:
         on_rank = f" ({tuple(part.shape)} on this rank)" if part.shape != full.shape else ""
         raise GlobalStateError(
             f"{source.where}: size mismatch for {key}: saved {tuple(full.shape)}{on_rank}, the "
             f"model expects {tuple(like.shape)}; the model config differs"
         )
-    return part
+    return part.reshape(-1)[flat[0] : flat[1]] if flat else part
 
 
 def load_model(model, source) -> None:
@@ -341,8 +358,7 @@ def set_adam_state(slot: Slot, main: torch.Tensor | None, exp_avg, exp_avg_sq, s
 
 def _slot_part(source, key: str, name: str, slot: Slot) -> torch.Tensor:
     """This rank's part of global ``key`` shaped as ``slot.main`` (its flat range under the distributed optimizer)."""
-    whole = _local_part(source, key, name, slot.param)
-    return whole.reshape(-1)[slot.flat_range[0] : slot.flat_range[1]] if slot.flat_range else whole
+    return _local_part(source, key, name, slot.param, flat=slot.flat_range)
 
 
 def load_optimizer(optimizer, model, source) -> None:

@@ -12,13 +12,17 @@ tensor at most, for a non-contiguous one), then fsyncs.
 
 ``ShardedDir`` is the matching source for ``global_state.load_model`` / ``load_optimizer``: it reads
 every rank file's header (JSON only), checks that every rank of the writing job left its file and
-that each global tensor is covered exactly, and assembles one global tensor at a time on request.
-Reading never runs code: safetensors headers are JSON and the data raw bytes.
+that each global tensor is covered exactly once (box arithmetic on the chunk index, no data), and gives
+a rank its part of a global tensor (``part``: its tp/etp boxes, or a flat range of them) reading only
+the byte ranges of the saved chunks that overlap it (``partial_read``); no global tensor is built
+(``full`` assembles one, for tests and tools). Reading never runs code: safetensors headers are JSON
+and the data raw bytes.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import struct
@@ -37,6 +41,7 @@ from moe_rl.learner.global_state import (
     named_slots,
 )
 from moe_rl.learner.ownership import Box, TensorSlice, local_slices, tp_rank_and_size, writes_whole
+from moe_rl.learner.partial_read import check_cover, flat_boxes, read_runs
 
 __all__ = [
     "SHARD_FORMAT",
@@ -62,6 +67,7 @@ _DTYPES = {
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }
+_FROM_DTYPE = {v: k for k, v in _DTYPES.items()}
 _RANK_FILE = re.compile(r"^(model|optimizer)-r(\d{5})\.safetensors$")
 
 Entry = tuple[str, TensorSlice, torch.Tensor, "tuple[int, int] | None"]
@@ -195,11 +201,14 @@ def save_optimizer_shards(optimizer, model, directory: str | Path, bound: dict |
 
 
 class ShardedDir:
-    """Source of global tensors (``keys``, ``full(key)``) over the ``<kind>-r*.safetensors`` files of a directory.
+    """Source of global tensors (``keys``, ``shape(key)``, ``part(key, slice, flat)``, ``full(key)``) over the ``<kind>-r*.safetensors`` files of a directory.
 
     GlobalStateError when a rank's file is missing or unreadable, was written for another kind or job
-    size, or a global tensor is not covered exactly once by the chunks.
+    size, or a global tensor is not covered exactly once by the chunks (checked from the headers at open).
+    ``bytes_read``: tensor bytes this instance materialised; ``process_bytes_read``: all instances' (benchmarks).
     """
+
+    process_bytes_read = 0
 
     def __init__(self, directory: str | Path, kind: str):
         self.where = Path(directory) / f"{kind}-r*.safetensors"
@@ -228,45 +237,105 @@ class ShardedDir:
                 f"{self.where}: {len(files)} rank files for a job of {sorted(map(str, worlds))} "
                 "ranks; a rank's file is missing"
             )
-        self.keys = set(self.chunks)
+        self.keys, self.bytes_read = set(self.chunks), 0
+        self.files = {id(fh): path for fh, path in zip(self.handles, files, strict=True)}
+        for key in sorted(self.keys):
+            try:
+                self._check(key)
+            except (KeyError, TypeError, ValueError, SafetensorError) as exc:
+                raise GlobalStateError(f"{self.where}: the chunk index of {key} is unreadable ({exc!r})") from None
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The global shape of ``key`` (from the headers)."""
+        return tuple(self.chunks[key][0][1]["shape"])
 
     def full(self, key: str) -> torch.Tensor:
-        """Global tensor ``key`` assembled from its chunks (one global tensor in memory)."""
-        parts = self.chunks[key]
-        shape = tuple(parts[0][1]["shape"])
-        first = parts[0][1]
-        if len(parts) == 1 and first["flat"] is None and tuple(first["box"]) == shape and not any(first["offsets"]):
-            return parts[0][0].get_tensor(first["key"])  # written whole by one rank: nothing to assemble
-        out, covered = None, torch.zeros(shape, dtype=torch.int32, device="cpu")
-        boxes: dict[tuple, torch.Tensor] = {}
-        for fh, c in parts:
-            data = fh.get_tensor(c["key"])
-            out = torch.empty(shape, dtype=data.dtype, device="cpu") if out is None else out
-            region = tuple(slice(o, o + b) for o, b in zip(c["offsets"], c["box"], strict=True))
-            if c["flat"] is None:
-                out[region] = data.reshape(c["box"])
-                covered[region] += 1
-                continue
-            a, b = c["flat"]
-            if (box := boxes.get(tuple(c["offsets"]))) is None:  # fill a box's flat ranges, then place the box
-                box = boxes[tuple(c["offsets"])] = torch.zeros(c["box"], dtype=data.dtype, device="cpu")
-                box_cover = torch.zeros(c["box"], dtype=torch.int32, device="cpu")
-                boxes[("cover", *c["offsets"])] = box_cover
-            box.reshape(-1)[a:b] = data
-            boxes[("cover", *c["offsets"])].reshape(-1)[a:b] += 1
-        for offsets, box in boxes.items():
-            if offsets and offsets[0] == "cover":
-                continue
-            region = tuple(slice(o, o + b) for o, b in zip(offsets, box.shape, strict=True))
-            out[region] = box
-            covered[region] += boxes[("cover", *offsets)]
-        if not bool((covered == 1).all()):
+        """Global tensor ``key`` assembled from its chunks (one global tensor in memory: tests, tools)."""
+        shape = self.shape(key)
+        return self.part(
+            key, TensorSlice(key, key, shape, (Box(0, shape[0] if shape else 1, (0,) * len(shape), shape),), False)
+        )
+
+    def part(self, key: str, s: TensorSlice, flat: tuple[int, int] | None = None) -> torch.Tensor:
+        """This rank's part of global tensor ``key``: the boxes of ``s`` (shaped as the local tensor), or with
+        ``flat = (lo, hi)`` elements ``lo..hi`` of it flattened (1-d). Reads only the bytes of the saved chunks
+        that overlap it (``partial_read``), counted in ``bytes_read``; no global tensor is built."""
+        shape = self.shape(key)
+        if s.global_shape != shape:
+            raise GlobalStateError(f"{self.where}: {key} is saved as {shape}, not {s.global_shape}")
+        pieces = [(b, 0, b.numel) for b in s.boxes] if flat is None else [p[:3] for p in s.flat_pieces(*flat)]
+        request, at = [], 0
+        for box, a, b in pieces:
+            request += [
+                (tuple(o + x for o, x in zip(box.offsets, off, strict=True)), ext, at + f - a)
+                for off, ext, f in flat_boxes(box.shape, a, b)
+            ]
+            at += b - a
+        rows = sum(b.row_stop - b.row_start for b in s.boxes)
+        local = (at,) if flat else (rows, *s.boxes[0].shape[1:]) if shape else ()
+        dtype = self._dtype(key)
+        out = torch.empty(at, dtype=dtype, device="cpu")
+        got = read_runs(request, [r for fh, c in self.chunks[key] for r in self._runs(fh, c, dtype)], out)
+        if got != at:  # the chunks partition the tensor (checked at open): a request outside it
+            raise GlobalStateError(f"{self.where}: {key}: {at - got} of this rank's elements are in no saved chunk")
+        return out.view(local)
+
+    def _dtype(self, key: str) -> torch.dtype:
+        fh, c = self.chunks[key][0]
+        return _FROM_DTYPE.get(fh.get_slice(c["key"]).get_dtype(), torch.float32)
+
+    def _slice(self, fh, c: dict, dtype: torch.dtype):
+        """The stored tensor of chunk ``c`` (a ``get_slice`` handle, nothing read), checked against its index entry."""
+        sl = fh.get_slice(c["key"])
+        stored, kind = tuple(sl.get_shape()), _FROM_DTYPE.get(sl.get_dtype())
+        want = (c["flat"][1] - c["flat"][0],) if c["flat"] else tuple(c["box"])
+        if stored != want or kind != dtype:
+            raise GlobalStateError(
+                f"{self.files[id(fh)]}: chunk {c['key']} of {c['name']} holds {stored} {sl.get_dtype()} for a box "
+                f"{c['box']} (flat {c['flat']}) of {dtype}; the file's chunk index is corrupt"
+            )
+        return sl
+
+    def _runs(self, fh, c: dict, dtype: torch.dtype) -> list:
+        """A chunk as ``partial_read`` runs, each with its reader (checking the stored tensor, counting the bytes)."""
+        offsets, box = tuple(c["offsets"]), tuple(c["box"])
+
+        def count(t: torch.Tensor) -> torch.Tensor:
+            self.bytes_read += t.numel() * t.element_size()
+            ShardedDir.process_bytes_read += t.numel() * t.element_size()
+            return t
+
+        def whole(region: tuple) -> torch.Tensor:
+            sl = self._slice(fh, c, dtype)
+            return count(sl[region] if box else fh.get_tensor(c["key"]))  # 0-d: get_slice takes no index
+
+        if c["flat"] is None:
+            return [((offsets, box, 0), -1, whole)]
+        a, _ = c["flat"]
+
+        def ranges(spans: list[tuple[int, int]]) -> torch.Tensor:
+            sl = self._slice(fh, c, dtype)
+            return torch.cat([count(sl[s : s + n]) for s, n in spans])
+
+        return [
+            ((tuple(o + x for o, x in zip(offsets, off, strict=True)), ext, f), f - a, ranges)
+            for off, ext, f in flat_boxes(box, *c["flat"])
+        ]
+
+    def _check(self, key: str) -> None:
+        """The chunks of ``key`` cover the global tensor exactly once (from the chunk index: no data read)."""
+        shape, chunks = self.shape(key), []
+        for fh, c in self.chunks[key]:
+            label = f"{self.files[id(fh)].name}:{c['key']}"
+            if tuple(c["shape"]) != shape:
+                raise GlobalStateError(f"{label}: a chunk of {key} of shape {c['shape']}, others say {shape}")
+            a, b = c["flat"] or (0, math.prod(c["box"]))
+            chunks.append((tuple(c["offsets"]), tuple(c["box"]), int(a), int(b), label))
+        if problem := check_cover(shape, chunks):
             raise GlobalStateError(
                 f"{self.where}: {key} is not covered exactly once by the saved chunks "
-                f"({int((covered == 0).sum())} elements missing, {int((covered > 1).sum())} "
-                "written twice); the checkpoint is incomplete or corrupt"
+                f"({problem}); the checkpoint is incomplete or corrupt"
             )
-        return out
 
 
 def read_global(directory: str | Path, kind: str) -> dict[str, torch.Tensor]:
