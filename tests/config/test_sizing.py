@@ -60,6 +60,20 @@ def test_hf_import_peak_is_own_share_plus_the_largest_tensor_twice():
     assert r.host["offloaded_optimizer"] == 0  # 30B keeps its optimizer on the GPU
 
 
+def test_records_and_save_times_by_hand():
+    """30B step: 64 prompts x 8 samples of 32768 tokens: int32 ids (4 x 32768) + fp32 log-prob and int32 version
+    per response token (8 x 8192) + r3 routes, uint8 for 128 experts (32767 x 48 MoE layers x top-8); each of
+    dp 8 ranks reads 1/8. A 235B node saves 8 x its rank's 51.5 GB at 2 GB/s: 206 s."""
+    plan = job_plan(load_config(Q30))
+    sample = 4 * 32768 + 8 * 8192 + 32767 * 48 * 8
+    assert plan.worst_host.host["records"] == 64 * 8 * sample / 8
+    lines = job_plan(load_config(Q235)).lines()
+    (save,) = [line for line in lines if line.strip().startswith("checkpoint save")]
+    assert "411.7 GB" in save and "206 s at launch.fs_bandwidth_gb_s=2" in save
+    lines = job_plan(load_config(Q235, ["launch.fs_bandwidth_gb_s=4"])).lines()
+    assert any("103 s at launch.fs_bandwidth_gb_s=4" in line for line in lines)
+
+
 def test_235b_on_256_gb_hosts_is_refused_naming_the_offloaded_optimizer():
     problems = config_problems(load_config(Q235, ["launch.host_memory_gb=256"])).problems
     (msg,) = [p for p in problems if p.startswith("launch.host_memory_gb=256")]
@@ -82,7 +96,12 @@ def test_every_shipped_config_fits_its_gpus(path):
     assert job_plan(cfg).worst.gpu_total <= cfg.launch.gpu_memory_gb * 1e9
 
 
-def test_plan_cli_prints_gpu_host_disk_and_network(capsys):
+def test_every_shipped_config_passes_config_validate(capsys):
+    assert main(["config", "validate", *map(str, SHIPPED)]) == 0
+    assert capsys.readouterr().out.count("GPU total") >= len(SHIPPED) - 1  # math_cpu: no plan until its model is built
+
+
+def test_plan_cli_prints_gpu_host_disk_and_network(capsys, monkeypatch):
     assert main(["plan", str(Q235)]) == 0
     out = capsys.readouterr().out
     for words in (
@@ -99,3 +118,14 @@ def test_plan_cli_prints_gpu_host_disk_and_network(capsys):
         assert words in out
     assert main(["plan", str(Q235), "launch.host_memory_gb=256"]) == 2
     assert "offloaded optimizer 470.5 GB" in capsys.readouterr().err
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node[01-12]")
+    assert main(["launch", str(Q235), "--dry-run"]) == 0
+    script = capsys.readouterr().out
+    for words in (
+        "#   FP8 caches",
+        "#   GPU total",
+        "# host per rank | per node",
+        "# disk per rank",
+        "# network per step",
+    ):
+        assert words in script
