@@ -90,17 +90,22 @@ def _gpu_fixes(cfg: ExperimentConfig, plan: JobPlan) -> list[str]:
 
 
 def _host_fixes(cfg: ExperimentConfig, plan: JobPlan) -> list[str]:
-    node, fixes = cfg.launch.gpus_per_node, []
+    node, fixes, limit = cfg.launch.gpus_per_node, [], cfg.launch.host_memory_gb * GB
+
+    def enough(need: float) -> str:
+        return "" if need <= limit else " (not enough)"
+
     doubled = _with(cfg, "launch", learner_nodes=2 * cfg.launch.learner_nodes)
     need = node * job_plan(doubled, 2 * plan.world).worst_host.host_total
-    fixes.append(f"launch.learner_nodes={2 * cfg.launch.learner_nodes} gives {need / GB:.1f} GB per node")
+    fixes.append(f"launch.learner_nodes={2 * cfg.launch.learner_nodes} gives {need / GB:.1f} GB per node{enough(need)}")
     o = cfg.optim
     if o.optimizer_cpu_offload:
         frac = 0.5 * o.optimizer_offload_fraction
         trial = job_plan(_with(cfg, "optim", optimizer_offload_fraction=frac), plan.world)
+        need = node * trial.worst_host.host_total
         fixes.append(
-            f"optim.optimizer_offload_fraction={frac:g} gives {node * trial.worst_host.host_total / GB:.1f} GB per "
-            f"node (and {trial.worst.gpu_total / GB:.1f} GB per GPU)"
+            f"optim.optimizer_offload_fraction={frac:g} gives {need / GB:.1f} GB per node{enough(need)} (and "
+            f"{trial.worst.gpu_total / GB:.1f} GB per GPU)"
         )
     fixes.append("a larger launch.host_memory_gb if the nodes have it")
     return fixes
