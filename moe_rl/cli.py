@@ -15,9 +15,10 @@ import warnings
 
 from moe_rl import console
 from moe_rl.config import ConfigError, dump_config, load_config
-from moe_rl.config.memory_plan import launch_world, memory_plan
+from moe_rl.config.memory_plan import launch_world
 from moe_rl.records import RecordError, RolloutBatch
 from moe_rl.records.summary import batch_summary
+from moe_rl.sizing import job_fits, job_plan
 
 
 def _overrides(args) -> list[str]:
@@ -81,7 +82,7 @@ def _config_validate(args) -> int:
 
 
 def _print_memory_plan(cfg, path: str) -> None:
-    """The per-GPU memory lines of ``cfg``'s launch layout (moe_rl.config.memory_plan), or why there are none."""
+    """The per-GPU job plan of ``cfg``'s launch layout (moe_rl.sizing), or why there are none."""
 
     world = launch_world(cfg)
     if world is None:
@@ -91,7 +92,17 @@ def _print_memory_plan(cfg, path: str) -> None:
             f"{ln.learner_nodes * ln.gpus_per_node} ranks do not fit the parallel sizes"
         )
         return
-    print(f"{path}: " + "\n  ".join(memory_plan(cfg).lines()))
+    print(f"{path}: " + "\n  ".join(job_plan(cfg).lines()))
+
+
+def _plan(args) -> int:
+    """The job plan of a config (GPU, host, disk, network per rank and node); exit 2 if it does not fit."""
+    cfg = load_config(args.config, _overrides(args))
+    _print_memory_plan(cfg, args.config)
+    problems = list(job_fits(cfg))
+    for problem in problems:
+        print(f"error: {args.config} does not fit: {problem}", file=sys.stderr)
+    return 2 if problems else 0
 
 
 def _config_show(args) -> int:
@@ -223,6 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="a.b=value")
     _add_set_alias(p)
     p.set_defaults(func=_config_show)
+
+    p = sub.add_parser("plan", help="size a job: GPU, host, disk and network per rank and per node (moe_rl.sizing)")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", metavar="a.b=value")
+    _add_set_alias(p)
+    p.set_defaults(func=_plan)
 
     rec = sub.add_parser("records", help="inspect rollout records files").add_subparsers(dest="action", required=True)
     p = rec.add_parser(

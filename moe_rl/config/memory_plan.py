@@ -129,8 +129,8 @@ class RankMemory:
         return self.state + self.activations
 
 
-def activation_bytes(cfg: ExperimentConfig, stage: int) -> float:
-    """Estimate of one GPU's activations: ``model.seq_length`` x ``train.micro_batch_size`` tokens.
+def activation_bytes(cfg: ExperimentConfig, stage: int, tokens: int | None = None, logit_bytes: float = 6.0) -> float:
+    """Estimate of one GPU's activations: ``tokens`` (default ``model.seq_length`` x ``train.micro_batch_size``).
 
     Per layer and token, Korthikanti et al. 2022 (arXiv 2205.05198, section 4.1) count 11h bytes for attention
     (the 5as/h softmax term dropped: flash attention), 4h for the two norms, and for the MLP we count the
@@ -138,10 +138,11 @@ def activation_bytes(cfg: ExperimentConfig, stage: int) -> float:
     ``moe_router_topk`` copies (plus the shared expert), all divided by tp (sequence parallelism).
     ``train.recompute: full`` keeps only each layer's bf16 input (2h) plus one layer's working set.
     Under pp, stage s holds pp - s microbatches in flight (1F1B). Logits: bf16 plus an fp32 copy of the
-    vocab shard (the learner upcasts once for log-probs and entropy).
+    vocab shard (the learner upcasts once for log-probs and entropy), ``logit_bytes`` per element; the job
+    plan (``moe_rl.sizing``) passes the real micro-batch tokens and 0 here, and counts the logits itself.
     """
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    tokens = m.seq_length * t.micro_batch_size
+    tokens = m.seq_length * t.micro_batch_size if tokens is None else tokens
     h, tp = m.hidden_size, p.tp
     shared = m.moe_shared_expert_intermediate_size or 0
     attention = 11 * h + 4 * h
@@ -153,7 +154,7 @@ def activation_bytes(cfg: ExperimentConfig, stage: int) -> float:
         stored = layers * 2 * h / tp * tokens * in_flight + layer
     else:
         stored = layers * layer * in_flight
-    logits = tokens * m.vocab_size / tp * (2 + 4) if stage == p.pp - 1 else 0
+    logits = tokens * m.vocab_size / tp * logit_bytes if stage == p.pp - 1 else 0
     return stored + logits
 
 

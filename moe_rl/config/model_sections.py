@@ -26,6 +26,11 @@ class FP8Config(Section):
     amax_history_len: int = Field(1024, ge=1)
     amax_compute_algo: Literal["max", "most_recent"] = "max"
     param_gather: bool = False
+    disable_parameter_transpose_cache: bool = Field(
+        False,
+        description="Megatron's TransformerConfig flag: TE re-quantises every weight at each micro-batch instead of "
+        "keeping row- and column-wise FP8 copies (~2 bytes per parameter of GPU memory; moe_rl.sizing)",
+    )
 
 
 class ModelConfig(Section):

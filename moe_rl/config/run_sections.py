@@ -113,8 +113,25 @@ class SlurmConfig(Section):
     gpu_memory_gb: float = Field(
         80.0,
         gt=0,
-        description="memory of one learner GPU (GB = 1e9 bytes): the memory plan refuses a layout whose "
-        "weights, gradients and optimizer state alone exceed it (moe_rl.config.memory_plan)",
+        description="memory of one learner GPU (GB = 1e9 bytes): the job plan refuses a layout whose GPU total "
+        "(state, FP8 caches, activations, logits, CUDA/NCCL overhead) exceeds it (moe_rl.sizing)",
+    )
+    host_memory_gb: float | None = Field(
+        None,
+        gt=0,
+        description="host memory of one learner node (GB = 1e9 bytes): the job plan refuses a layout whose host "
+        "total per node exceeds it (moe_rl.sizing); None = unchecked",
+    )
+    fs_bandwidth_gb_s: float = Field(
+        2.0,
+        gt=0,
+        description="shared-filesystem bandwidth of one node, GB/s: the job plan's times to load the HF "
+        "checkpoint and to write a save",
+    )
+    network_bandwidth_gb_s: float = Field(
+        25.0,
+        gt=0,
+        description="network bandwidth of one node (one 200 Gb/s NIC = 25 GB/s): the job plan's weight-sync time",
     )
     signal: Literal["USR1", "USR2"] | None = Field(
         "USR1",

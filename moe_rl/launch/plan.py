@@ -19,7 +19,6 @@ from pathlib import PurePosixPath
 
 from moe_rl.config import ExperimentConfig, dump_config
 from moe_rl.config.hf_model import initial_weights_dir
-from moe_rl.config.memory_plan import memory_plan
 from moe_rl.launch.checks import (
     LaunchError,
     check_gpus_on_node,
@@ -31,6 +30,7 @@ from moe_rl.launch.checks import (
 from moe_rl.launch.serve import ROLLOUT_PORT_TRIES
 from moe_rl.rollout.auth import RUN_ADMIN_KEY_ENV
 from moe_rl.rollout.server_spec import ServerSpec, server_command, server_env
+from moe_rl.sizing import job_plan
 
 logger = logging.getLogger(__name__)
 PYTHON = "python"  # interpreter on the compute nodes: whatever `python` the job's environment puts first
@@ -74,7 +74,7 @@ class LaunchPlan:
     sbatch_args: tuple[str, ...]
     notes: tuple[str, ...] = ()
     generated_key_env: str | None = None  # the script exports a fresh random admin key under this name
-    memory: tuple[str, ...] = ()  # the memory plan's lines (moe_rl.config.memory_plan), per GPU and per node
+    memory: tuple[str, ...] = ()  # the job plan's lines (moe_rl.sizing): GPU, host, disk, network
     log_dir: str = ""  # rollout-<node>.log and learner-<node>.log (named by SLURM node name)
     init_hf: tuple[str, ...] = ()  # command writing the HF dir the servers start from (no HF checkpoint configured)
     stop_signal: str | None = None  # launch.signal: forwarded to the learner, then the job requeues itself
@@ -291,7 +291,7 @@ def build_launch_plan(cfg: ExperimentConfig, env: Mapping[str, str]) -> LaunchPl
         sbatch_args=tuple(sbatch_args(cfg)),
         notes=tuple(notes + rollout_notes),
         generated_key_env=generated,
-        memory=tuple(memory_plan(cfg).lines()),  # world = launch.learner_nodes * launch.gpus_per_node
+        memory=tuple(job_plan(cfg).lines()),  # world = launch.learner_nodes * launch.gpus_per_node
         log_dir=log_dir,
         init_hf=(PYTHON, "-m", "moe_rl.launch", "init-hf", config_path, initial_served_dir(cfg)[0])
         if rollout_steps and initial_served_dir(cfg)[1]

@@ -28,7 +28,8 @@ def fp8_transformer_fields(fp8_cfg) -> dict:
     ``format`` e4m3 | hybrid -> ``fp8``; ``recipe`` delayed | tensorwise | blockwise
     -> ``fp8_recipe``; amax history/algorithm only matter for the delayed recipe but
     are passed through so the config round-trips. ``param_gather`` -> ``fp8_param``
-    (weights kept in fp8 and all-gathered in fp8).
+    (weights kept in fp8 and all-gathered in fp8). ``disable_parameter_transpose_cache`` passes through: without
+    it TE keeps quantised copies of every weight across micro-batches (counted by ``moe_rl.sizing``).
     """
     if fp8_cfg is None:
         return {}
@@ -38,6 +39,7 @@ def fp8_transformer_fields(fp8_cfg) -> dict:
         "fp8_amax_history_len": int(fp8_cfg.amax_history_len),
         "fp8_amax_compute_algo": fp8_cfg.amax_compute_algo,
         "fp8_param": bool(getattr(fp8_cfg, "param_gather", False)),
+        "disable_parameter_transpose_cache": bool(getattr(fp8_cfg, "disable_parameter_transpose_cache", False)),
     }
     return fields
 

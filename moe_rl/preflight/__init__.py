@@ -16,7 +16,7 @@ The schema (``moe_rl.config.schema``) already guarantees per-field types and ran
 This module is the entry point (``preflight``, ``run_preflight``, ``config_problems``,
 ``environment_problems``) and holds the rule lists; the rules live by subsystem: ``tasks``,
 ``learner``, ``rollout``, ``sync``, ``data`` (model directory, datasets, reward) here, and the
-config-only rules in ``moe_rl.config`` (``loss_keys``, ``advantage_keys``, ``eval_section``, ``memory_plan``) and
+config-only rules in ``moe_rl.config`` (``loss_keys``, ``advantage_keys``, ``eval_section``), ``moe_rl.sizing`` and
 ``moe_rl.exact.preflight``. It sits beside ``cli``: it imports the subsystems, ``moe_rl.config``
 imports none of them.
 """
@@ -32,7 +32,6 @@ from moe_rl.config import ConfigError, ExperimentConfig
 from moe_rl.config.advantage_keys import advantage_settings
 from moe_rl.config.eval_section import eval_and_filters
 from moe_rl.config.loss_keys import ignored_loss_keys
-from moe_rl.config.memory_plan import memory_fits
 from moe_rl.exact.preflight import true_on_policy_settings
 from moe_rl.preflight.data import data_files, hf_model_directory, reward_settings
 from moe_rl.preflight.learner import accelerator, learner_features, optimizer_options, process_count
@@ -47,6 +46,7 @@ from moe_rl.preflight.rollout import (
 )
 from moe_rl.preflight.sync import weight_sync_architecture, weight_sync_group, weight_sync_rendezvous
 from moe_rl.preflight.tasks import reward_fn_imports, task_and_lengths
+from moe_rl.sizing import job_fits
 
 __all__ = [
     "PreflightError",
@@ -112,7 +112,7 @@ CONFIG_RULES: tuple[ConfigRule, ...] = (
     eval_and_filters,
     rollout_mode,
     partial_rollouts,
-    memory_fits,
+    job_fits,
     true_on_policy_settings,
 )
 

@@ -28,6 +28,7 @@ def test_fp8_config_maps_onto_megatron_field_names():
         "fp8_amax_history_len": 16,
         "fp8_amax_compute_algo": "max",
         "fp8_param": False,
+        "disable_parameter_transpose_cache": False,
     }
     assert fp8_transformer_fields(None) == {}
 
