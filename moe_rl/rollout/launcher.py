@@ -30,7 +30,7 @@ from moe_rl.rollout.orphan_guard import ENV as ORPHAN_ENV
 from moe_rl.rollout.orphan_guard import group_pids
 from moe_rl.rollout.ports import free_port, lost_a_bind
 from moe_rl.rollout.server_spec import ServerSpec, server_command, server_env
-from moe_rl.rollout.shm import group_shm_files, remove_shm_files
+from moe_rl.rollout.shm import group_shm_files, orphans_since, process_start_time, remove_shm_files
 
 logger = logging.getLogger(__name__)
 
@@ -226,6 +226,7 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 15.0, shm_files: dict[Pa
     pgid = proc.pid  # the group id is the leader's pid
     files = {} if shm_files is None else shm_files
     files.update(group_shm_files(pgid))
+    started = process_start_time(pgid)  # files the group makes from here on are found by orphans_since
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, sig)
@@ -236,6 +237,8 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 15.0, shm_files: dict[Pa
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=1.0)
     if not _group_alive(pgid):
+        if started is not None:  # a scheduler that made its load snapshot after the last look
+            files.update(orphans_since(started))
         remove_shm_files(files)
         files.clear()
 
