@@ -5,7 +5,8 @@ Owns the per-rank senders of ``weight_sync.WeightSync`` (every rank that owns te
 
 * ``TensorSender`` (``tensor``): each bucket copied once into one shared-memory buffer (torch's
   ``file_system`` sharing: a ``/dev/shm`` file the server opens by name) and posted to
-  ``/update_weights_from_tensor`` on every server (same host only);
+  ``/update_weights_from_tensor`` on every server (same host only), one payload per server; the file is unlinked once
+  the bucket's requests are done, whether or not they succeeded (``SharedBucket``);
 * ``GroupSender`` (``distributed``): this rank's own weight-update group with the servers
   (``group.WeightGroup``: the rank is rank 0 of it, one group per pipeline stage's source);
 * ``DiskSender`` (``disk``): each bucket a safetensors file of the shared HF directory (``learner.hf_export``).
@@ -32,7 +33,7 @@ from moe_rl.learner.hf_stream import size_buckets
 from moe_rl.sync import transport
 from moe_rl.sync.transport import WeightSyncError
 
-__all__ = ["DictStream", "DiskSender", "GroupSender", "TensorSender", "begin", "end", "publish"]
+__all__ = ["DictStream", "DiskSender", "GroupSender", "SharedBucket", "TensorSender", "begin", "end", "publish"]
 
 
 @contextlib.contextmanager
@@ -46,27 +47,47 @@ def _file_system_sharing():
         mp.set_sharing_strategy(old)
 
 
-def serialize_bucket(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, torch.Tensor]:
-    """Base64 ForkingPickler payload of one bucket; returns it with the buffer that must outlive the request.
+class SharedBucket:
+    """A bucket's tensors copied into ONE shared-memory buffer (64-byte aligned views), pickled per receiver.
 
-    The bucket's tensors are copied into ONE shared-memory buffer (64-byte aligned views), so the
-    payload names a single /dev/shm file that the server opens once (torch caches the storage).
+    Each ``payload()`` names that single /dev/shm file, which a server opens once (torch caches the storage).
+    torch's ``file_system`` protocol counts references in the file and unlinks it when a process's count drop
+    reaches zero -- exact only if every payload is read exactly once: a payload never read (a request that
+    failed before the server read it) keeps the file until this process exits, and one payload read by three
+    servers drops the count to zero while the third still needs the name. So the buffer holds one extra
+    reference that is never given back (no process ever unlinks by count) and ``close`` unlinks the name once
+    the bucket's requests are done; a server that read it keeps its mapping until it lets go.
     """
-    offsets, total = [], 0
-    for _, tensor in named:
-        offsets.append(total)
-        total += -(-tensor.numel() * tensor.element_size() // 64) * 64
-    buf = io.BytesIO()
-    with _file_system_sharing():  # allocate by file name directly: no second copy when pickling
-        flat = torch.empty(total, dtype=torch.uint8).share_memory_()
-        views = []
+
+    def __init__(self, named: Sequence[tuple[str, torch.Tensor]]):
+        offsets, total = [], 0
+        for _, tensor in named:
+            offsets.append(total)
+            total += -(-tensor.numel() * tensor.element_size() // 64) * 64
+        with _file_system_sharing():  # allocate by file name directly: no second copy when pickling
+            self.buffer = torch.empty(total, dtype=torch.uint8).share_memory_()
+        storage = self.buffer.untyped_storage()
+        self.path = Path("/dev/shm") / storage._share_filename_cpu_()[1].decode().lstrip("/")
+        storage._shared_incref()  # the pin: no count drop anywhere reaches zero
+        self.views = []
         for (name, tensor), start in zip(named, offsets):
             nbytes = tensor.numel() * tensor.element_size()
-            view = flat[start : start + nbytes].view(tensor.dtype).view(tensor.shape)
+            view = self.buffer[start : start + nbytes].view(tensor.dtype).view(tensor.shape)
             view.copy_(tensor.detach())
-            views.append((name, view))
-        ForkingPickler(buf, 4).dump(views)
-    return base64.b64encode(buf.getvalue()).decode(), flat
+            self.views.append((name, view))
+
+    def payload(self) -> str:
+        """Base64 ForkingPickler payload of the views, for one receiver."""
+        buf = io.BytesIO()
+        with _file_system_sharing():
+            ForkingPickler(buf, 4).dump(self.views)
+        return base64.b64encode(buf.getvalue()).decode()
+
+    def close(self) -> None:
+        """Unlink the file (after the bucket's last request) and drop this process's mapping."""
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        self.views, self.buffer = [], None
 
 
 # ----------------------------------------------------------------------------------- ranks
@@ -109,21 +130,27 @@ class TensorSender(_Sender):
         live = self.live()
         if not live:
             return
-        payload, keep_alive = serialize_bucket(bucket)
-        body = {"serialized_named_tensors": [payload], "weight_version": self.label, "flush_cache": False}
-        for address in live:
-            try:
-                ok, message = transport.post_admin(
-                    address, "update_weights_from_tensor", body, self.timeout_s, self.headers
-                )
-            except WeightSyncError as err:
-                self._fail(address, str(err), True)
-                continue
-            if ok:
-                self.loaded[address] += 1
-            else:
-                self._fail(address, f"{address} refused bucket {self.count} ({message})", True)
-        del keep_alive
+        shared = SharedBucket(bucket)
+        try:
+            for address in live:
+                body = {
+                    "serialized_named_tensors": [shared.payload()],
+                    "weight_version": self.label,
+                    "flush_cache": False,
+                }
+                try:
+                    ok, message = transport.post_admin(
+                        address, "update_weights_from_tensor", body, self.timeout_s, self.headers
+                    )
+                except WeightSyncError as err:
+                    self._fail(address, str(err), True)
+                    continue
+                if ok:
+                    self.loaded[address] += 1
+                else:
+                    self._fail(address, f"{address} refused bucket {self.count} ({message})", True)
+        finally:
+            shared.close()
 
 
 class GroupSender(_Sender):

@@ -8,7 +8,9 @@ the served weights restores the session checkpoint through the disk path before 
 from __future__ import annotations
 
 import base64
+import os
 import shutil
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -184,3 +186,4 @@ def test_sync_failing_midway_marks_the_server_invalid_until_a_full_resync(
         _restore(url, model_dir)
     assert all(s.weight_version == "v3" for s in after)
     _assert_same_outputs(after, disk_outputs["v2"])
+    assert not list(Path("/dev/shm").glob(f"torch_{os.getpid()}_*")), "the dropped bucket's /dev/shm file is left"
