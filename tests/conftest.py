@@ -13,7 +13,12 @@ from moe_rl.config import ModelConfig, load_config
 from moe_rl.learner.hf_init import write_random_hf_checkpoint
 from moe_rl.rollout.launcher import SGLangServer
 from moe_rl.rollout.server_spec import ServerSpec
-from tests.shm_watch import pytest_runtest_protocol, pytest_sessionfinish, pytest_sessionstart
+from tests.shm_watch import (  # noqa: F401 -- the session-end /dev/shm check's hooks
+    pytest_runtest_protocol,
+    pytest_sessionfinish,
+    pytest_sessionstart,
+    pytest_unconfigure,
+)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -10,6 +10,7 @@ run, named with the test during which it appeared. Cleanup that runs asynchronou
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from moe_rl.rollout.shm import held_inodes, shm_entries
 SETTLE_S = 15.0
 
 _KEY = pytest.StashKey[dict]()
+_LINES = pytest.StashKey[list]()
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -57,9 +59,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         f"  {path.name} (appeared during {state['seen'].get((path, inode), 'the session teardown')})"
         for path, inode in sorted(left)
     ]
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_sep("=", "shm leftovers", red=True)
-        reporter.write_line("\n".join(lines))
+    session.config.stash[_LINES] = lines
     if session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The leftovers are the run's last lines (after pytest's summary), where a log's tail shows them."""
+    lines = config.stash.get(_LINES, None)
+    if lines:
+        print("\n".join(["=" * 30 + " shm leftovers: the session fails " + "=" * 30, *lines]), file=sys.stderr)

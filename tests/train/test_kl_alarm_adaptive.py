@@ -3,12 +3,14 @@
 Offline: the committed demo run's 30 steps (``docs/demo/metrics.jsonl``, seed 0, the run `make demo` shipped) give
 no alarm; the issue's expert-only foreign push (3e-7 normal, then 7e-4 … 4.2e-3, all under the absolute 1e-2) alarms
 at its first step, naming the KL and the median, and the alarmed steps stay out of the median.
-Through the trainer (tiny_cpu, the session server, the served-weights check off): someone replacing the experts under
-the run's label after the warm-up is stopped by the adaptive alarm, the absolute one being off.
+Through the trainer (tiny_cpu, the session server behind a proxy, the served-weights check off): someone replacing the
+experts under the run's label after the warm-up -- the proxy, right after each of the trainer's labels, so that the
+next batch is always generated under them -- is stopped by the adaptive alarm, the absolute one being off.
 """
 
 from __future__ import annotations
 
+import http.server
 import json
 import logging
 import shutil
@@ -78,19 +80,52 @@ def _experts_only(src: Path, out: Path) -> Path:
     return out
 
 
-def _attack(url: str, experts: Path, metrics: Path, after: int, stop: threading.Event, pushes: list) -> None:
-    """From the ``after``-th metrics row on, keep replacing the experts under whatever label the server carries."""
-    with httpx.Client(timeout=60) as http:
-        while not stop.is_set():
-            try:
-                if metrics.exists() and len(metrics.read_text().splitlines()) >= after:
-                    label = http.get(f"{url}/model_info").json()["weight_version"]
-                    body = {"model_path": str(experts), "weight_version": label, "flush_cache": False}
-                    if http.post(f"{url}/update_weights_from_disk", json=body).json().get("success"):
-                        pushes.append(label)
-            except (httpx.HTTPError, ValueError, KeyError, OSError):
-                pass
-            stop.wait(0.1)
+class _Interposer(http.server.ThreadingHTTPServer):
+    """A reverse proxy before the server that replaces the experts right after the trainer labels a new version.
+
+    The trainer generates only once ``/update_weight_version`` has returned, so from the ``after``-th metrics row on
+    every batch is generated under the foreign experts (pushed under the label the trainer just set): no race with
+    the trainer's own push.
+    """
+
+    daemon_threads = True
+
+    def __init__(self, upstream: str, experts: Path, metrics: Path, after: int):
+        super().__init__(("127.0.0.1", 0), _Forward)
+        self.upstream, self.experts, self.metrics, self.after = upstream, experts, metrics, after
+        self.pushes: list[str] = []
+        self.http = httpx.Client(timeout=600)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def attack(self, label: str) -> None:
+        if self.metrics.exists() and len(self.metrics.read_text().splitlines()) >= self.after:
+            body = {"model_path": str(self.experts), "weight_version": label, "flush_cache": True}
+            if self.http.post(f"{self.upstream}/update_weights_from_disk", json=body).json().get("success"):
+                self.pushes.append(label)
+
+
+class _Forward(http.server.BaseHTTPRequestHandler):
+    def _forward(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length", "connection")}
+        reply = self.server.http.request(self.command, self.server.upstream + self.path, content=body, headers=headers)
+        if self.path == "/update_weight_version" and reply.status_code == 200:
+            self.server.attack(json.loads(body)["new_version"])
+        self.send_response(reply.status_code)
+        for key in ("Content-Type",):
+            if key in reply.headers:
+                self.send_header(key, reply.headers[key])
+        self.send_header("Content-Length", str(len(reply.content)))
+        self.end_headers()
+        self.wfile.write(reply.content)
+
+    do_GET = do_POST = do_PUT = do_DELETE = _forward
+
+    def log_message(self, *args) -> None:
+        pass
 
 
 @pytest.mark.sglang
@@ -99,20 +134,22 @@ def test_the_adaptive_alarm_stops_a_run_whose_experts_are_replaced_with_digests_
     experts = _experts_only(write_random_hf_checkpoint(cfg.model, tmp_path / "other", seed=77), tmp_path / "experts")
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", str(ROOT / "configs/tiny_cpu.yaml")]
-    cmd += [f"train.output_dir={out}", f"rollout.addresses=[{tiny_cpu_server}]", "rollout.check_served_weights=false"]
+    proxy = _Interposer(tiny_cpu_server, experts, out / "metrics.jsonl", after=2)
+    cmd += [f"train.output_dir={out}", f"rollout.addresses=[{proxy.url}]", "rollout.check_served_weights=false"]
     cmd += ["train.steps=10", "train.prompts_per_step=4", "rollout.samples_per_prompt=4", "train.micro_batch_size=8"]
     cmd += ["correction.kl_alarm=null", "correction.kl_alarm_warmup=2", "correction.kl_alarm_max_in_row=1"]
     cmd += ["rollout.max_foreign_syncs=20", "checkpoint.save_interval=0", "logging.tensorboard=false"]
     cmd += ["logging.progress=false"]
-    stop, pushes = threading.Event(), []
-    attacker = threading.Thread(target=_attack, args=(tiny_cpu_server, experts, out / "metrics.jsonl", 2, stop, pushes))
-    attacker.start()
+    serving = threading.Thread(target=proxy.serve_forever, daemon=True)
+    serving.start()
     try:
         out.mkdir()
         proc, output = run_to_file(cmd, tmp_path / "console.txt", timeout=600)
     finally:
-        stop.set()
-        attacker.join()
+        proxy.shutdown()
+        proxy.server_close()
+        proxy.http.close()
+    pushes = proxy.pushes
     assert pushes, "the foreign experts never landed"
     assert proc.returncode == 2 and "Traceback" not in output, output[-4000:]
     (error,) = [line for line in output.splitlines() if line.startswith("error: ")]
