@@ -10,12 +10,10 @@ next batch is always generated under them -- is stopped by the adaptive alarm, t
 
 from __future__ import annotations
 
-import http.server
 import json
 import logging
 import shutil
 import sys
-import threading
 from pathlib import Path
 
 import httpx
@@ -27,6 +25,7 @@ from moe_rl.learner.hf_init import write_random_hf_checkpoint
 from moe_rl.train.kl_alarm import KLAlarm, KLAlarmStop
 from moe_rl.train.metrics_log import read_metrics
 from tests.conftest import run_to_file
+from tests.http_proxy import Proxy
 
 ROOT = Path(__file__).parents[2]
 DEMO_METRICS = ROOT / "docs/demo/metrics.jsonl"
@@ -80,52 +79,26 @@ def _experts_only(src: Path, out: Path) -> Path:
     return out
 
 
-class _Interposer(http.server.ThreadingHTTPServer):
-    """A reverse proxy before the server that replaces the experts right after the trainer labels a new version.
+class _Interposer:
+    """Replaces the experts right after the trainer labels a new version (a ``Proxy`` hook).
 
     The trainer generates only once ``/update_weight_version`` has returned, so from the ``after``-th metrics row on
     every batch is generated under the foreign experts (pushed under the label the trainer just set): no race with
     the trainer's own push.
     """
 
-    daemon_threads = True
-
     def __init__(self, upstream: str, experts: Path, metrics: Path, after: int):
-        super().__init__(("127.0.0.1", 0), _Forward)
         self.upstream, self.experts, self.metrics, self.after = upstream, experts, metrics, after
         self.pushes: list[str] = []
-        self.http = httpx.Client(timeout=600)
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-    def attack(self, label: str) -> None:
+    def __call__(self, path: str, body: bytes, reply: httpx.Response) -> None:
+        if path != "/update_weight_version" or reply.status_code != 200:
+            return
         if self.metrics.exists() and len(self.metrics.read_text().splitlines()) >= self.after:
-            body = {"model_path": str(self.experts), "weight_version": label, "flush_cache": True}
-            if self.http.post(f"{self.upstream}/update_weights_from_disk", json=body).json().get("success"):
+            label = json.loads(body)["new_version"]
+            push = {"model_path": str(self.experts), "weight_version": label, "flush_cache": True}
+            if httpx.post(f"{self.upstream}/update_weights_from_disk", json=push, timeout=600).json().get("success"):
                 self.pushes.append(label)
-
-
-class _Forward(http.server.BaseHTTPRequestHandler):
-    def _forward(self) -> None:
-        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length", "connection")}
-        reply = self.server.http.request(self.command, self.server.upstream + self.path, content=body, headers=headers)
-        if self.path == "/update_weight_version" and reply.status_code == 200:
-            self.server.attack(json.loads(body)["new_version"])
-        self.send_response(reply.status_code)
-        for key in ("Content-Type",):
-            if key in reply.headers:
-                self.send_header(key, reply.headers[key])
-        self.send_header("Content-Length", str(len(reply.content)))
-        self.end_headers()
-        self.wfile.write(reply.content)
-
-    do_GET = do_POST = do_PUT = do_DELETE = _forward
-
-    def log_message(self, *args) -> None:
-        pass
 
 
 @pytest.mark.sglang
@@ -134,22 +107,17 @@ def test_the_adaptive_alarm_stops_a_run_whose_experts_are_replaced_with_digests_
     experts = _experts_only(write_random_hf_checkpoint(cfg.model, tmp_path / "other", seed=77), tmp_path / "experts")
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", str(ROOT / "configs/tiny_cpu.yaml")]
-    proxy = _Interposer(tiny_cpu_server, experts, out / "metrics.jsonl", after=2)
+    attack = _Interposer(tiny_cpu_server, experts, out / "metrics.jsonl", after=2)
+    proxy = Proxy(tiny_cpu_server, attack)
     cmd += [f"train.output_dir={out}", f"rollout.addresses=[{proxy.url}]", "rollout.check_served_weights=false"]
     cmd += ["train.steps=10", "train.prompts_per_step=4", "rollout.samples_per_prompt=4", "train.micro_batch_size=8"]
     cmd += ["correction.kl_alarm=null", "correction.kl_alarm_warmup=2", "correction.kl_alarm_max_in_row=1"]
     cmd += ["rollout.max_foreign_syncs=20", "checkpoint.save_interval=0", "logging.tensorboard=false"]
     cmd += ["logging.progress=false"]
-    serving = threading.Thread(target=proxy.serve_forever, daemon=True)
-    serving.start()
-    try:
-        out.mkdir()
+    out.mkdir()
+    with proxy:
         proc, output = run_to_file(cmd, tmp_path / "console.txt", timeout=600)
-    finally:
-        proxy.shutdown()
-        proxy.server_close()
-        proxy.http.close()
-    pushes = proxy.pushes
+    pushes = attack.pushes
     assert pushes, "the foreign experts never landed"
     assert proc.returncode == 2 and "Traceback" not in output, output[-4000:]
     (error,) = [line for line in output.splitlines() if line.startswith("error: ")]
