@@ -8,6 +8,7 @@ nothing about grids or training; ``ablate.py`` calls it.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -33,6 +34,9 @@ REPORT_METRICS: tuple[tuple[str, str], ...] = (
     ("time/step_s", "step time (s)"),
 )
 METRICS_FILE = "metrics.jsonl"
+# Clip and mask fractions (``loss/clip_frac``, ``icepop/masked_frac``, a method's own): tabulated as well whenever a
+# cell logged them, so an objectives grid shows how much of each batch every objective clipped or masked.
+FRACTION_KEY = re.compile(r"(clip|mask)\w*_frac$")
 
 Series = list[tuple[int, float]]  # (step, value), ascending steps
 
@@ -168,12 +172,25 @@ def _pivot(
     return [f"## Final {label}: {rk} x {ck}", "", *_md_table([f"{rk} \\ {ck}", *cols], body), ""]
 
 
+def logged_fractions(paths: Sequence[Path]) -> list[tuple[str, str]]:
+    """``(key, key)`` of every clip/mask fraction (``FRACTION_KEY``) logged in ``paths`` and not in REPORT_METRICS."""
+    keys: set[str] = set()
+    for path in paths:
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(json.JSONDecodeError):  # a torn last line: read_metrics says so
+                record = json.loads(line)
+                if isinstance(record, dict):
+                    keys.update(k for k in record if FRACTION_KEY.search(k))
+    known = {k for k, _ in REPORT_METRICS}
+    return [(k, k) for k in sorted(keys - known)]
+
+
 def write_report(
     cell_run_dirs: Mapping[str, str | Path | Sequence[str | Path]],
     out_dir: str | Path,
     settings: Mapping[str, Mapping[str, Any]] | None = None,
     notes: Sequence[str] = (),
-    metrics: Sequence[tuple[str, str]] = REPORT_METRICS,
+    metrics: Sequence[tuple[str, str]] | None = None,
 ) -> Path:
     """Write ``summary.csv``, ``plots/<metric>.png`` and ``report.md`` into ``out_dir``; return report.md.
 
@@ -182,9 +199,14 @@ def write_report(
     ``summary.csv`` is long-format, one row per (cell, metric): ``cell, <grid keys>, metric, final,
     mean, steps, final_std, mean_std, seeds`` -- final / mean over steps are averaged over the
     cell's seeds (std: sample std over seeds, empty for one seed); ``steps`` is the most any seed logged.
+    ``metrics`` (None): REPORT_METRICS and the clip/mask fractions any cell logged (``logged_fractions``).
     """
     out_dir = Path(out_dir)
     settings = settings or {}
+    if metrics is None:
+        runs = [[d] if isinstance(d, (str, Path)) else list(d) for d in cell_run_dirs.values()]
+        files = [Path(r) / METRICS_FILE for dirs in runs for r in dirs if (Path(r) / METRICS_FILE).exists()]
+        metrics = (*REPORT_METRICS, *logged_fractions(files))
     keys = [k for k, _ in metrics]
     grid_keys = list(dict.fromkeys(k for s in settings.values() for k in s))
     notes = list(notes)
