@@ -42,6 +42,7 @@ from moe_rl.algo.losses import (
     reinforce_loss,
 )
 from moe_rl.algo.metrics import offpolicy_metrics
+from moe_rl.algo.offpolicy_losses import OAPLParams, TOPRParams, oapl_loss, topr_loss
 from moe_rl.algo.policy_loss import (
     CorrectionConfigLike,
     PreparedCorrections,
@@ -50,6 +51,7 @@ from moe_rl.algo.policy_loss import (
     policy_loss,
     prepare_corrections,
 )
+from moe_rl.algo.prefix_losses import CTPOParams, MinPROParams, ctpo_loss, minpro_loss, prefix_min_log_ratio
 from moe_rl.algo.registry import (
     AdvantageInputs,
     LossConfigLike,
@@ -74,6 +76,7 @@ from moe_rl.algo.rejection import (
     rejection_mask,
     token_divergence,
     token_veto,
+    trm_mask,
 )
 from moe_rl.algo.shaped_losses import (
     DPPOParams,
@@ -108,6 +111,7 @@ __all__ = [
     "RS_MODES",
     "AdvantageInputs",
     "CISPOParams",
+    "CTPOParams",
     "ClipCovParams",
     "CorrectionConfigLike",
     "DPPOParams",
@@ -118,11 +122,14 @@ __all__ = [
     "LossConfigLike",
     "LossInputs",
     "LossParams",
+    "MinPROParams",
+    "OAPLParams",
     "PPOClipParams",
     "PolicyLoss",
     "PreparedCorrections",
     "ReinforceParams",
     "SAPOParams",
+    "TOPRParams",
     "adv_estimator_names",
     "aggregate",
     "broadcast_to_tokens",
@@ -131,6 +138,7 @@ __all__ = [
     "clip_cov_loss",
     "compute_advantages",
     "compute_policy_loss",
+    "ctpo_loss",
     "default_denominator",
     "dppo_kl_loss",
     "dppo_trust_mask",
@@ -156,7 +164,9 @@ __all__ = [
     "logit_grad_sq_norm",
     "m2po_mask",
     "metrics_to_floats",
+    "minpro_loss",
     "needs_policy_prepass",
+    "oapl_loss",
     "offpolicy_metrics",
     "opo_advantages",
     "opob_advantages",
@@ -165,6 +175,7 @@ __all__ = [
     "policy_loss",
     "policy_loss_names",
     "ppo_clip_loss",
+    "prefix_min_log_ratio",
     "prepare_corrections",
     "register_adv_est",
     "register_loss",
@@ -180,6 +191,8 @@ __all__ = [
     "token_covariance",
     "token_divergence",
     "token_veto",
+    "topr_loss",
+    "trm_mask",
     "truncated_is_weights",
     "weight_stats",
 ]
