@@ -42,7 +42,7 @@ from moe_rl.algo.losses import (
     reinforce_loss,
 )
 from moe_rl.algo.metrics import offpolicy_metrics
-from moe_rl.algo.offpolicy_losses import OAPLParams, TOPRParams, oapl_loss, topr_loss
+from moe_rl.algo.offpolicy_losses import OAPLParams, TOPRParams, VESPOParams, oapl_loss, topr_loss, vespo_loss
 from moe_rl.algo.policy_loss import (
     CorrectionConfigLike,
     PreparedCorrections,
@@ -130,6 +130,7 @@ __all__ = [
     "ReinforceParams",
     "SAPOParams",
     "TOPRParams",
+    "VESPOParams",
     "adv_estimator_names",
     "aggregate",
     "broadcast_to_tokens",
@@ -194,5 +195,6 @@ __all__ = [
     "topr_loss",
     "trm_mask",
     "truncated_is_weights",
+    "vespo_loss",
     "weight_stats",
 ]

@@ -1,4 +1,4 @@
-"""Trajectory-level off-policy objectives: TOPR (tapered off-policy REINFORCE) and OAPL (log-ratio regression).
+"""Trajectory-level off-policy objectives: TOPR (tapered off-policy REINFORCE), OAPL (log-ratio regression), VESPO.
 
 Both read one ratio per response, π_θ(y|x)/π_anchor(y|x) = exp(Σ_t log ρ_t) over the mask, instead of
 token ratios. Registered by ``loss.type`` like ``moe_rl.algo.losses`` (per-token term and metrics; the
@@ -15,6 +15,7 @@ from moe_rl.algo.registry import LossInputs, LossParams, register_policy_loss
 from moe_rl.algo.tensors import (
     LOG_RATIO_BOUND,
     Metrics,
+    check_nonneg,
     check_positive,
     log_ratio,
     masked_mean,
@@ -89,3 +90,54 @@ def oapl_loss(x: LossInputs, p: OAPLParams) -> tuple[torch.Tensor, Metrics]:
             "loss/seq_log_ratio_mean": metric(seq_lr.detach()[valid].mean() if r.numel() else 0.0),
         }
     return per_token, metrics
+
+
+@dataclass(frozen=True)
+class VESPOParams(LossParams):
+    """``loss.vespo_k_pos`` / ``vespo_lambda_pos`` (k, λ for Ā ≥ 0), ``vespo_k_neg`` / ``vespo_lambda_neg`` (Ā < 0).
+
+    Defaults are the authors' (FloyedShen/VESPO ``recipe/vespo``: 2.0 / 3.0 / 3.0 / 2.0).
+    """
+
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+
+
+@register_policy_loss("vespo", VESPOParams, folds_is_weights=True)
+def vespo_loss(x: LossInputs, p: VESPOParams) -> tuple[torch.Tensor, Metrics]:
+    """VESPO (Shen et al. 2026, arXiv:2602.10693): REINFORCE weighted by a gamma kernel of the sequence IS ratio.
+
+    The authors' code (FloyedShen/VESPO ``compute_policy_loss_vespo``): log W_i = clamp(Σ_t m_t
+    (clamp(log ρ_t, ±20) + clamp(log w_t, ±20)), ±20) with ``is_weights`` w_t folded in (so they are not
+    multiplied into the loss again: the sequence ratio is then to μ); φ(W) = exp(λ + k·log W − λ·W), i.e.
+    W^k e^{−λW} normalised to φ(1) = 1, with (k, λ) chosen by the sign of Ā_i (≥ 0: pos), λ ≥ 1e-4,
+    log W ≥ log 1e-8, non-finite φ → 0; ℓ_t = −sg[φ_i]·A_t·log π_θ(y_t). Metrics: phi_mean / phi_max,
+    seq_log_ratio_mean.
+    """
+    mask = x.mask
+    for name in ("vespo_k_pos", "vespo_k_neg"):
+        check_nonneg(name, getattr(p, name))
+    for name in ("vespo_lambda_pos", "vespo_lambda_neg"):
+        check_positive(name, getattr(p, name))
+    with torch.no_grad():
+        lr = log_ratio(x.logp, x.old_logp)
+        if x.is_weights is not None:
+            lr = lr + torch.log(x.is_weights.clamp_min(1e-8)).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        log_w = masked_sum(lr, mask, dim=1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        w = torch.exp(log_w)
+        pos = masked_mean(x.advantages, mask, dim=1) >= 0
+        k = torch.where(pos, torch.full_like(w, p.vespo_k_pos), torch.full_like(w, p.vespo_k_neg))
+        lam = torch.where(pos, torch.full_like(w, p.vespo_lambda_pos), torch.full_like(w, p.vespo_lambda_neg))
+        lam = lam.clamp_min(1e-4)
+        phi = torch.exp(lam + k * torch.log(w.clamp_min(1e-8)) - lam * w)
+        phi = torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
+        valid = seq_valid(mask)
+        ph = phi[valid]
+        metrics: Metrics = {
+            "loss/phi_mean": metric(ph.mean() if ph.numel() else 0.0),
+            "loss/phi_max": metric(ph.max() if ph.numel() else 0.0),
+            "loss/seq_log_ratio_mean": metric(log_w[valid].mean() if ph.numel() else 0.0),
+        }
+    return -phi[:, None] * x.advantages * x.logp, metrics

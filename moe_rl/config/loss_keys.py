@@ -34,6 +34,7 @@ READS: dict[str, tuple[str, ...]] = {
     "ctpo": ("ctpo_clip_low", "ctpo_clip_high", "ctpo_clip_c", "ctpo_clip_power"),
     "topr": (),
     "oapl": ("oapl_beta",),
+    "vespo": ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
 }
 LOSS_SPECIFIC = tuple(sorted({k for keys in READS.values() for k in keys}))
 

@@ -1,5 +1,5 @@
-"""Issue 54's MinPRO, CTPO, TOPR, OAPL losses and the TRM admission mask: hand-derived goldens, gradients,
-CTPO parity with its authors' code, and degenerate inputs (all masked, one token, constant rewards, ±30).
+"""Issue 54's MinPRO, CTPO, TOPR, OAPL, VESPO losses and the TRM admission mask: hand-derived goldens, gradients,
+CTPO and VESPO parity with their authors' code, and degenerate inputs (all masked, one token, constant rewards, ±30).
 
 Each golden's derivation is in its test's docstring, from the equation in docs/algo.md (section
 "Issue 54: prefix, trajectory and admission methods") and its source.
@@ -20,6 +20,7 @@ from moe_rl.algo import (
     MinPROParams,
     OAPLParams,
     TOPRParams,
+    VESPOParams,
     compute_policy_loss,
     ctpo_loss,
     minpro_loss,
@@ -27,13 +28,14 @@ from moe_rl.algo import (
     rejection_mask,
     topr_loss,
     trm_mask,
+    vespo_loss,
 )
 from moe_rl.config import CorrectionConfig, LossConfig
 from moe_rl.config.loss_keys import INSTEAD
 
 F64 = torch.float64
-GOLDEN = Path(__file__).with_name("ctpo_reference.json")
-LOSSES = {"minpro": minpro_loss, "ctpo": ctpo_loss, "topr": topr_loss, "oapl": oapl_loss}
+GOLDENS = {"ctpo": (ctpo_loss, CTPOParams), "vespo": (vespo_loss, VESPOParams)}
+LOSSES = {"minpro": minpro_loss, "ctpo": ctpo_loss, "topr": topr_loss, "oapl": oapl_loss, "vespo": vespo_loss}
 
 
 def _row(values, device):
@@ -100,22 +102,48 @@ def test_ctpo_dual_clip_for_negative_advantages(device):
     assert m["loss/dual_clip_frac"].item() == 1.0
 
 
-def test_ctpo_matches_its_authors_implementation(device):
-    """Loss and gradient equal horizon-llm/CTPO's ``cum-token-cumprod-la`` (token-mean), ≤ 1e-6 relative.
+@pytest.mark.parametrize("peer", sorted(GOLDENS))
+def test_matches_the_authors_implementation(peer, device):
+    """Loss and gradient equal the authors' code, token-mean, ≤ 1e-6 relative: horizon-llm/CTPO
+    ``cum-token-cumprod-la`` and FloyedShen/VESPO ``compute_policy_loss_vespo``.
 
-    The expected values were computed by that code (scripts/ctpo_reference_golden.py; the commit is in the file).
+    The expected values were computed by that code (scripts/peer_loss_goldens.py; the commit is in each file).
     """
-    golden = json.loads(GOLDEN.read_text(encoding="utf-8"))
+    fn, params = GOLDENS[peer]
+    golden = json.loads(Path(__file__).with_name(f"{peer}_reference.json").read_text(encoding="utf-8"))
     mask = torch.tensor(golden["mask"], dtype=torch.bool, device=device)
     for case in golden["cases"]:
         logp = torch.tensor(case["logp"], dtype=F64, device=device).requires_grad_(True)
         old = torch.tensor(case["old_logp"], dtype=F64, device=device)
         adv = torch.tensor(case["advantages"], dtype=F64, device=device)
-        loss, _ = ctpo_loss(LossInputs(logp, old, adv, mask, aggregation="token_mean"), CTPOParams(**case["params"]))
+        loss, _ = fn(LossInputs(logp, old, adv, mask, aggregation="token_mean"), params(**case["params"]))
         (grad,) = torch.autograd.grad(loss, logp)
         assert loss.item() == pytest.approx(case["loss"], rel=1e-6, abs=1e-12)
         expected = torch.tensor(case["grad"], dtype=F64, device=device)
         torch.testing.assert_close(torch.where(mask, grad, 0.0), expected, rtol=1e-6, atol=1e-12)
+
+
+def test_vespo_hand_worked_gamma_kernel_of_the_sequence_ratio(device):
+    """log ρ = (0.1, 0.1), log π = (−1.4, −1.4), A = +1 (k 2, λ 3): W = e^0.2, φ = exp(3 + 2·0.2 − 3e^0.2).
+
+    ℓ_t = −sg[φ]·A·log π_t, token mean: −φ·(−2.8)/2 = 1.4φ; ∂/∂log π_t = −φ/2. φ(1) = 1: log ρ = (0.1, −0.1)
+    gives W = 1 and the plain REINFORCE term. IS weights (e^−0.2, 1) fold into W (= e^0 = 1 for the first row)
+    and are not multiplied again: the loss is 1.4 exactly.
+    """
+    phi = math.exp(3 + 0.4 - 3 * math.exp(0.2))
+    logp, old, adv, mask = _inputs([[0.1, 0.1]], [[1.0, 1.0]], device)
+    loss, m = vespo_loss(LossInputs(logp, old, adv, mask), VESPOParams())
+    assert loss.item() == pytest.approx(1.4 * phi)
+    (grad,) = torch.autograd.grad(loss, logp)
+    torch.testing.assert_close(grad, _row([-phi / 2, -phi / 2], device))
+    assert m["loss/phi_mean"].item() == pytest.approx(phi, rel=1e-6)
+    logp, old, adv, mask = _inputs([[0.1, -0.1]], [[-1.0, -1.0]], device)
+    loss, _ = vespo_loss(LossInputs(logp, old, adv, mask), VESPOParams())
+    assert loss.item() == pytest.approx((-1.4 - 1.6) / 2)  # A = −1, φ = 1: ℓ_t = log π_t
+    logp, old, adv, mask = _inputs([[0.1, 0.1]], [[1.0, 1.0]], device)
+    w = _row([math.exp(-0.2), 1.0], device)
+    loss, _ = vespo_loss(LossInputs(logp, old, adv, mask, is_weights=w), VESPOParams())
+    assert loss.item() == pytest.approx(1.4)
 
 
 def test_topr_hand_worked_sft_on_positive_truncated_is_on_negative(device):
@@ -234,5 +262,7 @@ def test_config_selects_each_method_and_names_its_keys():
     assert ("ctpo", "clip_low") in INSTEAD
     with pytest.raises(ValueError, match="trm_delta"):
         CorrectionConfig(trm_delta=0.0)
+    with pytest.raises(ValueError, match="vespo_lambda_pos"):
+        vespo_loss(LossInputs(*_inputs([[0.1]], [[1.0]], "cpu")), VESPOParams(vespo_lambda_pos=0.0))
     with pytest.raises(ValueError, match="oapl_beta"):
         oapl_loss(LossInputs(*_inputs([[0.1]], [[1.0]], "cpu")), OAPLParams(oapl_beta=0.0))
