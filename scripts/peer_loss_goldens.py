@@ -1,11 +1,14 @@
 """Write a golden file of a peer implementation's loss and gradient on fixed inputs: CTPO or VESPO, from the authors' code.
 
-Usage: ``python scripts/peer_loss_goldens.py ctpo|vespo PATH_TO_core_algos.py COMMIT``
+Usage: ``python scripts/peer_loss_goldens.py ctpo|vespo|a3po PATH COMMIT``
 
 - ctpo: github.com/horizon-llm/CTPO ``verl/trainer/ppo/core_algos.py``, function
   ``_compute_policy_loss_cum_token_la_impl`` (loss ``cum-token-cumprod-la``) -> tests/algo/ctpo_reference.json
 - vespo: github.com/FloyedShen/VESPO ``recipe/vespo/code/core_algos.py``, function
   ``compute_policy_loss_vespo`` -> tests/algo/vespo_reference.json
+- a3po: github.com/inclusionAI/AReaL ``areal/trainer/ppo/actor.py``, function
+  ``compute_prox_logp_approximations(method="loglinear")`` -> tests/algo/a3po_reference.json (the
+  approximated proximal log-probs instead of a loss and gradient)
 
 Both are verl forks, not on PyPI, so the parity tests (tests/algo/test_survey_methods_losses.py) compare
 against values this script computed once: it copies the function out of the given file (its text as is,
@@ -79,6 +82,11 @@ def _function(path: Path, name: str):
     source = "\n".join(line for line in source.splitlines() if not line.startswith("@"))  # no registration
     namespace = {"torch": torch, "Optional": Optional, "Any": Any, "ActorConfig": _Config, "verl_F": _VerlF}
     namespace["agg_loss"] = _agg_loss
+    namespace |= {"PROX_APPROX_METHOD_LOGLINEAR": "loglinear", "PROX_APPROX_METHOD_LINEAR": "linear"}
+    namespace |= {
+        "PROX_APPROX_METHOD_ROLLOUT": "rollout",
+        "PROX_APPROX_METHODS_ALL": ["loglinear", "linear", "rollout"],
+    }
     exec(compile(source, str(path), "exec"), namespace)  # noqa: S102 -- running the reference's own text
     return namespace[name]
 
@@ -97,7 +105,33 @@ def _call(peer: str, fn, old, logp, adv, mask, params):
     return fn(old, logp, adv, mask, "token-mean", cfg, None)[0]
 
 
+def _a3po(path: str, commit: str) -> None:
+    fn = _function(Path(path), "compute_prox_logp_approximations")
+    g = torch.Generator().manual_seed(0)
+    behav = -torch.rand(4, 6, generator=g, dtype=torch.float64) * 2 - 0.05
+    theta = behav + 0.3 * torch.randn(4, 6, generator=g, dtype=torch.float64)
+    versions = torch.tensor([[7, 7, 6, 6, 5, 3], [8, 8, 8, 7, 7, 7], [2, 4, 6, 7, 8, 9], [-1, -1, 5, 5, 5, 5]])
+    current = 8
+    prox = fn(old_logp=behav, logprobs=theta, versions=versions, current_version=current, method="loglinear")
+    data = {"source": "github.com/inclusionAI/AReaL areal/trainer/ppo/actor.py", "commit": commit}
+    data |= {"function": "compute_prox_logp_approximations(method='loglinear')", "current_version": current}
+    data |= {"rollout_logp": behav.tolist(), "logp": theta.tolist(), "token_versions": versions.tolist()}
+    data["prox_logp"] = prox["loglinear"].tolist()
+    _write(TESTS / "a3po_reference.json", data)
+
+
+def _write(out: Path, data: dict) -> None:
+    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, out)
+
+
 def main(peer: str, path: str, commit: str) -> None:
+    if peer == "a3po":
+        _a3po(path, commit)
+        return
     spec = PEERS[peer]
     fn = _function(Path(path), spec["function"])
     mask = torch.tensor(MASK, dtype=torch.float64)
@@ -122,12 +156,7 @@ def main(peer: str, path: str, commit: str) -> None:
             }
         )
     data = {"source": spec["source"], "commit": commit, "function": spec["function"], "mask": MASK, "cases": cases}
-    out = spec["out"]
-    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, out)
+    _write(spec["out"], data)
 
 
 if __name__ == "__main__":

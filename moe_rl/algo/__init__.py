@@ -52,6 +52,7 @@ from moe_rl.algo.policy_loss import (
     prepare_corrections,
 )
 from moe_rl.algo.prefix_losses import CTPOParams, MinPROParams, ctpo_loss, minpro_loss, prefix_min_log_ratio
+from moe_rl.algo.proximal import a3po_proximal_logp
 from moe_rl.algo.registry import (
     AdvantageInputs,
     LossConfigLike,
@@ -131,6 +132,7 @@ __all__ = [
     "SAPOParams",
     "TOPRParams",
     "VESPOParams",
+    "a3po_proximal_logp",
     "adv_estimator_names",
     "aggregate",
     "broadcast_to_tokens",

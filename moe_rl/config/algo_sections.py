@@ -81,6 +81,11 @@ class CorrectionConfig(Section):
         None, gt=0, description="TRM: mask a sequence whose max per-token KL (trm_estimator) exceeds delta; None = off"
     )
     trm_estimator: Literal["k2", "k3"] = Field("k3", description="TRM per-token KL estimate on log(pi_old/mu)")
+    prox_logp_method: Literal["recompute", "loglinear"] = Field(
+        "recompute",
+        description="proximal anchor pi_old: 'recompute' (the old-log-prob pass) or 'loglinear' (A-3PO, AReaL's name; "
+        "refused by the preflight until the step runs it)",
+    )
     kl_alarm: float | None = Field(
         1e-2,
         gt=0,

@@ -1,5 +1,5 @@
-"""Issue 54's MinPRO, CTPO, TOPR, OAPL, VESPO losses and the TRM admission mask: hand-derived goldens, gradients,
-CTPO and VESPO parity with their authors' code, and degenerate inputs (all masked, one token, constant rewards, ±30).
+"""Issue 54's MinPRO, CTPO, TOPR, OAPL, VESPO losses, the TRM admission mask and A-3PO's proximal anchor: hand-derived goldens, gradients,
+CTPO, VESPO and A-3PO parity with their authors' code, and degenerate inputs (all masked, one token, constant rewards, ±30).
 
 Each golden's derivation is in its test's docstring, from the equation in docs/algo.md (section
 "Issue 54: prefix, trajectory and admission methods") and its source.
@@ -21,6 +21,7 @@ from moe_rl.algo import (
     OAPLParams,
     TOPRParams,
     VESPOParams,
+    a3po_proximal_logp,
     compute_policy_loss,
     ctpo_loss,
     minpro_loss,
@@ -266,3 +267,38 @@ def test_config_selects_each_method_and_names_its_keys():
         vespo_loss(LossInputs(*_inputs([[0.1]], [[1.0]], "cpu")), VESPOParams(vespo_lambda_pos=0.0))
     with pytest.raises(ValueError, match="oapl_beta"):
         oapl_loss(LossInputs(*_inputs([[0.1]], [[1.0]], "cpu")), OAPLParams(oapl_beta=0.0))
+
+
+def test_a3po_hand_worked_staleness_interpolation(device):
+    """v_θ = 8, v_prox = 7: α = (7 − v_μ)/(8 − v_μ). v_μ = 7 → 0 (log μ); 6 → ½; 4 → ¾; 8 → 0 (v_θ ≤ v_μ);
+    −1 → 0 (no generation version). log μ = −2, log π_θ = −1: log π_prox = −2 + α = (−2, −1.5, −1.25, −2, −2)."""
+    roll = torch.full((1, 5), -2.0, dtype=F64, device=device)
+    cur = torch.full((1, 5), -1.0, dtype=F64, device=device)
+    versions = torch.tensor([[7, 6, 4, 8, -1]], device=device)
+    mask = torch.ones(1, 5, dtype=torch.bool, device=device)
+    prox, m = a3po_proximal_logp(roll, cur, mask, versions, 8)
+    torch.testing.assert_close(prox, _row([-2.0, -1.5, -1.25, -2.0, -2.0], device))
+    assert m["a3po/alpha_mean"].item() == pytest.approx(0.25)
+    empty, _ = a3po_proximal_logp(roll, cur, torch.zeros_like(mask), versions, 8)  # all masked: log μ, no error
+    torch.testing.assert_close(empty, roll)
+
+
+def test_a3po_matches_areal(device):
+    """Equal to AReaL's ``compute_prox_logp_approximations(method='loglinear')`` (golden from scripts/peer_loss_goldens.py)."""
+    golden = json.loads(Path(__file__).with_name("a3po_reference.json").read_text(encoding="utf-8"))
+    t = {k: torch.tensor(golden[k], dtype=F64, device=device) for k in ("rollout_logp", "logp", "prox_logp")}
+    versions = torch.tensor(golden["token_versions"], device=device)
+    mask = torch.ones_like(versions, dtype=torch.bool)
+    prox, _ = a3po_proximal_logp(t["rollout_logp"], t["logp"], mask, versions, golden["current_version"])
+    # ≤ 1e-6 relative: AReaL forms α in float32 (versions.float()), we in the log-probs' dtype
+    torch.testing.assert_close(prox, t["prox_logp"], rtol=1e-6, atol=1e-7)
+
+
+def test_a3po_is_refused_by_the_preflight_until_the_step_runs_it():
+    from moe_rl.config import load_config  # noqa: PLC0415 -- only this test loads a config file
+    from moe_rl.config.correction_keys import correction_settings  # noqa: PLC0415 -- as above
+
+    tiny = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
+    assert list(correction_settings(load_config(tiny, ["correction.prox_logp_method=recompute"]))) == []
+    (problem,) = correction_settings(load_config(tiny, ["correction.prox_logp_method=loglinear"]))
+    assert "correction.prox_logp_method='loglinear'" in problem and "expected 'recompute'" in problem
