@@ -1,11 +1,13 @@
 """Write a golden file of a peer implementation's loss and gradient on fixed inputs: CTPO or VESPO, from the authors' code.
 
-Usage: ``python scripts/peer_loss_goldens.py ctpo|vespo|a3po PATH COMMIT``
+Usage: ``python scripts/peer_loss_goldens.py ctpo|vespo|aspo|a3po PATH COMMIT``
 
 - ctpo: github.com/horizon-llm/CTPO ``verl/trainer/ppo/core_algos.py``, function
   ``_compute_policy_loss_cum_token_la_impl`` (loss ``cum-token-cumprod-la``) -> tests/algo/ctpo_reference.json
 - vespo: github.com/FloyedShen/VESPO ``recipe/vespo/code/core_algos.py``, function
   ``compute_policy_loss_vespo`` -> tests/algo/vespo_reference.json
+- aspo: github.com/zyh1999/ASPO (Archer2.0's code) ``verl/trainer/ppo/core_algos.py``, function
+  ``compute_policy_loss_archer`` with one entropy class (the same bounds for both) -> tests/algo/aspo_reference.json
 - a3po: github.com/inclusionAI/AReaL ``areal/trainer/ppo/actor.py``, function
   ``compute_prox_logp_approximations(method="loglinear")`` -> tests/algo/a3po_reference.json (the
   approximated proximal log-probs instead of a loss and gradient)
@@ -43,6 +45,16 @@ PEERS = {
             ({"ctpo_clip_low": 0.025, "ctpo_clip_high": 0.05, "ctpo_clip_c": 0.05, "ctpo_clip_power": 0.5}, 1, 0.3),
             ({"ctpo_clip_low": 0.1, "ctpo_clip_high": 0.2, "ctpo_clip_c": 0.3, "ctpo_clip_power": 0.25}, 2, 0.2),
             ({"ctpo_clip_low": 0.05, "ctpo_clip_high": 0.1, "ctpo_clip_c": 0.08, "ctpo_clip_power": 1.0}, 3, 0.1),
+        ],
+    },
+    "aspo": {
+        "source": "github.com/zyh1999/ASPO verl/trainer/ppo/core_algos.py",
+        "function": "compute_policy_loss_archer",
+        "out": TESTS / "aspo_reference.json",
+        "cases": [
+            ({"clip_low": 0.2, "clip_high": 0.2, "aspo_dual_clip_c_pos": 3.0, "aspo_dual_clip_c_neg": 3.0}, 0, 0.1),
+            ({"clip_low": 0.2, "clip_high": 0.28, "aspo_dual_clip_c_pos": 3.0, "aspo_dual_clip_c_neg": 3.0}, 1, 0.6),
+            ({"clip_low": 0.1, "clip_high": 0.3, "aspo_dual_clip_c_pos": 1.5, "aspo_dual_clip_c_neg": 2.0}, 2, 1.0),
         ],
     },
     "vespo": {
@@ -100,6 +112,11 @@ def _call(peer: str, fn, old, logp, adv, mask, params):
             clip_ratio_la_power=params["ctpo_clip_power"],
         )
         return fn(old, logp, adv, mask, "token-mean", cfg, None, "cumprod")[0]
+    if peer == "aspo":
+        lo, hi = params["clip_low"], params["clip_high"]
+        c_neg, c_pos = params["aspo_dual_clip_c_neg"], params["aspo_dual_clip_c_pos"]
+        ones = torch.ones_like(mask, dtype=torch.bool)
+        return fn(old, logp, adv, mask.bool(), ones, lo, lo, hi, hi, c_neg, c_pos, False, "token-mean")[0]
     vespo = {key.removeprefix("vespo_"): value for key, value in params.items()}
     cfg = SimpleNamespace(policy_loss={"vespo": vespo})
     return fn(old, logp, adv, mask, "token-mean", cfg, None)[0]

@@ -51,7 +51,15 @@ from moe_rl.algo.policy_loss import (
     policy_loss,
     prepare_corrections,
 )
-from moe_rl.algo.prefix_losses import CTPOParams, MinPROParams, ctpo_loss, minpro_loss, prefix_min_log_ratio
+from moe_rl.algo.prefix_losses import (
+    ASPOParams,
+    CTPOParams,
+    MinPROParams,
+    aspo_loss,
+    ctpo_loss,
+    minpro_loss,
+    prefix_min_log_ratio,
+)
 from moe_rl.algo.proximal import a3po_proximal_logp
 from moe_rl.algo.registry import (
     AdvantageInputs,
@@ -110,6 +118,7 @@ __all__ = [
     "LOSS_TYPES",
     "M2PO_DEFAULT_TAU",
     "RS_MODES",
+    "ASPOParams",
     "AdvantageInputs",
     "CISPOParams",
     "CTPOParams",
@@ -135,6 +144,7 @@ __all__ = [
     "a3po_proximal_logp",
     "adv_estimator_names",
     "aggregate",
+    "aspo_loss",
     "broadcast_to_tokens",
     "chained_rejection_mask",
     "cispo_loss",

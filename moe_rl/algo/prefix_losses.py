@@ -1,7 +1,7 @@
-"""Prefix-ratio surrogates: MinPRO (minimum prefix ratio) and CTPO (cumulative token ratio, √t log-space clip).
+"""Token-ratio reshaping: MinPRO (minimum prefix ratio), CTPO (cumulative token ratio, √t log clip), ASPO (flipped ratio).
 
-Both correct token t by a ratio over its prefix instead of the token ratio alone (seed 000,
-"Prefix-level correction"). Registered by ``loss.type`` like ``moe_rl.algo.losses`` (same
+MinPRO and CTPO correct token t by a ratio over its prefix instead of the token ratio alone (seed 000,
+"Prefix-level correction"); ASPO keeps the token ratio but weighs positive-advantage tokens by its inverse. Registered by ``loss.type`` like ``moe_rl.algo.losses`` (same
 :class:`~moe_rl.algo.registry.LossInputs` contract: per-token term and metrics; the registry applies IS
 weights and aggregation). Prefixes run over the tokens of ``x.mask`` only (a rejected or padded
 token is not part of any prefix). Formulas and sources: docs/algo.md.
@@ -110,5 +110,62 @@ def ctpo_loss(x: LossInputs, p: CTPOParams) -> tuple[torch.Tensor, Metrics]:
             "loss/ratio_mean": metric(masked_mean(ratio, mask)),
             "loss/ratio_max": metric(masked_max(ratio, mask).clamp_min(0)),
             "loss/approx_kl": metric(masked_mean(-tok, mask)),
+        }
+    return per_token, metrics
+
+
+@dataclass(frozen=True)
+class ASPOParams(LossParams):
+    """``loss.clip_low`` ε_low, ``loss.clip_high`` ε_high; ``loss.aspo_dual_clip_c_pos`` / ``aspo_dual_clip_c_neg``.
+
+    The soft dual-clip bounds of A > 0 (on the flipped ratio 1/r) and A < 0 (on r): the reference code's
+    ``positive_clip_ratio_c`` / ``negative_clip_ratio_c``, default 3.0 each.
+    """
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    aspo_dual_clip_c_pos: float = 3.0
+    aspo_dual_clip_c_neg: float = 3.0
+
+
+@register_policy_loss("aspo", ASPOParams)
+def aspo_loss(x: LossInputs, p: ASPOParams) -> tuple[torch.Tensor, Metrics]:
+    """ASPO (Wang et al. 2025, arXiv:2510.06062): flipped token ratio on A ≥ 0, soft dual clip on both signs.
+
+    Seed 000 ("ASPO ... flips the ratio [for positive-advantage tokens] ... retains standard clipping
+    [for negative ones]") and the reference code (zyh1999/ASPO ``compute_policy_loss_archer``, one
+    entropy class): r = exp(clamp(log ρ, ±20)).
+    A ≥ 0: r̂ = min(r, 1 + ε_high); ℓ = −A·(r̂/sg[r̂])/sg[r̂] (value −A/r̂, gradient −A·(1/r)·∇log π_θ inside
+    the clip, 0 above it); where 1/r̂ > c_pos, ℓ = −A·c_pos·log π_θ instead (a stop-gradient weight c_pos:
+    the gradient is kept, not zeroed).
+    A < 0: r̂ = max(r, 1 − ε_low); ℓ = −A·r̂; where r̂ > c_neg, ℓ = −A·c_neg·log π_θ.
+    Metrics: clip_frac_high / clip_frac_low (r above / below its sign's bound), dual_clip_frac_pos /
+    dual_clip_frac_neg (soft dual clip active), approx_kl.
+    """
+    adv, mask = x.advantages, x.mask
+    lo = check_positive("clip_low", p.clip_low, upper_exclusive=1.0)
+    hi = check_positive("clip_high", p.clip_high)
+    c_pos, c_neg = float(p.aspo_dual_clip_c_pos), float(p.aspo_dual_clip_c_neg)
+    if not (c_pos > 1.0 and c_neg > 1.0):
+        raise ValueError(f"aspo_dual_clip_c_pos / aspo_dual_clip_c_neg: expected > 1, got {c_pos} / {c_neg}")
+    lr = log_ratio(x.logp, x.old_logp)
+    ratio = torch.exp(lr)
+    neg_r = ratio.clamp(min=1.0 - lo)
+    pos_r = ratio.clamp(max=1.0 + hi)
+    pos_term = -adv * (pos_r / pos_r.detach()) / pos_r.detach()
+    pos_dual = (1.0 / pos_r) > c_pos
+    pos_term = torch.where(pos_dual, -adv * c_pos * x.logp, pos_term)
+    neg_dual = neg_r > c_neg
+    neg_term = torch.where(neg_dual, -adv * c_neg * x.logp, -adv * neg_r)
+    negative = adv < 0
+    per_token = torch.where(negative, neg_term, pos_term)
+    n = mask.sum().clamp_min(1)
+    with torch.no_grad():
+        metrics: Metrics = {
+            "loss/clip_frac_high": metric(((ratio > 1.0 + hi) & ~negative & mask).sum() / n),
+            "loss/clip_frac_low": metric(((ratio < 1.0 - lo) & negative & mask).sum() / n),
+            "loss/dual_clip_frac_pos": metric((pos_dual & ~negative & mask).sum() / n),
+            "loss/dual_clip_frac_neg": metric((neg_dual & negative & mask).sum() / n),
+            "loss/approx_kl": metric(masked_mean(-lr, mask)),
         }
     return per_token, metrics

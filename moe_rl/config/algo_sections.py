@@ -149,6 +149,7 @@ class LossConfig(Section):
         "topr",
         "oapl",
         "vespo",
+        "aspo",
     ] = "ppo_clip"
     clip_low: float = Field(0.2, ge=0, description="epsilon_low (dppo_*: divergence bound for A <= 0)")
     clip_high: float = Field(0.28, ge=0, description="epsilon_high (dppo_*: divergence bound for A > 0)")
@@ -168,6 +169,8 @@ class LossConfig(Section):
     ctpo_clip_c: float = Field(0.05, gt=0, description="CTPO log-space dual-clip base for A < 0")
     ctpo_clip_power: float = Field(0.5, description="CTPO position exponent p of the clip bounds (0.5: sqrt(t))")
     oapl_beta: float = Field(1.0, gt=0, description="OAPL beta scaling the sequence log-ratio to pi_inf")
+    aspo_dual_clip_c_pos: float = Field(3.0, gt=1, description="ASPO soft dual clip on the flipped ratio 1/r, A >= 0")
+    aspo_dual_clip_c_neg: float = Field(3.0, gt=1, description="ASPO soft dual clip on the ratio r, A < 0")
     vespo_k_pos: float = Field(2.0, ge=0, description="VESPO gamma-kernel shape k for advantages >= 0")
     vespo_lambda_pos: float = Field(3.0, gt=0, description="VESPO gamma-kernel rate lambda for advantages >= 0")
     vespo_k_neg: float = Field(3.0, ge=0, description="VESPO gamma-kernel shape k for advantages < 0")

@@ -117,7 +117,7 @@ def test_the_check_fails_on_a_missing_row_and_a_made_up_key():
     assert "loss.type='made_up_loss' is not allowed" in problem
     bare = text.replace("| not yet (issue 54) |", "| TBD |", 1)
     assert _index_problems(names, bare) == [
-        "'ASPO': no `section.key=value` and neither 'not applicable: why' nor 'not yet'"
+        "'R²VPO': no `section.key=value` and neither 'not applicable: why' nor 'not yet'"
     ]
 
 

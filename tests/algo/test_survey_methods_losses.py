@@ -1,5 +1,5 @@
-"""Issue 54's MinPRO, CTPO, TOPR, OAPL, VESPO losses, the TRM admission mask and A-3PO's proximal anchor: hand-derived goldens, gradients,
-CTPO, VESPO and A-3PO parity with their authors' code, and degenerate inputs (all masked, one token, constant rewards, ±30).
+"""Issue 54's MinPRO, CTPO, ASPO, TOPR, OAPL, VESPO losses, the TRM admission mask and A-3PO's proximal anchor: hand-derived goldens, gradients,
+CTPO, ASPO, VESPO and A-3PO parity with their authors' code, and degenerate inputs (all masked, one token, constant rewards, ±30).
 
 Each golden's derivation is in its test's docstring, from the equation in docs/algo.md (section
 "Issue 54: prefix, trajectory and admission methods") and its source.
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from moe_rl.algo import (
+    ASPOParams,
     CTPOParams,
     LossInputs,
     MinPROParams,
@@ -22,6 +23,7 @@ from moe_rl.algo import (
     TOPRParams,
     VESPOParams,
     a3po_proximal_logp,
+    aspo_loss,
     compute_policy_loss,
     ctpo_loss,
     minpro_loss,
@@ -35,8 +37,15 @@ from moe_rl.config import CorrectionConfig, LossConfig
 from moe_rl.config.loss_keys import INSTEAD
 
 F64 = torch.float64
-GOLDENS = {"ctpo": (ctpo_loss, CTPOParams), "vespo": (vespo_loss, VESPOParams)}
-LOSSES = {"minpro": minpro_loss, "ctpo": ctpo_loss, "topr": topr_loss, "oapl": oapl_loss, "vespo": vespo_loss}
+GOLDENS = {"ctpo": (ctpo_loss, CTPOParams), "vespo": (vespo_loss, VESPOParams), "aspo": (aspo_loss, ASPOParams)}
+LOSSES = {
+    "minpro": minpro_loss,
+    "ctpo": ctpo_loss,
+    "topr": topr_loss,
+    "oapl": oapl_loss,
+    "vespo": vespo_loss,
+    "aspo": aspo_loss,
+}
 
 
 def _row(values, device):
@@ -106,7 +115,8 @@ def test_ctpo_dual_clip_for_negative_advantages(device):
 @pytest.mark.parametrize("peer", sorted(GOLDENS))
 def test_matches_the_authors_implementation(peer, device):
     """Loss and gradient equal the authors' code, token-mean, ≤ 1e-6 relative: horizon-llm/CTPO
-    ``cum-token-cumprod-la`` and FloyedShen/VESPO ``compute_policy_loss_vespo``.
+    ``cum-token-cumprod-la``, FloyedShen/VESPO ``compute_policy_loss_vespo`` and zyh1999/ASPO (Archer2.0)
+    ``compute_policy_loss_archer`` (one entropy class).
 
     The expected values were computed by that code (scripts/peer_loss_goldens.py; the commit is in each file).
     """
@@ -145,6 +155,27 @@ def test_vespo_hand_worked_gamma_kernel_of_the_sequence_ratio(device):
     w = _row([math.exp(-0.2), 1.0], device)
     loss, _ = vespo_loss(LossInputs(logp, old, adv, mask, is_weights=w), VESPOParams())
     assert loss.item() == pytest.approx(1.4)
+
+
+def test_aspo_hand_worked_flipped_ratio_and_soft_dual_clip(device):
+    """One row, log π = −1.5 + log r, ε_low = ε_high = 0.2, c_pos = c_neg = 3, token mean over 6:
+
+    A = +1, r = ½: r̂ = ½, 1/r̂ = 2 ≤ 3: ℓ = −1/r̂ = −2, gradient −A/r = −2 (the flip: 1/r, not r).
+    A = +1, r = 2: r̂ = 1.2 (clipped): ℓ = −1/1.2, gradient 0.
+    A = +1, r = ¼: 1/r̂ = 4 > 3: soft dual clip ℓ = −3·log π = −3(−1.5 + ln ¼), gradient −3 (kept, not 0).
+    A = −1, r = ½: r̂ = max(½, 0.8) = 0.8: ℓ = 0.8, gradient 0.
+    A = −1, r = 4: r̂ = 4 > 3: ℓ = 3·log π = 3(−1.5 + ln 4), gradient 3.
+    A = −1, r = 1.5: ℓ = r = 1.5, gradient −A·r = 1.5.
+    """
+    lr = [[math.log(0.5), math.log(2.0), math.log(0.25), math.log(0.5), math.log(4.0), math.log(1.5)]]
+    logp, old, adv, mask = _inputs(lr, [[1.0, 1.0, 1.0, -1.0, -1.0, -1.0]], device)
+    loss, m = aspo_loss(LossInputs(logp, old, adv, mask), ASPOParams())
+    terms = [-2.0, -1 / 1.2, -3 * (-1.5 + math.log(0.25)), 0.8, 3 * (-1.5 + math.log(4.0)), 1.5]
+    assert loss.item() == pytest.approx(sum(terms) / 6)
+    (grad,) = torch.autograd.grad(loss, logp)
+    torch.testing.assert_close(grad, _row([-2 / 6, 0.0, -3 / 6, 0.0, 3 / 6, 1.5 / 6], device))
+    assert m["loss/dual_clip_frac_pos"].item() == pytest.approx(1 / 6)
+    assert m["loss/dual_clip_frac_neg"].item() == pytest.approx(1 / 6)
 
 
 def test_topr_hand_worked_sft_on_positive_truncated_is_on_negative(device):
