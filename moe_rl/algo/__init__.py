@@ -42,6 +42,7 @@ from moe_rl.algo.losses import (
     reinforce_loss,
 )
 from moe_rl.algo.metrics import offpolicy_metrics
+from moe_rl.algo.offpolicy_losses import OAPLParams, TOPRParams, VESPOParams, oapl_loss, topr_loss, vespo_loss
 from moe_rl.algo.policy_loss import (
     CorrectionConfigLike,
     PreparedCorrections,
@@ -50,6 +51,16 @@ from moe_rl.algo.policy_loss import (
     policy_loss,
     prepare_corrections,
 )
+from moe_rl.algo.prefix_losses import (
+    ASPOParams,
+    CTPOParams,
+    MinPROParams,
+    aspo_loss,
+    ctpo_loss,
+    minpro_loss,
+    prefix_min_log_ratio,
+)
+from moe_rl.algo.proximal import a3po_proximal_logp
 from moe_rl.algo.registry import (
     AdvantageInputs,
     LossConfigLike,
@@ -74,6 +85,7 @@ from moe_rl.algo.rejection import (
     rejection_mask,
     token_divergence,
     token_veto,
+    trm_mask,
 )
 from moe_rl.algo.shaped_losses import (
     DPPOParams,
@@ -106,8 +118,10 @@ __all__ = [
     "LOSS_TYPES",
     "M2PO_DEFAULT_TAU",
     "RS_MODES",
+    "ASPOParams",
     "AdvantageInputs",
     "CISPOParams",
+    "CTPOParams",
     "ClipCovParams",
     "CorrectionConfigLike",
     "DPPOParams",
@@ -118,19 +132,26 @@ __all__ = [
     "LossConfigLike",
     "LossInputs",
     "LossParams",
+    "MinPROParams",
+    "OAPLParams",
     "PPOClipParams",
     "PolicyLoss",
     "PreparedCorrections",
     "ReinforceParams",
     "SAPOParams",
+    "TOPRParams",
+    "VESPOParams",
+    "a3po_proximal_logp",
     "adv_estimator_names",
     "aggregate",
+    "aspo_loss",
     "broadcast_to_tokens",
     "chained_rejection_mask",
     "cispo_loss",
     "clip_cov_loss",
     "compute_advantages",
     "compute_policy_loss",
+    "ctpo_loss",
     "default_denominator",
     "dppo_kl_loss",
     "dppo_trust_mask",
@@ -156,7 +177,9 @@ __all__ = [
     "logit_grad_sq_norm",
     "m2po_mask",
     "metrics_to_floats",
+    "minpro_loss",
     "needs_policy_prepass",
+    "oapl_loss",
     "offpolicy_metrics",
     "opo_advantages",
     "opob_advantages",
@@ -165,6 +188,7 @@ __all__ = [
     "policy_loss",
     "policy_loss_names",
     "ppo_clip_loss",
+    "prefix_min_log_ratio",
     "prepare_corrections",
     "register_adv_est",
     "register_loss",
@@ -180,6 +204,9 @@ __all__ = [
     "token_covariance",
     "token_divergence",
     "token_veto",
+    "topr_loss",
+    "trm_mask",
     "truncated_is_weights",
+    "vespo_loss",
     "weight_stats",
 ]

@@ -41,7 +41,7 @@ from moe_rl.algo.importance import icepop_weights, sequence_icepop_weights, trun
 from moe_rl.algo.kl import kl_penalty
 from moe_rl.algo.metrics import offpolicy_metrics_unchecked
 from moe_rl.algo.registry import LossConfigLike, LossInputs, get_policy_loss_fn, surrogate_loss
-from moe_rl.algo.rejection import chained_rejection_mask, opsm_mask, rejection_mask, token_veto
+from moe_rl.algo.rejection import chained_rejection_mask, opsm_mask, rejection_mask, token_veto, trm_mask
 from moe_rl.algo.tensors import check_logp, check_mask, check_seq_or_token, metric, seq_valid
 from moe_rl.algo.variance_control import m2po_mask
 
@@ -62,7 +62,8 @@ class CorrectionConfigLike(Protocol):
     icepop_weighted: bool
     token_veto_threshold: float | None
     opsm_delta: float | None
-    # Optional (defaults when absent): icepop_level ("token"), rejection ([]), m2po_tau (None).
+    # Optional (defaults when absent): icepop_level ("token"), rejection ([]), m2po_tau (None),
+    # trm_delta (None), trm_estimator ("k3").
 
 
 def _anchor_and_source(mode, logp, old_logp, rollout, mask):
@@ -90,6 +91,9 @@ def _sequence_free_rejection(cfg, source, rollout, mask, metrics):
         keep, metrics = keep & k, metrics | m
     if cfg.token_veto_threshold is not None:
         k, m = token_veto(source, rollout, mask, cfg.token_veto_threshold)
+        keep, metrics = keep & k, metrics | m
+    if getattr(cfg, "trm_delta", None) is not None:
+        k, m = trm_mask(source, rollout, mask, cfg.trm_delta, getattr(cfg, "trm_estimator", "k3"))
         keep, metrics = keep & k, metrics | m
     return keep, metrics
 
@@ -169,6 +173,7 @@ def needs_policy_prepass(
         return False
     is_level = "none" if c.is_level is None else c.is_level
     rejects = c.rs_mode is not None or bool(getattr(c, "rejection", None)) or c.token_veto_threshold is not None
+    rejects = rejects or getattr(c, "trm_delta", None) is not None
     m2po = getattr(c, "m2po_tau", None) is not None
     ess = bool(getattr(optim_cfg, "ess_lr_scaling", False))
     return rejects or is_level != "none" or bool(c.icepop) or m2po or ess

@@ -90,9 +90,11 @@ class LossInputs:
                 raise ValueError("is_weights: expected non-negative importance weights, got a negative value")
         return replace(self, logp=logp, old_logp=old, advantages=adv, mask=mask, is_weights=w)
 
-    def finish(self, per_token: torch.Tensor, metrics: Metrics, aggregation: str) -> tuple[torch.Tensor, Metrics]:
-        """IS weights times ``per_token[B, T]``, aggregated over the mask; adds ``loss/pg_loss``."""
-        if self.is_weights is not None:
+    def finish(
+        self, per_token: torch.Tensor, metrics: Metrics, aggregation: str, weigh: bool = True
+    ) -> tuple[torch.Tensor, Metrics]:
+        """IS weights times ``per_token[B, T]`` (unless ``weigh`` is False), aggregated over the mask; adds ``loss/pg_loss``."""
+        if weigh and self.is_weights is not None:
             per_token = per_token * self.is_weights
         agg = aggregation if self.aggregation is None else self.aggregation
         loss = aggregate(per_token, self.mask, agg, denominator=self.loss_denominator)
@@ -131,14 +133,23 @@ class PolicyLoss:
     None; ``anchored`` says the loss is a ratio to ``old_logp`` (in bypass mode π_θ/μ already is the
     IS correction, so IS weights are not multiplied into it again); ``select(x, params) -> [B, T]``,
     when given, is the loss's token selection, computed once over a minibatch on the no-grad π_θ
-    (``prepare_corrections``) and passed back as ``x.selected``.
+    (``prepare_corrections``) and passed back as ``x.selected``; ``folds_is_weights`` says the loss
+    reads ``x.is_weights`` itself (VESPO folds them into its sequence ratio), so they are not multiplied again.
     """
 
     def __init__(
-        self, name: str, fn: LossFn, params: type[LossParams], aggregation: str, anchored: bool, select: SelectFn | None
+        self,
+        name: str,
+        fn: LossFn,
+        params: type[LossParams],
+        aggregation: str,
+        anchored: bool,
+        select: SelectFn | None,
+        folds_is_weights: bool = False,
     ) -> None:
         self.name, self.fn, self.params = name, fn, params
         self.aggregation, self.anchored, self.select = aggregation, anchored, select
+        self.folds_is_weights = folds_is_weights
         functools.update_wrapper(self, fn)
 
     def __call__(self, x: LossInputs, params: LossParams | None = None) -> tuple[torch.Tensor, Metrics]:
@@ -148,7 +159,7 @@ class PolicyLoss:
                 f"old_logp: loss {self.name!r} is a ratio to the anchor; expected log-probs [B, T], got None"
             )
         per_token, metrics = self.fn(x, self.params() if params is None else params)
-        return x.finish(per_token, metrics, self.aggregation)
+        return x.finish(per_token, metrics, self.aggregation, weigh=not self.folds_is_weights)
 
     def __repr__(self) -> str:
         return f"PolicyLoss({self.name!r})"
@@ -164,17 +175,18 @@ def register_policy_loss(
     aggregation: str = "token_mean",
     anchored: bool = True,
     select: SelectFn | None = None,
+    folds_is_weights: bool = False,
 ) -> Callable[[LossFn], PolicyLoss]:
     """Decorator: register ``fn(x: LossInputs, p: params) -> (per_token[B, T], metrics)`` as ``loss.type`` ``name``.
 
     Returns the :class:`PolicyLoss` (callable, returns the aggregated loss). See :class:`PolicyLoss` for
-    ``aggregation``, ``anchored`` and ``select``.
+    ``aggregation``, ``anchored``, ``select`` and ``folds_is_weights``.
     """
 
     def register(fn: LossFn) -> PolicyLoss:
         if name in _POLICY_LOSSES:
             raise ValueError(f"loss.type {name!r}: already registered by {_POLICY_LOSSES[name].fn.__qualname__}")
-        loss = PolicyLoss(name, fn, params, aggregation, anchored, select)
+        loss = PolicyLoss(name, fn, params, aggregation, anchored, select, folds_is_weights)
         _POLICY_LOSSES[name] = loss
         return loss
 

@@ -247,3 +247,39 @@ def chained_rejection_mask(
     metrics["rs/masked_frac"] = metric((n_tok - keep.sum()) / n_tok)
     metrics["rs/seq_masked_frac"] = metric((keep.sum(dim=1) < mask.sum(dim=1)).sum() / seq_valid(mask).sum())
     return keep, metrics
+
+
+TRM_ESTIMATORS = ("k2", "k3")
+
+
+@torch.no_grad()
+def trm_mask(
+    old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, delta: float, estimator: str = "k3"
+) -> tuple[torch.Tensor, Metrics]:
+    """Trust Region Masking (TRM): admit a sequence only if max_t D_KL(c_t) ≤ δ, else mask all its tokens.
+
+    Li et al. 2025, arXiv:2512.23075 (seed 000, "Sequence-validity screening"): the per-token KL
+    D_KL(c_t) is estimated on the sampled token from log ρ_t = log π_old − log μ with ``estimator``
+    k2 (½(log ρ)²) or k3 (ρ − log ρ − 1) — verl's ``seq_max_k2`` / ``seq_max_k3`` rejection, which the
+    TRM authors contributed (verl PR #4544). Same keep mask as ``rejection_mask(mode='seq_max_<est>',
+    upper=δ)``. Metrics: ``trm/seq_masked_frac``, ``trm/masked_frac``, ``trm/max_kl_mean``, ``trm/max_kl_max``.
+    """
+    if estimator not in TRM_ESTIMATORS:
+        raise ValueError(f"trm_estimator: expected one of {TRM_ESTIMATORS}, got {estimator!r}")
+    delta = check_positive("trm_delta", delta)
+    mask = check_mask(mask, allow_empty=True)
+    if not bool(mask.any()):  # nothing to admit: an empty keep mask and zero metrics, no error
+        zero = metric(0.0)
+        return mask, {
+            "trm/seq_masked_frac": zero,
+            "trm/masked_frac": zero,
+            "trm/max_kl_mean": zero,
+            "trm/max_kl_max": zero,
+        }
+    keep, m = rejection_mask(old_logp, rollout_logp, mask, f"seq_max_{estimator}", None, delta)
+    return keep, {
+        "trm/seq_masked_frac": m["rs/seq_masked_frac"],
+        "trm/masked_frac": m["rs/masked_frac"],
+        "trm/max_kl_mean": m["rs/stat_mean"],
+        "trm/max_kl_max": m["rs/stat_max"],
+    }

@@ -77,6 +77,15 @@ class CorrectionConfig(Section):
         "step's (async rollouts; token_versions in the records); None = off",
     )
     opsm_delta: float | None = Field(None, ge=0)
+    trm_delta: float | None = Field(
+        None, gt=0, description="TRM: mask a sequence whose max per-token KL (trm_estimator) exceeds delta; None = off"
+    )
+    trm_estimator: Literal["k2", "k3"] = Field("k3", description="TRM per-token KL estimate on log(pi_old/mu)")
+    prox_logp_method: Literal["recompute", "loglinear"] = Field(
+        "recompute",
+        description="proximal anchor pi_old: 'recompute' (the old-log-prob pass) or 'loglinear' (A-3PO, AReaL's name; "
+        "refused by the preflight until the step runs it)",
+    )
     kl_alarm: float | None = Field(
         1e-2,
         gt=0,
@@ -135,6 +144,12 @@ class LossConfig(Section):
         "clip_cov",
         "kl_cov",
         "gpg",
+        "minpro",
+        "ctpo",
+        "topr",
+        "oapl",
+        "vespo",
+        "aspo",
     ] = "ppo_clip"
     clip_low: float = Field(0.2, ge=0, description="epsilon_low (dppo_*: divergence bound for A <= 0)")
     clip_high: float = Field(0.28, ge=0, description="epsilon_high (dppo_*: divergence bound for A > 0)")
@@ -149,6 +164,17 @@ class LossConfig(Section):
     clip_cov_ub: float = Field(5.0, description="Clip-Cov candidate covariance upper bound")
     kl_cov_ratio: float = Field(2e-4, gt=0, le=1, description="fraction of tokens KL-Cov penalises")
     kl_cov_coef: float = Field(0.1, ge=0, description="KL-Cov beta on |log r| (verl ppo_kl_coef 0.1)")
+    ctpo_clip_low: float = Field(0.025, gt=0, description="CTPO log-space lower clip base (times t^ctpo_clip_power)")
+    ctpo_clip_high: float = Field(0.05, gt=0, description="CTPO log-space upper clip base (times t^ctpo_clip_power)")
+    ctpo_clip_c: float = Field(0.05, gt=0, description="CTPO log-space dual-clip base for A < 0")
+    ctpo_clip_power: float = Field(0.5, description="CTPO position exponent p of the clip bounds (0.5: sqrt(t))")
+    oapl_beta: float = Field(1.0, gt=0, description="OAPL beta scaling the sequence log-ratio to pi_inf")
+    aspo_dual_clip_c_pos: float = Field(3.0, gt=1, description="ASPO soft dual clip on the flipped ratio 1/r, A >= 0")
+    aspo_dual_clip_c_neg: float = Field(3.0, gt=1, description="ASPO soft dual clip on the ratio r, A < 0")
+    vespo_k_pos: float = Field(2.0, ge=0, description="VESPO gamma-kernel shape k for advantages >= 0")
+    vespo_lambda_pos: float = Field(3.0, gt=0, description="VESPO gamma-kernel rate lambda for advantages >= 0")
+    vespo_k_neg: float = Field(3.0, ge=0, description="VESPO gamma-kernel shape k for advantages < 0")
+    vespo_lambda_neg: float = Field(2.0, gt=0, description="VESPO gamma-kernel rate lambda for advantages < 0")
     aggregation: Literal[
         "token_mean",
         "seq_mean_token_mean",

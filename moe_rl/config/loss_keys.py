@@ -30,6 +30,12 @@ READS: dict[str, tuple[str, ...]] = {
     "clip_cov": (*CLIPS, *COV_CLIP),
     "kl_cov": COV_KL,
     "gpg": (),
+    "minpro": (),
+    "ctpo": ("ctpo_clip_low", "ctpo_clip_high", "ctpo_clip_c", "ctpo_clip_power"),
+    "topr": (),
+    "oapl": ("oapl_beta",),
+    "aspo": (*CLIPS, "aspo_dual_clip_c_pos", "aspo_dual_clip_c_neg"),
+    "vespo": ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
 }
 LOSS_SPECIFIC = tuple(sorted({k for keys in READS.values() for k in keys}))
 
@@ -47,6 +53,10 @@ INSTEAD: dict[tuple[str, str], str] = {
     ("clip_cov", "kl_cov_ratio"): "loss.clip_cov_ratio",
     ("kl_cov", "clip_low"): "loss.kl_cov_coef (KL-Cov has no ratio clip; its penalty is the constraint)",
     ("kl_cov", "clip_high"): "loss.kl_cov_coef (KL-Cov has no ratio clip; its penalty is the constraint)",
+    ("aspo", "dual_clip_c"): "loss.aspo_dual_clip_c_pos / loss.aspo_dual_clip_c_neg (ASPO's soft dual clips)",
+    ("ctpo", "clip_low"): "loss.ctpo_clip_low (CTPO's log-space base, scaled by t^ctpo_clip_power)",
+    ("ctpo", "clip_high"): "loss.ctpo_clip_high (CTPO's log-space base, scaled by t^ctpo_clip_power)",
+    ("ctpo", "dual_clip_c"): "loss.ctpo_clip_c (CTPO's log-space dual-clip base)",
 }
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from moe_rl.config import ConfigError, ExperimentConfig
 from moe_rl.config.advantage_keys import advantage_settings
+from moe_rl.config.correction_keys import correction_settings
 from moe_rl.config.eval_section import eval_and_filters
 from moe_rl.config.loss_keys import ignored_loss_keys
 from moe_rl.exact.preflight import true_on_policy_settings
@@ -107,6 +108,7 @@ CONFIG_RULES: tuple[ConfigRule, ...] = (
     weight_sync_group,
     ignored_loss_keys,
     advantage_settings,
+    correction_settings,
     data_files,
     reward_settings,
     eval_and_filters,

@@ -112,12 +112,12 @@ def test_the_check_fails_on_a_missing_row_and_a_made_up_key():
     made_up = text.replace("`loss.type=gspo`", "`loss.gspo_tau=1.0`", 1)
     (problem,) = _index_problems(names, made_up)
     assert problem.startswith("'GSPO': `loss.gspo_tau=1.0`") and "unknown key 'loss.gspo_tau'" in problem
-    bad_value = text.replace("`loss.type=gspo`", "`loss.type=topr`", 1)
+    bad_value = text.replace("`loss.type=gspo`", "`loss.type=made_up_loss`", 1)
     (problem,) = _index_problems(names, bad_value)
-    assert "loss.type='topr' is not allowed" in problem
+    assert "loss.type='made_up_loss' is not allowed" in problem
     bare = text.replace("| not yet (issue 54) |", "| TBD |", 1)
     assert _index_problems(names, bare) == [
-        "'TOPR': no `section.key=value` and neither 'not applicable: why' nor 'not yet'"
+        "'R²VPO': no `section.key=value` and neither 'not applicable: why' nor 'not yet'"
     ]
 
 

@@ -10,7 +10,7 @@ from moe_rl.config import dump_config, load_config
 from moe_rl.preflight import config_problems
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
-CLIP_READERS = "ppo_clip, gspo, gspo_token, gmpo, dppo_tv, dppo_kl, clip_cov"
+CLIP_READERS = "ppo_clip, gspo, gspo_token, gmpo, dppo_tv, dppo_kl, clip_cov, aspo"
 
 
 @pytest.mark.parametrize(
