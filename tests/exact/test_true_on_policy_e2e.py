@@ -13,6 +13,11 @@ true-on-policy server of the module (``rollout.addresses``), each pushing its ow
 
 The check can fail: ``test_one_stock_kernel_breaks_equality`` recomputes step 0's saved records with
 the exact learner (bit-equal) and with one kernel swapped back to Megatron's stock one (non-zero).
+
+Keep Sampling Mask: tiny_cpu as shipped (KSM on, top-p 0.95, top-k 20, R3) in fp32 on the same server,
+2 sync steps: the kept-set log-probs (``output_token_sampling_logprobs``, the rollout's μ under KSM) come
+from ``kernels.kept_token_logprobs`` on both sides; the learner's stock renormalisation
+(``keep_mask_logprobs``) on the same exact logits is shown not to be bit-equal.
 """
 
 from __future__ import annotations
@@ -28,11 +33,13 @@ from megatron.core.transformer.moe.router import TopKRouter
 from safetensors import safe_open
 
 from moe_rl.config import load_config
+from moe_rl.exact.kernels import kept_token_logprobs
 from moe_rl.learner.exact_spec import ExactRowParallelLinear
 from moe_rl.learner.hf_init import write_random_hf_checkpoint
 from moe_rl.learner.logprobs import response_logprobs
-from moe_rl.learner.model import build_model
+from moe_rl.learner.model import build_model, forward_logits
 from moe_rl.records import RolloutBatch
+from moe_rl.replay.keep_mask import KeptSets, keep_mask_logprobs, kept_mask
 from moe_rl.rollout.launcher import SGLangServer
 from moe_rl.rollout.server_spec import ServerSpec
 from moe_rl.train.metrics_log import read_metrics
@@ -244,3 +251,37 @@ def test_one_stock_kernel_breaks_equality(tiny_run, megatron_world):
     for m in swapped:  # the attention output projection back to Megatron's stock (BLAS) matmul
         m.__class__ = RowParallelLinear
     assert max_abs_diff(model) > 0.0
+
+
+@pytest.fixture(scope="module")
+def ksm_run(tmp_path_factory, tiny_server):
+    """tiny_cpu as shipped (KSM on, top-p 0.95, top-k 20, R3) + the gate's fp32 true-on-policy settings, ep=1,
+    sync, 2 steps, on the module's server (its own weights pushed at its start)."""
+    out = tmp_path_factory.mktemp("tiny_ksm_exact")
+    return out, _train(out, "tiny_cpu.yaml", "replay.keep_sampling_mask=true", f"rollout.addresses=[{tiny_server}]")
+
+
+def test_tiny_fp32_keep_sampling_mask_with_top_p_and_top_k_is_exact(ksm_run, megatron_world):
+    """The four metrics are 0.0 at both steps with the learner renormalising over the rollout's kept sets;
+    step 0's kept sets are real truncations (1..20 of 64 ids), and recomputed offline by the step-0 learner the
+    kept-set log-probs equal the server's through the shared kernel but not through the stock renormalisation
+    (``keep_mask_logprobs``: the same sum, in another order) on the same logits."""
+    out, metrics = ksm_run
+    _assert_exact(metrics)
+    model, temperature = _policy(out, 0)
+    samples = RolloutBatch.load(out / "rollouts" / "step_000000.safetensors").samples()
+    sizes = [len(m) for s in samples for m in s.sampling_mask]
+    assert 1 <= min(sizes) and max(sizes) <= 20 < model.vocab_size, sizes
+    stock_worst = 0.0
+    for s in samples:
+        tokens = torch.as_tensor(list(s.prompt_ids) + list(s.response_ids), dtype=torch.long)[None]
+        with torch.no_grad():
+            logits = forward_logits(model, tokens[:, :-1])[0, len(s.prompt_ids) - 1 :]
+        targets = tokens[0, len(s.prompt_ids) :]
+        kept = KeptSets.from_lists([m.tolist() for m in s.sampling_mask])
+        mu = torch.as_tensor(s.sampling_logp, dtype=torch.float32)
+        shared = kept_token_logprobs(logits, kept_mask(kept, logits.shape[-1]), targets, temperature)
+        assert torch.equal(shared, mu), (s.group_id, (shared - mu).abs().max().item())
+        stock = keep_mask_logprobs(logits, targets, kept, temperature).logp
+        stock_worst = max(stock_worst, (stock - mu).abs().max().item())
+    assert stock_worst > 0.0
