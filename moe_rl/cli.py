@@ -305,6 +305,7 @@ USER_ERRORS = (
     ("moe_rl.rollout.launcher", "ServerStartError"),
     ("moe_rl.sync.transport", "WeightSyncError"),
     ("moe_rl.source.rollout_restart", "RolloutProcessError"),
+    ("moe_rl.exact.identity", "KernelIdentityError"),
 )
 
 

@@ -27,6 +27,7 @@ from moe_rl.exact.contract import SERVER_ENV, kernels_from_env, kernels_of
 __all__ = [
     "EXTRA_KEY",
     "IDENTITY_PATH",
+    "KernelIdentityError",
     "identity",
     "identity_mismatch",
     "learner_identity",
@@ -37,6 +38,10 @@ __all__ = [
 IDENTITY_PATH = "/moe_rl/kernel_identity"
 EXTRA_KEY = "kernel_identity"  # RolloutBatch.extra[EXTRA_KEY] = {server address: identity}
 MODE_ENV = "MOE_RL_TRUE_ON_POLICY"  # as moe_rl.exact.sglang_hooks.ENV (that module imports torch-heavy SGLang parts)
+
+
+class KernelIdentityError(RuntimeError):
+    """A server cannot say its kernel identity (the CLI prints the message as one line)."""
 
 
 def identity(kernels: Iterable[str], dtype: str, deterministic: bool) -> dict[str, str]:
@@ -66,7 +71,7 @@ def learner_identity(cfg) -> dict[str, str]:
 def served_identities(
     addresses: Sequence[str], headers: Mapping[str, str] | None = None, verify=True, timeout_s: float = 30.0
 ) -> dict:
-    """``{address: identity}`` of every server; RuntimeError naming the server when one cannot say."""
+    """``{address: identity}`` of every server; KernelIdentityError naming the server when one cannot say."""
     out = {}
     for address in addresses:
         try:
@@ -76,7 +81,7 @@ def served_identities(
             body, resp = None, err
         if not isinstance(body, dict) or not all(isinstance(v, str) for v in body.values()):
             why = f"HTTP {resp.status_code}: {resp.text[:200]}" if isinstance(resp, httpx.Response) else str(resp)
-            raise RuntimeError(
+            raise KernelIdentityError(
                 f"rollout.true_on_policy: server {address} does not report its kernel identity ({IDENTITY_PATH}: "
                 f"{why}); start it through moe_rl.rollout.sglang_entry (every server moe_rl launches does)"
             )

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from moe_rl.config import load_config
 from moe_rl.config.kernels import KERNELS
 from moe_rl.exact.contract import SERVER_ENV
-from moe_rl.exact.identity import identity_mismatch, learner_identity, server_identity
+from moe_rl.exact.identity import (
+    IDENTITY_PATH,
+    KernelIdentityError,
+    identity_mismatch,
+    learner_identity,
+    served_identities,
+    server_identity,
+)
 from moe_rl.rollout.sglang_entry import _flag_value
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
@@ -40,3 +48,9 @@ def test_a_difference_is_named_with_both_identities():
 def test_the_entry_reads_the_dtype_from_the_server_argv():
     assert _flag_value(["--model-path", "m", "--dtype", "bfloat16"], "--dtype") == "bfloat16"
     assert _flag_value(["--dtype=float32"], "--dtype") == "float32" and _flag_value([], "--dtype") is None
+
+
+def test_a_server_that_cannot_say_is_named():
+    """Nothing listens on port 1: one error naming the server and the endpoint, not an httpx traceback."""
+    with pytest.raises(KernelIdentityError, match=rf"server http://127.0.0.1:1 does not report .*{IDENTITY_PATH}"):
+        served_identities(["http://127.0.0.1:1"], timeout_s=5)
