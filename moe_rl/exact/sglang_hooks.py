@@ -112,7 +112,9 @@ def install(runner, kernels: frozenset[str] | None = None) -> list[str]:
 def _kept_set_sampler(sampler):
     """``Sampler.forward`` whose Keep Sampling Mask log-probs are ``kernels.kept_token_logprobs`` of the logits
     as they reach the sampler, over the kept sets it returns (upstream: ``log(p_y / sum of the kept p)``, an
-    order the learner cannot mirror). The stock forward still samples and builds the kept sets."""
+    order the learner cannot mirror). The stock forward still samples and builds the kept sets. A batch with a
+    custom logit processor or a watermark (logits changed before the sampler) raises ``TrueOnPolicyError``: the
+    copy taken here would not be what was sampled from."""
     stock = type(sampler).forward
 
     def forward(logits_output, sampling_info, *args, **kwargs):
