@@ -306,6 +306,7 @@ USER_ERRORS = (
     ("moe_rl.sync.transport", "WeightSyncError"),
     ("moe_rl.source.rollout_restart", "RolloutProcessError"),
     ("moe_rl.rollout.replies", "RolloutError"),  # a batch no server would generate (named with the reply)
+    ("moe_rl.exact.identity", "KernelIdentityError"),
 )
 
 

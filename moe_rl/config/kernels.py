@@ -17,5 +17,6 @@ KERNELS: dict[str, str] = {
     "activation": "SiLU with every element on torch's vector path",
     "router": "fp32 row-wise router logits; top-k of the logits, softmax over the k",
     "experts": "the routing weight scales the activation before w2; outputs summed in ascending expert id in fp32",
-    "log_softmax": "the learner's log-prob as log_softmax(logits / t) (SGLang's deterministic sampler)",
+    "log_softmax": "the log-prob: log_softmax(logits / t) on the learner (SGLang's deterministic sampler); under "
+    "Keep Sampling Mask, on both sides, log_softmax over the kept set (the other ids at -inf, the whole row)",
 }

@@ -30,6 +30,10 @@ How each op is made row-invariant (torch 2.13 CPU):
 * RMSNorm, rotary (rotate-half) and the log-softmax with temperature (``token_logprobs``):
   fixed formulas on top of the above; ``token_logprobs`` is SGLang's deterministic-sampler
   ``log_softmax(logits / t)``.
+* Keep Sampling Mask's renormalisation over the kept set (``kept_token_logprobs``): the same row-wise
+  ``log_softmax`` over the whole vocabulary row with every id outside the kept set at ``-inf``, so the
+  reduction length is the vocabulary's whatever the set's size (``exp(-inf)`` adds an exact zero). The
+  server's sampler (``sglang_hooks``) and the learner's KSM log-prob (``moe_rl.train.logprob``) both call it.
 
 Backward passes use ordinary kernels (gradients need not be bitwise; only forwards are compared).
 """
@@ -44,6 +48,7 @@ __all__ = [
     "add_rms_norm",
     "apply_rope",
     "attention",
+    "kept_token_logprobs",
     "linear",
     "moe_experts",
     "rms_norm",
@@ -215,3 +220,23 @@ def token_logprobs(logits: torch.Tensor, temperature: float | torch.Tensor = 1.0
     """Log-softmax over the vocabulary of ``logits / temperature`` (fp32), row-wise: SGLang's
     deterministic sampler computes exactly ``F.log_softmax(logits.div_(t), -1)``."""
     return F.log_softmax(logits.float() / temperature, dim=-1)
+
+
+def kept_token_logprobs(
+    logits: torch.Tensor, kept: torch.Tensor, targets: torch.Tensor, temperature: float | torch.Tensor = 1.0
+) -> torch.Tensor:
+    """Keep Sampling Mask's log-prob ``[N]`` (fp32) of ``targets[N]`` renormalised over each row's kept set:
+    ``log_softmax`` of ``logits[N, V] / temperature`` with the ids outside ``kept[N, V]`` (bool; the target is
+    always kept) at ``-inf``, over the whole row, read at the target. Differentiable w.r.t. ``logits``.
+    ``temperature``: a number or ``[N, 1]`` (the server's per-request temperatures)."""
+    if kept.shape != logits.shape or kept.dtype != torch.bool or targets.shape != logits.shape[:1]:
+        raise ValueError(
+            f"kept_token_logprobs: expected logits[N, V], kept[N, V] bool and targets[N]; got logits "
+            f"{tuple(logits.shape)}, kept {tuple(kept.shape)} {kept.dtype}, targets {tuple(targets.shape)}"
+        )
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    keep = kept.clone()
+    keep[rows, targets] = True
+    z = logits.float() / temperature
+    lsm = F.log_softmax(z.masked_fill(~keep, float("-inf")), dim=-1)
+    return lsm[rows, targets]

@@ -40,11 +40,6 @@ def true_on_policy_settings(cfg) -> Iterable[str]:
             f"rollout.deterministic=false {_WHY}: the server's log-probs come from the deterministic "
             "sampler's log_softmax(logits / t); expected true"
         )
-    if cfg.replay.keep_sampling_mask and (r.top_p < 1 or r.top_k != -1):
-        yield (
-            f"replay.keep_sampling_mask=true {_WHY}: the server renormalises over the kept set in its "
-            "sampler, which the learner does not mirror bit for bit; set it false"
-        )
     if r.partial and r.pause_mode == "in_place":
         yield (
             f"rollout.pause_mode='in_place' {_WHY}: the kept KV was computed by older weights; use 'retract' or 'abort'"

@@ -13,7 +13,10 @@ replaces, per module instance (no SGLang class is changed):
   ``return_routed_experts`` exactly as upstream) -> ``moe_experts``; dense MLP activations with ``swiglu``;
 * the torch-native attention backends' per-request SDPA with ``kernels.attention`` over the cache.
 
-The sampler is left as is: with ``--enable-deterministic-inference`` it returns
+* the sampler's Keep Sampling Mask log-prob (``selected_logprobs``, the sampled token renormalised over
+  its kept set) with ``kernels.kept_token_logprobs`` over the kept set SGLang returns.
+
+The sampling itself is left as is: with ``--enable-deterministic-inference`` it returns
 ``log_softmax(logits / t)`` (``kernels.token_logprobs``). Anything this module cannot make exact
 (another attention backend, a rope variant, biases, unnormalised top-k) raises ``TrueOnPolicyError``
 at start-up, naming the module, instead of serving inexact log-probs.
@@ -87,6 +90,10 @@ def install(runner, kernels: frozenset[str] | None = None) -> list[str]:
         elif hasattr(mod, "forward_normal") and hasattr(mod, "gate") and hasattr(mod, "experts") and on & MOE:
             mod.forward_normal = _moe_forward(mod, name, router="router" in on, experts="experts" in on)
             hooked("moe")
+    sampler = getattr(runner, "sampler", None)
+    if "log_softmax" in on and sampler is not None:
+        sampler.forward = _kept_set_sampler(sampler)
+        hooked("kept_set_logprobs")
     if "attention" not in on:
         return [f"{k}: {v}" for k, v in sorted(counts.items())]
     backends = [runner.attn_backend, getattr(runner, "decode_attn_backend", None)]
@@ -100,6 +107,34 @@ def install(runner, kernels: frozenset[str] | None = None) -> list[str]:
         backend._run_sdpa_forward_decode = _sdpa_decode
         hooked("attention_backend")
     return [f"{k}: {v}" for k, v in sorted(counts.items())]
+
+
+def _kept_set_sampler(sampler):
+    """``Sampler.forward`` whose Keep Sampling Mask log-probs are ``kernels.kept_token_logprobs`` of the logits
+    as they reach the sampler, over the kept sets it returns (upstream: ``log(p_y / sum of the kept p)``, an
+    order the learner cannot mirror). The stock forward still samples and builds the kept sets. A batch with a
+    custom logit processor or a watermark (logits changed before the sampler) raises ``TrueOnPolicyError``: the
+    copy taken here would not be what was sampled from."""
+    stock = type(sampler).forward
+
+    def forward(logits_output, sampling_info, *args, **kwargs):
+        rows = sampling_info.sampling_mask_batch_indices
+        if rows is None or sampling_info.is_all_greedy:  # no kept sets, or a kept set of one token (log-prob 0)
+            return stock(sampler, logits_output, sampling_info, *args, **kwargs)
+        if sampling_info.has_custom_logit_processor or kwargs.get("logprob_logits") is not None:
+            raise TrueOnPolicyError("custom logit processors / watermarks are not covered by the exact kernels")
+        logits = logits_output.next_token_logits.index_select(0, rows)  # a copy: the sampler overwrites them
+        ids = stock(sampler, logits_output, sampling_info, *args, **kwargs)
+        out = logits_output.sampling_mask_output
+        if out is not None:
+            width = out.token_ids.shape[-1]
+            listed = torch.arange(width, device=logits.device)[None, :] < out.lengths[:, None].long()
+            kept = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, out.token_ids.long(), listed)
+            temperatures = sampling_info.temperatures.index_select(0, rows)
+            out.selected_logprobs = K.kept_token_logprobs(logits, kept, ids.index_select(0, rows).long(), temperatures)
+        return ids
+
+    return forward
 
 
 def _exact_linear_apply(layer, x, bias=None):

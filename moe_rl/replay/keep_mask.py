@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-__all__ = ["KeepMaskResult", "KeptSets", "VocabShard", "keep_mask_logprobs"]
+__all__ = ["KeepMaskResult", "KeptSets", "VocabShard", "keep_mask_logprobs", "kept_mask"]
 
 
 @dataclass(frozen=True)
@@ -110,6 +110,18 @@ class VocabShard:
             return torch.logsumexp(z, dim=-1)
         m = self.max(z.amax(dim=-1))
         return torch.log(self.sum(torch.exp(z - m[:, None]).sum(dim=-1))) + m
+
+
+def kept_mask(kept: KeptSets, vocab_size: int, device=None) -> torch.Tensor:
+    """``bool [N, vocab_size]``: True at each row's kept ids; an empty row (no truncation) is all True.
+    The input of ``moe_rl.exact.kernels.kept_token_logprobs`` (Keep Sampling Mask under true-on-policy)."""
+    device = kept.ids.device if device is None else device
+    lengths = kept.offsets.diff().to(device)
+    rows = torch.arange(kept.num_rows, device=device)
+    mask = torch.zeros(kept.num_rows, vocab_size, dtype=torch.bool, device=device)
+    mask[lengths == 0] = True
+    mask[torch.repeat_interleave(rows, lengths), kept.ids.to(device=device, dtype=torch.int64)] = True
+    return mask
 
 
 def _check(

@@ -20,6 +20,9 @@ be used in a forked child.
 
 A server whose launcher is gone stops itself and its children (``moe_rl.rollout.orphan_guard``, started
 first thing in ``main`` when ``MOE_RL_PARENT_PID`` is set).
+
+Every server also answers ``GET /moe_rl/kernel_identity`` (``moe_rl.exact.identity``: torch build, CPU capability,
+the true-on-policy items, dtype, deterministic inference), which the learner compares with its own.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import multiprocessing
 import os
 import sys
 
+from moe_rl.exact.identity import IDENTITY_PATH, server_identity
 from moe_rl.rollout.orphan_guard import ENV as ORPHAN_ENV
 from moe_rl.rollout.orphan_guard import watch_parent
 
@@ -84,6 +88,23 @@ def _redacting(log_view, secrets: tuple[str, ...]):
     return view
 
 
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _serve_identity(app, sglang_argv: list[str]) -> None:
+    """``GET IDENTITY_PATH`` on SGLang's app: this server's kernel identity (no secret in it)."""
+    ident = server_identity(
+        _flag_value(sglang_argv, "--dtype") or "auto", "--enable-deterministic-inference" in sglang_argv
+    )
+    app.add_api_route(IDENTITY_PATH, lambda: ident, methods=["GET"])
+
+
 def main(argv: list[str] | None = None) -> None:
     if parent := os.environ.get(ORPHAN_ENV):  # set by the launcher: go down with it (moe_rl.rollout.orphan_guard)
         watch_parent(int(parent))
@@ -96,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from sglang.launch_server import run_server  # noqa: PLC0415 -- SGLang is optional (the rollout engine), heavy to import
     from sglang.srt.entrypoints import engine  # noqa: PLC0415 -- SGLang is optional (the rollout engine), heavy to import
+    from sglang.srt.entrypoints.http_server import app  # noqa: PLC0415 -- SGLang is optional (the rollout engine), heavy to import
     from sglang.srt.plugins import load_plugins  # noqa: PLC0415 -- SGLang is optional (the rollout engine), heavy to import
     from sglang.srt.server_args import prepare_server_args  # noqa: PLC0415 -- SGLang is optional (the rollout engine), heavy to import
     from sglang.srt.utils import kill_process_tree  # noqa: PLC0415 -- SGLang is optional (the rollout engine), heavy to import
@@ -105,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     engine._server_args_for_logging = _redacting(engine._server_args_for_logging, tuple(keys.values()))
     load_plugins()
     server_args = prepare_server_args(sglang_argv)
+    _serve_identity(app, sglang_argv)
     for field, value in keys.items():
         setattr(server_args, field, value)
     try:

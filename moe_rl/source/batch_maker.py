@@ -7,7 +7,9 @@ hold, version ``v`` (``v = s`` in sync mode, ``s - k <= v <= s`` in async mode);
 retries on a mismatch or foreign weights, at most ``rollout.max_foreign_syncs`` in a row; restarts of dead servers;
 a re-sync pushes the version the learner's weights are then, which the rest of the batch carries: newer, never
 past ``s``); each token's version goes to ``token_versions``; the batch is stamped with this run's provenance,
-checked against the model and written atomically to ``<records_dir>/step_<s>.safetensors``.
+checked against the model and written atomically to ``<records_dir>/step_<s>.safetensors``. Under
+``rollout.true_on_policy`` the batch also carries every server's kernel identity (``moe_rl.exact.identity``), which
+each learner rank compares with its own when it loads the records.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from moe_rl.exact.identity import EXTRA_KEY, served_identities
 from moe_rl.records import RolloutBatch
+from moe_rl.rollout.auth import tls
 from moe_rl.rollout.partial import PartialCounters
 from moe_rl.source.step_samples import round_group_ids
 from moe_rl.sync.integrity import generate_checked
@@ -86,5 +90,7 @@ class BatchMaker:
             sample_metrics = sample_metrics | counters.drain()
         if sample_metrics:
             batch.extra["reward_metrics"] = sample_metrics  # travels with the records to every rank
+        if self.cfg.rollout.true_on_policy:  # the servers' kernel identities, checked by every rank (step_records)
+            batch.extra[EXTRA_KEY] = served_identities(client.addresses, client.headers, tls())
         batch.validate(self.cfg.model)
         return batch.save(records_path(self.records_dir, step))  # persisted before it is trained on

@@ -3,7 +3,9 @@
 Owns the choice between the full-vocabulary softmax and the kept-set renormalisation and the
 matching entropy: under Keep Sampling Mask both the log-prob and the entropy are over the
 rollout's kept set, so μ, π_old and π_θ all live on the same truncated support (seed 000,
-"Keep Sampling Mask"). Pad tokens are passed to Megatron as ``padding_mask``.
+"Keep Sampling Mask"). Under ``rollout.true_on_policy`` the kept-set log-prob is the server's own
+kernel (``moe_rl.exact.kernels.kept_token_logprobs``), so it equals the rollout's bit for bit.
+Pad tokens are passed to Megatron as ``padding_mask``.
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ from __future__ import annotations
 import torch
 from megatron.core import parallel_state as ps
 
+from moe_rl.exact.kernels import kept_token_logprobs
 from moe_rl.learner.logprobs import logprobs_from_logits, uses_exact
 from moe_rl.learner.model import forward_logits
-from moe_rl.replay.keep_mask import KeptSets, keep_mask_logprobs
+from moe_rl.replay.keep_mask import KeptSets, keep_mask_logprobs, kept_mask
 
 __all__ = ["kept_set_entropy", "make_logprob_fn"]
 
@@ -73,7 +76,10 @@ def make_logprob_fn(keep_sampling_mask: bool, with_entropy: bool):
         B, T, V = logits.shape
         targets = mb["targets"].clamp(min=0).reshape(-1)  # pad targets (-1) are outside the loss mask
         flat = logits.reshape(B * T, V)
-        logp = keep_mask_logprobs(flat, targets, mb["kept"], temperature, tp_group=_tp_group()).logp.view(B, T)
+        if uses_exact(model):  # the server's kernel (exact mode refuses tp > 1: the logits are whole)
+            logp = kept_token_logprobs(flat, kept_mask(mb["kept"], V, flat.device), targets, temperature).view(B, T)
+        else:
+            logp = keep_mask_logprobs(flat, targets, mb["kept"], temperature, tp_group=_tp_group()).logp.view(B, T)
         logp = torch.where(mb["targets"] >= 0, logp, torch.zeros_like(logp))
         entropy = kept_set_entropy(flat, targets, mb["kept"], temperature).view(B, T) if with_entropy else None
         return logp, entropy

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.moe.moe_utils import permute, unpermute
 
 from moe_rl.exact import kernels as K
+from moe_rl.replay.keep_mask import KeptSets, keep_mask_logprobs, kept_mask
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -120,3 +121,34 @@ def test_bf16_top8_combine_equals_megatron_unpermute():
         start += n
     megatron = unpermute(torch.cat(rows), sorted_indices, restore_shape=x.shape)
     assert torch.equal(K.moe_experts(x, weights, ids, w13, w2), megatron)
+
+
+def test_kept_set_logprobs_are_row_invariant_and_renormalise_over_the_kept_set(device):
+    """Keep Sampling Mask's kernel: a batch (the learner, a number for the temperature) equals one row at a time
+    (the server's decode, a ``[1, 1]`` temperature tensor) bit for bit; it is the renormalised log-prob (float64
+    reference, and ``keep_mask_logprobs`` to an ulp or so); the target joins its kept set; an empty kept set is
+    the whole vocabulary, exactly ``token_logprobs``; the gradient reaches the kept ids only."""
+    g = torch.Generator().manual_seed(4)
+    logits = (3 * torch.randn(23, 96, generator=g)).to(device)
+    sets = [torch.topk(logits[i], 1 + i % 20).indices.tolist() for i in range(23)]
+    targets = torch.tensor([s[i % len(s)] for i, s in enumerate(sets)], device=device)
+    targets[5] = int(torch.argmin(logits[5]))  # outside its set: kept anyway
+    sets[7] = []  # no truncation
+    kept = KeptSets.from_lists(sets, device=device)
+    mask = kept_mask(kept, 96)
+    assert mask.device == logits.device and mask[7].all() and int(mask[3].sum()) == 4
+    got = K.kept_token_logprobs(logits, mask, targets, 0.7)
+    one_t = torch.tensor([[0.7]], device=device)
+    rows = [K.kept_token_logprobs(logits[i : i + 1], mask[i : i + 1], targets[i : i + 1], one_t) for i in range(23)]
+    assert torch.equal(got, torch.cat(rows))
+    assert got[7] == K.token_logprobs(logits[7:8], 0.7)[0, targets[7]]
+    z = logits.double().cpu() / 0.7
+    for i in range(23):
+        ids = sorted(set(sets[i]) | {int(targets[i])}) if sets[i] else list(range(96))
+        ref = z[i, targets[i]] - torch.logsumexp(z[i, ids], 0)
+        assert abs(float(got[i]) - float(ref)) < 1e-5, i
+    stock = keep_mask_logprobs(logits, targets, kept, 0.7).logp
+    assert (got - stock).abs().max() < 1e-5
+    leaf = logits.clone().requires_grad_(True)
+    K.kept_token_logprobs(leaf, mask, targets, 0.7).sum().backward()
+    assert torch.isfinite(leaf.grad).all() and not leaf.grad[3][~mask[3]].any() and leaf.grad[3][mask[3]].any()

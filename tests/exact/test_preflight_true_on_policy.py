@@ -20,11 +20,18 @@ def test_the_gate_settings_pass():
     assert config_problems(load_config(TINY, [*OK, *bf16, "rollout.weight_sync=disk"])).problems == []
 
 
+def test_tiny_as_shipped_with_keep_sampling_mask_and_its_truncating_sampler_passes():
+    """KSM on with top-p 0.95 / top-k 20 (tiny_cpu as shipped): both sides renormalise over the kept set with
+    one kernel (``kernels.kept_token_logprobs``), so the preflight no longer refuses it."""
+    cfg = load_config(TINY, ["rollout.true_on_policy=true", "rollout.dtype=float32"])
+    assert cfg.ksm_active and cfg.rollout.top_p < 1 and cfg.rollout.top_k == 20
+    assert config_problems(cfg).problems == []
+
+
 @pytest.mark.parametrize(
     "override, named",
     [
         ("rollout.dtype=bfloat16", "rollout.dtype='bfloat16' with precision.params_dtype='float32'"),
-        ("replay.keep_sampling_mask=true", "replay.keep_sampling_mask=true"),
         ("rollout.deterministic=false", "rollout.deterministic=false"),
         ("rollout.weight_quantization=fp8_e4m3", "rollout.weight_quantization='fp8_e4m3'"),
         ("parallel.tp=2", "parallel.tp=2"),

@@ -13,11 +13,21 @@ true-on-policy server of the module (``rollout.addresses``), each pushing its ow
 
 The check can fail: ``test_one_stock_kernel_breaks_equality`` recomputes step 0's saved records with
 the exact learner (bit-equal) and with one kernel swapped back to Megatron's stock one (non-zero).
+
+Keep Sampling Mask: tiny_cpu as shipped (KSM on, top-p 0.95, top-k 20, R3) in fp32 on the same server,
+2 sync steps: the kept-set log-probs (``output_token_sampling_logprobs``, the rollout's μ under KSM) come
+from ``kernels.kept_token_logprobs`` on both sides; the learner's stock renormalisation
+(``keep_mask_logprobs``) on the same exact logits is shown not to be bit-equal.
+
+Kernel identity guard: a learner forced onto ATen's ``default`` CPU kernels against the same server refuses
+step 0's records, naming both identities (``moe_rl.exact.identity``).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -28,11 +38,14 @@ from megatron.core.transformer.moe.router import TopKRouter
 from safetensors import safe_open
 
 from moe_rl.config import load_config
+from moe_rl.exact.identity import learner_identity, served_identities
+from moe_rl.exact.kernels import kept_token_logprobs
 from moe_rl.learner.exact_spec import ExactRowParallelLinear
 from moe_rl.learner.hf_init import write_random_hf_checkpoint
 from moe_rl.learner.logprobs import response_logprobs
-from moe_rl.learner.model import build_model
+from moe_rl.learner.model import build_model, forward_logits
 from moe_rl.records import RolloutBatch
+from moe_rl.replay.keep_mask import KeptSets, keep_mask_logprobs, kept_mask
 from moe_rl.rollout.launcher import SGLangServer
 from moe_rl.rollout.server_spec import ServerSpec
 from moe_rl.train.metrics_log import read_metrics
@@ -244,3 +257,66 @@ def test_one_stock_kernel_breaks_equality(tiny_run, megatron_world):
     for m in swapped:  # the attention output projection back to Megatron's stock (BLAS) matmul
         m.__class__ = RowParallelLinear
     assert max_abs_diff(model) > 0.0
+
+
+@pytest.fixture(scope="module")
+def ksm_run(tmp_path_factory, tiny_server):
+    """tiny_cpu as shipped (KSM on, top-p 0.95, top-k 20, R3) + the gate's fp32 true-on-policy settings, ep=1,
+    sync, 2 steps, on the module's server (its own weights pushed at its start)."""
+    out = tmp_path_factory.mktemp("tiny_ksm_exact")
+    return out, _train(out, "tiny_cpu.yaml", "replay.keep_sampling_mask=true", f"rollout.addresses=[{tiny_server}]")
+
+
+def test_tiny_fp32_keep_sampling_mask_with_top_p_and_top_k_is_exact(ksm_run, megatron_world):
+    """The four metrics are 0.0 at both steps with the learner renormalising over the rollout's kept sets;
+    step 0's kept sets are real truncations (1..20 of 64 ids), and recomputed offline by the step-0 learner the
+    kept-set log-probs equal the server's through the shared kernel but not through the stock renormalisation
+    (``keep_mask_logprobs``: the same sum, in another order) on the same logits."""
+    out, metrics = ksm_run
+    _assert_exact(metrics)
+    model, temperature = _policy(out, 0)
+    samples = RolloutBatch.load(out / "rollouts" / "step_000000.safetensors").samples()
+    sizes = [len(m) for s in samples for m in s.sampling_mask]
+    assert 1 <= min(sizes) and max(sizes) <= 20 < model.vocab_size, sizes
+    stock_worst = 0.0
+    for s in samples:
+        tokens = torch.as_tensor(list(s.prompt_ids) + list(s.response_ids), dtype=torch.long)[None]
+        with torch.no_grad():
+            logits = forward_logits(model, tokens[:, :-1])[0, len(s.prompt_ids) - 1 :]
+        targets = tokens[0, len(s.prompt_ids) :]
+        kept = KeptSets.from_lists([m.tolist() for m in s.sampling_mask])
+        mu = torch.as_tensor(s.sampling_logp, dtype=torch.float32)
+        shared = kept_token_logprobs(logits, kept_mask(kept, logits.shape[-1]), targets, temperature)
+        assert torch.equal(shared, mu), (s.group_id, (shared - mu).abs().max().item())
+        stock = keep_mask_logprobs(logits, targets, kept, temperature).logp
+        stock_worst = max(stock_worst, (stock - mu).abs().max().item())
+    assert stock_worst > 0.0
+
+
+def test_a_learner_on_another_cpu_capability_refuses_the_batch_naming_both_identities(tmp_path, tiny_server):
+    """The kernel identity guard: a learner forced onto ATen's ``default`` CPU kernels (ATEN_CPU_CAPABILITY, read
+    at torch's start) against the module's server on this machine's own capability. First the two identities are
+    shown to differ (the server's from its endpoint, the learner's from a process with the variable set); then
+    ``moe-rl train`` with the variable refuses step 0's records with one line naming both."""
+    served = served_identities([tiny_server])[tiny_server]
+    if served["cpu_capability"] == "DEFAULT":
+        pytest.skip("this machine's torch already runs the default CPU kernels: no other capability to force")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "1"}
+    probe = (
+        "import json, sys; from moe_rl.config import load_config; from moe_rl.exact.identity import learner_identity; "
+        "print(json.dumps(learner_identity(load_config(sys.argv[1], sys.argv[2:]))))"
+    )
+    cfg_args = [str(ROOT / "configs" / "tiny_cpu.yaml"), *GATE]
+    out = subprocess.run([sys.executable, "-c", probe, *cfg_args], env=env, capture_output=True, text=True, check=True)
+    learner = json.loads(out.stdout.strip().splitlines()[-1])
+    here = learner_identity(load_config(ROOT / "configs" / "tiny_cpu.yaml", GATE))
+    assert learner["cpu_capability"] == "DEFAULT" and served == here  # the server agrees with an unforced learner
+    assert {k for k in served if served[k] != learner[k]} == {"cpu_capability"}
+    cmd = [sys.executable, "-m", "moe_rl.cli", "train", *cfg_args, f"train.output_dir={tmp_path / 'run'}"]
+    cmd.append(f"rollout.addresses=[{tiny_server}]")
+    proc, output = run_to_file(cmd, tmp_path / "console.txt", timeout=600, env=env)
+    assert proc.returncode != 0
+    named = f"cpu_capability: server {served['cpu_capability']!r} vs learner 'DEFAULT'"
+    line = next((x for x in output.splitlines() if "made under another kernel identity" in x), "")
+    assert named in line and "step_000000.safetensors" in line and f"server {tiny_server}" in line, output[-3000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not read_metrics(tmp_path / "run" / "metrics.jsonl")
