@@ -93,6 +93,15 @@ class RolloutBatch:
     held: np.ndarray | None = field(default=None, compare=False)  # int64: the samples whose LOCAL rows it holds
     format_version: int | None = field(default=None, compare=False)  # of the file it was loaded from
 
+    def position(self, i: int) -> int:
+        """Where sample ``i``'s LOCAL rows sit among the held samples (``i`` when all are held)."""
+        if self.held is None:
+            return int(i)
+        where = np.flatnonzero(self.held == i)
+        if not where.size:
+            raise RecordError(f"sample {i} is not among the samples this batch holds (a rank's share)")
+        return int(where[0])
+
     def held_lens(self, lens: np.ndarray) -> np.ndarray:
         """Per-sample ``lens`` of the held samples, in the order their rows are held."""
         return lens if self.held is None else lens[self.held]
@@ -148,12 +157,7 @@ class RolloutBatch:
 
     def sample(self, i: int) -> RolloutSample:
         """View of sample ``i`` (arrays are views into the batch, not copies); a sample not held is refused."""
-        k = i
-        if self.held is not None:
-            where = np.flatnonzero(self.held == i)
-            if not where.size:
-                raise RecordError(f"sample {i} is not among the samples this batch holds (a rank's share)")
-            k = int(where[0])
+        k = self.position(i)
         p, q = _offsets(self.held_lens(self.prompt_lens)), _offsets(self.held_lens(self.route_lens))
         r, rk = _offsets(self.response_lens), _offsets(self.held_lens(self.response_lens))
         masks = None

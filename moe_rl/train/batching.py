@@ -101,9 +101,11 @@ def _kept_sets(batch: RolloutBatch, ids, prompt_lens, T: int) -> KeptSets:
     """Kept sets over the ``B*T`` flattened target rows (empty row = full softmax)."""
     lengths = np.zeros(len(ids) * T, dtype=np.int64)
     chunks = []
-    offsets_all = _response_offsets(batch)
+    held = np.zeros(len(batch.held_lens(batch.response_lens)) + 1, dtype=np.int64)  # the kept sets' rows
+    np.cumsum(batch.held_lens(batch.response_lens), out=held[1:])
     for b, i in enumerate(ids):
-        r0, r1 = offsets_all[i], offsets_all[i + 1]
+        k = batch.position(i)
+        r0, r1 = held[k], held[k + 1]
         offs = batch.mask_offsets[r0 : r1 + 1]
         row0 = b * T + int(prompt_lens[b]) - 1
         lengths[row0 : row0 + (r1 - r0)] = np.diff(offs)

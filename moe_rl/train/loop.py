@@ -13,9 +13,9 @@ run repeats an uninterrupted one):
    sync mode, by a producer thread running up to ``train.max_staleness`` steps ahead in async mode;
    ``moe_rl.source.batch_maker``: prompts from the prompt stream, generation on SGLang with routes,
    masks and log-probs, rewards, ``<run>/rollouts/step_<s>.safetensors`` saved before anything trains
-   on it); every rank loads it (``StepRecords``: the bytes rank 0 wrote,
-   checked against the model). With ``train.rollouts_from: DIR`` the records are read from ``DIR``
-   instead (no server);
+   on it); every rank loads its share of it (``StepRecords``: the file rank 0 wrote, the samples the
+   step plan gives the rank, each chunk checked, checked against the model). With
+   ``train.rollouts_from: DIR`` the records are read from ``DIR`` instead (no server);
 2. GRPO/RLOO advantages; the step plan; in decoupled mode the old-log-prob pass;
 3. ``minibatches_per_step`` optimizer steps (times ``epochs_per_step``) under the replay driver;
 4. export HF weights, push them to every server (``moe_rl.train.weight_push``; in async mode once the

@@ -10,12 +10,14 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 
 from moe_rl.cli import main
 from moe_rl.config import load_config
 from moe_rl.records import RecordError, RolloutBatch
 from moe_rl.records.chunks import RecordsFile
 from moe_rl.records.share import load_share
+from moe_rl.train.batching import build_microbatch, kept_set_outside_fraction
 from moe_rl.train.plan import plan_step
 from tests.train.records_fixture import CONFIG, RECORDS, ROOT, SHAPE
 
@@ -110,3 +112,23 @@ def test_format_2_records_still_read_and_inspect(capsys):
         load_share(FORMAT2, num_samples=32)
     with pytest.raises(RecordError, match=r"has 16 samples; the config asks for 32 \(train.prompts_per_step"):
         load_share(STEP0, [0], num_samples=32)
+
+
+def test_a_shares_microbatches_are_the_whole_files(device):
+    """What the learner builds from a rank's share (ids, targets, μ, kept sets, routes) is what it builds from
+    the whole file for those samples."""
+    whole = RolloutBatch.load(STEP0)
+    ids = _share(1, 1)
+    share = load_share(STEP0, ids, shared=KSM_SHARED).batch
+    adv = torch.arange(16, dtype=torch.float32)
+    for group in (ids[:2], ids[2:5], ids[::-1]):
+        a, b = (
+            build_microbatch(x, group, adv, num_experts=8, kept_logp=True, with_kept_sets=True, device=device)
+            for x in (whole, share)
+        )
+        for key in ("input_ids", "targets", "mask", "rollout_logp", "advantages"):
+            assert torch.equal(a.tensors[key], b.tensors[key]), key
+        assert torch.equal(a.tensors["kept"].ids, b.tensors["kept"].ids)
+        assert torch.equal(a.tensors["kept"].offsets, b.tensors["kept"].offsets)
+        assert torch.equal(a.routes.rollout, b.routes.rollout)
+    assert kept_set_outside_fraction(share) == kept_set_outside_fraction(load_share(STEP0, ids).batch)
