@@ -129,14 +129,15 @@ def _refuse(chunk: str, got: str, want) -> None:
     )
 
 
-def _check_index(chunks, n: int) -> dict:
+def _check_index(chunks, n: int | None = None) -> dict:
     if not (
         isinstance(chunks, dict)
         and isinstance(chunks.get("shared"), dict)
         and isinstance(chunks.get("samples"), list)
-        and len(chunks["samples"]) == n
+        and (n is None or len(chunks["samples"]) == n)
     ):
-        raise RecordError(f"metadata chunks must hold 'meta', 'shared' and one 'samples' digest per sample ({n})")
+        each = "one 'samples' digest per sample" + ("" if n is None else f" ({n})")
+        raise RecordError(f"format 3 metadata must hold chunks with 'meta', 'shared' and {each}")
     return chunks
 
 
@@ -202,7 +203,8 @@ class RecordsFile:
             begin, end = (int(x) for x in spec["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise RecordError(f"tensor {name!r} has a malformed header entry {spec!r}") from None
-        if min(shape, default=0) < 0 or end - begin != int(np.prod(shape)) * dtype.itemsize or base + end > self.size:
+        size = int(np.prod(shape)) * dtype.itemsize
+        if min(shape, default=0) < 0 or begin < 0 or end - begin != size or base + end > self.size:
             raise RecordError(f"tensor {name!r}: its header entry does not fit the file ({spec!r})")
         return dtype, shape, base + begin
 
@@ -229,6 +231,7 @@ class RecordsFile:
     def shared(self, meta: dict, names=SHARED) -> dict[str, np.ndarray]:
         """The per-sample arrays and the shared per-token arrays ``names`` (those the file has), each chunk
         checked against ``meta["chunks"]``."""
+        _check_index(meta.get("chunks"))
         if (d := _meta_digest(meta)) != meta["chunks"].get("meta"):
             _refuse("meta", d, meta["chunks"].get("meta"))
         arrays = {k: self.whole(k) for k in (*PER_SAMPLE, *names) if k in self}

@@ -11,6 +11,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from safetensors.numpy import load_file, save_file
 
 from moe_rl.cli import main
 from moe_rl.config import load_config
@@ -132,3 +133,15 @@ def test_a_shares_microbatches_are_the_whole_files(device):
         assert torch.equal(a.tensors["kept"].offsets, b.tensors["kept"].offsets)
         assert torch.equal(a.routes.rollout, b.routes.rollout)
     assert kept_set_outside_fraction(share) == kept_set_outside_fraction(load_share(STEP0, ids).batch)
+
+
+def test_format_3_metadata_without_its_chunk_index_is_refused(tmp_path):
+    data = STEP0.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    meta = json.loads(json.loads(data[8 : 8 + size])["__metadata__"]["moe_rl"])
+    del meta["chunks"]
+    path = tmp_path / "no_index.safetensors"
+    save_file(load_file(str(STEP0)), str(path), metadata={"moe_rl": json.dumps(meta)})
+    for load in (lambda: load_share(path, [0]), lambda: RolloutBatch.load(path)):
+        with pytest.raises(RecordError, match=f"{path}: format 3 metadata must hold chunks with 'meta', 'shared'"):
+            load()
