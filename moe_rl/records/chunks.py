@@ -189,7 +189,7 @@ class RecordsFile:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _pread(self, offset: int, size: int) -> bytes:
+    def _pread(self, offset: int, size: int) -> bytes:  # the header
         data = os.pread(self._fd, size, offset)
         if len(data) != size:
             raise RecordError(f"truncated: {size} bytes at offset {offset} asked, {len(data)} read")
@@ -214,14 +214,21 @@ class RecordsFile:
     def shape(self, name: str) -> tuple[int, ...]:
         return self._tensors[name][1]
 
-    def rows(self, name: str, start: int, stop: int) -> np.ndarray:
-        """Rows ``[start, stop)`` (along dim 0) of array ``name``, read from the file."""
+    def rows(self, name: str, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows ``[start, stop)`` (along dim 0) of array ``name``, read from the file (into ``out``, a C-contiguous
+        array of those rows' shape and dtype, when given: no second copy)."""
         dtype, shape, at = self._tensors[name]
         if not shape or not 0 <= start <= stop <= shape[0]:
             raise RecordError(f"{name} has shape {list(shape)}; rows [{start}, {stop}) asked")
         row = int(np.prod(shape[1:])) * dtype.itemsize
-        data = self._pread(at + start * row, (stop - start) * row)
-        return np.frombuffer(data, dtype=dtype).reshape((stop - start, *shape[1:]))
+        if out is None:
+            out = np.empty((stop - start, *shape[1:]), dtype)
+        size = (stop - start) * row
+        got = os.preadv(self._fd, [memoryview(out).cast("B")], at + start * row) if size else 0
+        if got != size:
+            raise RecordError(f"truncated: {size} bytes at offset {at + start * row} asked, {got} read")
+        self.bytes_read += size
+        return out
 
     def whole(self, name: str) -> np.ndarray:
         if not self.shape(name):
@@ -245,31 +252,46 @@ class RecordsFile:
 
     def samples(self, ids, prompt_lens: np.ndarray, response_lens: np.ndarray, meta: dict) -> dict[str, np.ndarray]:
         """Local arrays of samples ``ids`` (in that order, back to back; ``mask_offsets`` rebased to this
-        selection), each sample's chunk checked against ``meta["chunks"]["samples"]``."""
+        selection), each sample's chunk checked against ``meta["chunks"]["samples"]``. The rows are read
+        straight into the arrays returned (the kept sets' offsets first, to size them)."""
         spans, want = local_spans(prompt_lens, response_lens), _check_index(meta["chunks"], len(prompt_lens))
         names = [k for k in LOCAL if k in self]
-        parts: dict[str, list[np.ndarray]] = {k: [] for k in names}
-        base = 0
+        offs: dict[int, np.ndarray] = {}  # per sample: its mask_offsets rows (one more than its tokens)
+        try:
+            for i in ids if "mask_offsets" in names else ():
+                o = spans["mask_offsets"]
+                offs[i] = self.rows("mask_offsets", int(o[i]), int(o[i + 1]) + 1)
+                if offs[i][-1] < offs[i][0]:
+                    raise RecordError("mask_offsets decrease")
+        except RecordError as exc:
+            raise RecordError(f"chunk 'sample {i}': {exc}") from None
+
+        def extent(name: str, i: int) -> tuple[int, int]:
+            if name == "mask_ids":
+                return int(offs[i][0]), int(offs[i][-1])
+            return int(spans[name][i]), int(spans[name][i + 1])
+
+        out, pos = {}, dict.fromkeys(names, 0)
+        for name in names:
+            if name != "mask_offsets":
+                rows = sum(b - a for a, b in (extent(name, i) for i in ids))
+                out[name] = np.empty((rows, *self.shape(name)[1:]), self._tensors[name][0])
         for i in ids:
-            got: dict[str, np.ndarray] = {}
+            parts = []
             try:
                 for name in names:
-                    if name == "mask_ids":
-                        mo = got["mask_offsets"]
-                        got[name] = self.rows(name, int(mo[0]), int(mo[-1]))
-                    else:
-                        o = spans[name]
-                        got[name] = self.rows(name, int(o[i]), int(o[i + 1]) + (name == "mask_offsets"))
+                    if name == "mask_offsets":
+                        parts.append(offs[i])
+                        continue
+                    a, b = extent(name, i)
+                    parts.append(self.rows(name, a, b, out[name][pos[name] : pos[name] + b - a]))
+                    pos[name] += b - a
             except RecordError as exc:
                 raise RecordError(f"chunk 'sample {i}': {exc}") from None
-            if (d := digest(*(got[k] for k in names))) != want["samples"][i]:
+            if (d := digest(*parts)) != want["samples"][i]:
                 _refuse(f"sample {i}", d, want["samples"][i])
-            for name in names:
-                part = got[name]
-                if name == "mask_offsets":
-                    part, base = part[:-1] - part[0] + base, base + int(part[-1] - part[0])
-                parts[name].append(part)
-        out = {k: np.concatenate(v) if v else self.rows(k, 0, 0) for k, v in parts.items()}
-        if "mask_offsets" in out:
-            out["mask_offsets"] = np.append(out["mask_offsets"].astype(np.int64), base)
+        if "mask_offsets" in names:  # rebased: the held samples' kept sets back to back
+            sizes = [np.diff(offs[i]) for i in ids]
+            flat = np.concatenate(sizes) if sizes else np.zeros(0, np.int64)
+            out["mask_offsets"] = np.concatenate([[0], np.cumsum(flat)]).astype(np.int64)
         return out
