@@ -6,6 +6,11 @@ and ``R`` response tokens, ``tokens = prompt ++ response`` and the learner's inp
 ``tokens[:-1]`` (it scores ``tokens[1:]``). Route row ``t`` is the routing of input
 position ``t``, so a sample has exactly ``P + R - 1`` route rows: the last generated
 token is never forwarded, by the engine or by the learner, so it has no route.
+
+A batch may hold only some samples' token rows (``held``: a data-parallel rank's share, read by
+``share.load_share``): the per-sample arrays and the per-response-token ``SHARED`` arrays (``chunks.py``)
+are whole, the ``LOCAL`` ones hold the held samples' rows back to back; ``sample(i)`` of another sample
+is refused.
 """
 
 from __future__ import annotations
@@ -23,11 +28,13 @@ from safetensors.numpy import load as load_bytes
 from safetensors.numpy import save_file
 
 from moe_rl.records.batch_checks import validate_batch
+from moe_rl.records.chunks import RecordMismatch, chunk_index, digest, verify_chunks
 from moe_rl.records.routes import RecordError, compact_routes, route_dtype
 from moe_rl.records.versions import stack_token_versions
 
-FORMAT_VERSION = 2  # 2: optional provenance arrays (dataset rows, token versions, fingerprint)
-READABLE_VERSIONS = (1, 2)  # format 1 files load: every format-2 addition is optional
+# 2: optional provenance arrays (dataset rows, token versions, fingerprint); 3: a digest per chunk (chunks.py)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)  # format 1-2 files load whole: every later addition is optional
 REQUIRED_ARRAYS = ("prompt_ids", "prompt_lens", "response_ids", "response_lens", "rollout_logp", "rewards", "group_ids")
 
 
@@ -64,7 +71,7 @@ class RolloutBatch:
     prompt_lens: np.ndarray  # int32 [N]
     response_ids: np.ndarray  # int32 [sum R]
     response_lens: np.ndarray  # int32 [N]
-    rollout_logp: np.ndarray  # float32 [sum R]
+    rollout_logp: np.ndarray | None  # float32 [sum R]; None only in a share read without it (share.load_share)
     rewards: np.ndarray  # float32 [N]
     group_ids: np.ndarray  # int32 [N]
     weight_versions: list[str]
@@ -78,10 +85,26 @@ class RolloutBatch:
     # provenance (records/fingerprint.py): the producer's architecture fingerprint and run id, None in older files
     fingerprint: dict | None = None
     run_id: str | None = None
-    sha256: str | None = field(default=None, compare=False)  # of the file bytes this batch was loaded from
+    # the file it was loaded from: its bytes' sha256 (format <= 2), its header's (format 3: every chunk's digest)
+    sha256: str | None = field(default=None, compare=False)
     data_files: list[str] | None = None  # per sample: the prompt's dataset file (stored as ids into a name table)
     data_rows: np.ndarray | None = None  # int64 [N]: its row in that file
     token_versions: np.ndarray | None = None  # int32 [sum R]: weight version per response token (version_arrays.py)
+    held: np.ndarray | None = field(default=None, compare=False)  # int64: the samples whose LOCAL rows it holds
+    format_version: int | None = field(default=None, compare=False)  # of the file it was loaded from
+
+    def position(self, i: int) -> int:
+        """Where sample ``i``'s LOCAL rows sit among the held samples (``i`` when all are held)."""
+        if self.held is None:
+            return int(i)
+        where = np.flatnonzero(self.held == i)
+        if not where.size:
+            raise RecordError(f"sample {i} is not among the samples this batch holds (a rank's share)")
+        return int(where[0])
+
+    def held_lens(self, lens: np.ndarray) -> np.ndarray:
+        """Per-sample ``lens`` of the held samples, in the order their rows are held."""
+        return lens if self.held is None else lens[self.held]
 
     def __len__(self) -> int:
         return len(self.prompt_lens)
@@ -133,17 +156,19 @@ class RolloutBatch:
         )
 
     def sample(self, i: int) -> RolloutSample:
-        """View of sample ``i`` (arrays are views into the batch, not copies)."""
-        p, r, q = _offsets(self.prompt_lens), _offsets(self.response_lens), _offsets(self.route_lens)
+        """View of sample ``i`` (arrays are views into the batch, not copies); a sample not held is refused."""
+        k = self.position(i)
+        p, q = _offsets(self.held_lens(self.prompt_lens)), _offsets(self.held_lens(self.route_lens))
+        r, rk = _offsets(self.response_lens), _offsets(self.held_lens(self.response_lens))
         masks = None
         if self.mask_offsets is not None:
-            offs = self.mask_offsets[r[i] : r[i + 1] + 1]
+            offs = self.mask_offsets[rk[k] : rk[k + 1] + 1]
             masks = [self.mask_ids[offs[t] : offs[t + 1]] for t in range(len(offs) - 1)]
         return RolloutSample(
-            prompt_ids=self.prompt_ids[p[i] : p[i + 1]],
-            response_ids=self.response_ids[r[i] : r[i + 1]],
-            rollout_logp=self.rollout_logp[r[i] : r[i + 1]],
-            routes=None if self.routes is None else self.routes[q[i] : q[i + 1]],
+            prompt_ids=self.prompt_ids[p[k] : p[k + 1]],
+            response_ids=self.response_ids[rk[k] : rk[k + 1]],
+            rollout_logp=None if self.rollout_logp is None else self.rollout_logp[r[i] : r[i + 1]],
+            routes=None if self.routes is None else self.routes[q[k] : q[k + 1]],
             sampling_mask=masks,
             sampling_logp=None if self.sampling_logp is None else self.sampling_logp[r[i] : r[i + 1]],
             reward=float(self.rewards[i]),
@@ -156,7 +181,7 @@ class RolloutBatch:
         )
 
     def samples(self) -> list[RolloutSample]:
-        return [self.sample(i) for i in range(len(self))]
+        return [self.sample(i) for i in (range(len(self)) if self.held is None else self.held)]
 
     def select(self, indices) -> RolloutBatch:
         """A new batch holding the given samples, in the given order (for minibatching)."""
@@ -176,6 +201,8 @@ class RolloutBatch:
     def save(self, path: str | Path) -> Path:
         """Write one ``.safetensors`` file (arrays) with JSON metadata, atomically."""
         path = Path(path)
+        if self.held is not None:
+            raise RecordError(f"{path}: a batch holding only some samples' rows (a rank's share) is not saved")
         path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {
             "prompt_ids": self.prompt_ids,
@@ -205,12 +232,12 @@ class RolloutBatch:
             tensors["data_rows"] = np.asarray(self.data_rows, np.int64)
             tensors["data_file_ids"] = np.array([names.index(f) for f in self.data_files], np.int32)
             meta["data_files"] = names
+        tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+        meta["chunks"] = chunk_index(tensors, meta)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         os.close(fd)
         try:
-            save_file(
-                {k: np.ascontiguousarray(v) for k, v in tensors.items()}, tmp, metadata={"moe_rl": json.dumps(meta)}
-            )
+            save_file(tensors, tmp, metadata={"moe_rl": json.dumps(meta)})
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
@@ -219,56 +246,43 @@ class RolloutBatch:
 
     @classmethod
     def load(cls, path: str | Path, sha256: str | None = None) -> RolloutBatch:
-        """Read and validate a records file; any problem is one ``RecordError`` naming ``path``.
+        """Read and validate a whole records file; any problem is one ``RecordError`` naming ``path``.
 
-        The file is read once; ``batch.sha256`` is the digest of the bytes parsed. With ``sha256`` those
-        bytes must have that digest (the file another rank read), else the load is refused.
+        The file is read once; format 3 files have every chunk checked against their digests. ``batch.sha256``
+        is the file's identity (see the field); with ``sha256`` it must be that (the file another rank read),
+        else ``RecordMismatch``.
         """
         path = Path(path)
         try:
             data = path.read_bytes()
-            digest = hashlib.sha256(data).hexdigest()
-            if sha256 is not None and digest != sha256:
-                raise RecordError(f"content has sha256 {digest[:16]}..., expected {sha256[:16]}...")
             batch = cls._read(data)
-            batch.sha256 = digest
+            if sha256 is not None and batch.sha256 != sha256:
+                raise RecordMismatch(f"content has sha256 {batch.sha256[:16]}..., expected {sha256[:16]}...")
             batch.validate()
         except RecordError as exc:
-            raise RecordError(f"{path}: {exc}") from None
+            raise type(exc)(f"{path}: {exc}") from None
         except (SafetensorError, OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {exc}"
-            raise RecordError(f"{path}: not a readable moe_rl records file ({reason})") from None
+            raise RecordError(f"{path}: {unreadable(exc)}") from None
         return batch
 
     @classmethod
     def _read(cls, data: bytes) -> RolloutBatch:
         arrays = load_bytes(data)  # checks the whole safetensors structure; the header is then well formed
-        header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
-        raw_meta = (header.get("__metadata__") or {}).get("moe_rl")
-        if raw_meta is None:
-            raise RecordError("not a moe_rl records file (no 'moe_rl' metadata)")
-        meta = json.loads(raw_meta)
-        if not isinstance(meta, dict) or meta.get("format_version") not in READABLE_VERSIONS:
-            version = meta.get("format_version") if isinstance(meta, dict) else None
-            raise RecordError(f"format_version {version} is not one of the supported {list(READABLE_VERSIONS)}")
+        size = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8 : 8 + size])
+        meta = parse_meta(header.get("__metadata__"))
+        if meta["format_version"] >= 3:
+            verify_chunks(arrays, meta)
+        batch = cls.from_arrays(arrays, meta)
+        batch.sha256 = digest(data[8 : 8 + size]) if meta["format_version"] >= 3 else hashlib.sha256(data).hexdigest()
+        return batch
+
+    @classmethod
+    def from_arrays(cls, arrays: dict, meta: dict) -> RolloutBatch:
+        """A batch from a file's arrays and its parsed metadata (``parse_meta``)."""
         missing = [k for k in REQUIRED_ARRAYS if k not in arrays]
         if missing:
             raise RecordError(f"missing arrays {missing}")
-        versions, reasons = meta.get("weight_versions"), meta.get("finish_reasons")
-        num_experts = meta.get("num_experts")
-        if not isinstance(versions, list) or not isinstance(reasons, list):
-            raise RecordError("metadata weight_versions / finish_reasons must be lists")
-        if num_experts is not None and (not isinstance(num_experts, int) or isinstance(num_experts, bool)):
-            raise RecordError(f"metadata num_experts must be an integer, got {num_experts!r}")
-        fingerprint, run_id = meta.get("fingerprint"), meta.get("run_id")
-        if fingerprint is not None and not (
-            isinstance(fingerprint, dict) and all(isinstance(k, str) for k in fingerprint)
-        ):
-            raise RecordError(
-                f"metadata fingerprint must be a mapping of field names, got {type(fingerprint).__name__}"
-            )
-        if run_id is not None and not isinstance(run_id, str):
-            raise RecordError(f"metadata run_id must be a string, got {run_id!r}")
         data_files = None
         if "data_file_ids" in arrays:
             names = meta.get("data_files")
@@ -278,20 +292,50 @@ class RolloutBatch:
             data_files = [str(names[int(i)]) for i in ids]
         batch = cls(
             **{k: arrays[k] for k in REQUIRED_ARRAYS},
-            weight_versions=[str(v) for v in versions],
-            finish_reasons=[str(r) for r in reasons],
+            weight_versions=[str(v) for v in meta["weight_versions"]],
+            finish_reasons=[str(r) for r in meta["finish_reasons"]],
             routes=arrays.get("routes"),
-            num_experts=num_experts,
+            num_experts=meta.get("num_experts"),
             mask_ids=arrays.get("mask_ids"),
             mask_offsets=arrays.get("mask_offsets"),
             sampling_logp=arrays.get("sampling_logp"),
             extra=meta.get("extra", {}),
-            fingerprint=fingerprint,
-            run_id=run_id,
+            fingerprint=meta.get("fingerprint"),
+            run_id=meta.get("run_id"),
             data_files=data_files,
             data_rows=arrays.get("data_rows"),
             token_versions=arrays.get("token_versions"),
+            format_version=meta["format_version"],
         )
         if batch.routes is not None and batch.routes.dtype != route_dtype(batch.num_experts or 1):
             raise RecordError(f"routes dtype {batch.routes.dtype} does not match num_experts={batch.num_experts}")
         return batch
+
+
+def unreadable(exc: BaseException) -> str:
+    """The reason a file is no records file at all, for ``RecordError`` (after the path)."""
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {exc}"
+    return f"not a readable moe_rl records file ({reason})"
+
+
+def parse_meta(metadata) -> dict:
+    """The moe_rl metadata of a file's safetensors ``__metadata__``, checked for what every format holds."""
+    raw_meta = (metadata or {}).get("moe_rl")
+    if raw_meta is None:
+        raise RecordError("not a moe_rl records file (no 'moe_rl' metadata)")
+    meta = json.loads(raw_meta)
+    if not isinstance(meta, dict) or meta.get("format_version") not in READABLE_VERSIONS:
+        version = meta.get("format_version") if isinstance(meta, dict) else None
+        raise RecordError(f"format_version {version} is not one of the supported {list(READABLE_VERSIONS)}")
+    versions, reasons = meta.get("weight_versions"), meta.get("finish_reasons")
+    num_experts = meta.get("num_experts")
+    if not isinstance(versions, list) or not isinstance(reasons, list):
+        raise RecordError("metadata weight_versions / finish_reasons must be lists")
+    if num_experts is not None and (not isinstance(num_experts, int) or isinstance(num_experts, bool)):
+        raise RecordError(f"metadata num_experts must be an integer, got {num_experts!r}")
+    fingerprint, run_id = meta.get("fingerprint"), meta.get("run_id")
+    if fingerprint is not None and not (isinstance(fingerprint, dict) and all(isinstance(k, str) for k in fingerprint)):
+        raise RecordError(f"metadata fingerprint must be a mapping of field names, got {type(fingerprint).__name__}")
+    if run_id is not None and not isinstance(run_id, str):
+        raise RecordError(f"metadata run_id must be a string, got {run_id!r}")
+    return meta

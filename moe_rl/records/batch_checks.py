@@ -43,7 +43,8 @@ def validate_batch(batch, model_cfg=None) -> None:
     non-negative token ids, finite log-probs <= ``LOGPROB_TOLERANCE`` (the SGLang decoder's bound),
     one route row per forwarded position of every sample, expert ids below the file's
     ``num_experts`` and distinct per token, mask offsets starting at 0 and growing by >= 1 per token.
-    With ``model_cfg`` it also checks ids, lengths and route shapes against the model.
+    With ``model_cfg`` it also checks ids, lengths and route shapes against the model. A batch holding a
+    share of the samples (``batch.held``) is checked on the token rows it holds.
     """
     n = _sample_count(batch)
     integer_arrays = (
@@ -71,7 +72,8 @@ def validate_batch(batch, model_cfg=None) -> None:
         raise RecordError(f"weight_versions/finish_reasons must have one entry per sample ({n})")
     if (batch.response_lens < 1).any() or (batch.prompt_lens < 1).any():
         raise RecordError("every sample needs >= 1 prompt token and >= 1 response token")
-    if len(batch.prompt_ids) != batch.prompt_lens.sum() or len(batch.response_ids) != batch.response_lens.sum():
+    held_prompt, held_response = batch.held_lens(batch.prompt_lens), batch.held_lens(batch.response_lens)
+    if len(batch.prompt_ids) != held_prompt.sum() or len(batch.response_ids) != held_response.sum():
         raise RecordError("prompt_ids/response_ids lengths disagree with prompt_lens/response_lens")
     for name in ("prompt_ids", "response_ids", "mask_ids"):
         ids = getattr(batch, name)
@@ -81,8 +83,8 @@ def validate_batch(batch, model_cfg=None) -> None:
         values = getattr(batch, name)
         if values is None:
             continue
-        if values.shape != batch.response_ids.shape:
-            raise RecordError(f"{name} has shape {values.shape}; expected {batch.response_ids.shape}")
+        if values.shape != (int(batch.response_lens.sum()),):
+            raise RecordError(f"{name} has shape {values.shape}; expected ({int(batch.response_lens.sum())},)")
         bad = ~np.isfinite(values)
         if bad.any():
             raise RecordError(
@@ -106,7 +108,7 @@ def validate_batch(batch, model_cfg=None) -> None:
         raise RecordError("mask_ids and mask_offsets must be stored together")
     if batch.mask_offsets is not None:
         offs = batch.mask_offsets
-        if len(offs) != len(batch.response_ids) + 1 or offs[0] != 0 or offs[-1] != len(batch.mask_ids):
+        if len(offs) != held_response.sum() + 1 or offs[0] != 0 or offs[-1] != len(batch.mask_ids):
             raise RecordError(
                 "mask_offsets must have one entry per response token + 1, start at 0 and end at len(mask_ids)"
             )
@@ -126,10 +128,11 @@ def _check_routes(batch) -> None:
         raise RecordError("routes are stored but num_experts is not (metadata)")
     if batch.routes.ndim != 3:
         raise RecordError(f"routes must be [rows, moe_layers, top_k], got shape {tuple(batch.routes.shape)}")
-    if batch.routes.shape[0] != int(batch.route_lens.sum()):
+    expected = int(batch.held_lens(batch.route_lens).sum())
+    if batch.routes.shape[0] != expected:
         raise RecordError(
             f"routes has {batch.routes.shape[0]} rows; expected one per forwarded position, "
-            f"sum(prompt_len + response_len - 1) = {int(batch.route_lens.sum())}"
+            f"sum(prompt_len + response_len - 1) = {expected}"
         )
     compact_routes(batch.routes, batch.num_experts)
     check_distinct_experts(batch.routes)

@@ -14,6 +14,7 @@ __all__ = ["batch_summary"]
 def batch_summary(batch: RolloutBatch) -> dict:
     """Numbers for ``moe-rl records inspect``."""
     out = {
+        "format_version": batch.format_version,  # 1-2: one whole-file read; 3: a digest per chunk, read per rank
         "samples": len(batch),
         "prompt_tokens": int(batch.prompt_lens.sum()),
         "response_tokens": int(batch.response_lens.sum()),

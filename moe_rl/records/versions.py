@@ -86,10 +86,11 @@ def check_token_versions(batch) -> None:
     tv = batch.token_versions
     if tv is None:
         return
-    if tv.ndim != 1 or tv.dtype.kind not in "iu" or tv.shape != batch.response_ids.shape:
+    tokens = int(batch.response_lens.sum())
+    if tv.ndim != 1 or tv.dtype.kind not in "iu" or tv.shape != (tokens,):
         raise RecordError(
             f"token_versions must be a 1-D integer array with one entry per response token "
-            f"({batch.response_ids.shape[0]}), got {tv.dtype} with shape {tv.shape}"
+            f"({tokens}), got {tv.dtype} with shape {tv.shape}"
         )
     if tv.size and tv.min() < 0:
         raise RecordError(f"token_versions has a negative version ({int(tv.min())})")
@@ -109,7 +110,10 @@ def token_versions_of(batch) -> np.ndarray | None:
     version on its tokens; None when some sample's label is no trainer version."""
     if batch.token_versions is not None:
         return batch.token_versions
-    return stack_token_versions(batch.samples())
+    versions = [_sample_version(label) for label in batch.weight_versions]  # per-sample data: any rank's share
+    if any(v is None for v in versions):
+        return None
+    return np.repeat(np.asarray(versions, np.int32), batch.response_lens.astype(np.int64))
 
 
 def token_version_summary(batch) -> dict:

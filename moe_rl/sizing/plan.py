@@ -58,7 +58,7 @@ def rank_plan(cfg: ExperimentConfig, world: int, stage: int) -> RankPlan:
     host = {
         "offloaded_optimizer": mem.host_optimizer,
         "hf_import": terms.hf_import_peak(cfg, stage) if _imports_hf(cfg) else 0.0,
-        "records": terms.records_bytes_per_step(cfg) / dp,
+        "records": terms.records_bytes_per_rank(cfg, dp),
         "checkpoint_buffer": terms.checkpoint_write_buffer(cfg),
     }
     hf_read = terms.HF_BYTES * (mem.dense_params + mem.expert_params) if _imports_hf(cfg) else 0.0
@@ -130,7 +130,7 @@ class JobPlan:
         for key, words in (
             ("offloaded_optimizer", "offloaded optimizer"),
             ("hf_import", "HF import peak   "),
-            ("records", "records (1/dp)   "),
+            ("records", "records (share)  "),
             ("checkpoint_buffer", "save buffer      "),
         ):
             out.append(f"  {words.ljust(19)}{_size(h.host[key])} | {_size(node * h.host[key])}")
@@ -157,7 +157,8 @@ class JobPlan:
             f"  weight sync      {_size(sync)} of bf16 weights to each rollout server; {sync / (net * GB):.0f} s at "
             f"launch.network_bandwidth_gb_s={net:g}"
         )
-        out.append(f"  records          {_size(records)} per step ({_size(records / old.dp).strip()} read per rank)")
+        share = terms.records_bytes_per_rank(cfg, old.dp)
+        out.append(f"  records          {_size(records)} per step ({_size(share).strip()} read per rank: its share)")
         return out
 
 

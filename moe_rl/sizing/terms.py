@@ -121,6 +121,14 @@ def records_bytes_per_step(cfg: ExperimentConfig) -> float:
     return cfg.train.prompts_per_step * cfg.rollout.samples_per_prompt * sample_bytes(cfg)
 
 
+def records_bytes_per_rank(cfg: ExperimentConfig, dp: int) -> float:
+    """What one data-parallel rank reads of a step's records (format 3, ``moe_rl/records/share.py``): μ and the
+    token versions of every sample (the minibatch-global statistics need them) and ``1/dp`` of the rest (its
+    share's token ids and routes)."""
+    shared = cfg.rollout.max_new_tokens * (LOGP_BYTES + VERSION_BYTES)
+    return cfg.train.prompts_per_step * cfg.rollout.samples_per_prompt * (shared + (sample_bytes(cfg) - shared) / dp)
+
+
 def total_params(cfg: ExperimentConfig) -> int:
     """Every parameter of the model (one rank of a tp = pp = ep = 1 layout, plus nothing else)."""
     whole = cfg.model_copy(

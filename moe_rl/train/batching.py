@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from moe_rl.records import RecordError, RolloutBatch
 from moe_rl.replay.driver import MicrobatchRoutes
@@ -79,24 +80,32 @@ def check_ksm_records(batch: RolloutBatch) -> None:
         )
 
 
-def kept_set_outside_fraction(batch: RolloutBatch) -> float:
-    """Fraction of response tokens whose sampled id is missing from a non-empty kept set (cutoff disagreement)."""
+def kept_set_outside_fraction(batch: RolloutBatch, group=None) -> float:
+    """Fraction of response tokens whose sampled id is missing from a non-empty kept set (cutoff disagreement),
+    over the tokens ``batch`` holds, summed over the data-parallel ``group``'s shares (a 2-number all-reduce)."""
     if batch.mask_offsets is None:
         return 0.0
     counts = np.diff(batch.mask_offsets)
     token = np.repeat(np.arange(len(counts)), counts)
     hit = batch.mask_ids == np.repeat(batch.response_ids, counts)
     inside = np.bincount(token[hit], minlength=len(counts)) > 0
-    return float(((~inside) & (counts > 0)).sum() / max(len(counts), 1))
+    totals = torch.tensor([int(((~inside) & (counts > 0)).sum()), len(counts)], dtype=torch.float64)
+    if batch.held is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+        totals = totals.to(dev)
+        dist.all_reduce(totals, group=group)  # size: 2 numbers
+    return float(totals[0] / max(float(totals[1]), 1.0))
 
 
 def _kept_sets(batch: RolloutBatch, ids, prompt_lens, T: int) -> KeptSets:
     """Kept sets over the ``B*T`` flattened target rows (empty row = full softmax)."""
     lengths = np.zeros(len(ids) * T, dtype=np.int64)
     chunks = []
-    offsets_all = _response_offsets(batch)
+    held = np.zeros(len(batch.held_lens(batch.response_lens)) + 1, dtype=np.int64)  # the kept sets' rows
+    np.cumsum(batch.held_lens(batch.response_lens), out=held[1:])
     for b, i in enumerate(ids):
-        r0, r1 = offsets_all[i], offsets_all[i + 1]
+        k = batch.position(i)
+        r0, r1 = held[k], held[k + 1]
         offs = batch.mask_offsets[r0 : r1 + 1]
         row0 = b * T + int(prompt_lens[b]) - 1
         lengths[row0 : row0 + (r1 - r0)] = np.diff(offs)

@@ -13,9 +13,9 @@ run repeats an uninterrupted one):
    sync mode, by a producer thread running up to ``train.max_staleness`` steps ahead in async mode;
    ``moe_rl.source.batch_maker``: prompts from the prompt stream, generation on SGLang with routes,
    masks and log-probs, rewards, ``<run>/rollouts/step_<s>.safetensors`` saved before anything trains
-   on it); every rank loads it (``StepRecords``: the bytes rank 0 wrote,
-   checked against the model). With ``train.rollouts_from: DIR`` the records are read from ``DIR``
-   instead (no server);
+   on it); every rank loads its share of it (``StepRecords``: the file rank 0 wrote, the samples the
+   step plan gives the rank, each chunk checked, checked against the model). With
+   ``train.rollouts_from: DIR`` the records are read from ``DIR`` instead (no server);
 2. GRPO/RLOO advantages; the step plan; in decoupled mode the old-log-prob pass;
 3. ``minibatches_per_step`` optimizer steps (times ``epochs_per_step``) under the replay driver;
 4. export HF weights, push them to every server (``moe_rl.train.weight_push``; in async mode once the
@@ -44,8 +44,8 @@ from moe_rl.source.producer import InlineBatches, pending_records
 from moe_rl.source.rollout_worker import PromptSide
 from moe_rl.source.step_records import StepRecords
 from moe_rl.train.batch_source import inline_batch_maker, spawn_rollout_process, sync_client
-from moe_rl.train.batching import check_ksm_records
-from moe_rl.train.collectives import dp_group, dp_rank_and_size, is_main_process
+from moe_rl.train.batching import check_ksm_records, kept_set_outside_fraction
+from moe_rl.train.collectives import dp_group, dp_rank_and_size, is_main_process, records_read_metrics
 from moe_rl.train.evals_checkpoints import RunCheckpoints, RunEval
 from moe_rl.train.kl_alarm import KLAlarm
 from moe_rl.train.logprob import make_logprob_fn
@@ -161,17 +161,24 @@ class RLTrainer:
         return bool(self.cfg.train.rollouts_from)
 
     # ------------------------------------------------------------------ one step
-    def rollout(self, client, step: int) -> RolloutBatch:
-        """This step's batch: made on rank 0 by the batch source (or read from saved records), loaded everywhere."""
+    def rollout(self, client, step: int, plan=None) -> RolloutBatch:
+        """This step's batch: made on rank 0 by the batch source (or read from saved records), loaded everywhere:
+        each data-parallel rank reads its ``plan``'s share of the samples (all of them without a plan)."""
         path = records_path(self.records_dir, step)
+        share = {
+            "share": None if plan is None else plan.owned_ids,
+            "num_samples": None if plan is None else plan.num_samples,
+        }
+        if plan is not None:  # the per-token arrays every rank reads: μ (the one this config trains on) and versions
+            share["shared"] = ("sampling_logp" if self.cfg.ksm_active else "rollout_logp", "token_versions")
         if self.from_records:
             if not path.is_file():
                 raise FileNotFoundError(
                     f"train.rollouts_from={self.cfg.train.rollouts_from}: no records for step {step + 1} (expected {path})"
                 )
-            return self.records.load(path)
+            return self.records.load(path, **share)
         made = self.weights.calls.on_rank0(lambda: self._make_batch(client, step))  # a re-sync on the way runs on all
-        return self.records.load(path if made is None else made)  # every rank: the bytes rank 0 wrote, checked
+        return self.records.load(path if made is None else made, **share)  # every rank: rank 0's file, checked
 
     def _make_batch(self, client, step: int) -> Path:
         """Rank 0: the step's records from the batch source (made inline when the trainer is driven by hand)."""
@@ -184,12 +191,12 @@ class RLTrainer:
 
     def step(self, client, step: int) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
-        batch = self.rollout(client, step)
+        plan = self.plan(step)
+        batch = self.rollout(client, step, plan)
         t_rollout = time.perf_counter() - t0
         if cfg.ksm_active:
             check_ksm_records(batch)
         rewards = torch.from_numpy(batch.rewards).double()
-        plan = self.plan(step)
         if plan.num_samples != len(batch):
             raise RecordError(
                 f"{self.records_dir}: step {step + 1} has {len(batch)} samples; the config asks for "
@@ -245,7 +252,8 @@ class RLTrainer:
             truncated,
             results,
             replay=self.driver.step_metrics(group=dp_group()),
-            records=self.records.step_metrics(batch),
+            records=self.records.step_metrics(batch) | records_read_metrics(self.records.last_read, self.device),
+            ksm_outside=kept_set_outside_fraction(batch, dp_group()) if cfg.ksm_active else 0.0,
             stale=stale.metrics(),
             alarm=alarm_row,
             times={"time/rollout_s": t_rollout, "time/old_logp_s": t_old, "time/train_s": t_train},

@@ -11,7 +11,6 @@ import torch
 
 from moe_rl.learner.train_step import mean
 from moe_rl.records import RolloutBatch
-from moe_rl.train.batching import kept_set_outside_fraction
 from moe_rl.train.update import MinibatchResult
 
 __all__ = ["step_metrics"]
@@ -29,11 +28,13 @@ def step_metrics(
     stale: dict,
     alarm: dict,
     times: dict[str, float],
+    ksm_outside: float = 0.0,
 ) -> dict[str, float]:
     """The row of a trained step: the mean of the minibatch update ``results``, then ``replay`` (the
     driver's step metrics), the reward function's own metrics, rewards and responses, ``records``, ``stale``,
-    ``alarm`` (the KL alarm's row), ``times`` (``time/rollout_s``, ``time/old_logp_s``, ``time/train_s``) and the
-    rollout throughput."""
+    ``alarm`` (the KL alarm's row), ``times`` (``time/rollout_s``, ``time/old_logp_s``, ``time/train_s``),
+    ``ksm_outside`` (``ksm/outside_mask_frac``, reduced over the data-parallel ranks' shares) and the rollout
+    throughput."""
     metrics = mean(
         [r.metrics | {"train/loss": r.loss, "train/grad_norm": r.grad_norm, "train/lr": r.lr} for r in results]
     )
@@ -47,7 +48,7 @@ def step_metrics(
         "response/len_max": float(batch.response_lens.max()),
         "response/truncated_frac": float(truncated.double().mean()),
         "response/masked_truncated": float(truncated.sum()) if cfg.train.mask_truncated else 0.0,
-        "ksm/outside_mask_frac": kept_set_outside_fraction(batch) if cfg.ksm_active else 0.0,
+        "ksm/outside_mask_frac": ksm_outside,
         **records,
         **stale,
         **alarm,

@@ -63,10 +63,11 @@ def test_hf_import_peak_is_own_share_plus_the_largest_tensor_twice():
 def test_records_and_save_times_by_hand():
     """30B step: 64 prompts x 8 samples of 32768 tokens: int32 ids (4 x 32768) + fp32 log-prob and int32 version
     per response token (8 x 8192) + r3 routes, uint8 for 128 experts (32767 x 48 MoE layers x top-8); each of
-    dp 8 ranks reads 1/8. A 235B node saves 8 x its rank's 51.5 GB at 2 GB/s: 206 s."""
+    dp 8 ranks reads μ and versions of every sample and 1/8 of the rest (records format 3). A 235B node saves
+    8 x its rank's 51.5 GB at 2 GB/s: 206 s."""
     plan = job_plan(load_config(Q30))
-    sample = 4 * 32768 + 8 * 8192 + 32767 * 48 * 8
-    assert plan.worst_host.host["records"] == 64 * 8 * sample / 8
+    own = 4 * 32768 + 32767 * 48 * 8
+    assert plan.worst_host.host["records"] == 64 * 8 * (8 * 8192 + own / 8)
     lines = job_plan(load_config(Q235)).lines()
     (save,) = [line for line in lines if line.strip().startswith("checkpoint save")]
     assert "411.7 GB" in save and "206 s at launch.fs_bandwidth_gb_s=2" in save

@@ -3,8 +3,10 @@
 Run: ``torchrun --nproc_per_node=2 tests/train/step_records_worker.py --work DIR``. Each rank reads
 ``DIR/node<rank>/step_000000.safetensors``: one logical path as each node's filesystem shows it. Cases:
 ``fresh`` (node 1 sees rank 0's file), ``stale`` (node 1 still sees a file from an earlier session),
-``refused`` (rank 0's file is for another model). Each rank writes ``DIR/rank<r>.json``: per case the
-error text or ``ok`` with the sha256 it loaded.
+``refused`` (rank 0's file is for another model), ``share`` (each rank reads its one sample of the fresh
+file), ``tampered`` (node 1's copy has a byte of sample 1 changed; each rank reads its one sample). Each
+rank writes ``DIR/rank<r>.json``: per case the error text or ``ok`` with the identity it loaded, and the
+bytes it read.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 
 from moe_rl.config import ModelConfig
 from moe_rl.records import RecordError, RolloutBatch, RolloutSample
+from moe_rl.records.chunks import RecordsFile
 from moe_rl.source.step_records import StepRecords
 
 MODEL = ModelConfig(num_layers=2, num_moe_experts=8, moe_router_topk=2, vocab_size=64)
@@ -54,19 +57,28 @@ def main() -> None:
     node.mkdir(parents=True, exist_ok=True)
     name = "step_000000.safetensors"
     results = {}
-    for case in ("fresh", "stale", "refused"):
+    for case in ("fresh", "stale", "refused", "share", "tampered"):
         if rank == 0:
             _records(node / name, run_id="run-a", seed=0)  # this session's file
         if rank == 1:
             _records(node / name, run_id="run-old", seed=5)  # an earlier session's file
         dist.barrier()
-        if rank == 1 and case in ("fresh", "refused"):  # the filesystem caught up
+        if rank == 1 and case != "stale":  # the filesystem caught up
             shutil.copyfile(args.work / "node0" / name, node / name)
+        if rank == 1 and case == "tampered":  # node 1's copy: one byte of sample 1's routes changed
+            with RecordsFile(node / name) as f:
+                dtype, shape, at = f._tensors["routes"]
+            data = bytearray((node / name).read_bytes())
+            data[at + 4 * shape[1] * shape[2] * dtype.itemsize] ^= 1  # sample 0 has 4 route rows
+            (node / name).write_bytes(bytes(data))
         dist.barrier()
         model = MODEL.model_copy(update={"num_moe_experts": 16}) if case == "refused" else MODEL
+        share = [rank] if case in ("share", "tampered") else None  # each rank: its one sample
         try:
-            batch = StepRecords(model, "run-a", VOCAB, source="train.rollouts_from=DIR").load(node / name)
+            records = StepRecords(model, "run-a", VOCAB, source="train.rollouts_from=DIR")
+            batch = records.load(node / name, share=share, num_samples=2)
             results[case] = f"ok {batch.sha256}"
+            results[f"{case}_bytes"] = [records.last_read.bytes_read, records.last_read.file_bytes]
         except RecordError as exc:
             results[case] = str(exc)
         dist.barrier()

@@ -57,3 +57,10 @@ def test_every_rank_verifies_rank_0s_digest(tmp_path):
         assert r["refused"].endswith(
             "node0/step_000000.safetensors: records were made for 8 experts; model.num_moe_experts=16"
         ), r
+    # each rank reads its own sample's chunk: less than the whole file, one identity
+    assert ranks[0]["share"] == ranks[1]["share"] == ranks[0]["fresh"]
+    assert all(r["share_bytes"][0] < r["fresh_bytes"][0] for r in ranks), ranks
+    # the chunk only rank 1 reads was changed on its node: rank 1's refusal, naming file and chunk, on both
+    for r in ranks:
+        assert "node1/step_000000.safetensors: chunk 'sample 1' has sha256" in r["tampered"], r
+        assert r["tampered"].endswith("(rank 1's share of the samples)") and "\n" not in r["tampered"], r
