@@ -204,7 +204,8 @@ def signal_lead_fits(cfg: ExperimentConfig) -> Iterable[str]:
         yield (
             f"launch.signal_lead_s={ln.signal_lead_s} is shorter than the plan's step + save + stop, {plan.value:g} s "
             f"(the checkpoint save alone takes {save:.0f} s; {plan.why}); expected at least {plan.value:g}: leave "
-            "launch.signal_lead_s unset (derived), or raise launch.fs_bandwidth_gb_s if the filesystem is faster; "
+            "launch.signal_lead_s unset (derived), or shorten the step (rollout.max_concurrency sets the generation "
+            "term) or the save (launch.fs_bandwidth_gb_s, if the filesystem is faster); "
             "launch.signal=null sends no warning: the time limit's SIGTERM then ends the job, which loses the step "
             f"in progress and every step since the last checkpoint (checkpoint.save_interval="
             f"{cfg.checkpoint.save_interval})"
