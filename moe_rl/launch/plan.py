@@ -102,6 +102,8 @@ def sbatch_args(cfg: ExperimentConfig) -> list[str]:
 def _signal_lead_s(cfg: ExperimentConfig) -> int:
     """``launch.signal_lead_s``, or the plan's step + save + stop when unset (the layout must fit the world)."""
     ln = cfg.launch
+    if ln.signal_lead_s is not None:
+        return ln.signal_lead_s
     world = ln.learner_nodes * ln.gpus_per_node
     check_learner_world(
         cfg, world, f"launch.learner_nodes*launch.gpus_per_node = {ln.learner_nodes}*{ln.gpus_per_node}"

@@ -16,6 +16,8 @@ import pytest
 from moe_rl.cli import main
 from moe_rl.config import load_config
 from moe_rl.launch import render_launch
+from moe_rl.launch.checks import LaunchError
+from moe_rl.launch.plan import sbatch_args
 from moe_rl.preflight import config_problems
 from moe_rl.rollout.client import RolloutClient
 from moe_rl.rollout.launcher import SGLangServer
@@ -141,3 +143,14 @@ def test_a_small_model_gets_no_disk_sync_warning(capsys):
     assert main(["plan", str(CONFIGS / "tiny_cpu.yaml")]) == 0
     out = capsys.readouterr().out
     assert "rollout.startup_timeout_s=181 (derived" in out and "warning: rollout.weight_sync" not in out
+
+
+def test_sbatch_args_carry_the_derived_lead_and_name_the_keys_when_the_world_cannot_size_it():
+    """``python -m moe_rl.launch sbatch-args`` (launch/slurm/submit.sh): the plan's lead; a set one as it is."""
+    assert "--signal=B:USR1@9530" in sbatch_args(load_config(Q235))
+    odd = load_config(Q235, ["launch.learner_nodes=3"])  # 24 ranks: not a multiple of etp*ep*pp = 32
+    with pytest.raises(LaunchError, match=r"launch\.learner_nodes\*launch\.gpus_per_node = 3\*8"):
+        sbatch_args(odd)
+    assert "--signal=B:USR1@400" in sbatch_args(
+        load_config(Q235, ["launch.learner_nodes=3", "launch.signal_lead_s=400"])
+    )
