@@ -18,7 +18,7 @@ from moe_rl.config import ConfigError, dump_config, load_config
 from moe_rl.config.memory_plan import launch_world
 from moe_rl.records import RecordError, RolloutBatch
 from moe_rl.records.summary import batch_summary
-from moe_rl.sizing import job_fits, job_plan
+from moe_rl.sizing import derived_lines, job_fits, job_plan
 
 
 def _overrides(args) -> list[str]:
@@ -92,7 +92,7 @@ def _print_memory_plan(cfg, path: str) -> None:
             f"{ln.learner_nodes * ln.gpus_per_node} ranks do not fit the parallel sizes"
         )
         return
-    print(f"{path}: " + "\n  ".join(job_plan(cfg).lines()))
+    print(f"{path}: " + "\n  ".join([*job_plan(cfg).lines(), *derived_lines(cfg)]))
 
 
 def _plan(args) -> int:

@@ -25,6 +25,8 @@ def plan_rows(config: str) -> dict[str, str]:
         main(["plan", str(Path("configs") / f"{config}.yaml")])
     rows, section = {}, "GPU"
     for line in out.getvalue().splitlines()[1:]:
+        if line.strip().startswith("derived defaults"):  # the derived values follow: docs/launch.md lists them apart
+            break
         if not line.startswith("    "):
             section = line.split()[0].strip().capitalize()
             continue

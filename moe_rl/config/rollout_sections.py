@@ -94,8 +94,18 @@ class RolloutConfig(Section):
     )
     seed: int = 0
     sampling_mask_max_tokens: int = Field(4096, ge=1)
-    request_timeout_s: float = Field(120.0, gt=0)
-    startup_timeout_s: float = Field(180.0, gt=0)
+    request_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="bound on one /generate request (sent whole, not streamed: it bounds the whole generation); "
+        "None = derived from rollout.max_new_tokens (moe_rl.sizing.defaults: 120 s + max_new_tokens at 10 tokens/s)",
+    )
+    startup_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="seconds a server may take to become healthy; None = derived from the bytes each server loads "
+        "(moe_rl.sizing.defaults: 180 s + the bf16 HF weights at launch.fs_bandwidth_gb_s)",
+    )
     max_concurrency: int = Field(
         16,
         ge=1,

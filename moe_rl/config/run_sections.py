@@ -139,9 +139,10 @@ class SlurmConfig(Section):
         "the learner finishes its step, checkpoints and the job requeues itself; None = no warning (SIGTERM is "
         "not one: scancel sends it too, to every process at once)",
     )
-    signal_lead_s: int = Field(
-        300,
+    signal_lead_s: int | None = Field(
+        None,
         ge=10,
-        description="seconds between the warning and the time limit: one step, "
-        "a checkpoint and stopping the servers must fit",
+        description="seconds between the warning and the time limit: one step, a checkpoint and stopping the "
+        "servers must fit (the preflight refuses less than the job plan's step + save + stop); None = that sum "
+        "(moe_rl.sizing.defaults)",
     )

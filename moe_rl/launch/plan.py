@@ -30,7 +30,7 @@ from moe_rl.launch.checks import (
 from moe_rl.launch.serve import ROLLOUT_PORT_TRIES
 from moe_rl.rollout.auth import RUN_ADMIN_KEY_ENV
 from moe_rl.rollout.server_spec import ServerSpec, server_command, server_env
-from moe_rl.sizing import job_plan
+from moe_rl.sizing import derived_lines, job_plan, signal_lead, startup_timeout
 
 logger = logging.getLogger(__name__)
 PYTHON = "python"  # interpreter on the compute nodes: whatever `python` the job's environment puts first
@@ -74,7 +74,7 @@ class LaunchPlan:
     sbatch_args: tuple[str, ...]
     notes: tuple[str, ...] = ()
     generated_key_env: str | None = None  # the script exports a fresh random admin key under this name
-    memory: tuple[str, ...] = ()  # the job plan's lines (moe_rl.sizing): GPU, host, disk, network
+    memory: tuple[str, ...] = ()  # the job plan's lines (moe_rl.sizing): GPU, host, disk, network, derived defaults
     log_dir: str = ""  # rollout-<node>.log and learner-<node>.log (named by SLURM node name)
     init_hf: tuple[str, ...] = ()  # command writing the HF dir the servers start from (no HF checkpoint configured)
     stop_signal: str | None = None  # launch.signal: forwarded to the learner, then the job requeues itself
@@ -93,10 +93,22 @@ def sbatch_args(cfg: ExperimentConfig) -> list[str]:
         f"--time={ln.time}",
     ]
     if ln.signal:  # SLURM's warning to the batch shell before the time limit; the job then requeues itself
-        args += [f"--signal=B:{ln.signal}@{ln.signal_lead_s}", "--requeue"]
+        args += [f"--signal=B:{ln.signal}@{_signal_lead_s(cfg)}", "--requeue"]
     if ln.partition:
         args.append(f"--partition={ln.partition}")
     return args
+
+
+def _signal_lead_s(cfg: ExperimentConfig) -> int:
+    """``launch.signal_lead_s``, or the plan's step + save + stop when unset (the layout must fit the world)."""
+    ln = cfg.launch
+    if ln.signal_lead_s is not None:
+        return ln.signal_lead_s
+    world = ln.learner_nodes * ln.gpus_per_node
+    check_learner_world(
+        cfg, world, f"launch.learner_nodes*launch.gpus_per_node = {ln.learner_nodes}*{ln.gpus_per_node}"
+    )
+    return int(signal_lead(cfg, world).value)
 
 
 def initial_served_dir(cfg: ExperimentConfig) -> tuple[str, bool]:
@@ -158,7 +170,7 @@ def _rollout_steps(
             f"--first-port={ln.rollout_port}",
             f"--port-tries={ROLLOUT_PORT_TRIES}",
             f"--port-file={rollout_port_file(log_dir, node)}",
-            f"--startup-timeout={cfg.rollout.startup_timeout_s:g}",
+            f"--startup-timeout={startup_timeout(cfg).value:g}",
             "--",
         )
         command = (*serve, *server_command(spec, ln.rollout_port, PYTHON))
@@ -208,7 +220,10 @@ def _learner_step(
     # torchrun passes launch.signal on to the ranks (its default set lacks USR1/USR2) and gives them
     # launch.signal_lead_s to finish the step and checkpoint before it kills them.
     signals = (
-        (f"--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIG{ln.signal}", f"--shutdown-timeout={ln.signal_lead_s}")
+        (
+            f"--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIG{ln.signal}",
+            f"--shutdown-timeout={_signal_lead_s(cfg)}",
+        )
         if ln.signal
         else ()
     )
@@ -287,11 +302,11 @@ def build_launch_plan(cfg: ExperimentConfig, env: Mapping[str, str]) -> LaunchPl
         learner_step=_with_export(
             _learner_step(cfg, learner_nodes, addresses, config_path, job_id, log_dir, generated), key_vars
         ),
-        startup_timeout_s=cfg.rollout.startup_timeout_s,
+        startup_timeout_s=startup_timeout(cfg).value,
         sbatch_args=tuple(sbatch_args(cfg)),
         notes=tuple(notes + rollout_notes),
         generated_key_env=generated,
-        memory=tuple(job_plan(cfg).lines()),  # world = launch.learner_nodes * launch.gpus_per_node
+        memory=(*job_plan(cfg).lines(), *derived_lines(cfg)),  # world = launch.learner_nodes * launch.gpus_per_node
         log_dir=log_dir,
         init_hf=(PYTHON, "-m", "moe_rl.launch", "init-hf", config_path, initial_served_dir(cfg)[0])
         if rollout_steps and initial_served_dir(cfg)[1]

@@ -21,6 +21,7 @@ from pathlib import Path
 from moe_rl.config import ExperimentConfig
 from moe_rl.launch.plan import CONFIG_HEREDOC_END, LaunchPlan, build_launch_plan, quote_argv
 from moe_rl.launch.serve import ROLLOUT_PORT_TRIES
+from moe_rl.sizing.defaults import STOP_S
 
 _HELPERS = """\
 rollout_pids=() rollout_nodes=() learner_pid="" stop_signal=""
@@ -29,7 +30,7 @@ cleanup() {
   # the servers first, with SIGUSR2, which srun forwards as it is (on SIGTERM srun SIGKILLs its tasks, and a killed
   # `moe_rl.launch serve` cannot stop its server's processes or remove their /dev/shm files); then what is left
   for pid in "${rollout_pids[@]}"; do kill -USR2 "$pid" 2>/dev/null || true; done
-  local deadline=$((SECONDS + 30))
+  local deadline=$((SECONDS + STOP_S))
   while ((SECONDS < deadline)) && rollout_running; do sleep 0.5; done
   for pid in "${rollout_pids[@]}" $learner_pid; do kill "$pid" 2>/dev/null || true; done
   wait 2>/dev/null || true
@@ -98,6 +99,11 @@ done
 """
 
 
+def _helpers() -> str:
+    """The shell helpers; the servers' stop deadline is the plan's stop term (``moe_rl.sizing.defaults.STOP_S``)."""
+    return _HELPERS.replace("STOP_S", str(STOP_S))
+
+
 def render_script(plan: LaunchPlan) -> str:
     """The bash text that performs ``plan``; every command appears literally (no loops over nodes)."""
     q = shlex.quote
@@ -121,7 +127,7 @@ def render_script(plan: LaunchPlan) -> str:
         plan.config_yaml.rstrip("\n"),
         CONFIG_HEREDOC_END,
         "",
-        _HELPERS,
+        _helpers(),
     ]
     if plan.stop_signal:
         lines += [

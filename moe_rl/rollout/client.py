@@ -48,6 +48,7 @@ from moe_rl.rollout.replies import (
     reply_to_sample,
 )
 from moe_rl.rollout.slots import StepSlots
+from moe_rl.sizing.defaults import request_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ class RolloutClient:
             "seed": r.seed,
             "return_sampling_mask": cfg.ksm_active,  # untruncated sampling: KSM is a no-op (the preflight notes it)
             "sampling_mask_max_tokens": r.sampling_mask_max_tokens,
-            "request_timeout_s": r.request_timeout_s,
+            "request_timeout_s": request_timeout(cfg).value,  # derived from max_new_tokens when unset
             "max_concurrency": r.max_concurrency,
             "max_retries": r.max_retries,
             "headers": ServerKeys.from_rollout_config(r).headers(),

@@ -99,6 +99,11 @@ class SGLangServer:
         (SGLang draws its auxiliary ports anew). A restarted server keeps its port, so the addresses the client
         holds stay valid.
         """
+        if self.spec.startup_timeout_s is None:  # a spec from a rollout section whose value is derived
+            raise ValueError(
+                "rollout.startup_timeout_s is unset (derived from the whole config): pass "
+                "startup_timeout_s=moe_rl.sizing.startup_timeout(cfg).value to the server spec"
+            )
         environ = {**os.environ, **self.secret_env}
         keys = ServerKeys.from_env_names(self.spec.api_key_env, self.spec.admin_api_key_env, environ)  # unset: fail now
         if (

@@ -36,7 +36,7 @@ class ServerSpec:
     sampling_mask_max_tokens: int = 4096
     mem_fraction_static: float = 0.05
     max_total_tokens: int = 4096
-    startup_timeout_s: float = 180.0
+    startup_timeout_s: float | None = 180.0  # None: rollout.startup_timeout_s unset and not derived (start refuses)
     sleep_on_idle: bool = True  # --sleep-on-idle: no busy-wait between rollouts (the learner shares the cores)
     cpu_threads: int | None = None  # CPU engine: torch intra-op threads (None = all cores)
     cpu_affinity: tuple[int, ...] = ()  # rollout.server_cpus: cores the server's processes run on (() = any)
@@ -46,7 +46,8 @@ class ServerSpec:
 
     @classmethod
     def from_rollout_config(cls, rollout, model_path: str | Path, **overrides) -> ServerSpec:
-        """Spec from a `moe_rl.config` RolloutConfig; keyword overrides win."""
+        """Spec from a `moe_rl.config` RolloutConfig; keyword overrides win. An unset ``rollout.startup_timeout_s``
+        is derived from the whole config (``moe_rl.sizing.defaults.startup_timeout``): pass it as an override."""
         values = {
             "model_path": str(model_path),
             "device": rollout.device,

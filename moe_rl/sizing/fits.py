@@ -3,7 +3,8 @@
 Owns ``job_fits``: refuses a layout whose fullest GPU's total (state, FP8 caches, activations, logits,
 CUDA/NCCL overhead) exceeds ``launch.gpu_memory_gb``, or whose host total per node exceeds
 ``launch.host_memory_gb`` when that is set, naming the largest terms and the keys that would fix it (each
-tried on a copy of the config). When the state alone exceeds the GPU, ``memory_plan.memory_fits`` says so.
+tried on a copy of the config). When the state alone exceeds the GPU, ``memory_plan.memory_fits`` says so. It
+also runs ``defaults.signal_lead_fits`` (a ``launch.signal_lead_s`` under the plan's step + save + stop).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Iterable
 
 from moe_rl.config.memory_plan import GB, launch_world, memory_fits
 from moe_rl.config.schema import ExperimentConfig
+from moe_rl.sizing.defaults import signal_lead_fits
 from moe_rl.sizing.plan import JobPlan, job_plan
 
 _GPU_WORDS = {
@@ -46,6 +48,7 @@ def job_fits(cfg: ExperimentConfig) -> Iterable[str]:
             f"(largest terms: {_largest(r.gpu, _GPU_WORDS)}; {plan.world} ranks); expected at most "
             f"{ln.gpu_memory_gb:g} GB: " + "; ".join(_gpu_fixes(cfg, plan))
         )
+    yield from signal_lead_fits(cfg)
     if ln.host_memory_gb is None:
         return
     h, node = plan.worst_host, ln.gpus_per_node

@@ -45,6 +45,7 @@ from moe_rl.config import (
 from moe_rl.learner.hf_init import write_random_hf_checkpoint
 from moe_rl.rollout.auth import RUN_ADMIN_KEY_ENV
 from moe_rl.rollout.server_pool import rollout_server_pool
+from moe_rl.sizing import startup_timeout
 from moe_rl.study.report import write_report
 from moe_rl.train.loop import train  # heavy (torch, Megatron): only when actually running
 
@@ -245,7 +246,9 @@ def _shared_rollout_servers(cells: list[Cell], out_dir: Path) -> Iterator[dict |
         return
 
     init_dir = write_random_hf_checkpoint(first.model, out_dir / "server_init", seed=first.train.seed)
-    with rollout_server_pool(first.rollout, init_dir, out_dir / "logs") as pool, _environ(pool.keys.server_env()):
+    startup = startup_timeout(first).value  # derived from the bytes to load when unset
+    pool_scope = rollout_server_pool(first.rollout, init_dir, out_dir / "logs", startup_timeout_s=startup)
+    with pool_scope as pool, _environ(pool.keys.server_env()):
         keyed = {"admin_api_key_env": RUN_ADMIN_KEY_ENV} if pool.keys.generated else {}
         yield {"addresses": pool.addresses, **keyed}
 

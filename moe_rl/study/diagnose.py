@@ -24,6 +24,7 @@ from moe_rl.config import ExperimentConfig
 from moe_rl.records import RolloutBatch, RouteSpec
 from moe_rl.rollout.client import RolloutClient
 from moe_rl.rollout.server_pool import rollout_server_pool
+from moe_rl.sizing import startup_timeout
 from moe_rl.study.diagnose_report import write_report
 from moe_rl.sync.transport import update_weights_from_disk
 from moe_rl.train.batching import build_microbatch
@@ -44,7 +45,8 @@ def generate(trainer, num_prompts: int) -> RolloutBatch:
 
     cfg = trainer.cfg
     hf_dir = trainer.weights.export()  # applies rollout.weight_quantization (mismatch injection)
-    with rollout_server_pool(cfg.rollout, hf_dir, trainer.run_dir / "logs") as pool:
+    startup = startup_timeout(cfg).value  # derived from the bytes to load when unset
+    with rollout_server_pool(cfg.rollout, hf_dir, trainer.run_dir / "logs", startup_timeout_s=startup) as pool:
         addresses, trainer.server_keys = pool.addresses, pool.keys  # a generated admin key unless configured
         # labelled as the trainer's step 0, which trainer.rollout checks every sample against (issue 16)
         update_weights_from_disk(addresses, hf_dir, trainer.weights.version(0), keys=pool.keys)

@@ -39,6 +39,7 @@ from moe_rl.records import RecordError, RolloutBatch
 from moe_rl.replay.driver import ReplayDriver
 from moe_rl.rollout.auth import ServerKeys
 from moe_rl.rollout.server_pool import ServerPool, rollout_server_pool
+from moe_rl.sizing import startup_timeout
 from moe_rl.source.batch_maker import records_path
 from moe_rl.source.producer import InlineBatches, pending_records
 from moe_rl.source.rollout_worker import PromptSide
@@ -266,7 +267,11 @@ class RLTrainer:
         if self.from_records or not self.is_main:
             return contextlib.nullcontext(ServerPool())
         return rollout_server_pool(
-            self.cfg.rollout, self.weights.export(), self.run_dir / "logs", keys=self.server_keys
+            self.cfg.rollout,
+            self.weights.export(),
+            self.run_dir / "logs",
+            keys=self.server_keys,
+            startup_timeout_s=startup_timeout(self.cfg).value,  # derived from the bytes to load when unset
         )
 
     def run(self) -> Path:

@@ -16,6 +16,7 @@ from launch_helpers import QWEN3, rendered_commands
 from moe_rl import cli
 from moe_rl.config import apply_overrides, load_config, validate_tree
 from moe_rl.launch import render_launch
+from moe_rl.sizing import signal_lead
 
 FAKE_SRUN = r"""#!/usr/bin/env bash
 # Fake srun (SLURM cannot exist here): log the argv, play a server or a learner.
@@ -169,11 +170,13 @@ def test_warning_signal_reaches_the_learner_then_the_job_requeues_itself(tmp_pat
     """Issue 39: SLURM's USR1 (--signal=B:USR1@s) goes to the learner step; after it exits, servers stop and
     the script runs `scontrol requeue <job>` (not while the learner still runs) and exits 0."""
     script = _script(tmp_path)
-    assert "--signal=B:USR1@300 --requeue" in script
+    lead = signal_lead(load_config(QWEN3)).value  # launch.signal_lead_s unset: the plan's step + save + stop
+    assert f"--signal=B:USR1@{lead} --requeue" in script
     (learner,) = [c for c in rendered_commands(script) if "torchrun" in c]
-    assert (
-        "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in learner and "--shutdown-timeout=300" in learner
-    )
+    assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in learner
+    assert f"--shutdown-timeout={lead}" in learner
+    set_lead = _script(tmp_path, "launch.signal_lead_s=9000")
+    assert "--signal=B:USR1@9000 --requeue" in set_lead and "--shutdown-timeout=9000" in set_lead
     proc = _run_until_the_learner_starts(script, tmp_path)
     assert not (tmp_path / "srun.log.signals").exists()
     proc.send_signal(signal.SIGUSR1)

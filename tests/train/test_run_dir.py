@@ -216,3 +216,14 @@ def test_train_steps_is_resume_safe_only_with_a_constant_lr_schedule(tmp_path):
         tmp_path,
         tmp_path / "checkpoints",
     ).release()
+
+
+def test_a_run_saved_with_the_old_fixed_timeouts_resumes_with_them_derived(tmp_path):
+    """Issue 53: rollout.startup_timeout_s / request_timeout_s and launch.signal_lead_s became unset (derived from
+    the plan); a run saved with the old fixed values (180, 120, 300) resumes without checkpoint.allow_changes."""
+    _previous_run(tmp_path)
+    tree = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    tree["rollout"] |= {"startup_timeout_s": 180.0, "request_timeout_s": 120.0}
+    tree["launch"]["signal_lead_s"] = 300
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(tree))
+    guard_run_dir(_cfg(tmp_path), tmp_path, tmp_path / "checkpoints").release()
