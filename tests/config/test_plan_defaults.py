@@ -70,20 +70,20 @@ def test_request_bound_scales_with_max_new_tokens_and_is_the_clients(tokens, bou
 
 
 def test_235b_signal_lead_is_step_plus_save_plus_stop_by_hand():
-    """64 x 8 = 512 requests, 16 at a time: 32 waves of 8192 tokens at 30 tokens/s; training 10 x 22.19B active x
+    """64 x 8 = 512 requests, 512 at a time (rollout.max_concurrency): 1 wave of 8192 tokens at 30 tokens/s; training 10 x 22.19B active x
     512 x 32768 tokens on 64 GPUs at 2e14 FLOP/s (6 + 2 recompute=full + 2 old-log-prob pass); disk sync: 470.2 GB
     written by 8 learner nodes + read by each server at 2 GB/s; save 411.7 GB per node at 2 GB/s; stop 30 s."""
-    generation = 32 * 8192 / 30
+    generation = 1 * 8192 / 30
     training = 10 * 22.19076352e9 * 512 * 32768 / (64 * 2e14)
     sync = 470.2e9 / (8 * 2e9) + 470.2e9 / 2e9
     save = 411.7e9 / 2e9
     lead = signal_lead(load_config(Q235))
-    assert lead.derived and lead.value == math.ceil(generation + training + sync + save + 30) == 9530
-    for words in ("generation 8738 s", "training 291 s", "weight sync 264 s", "save 206 s (411.7 GB per node"):
+    assert lead.derived and lead.value == math.ceil(generation + training + sync + save + 30) == 1065
+    for words in ("generation 273 s", "training 291 s", "weight sync 264 s", "save 206 s (411.7 GB per node"):
         assert words in lead.why
 
 
-@pytest.mark.parametrize(("path", "lead", "save"), [(Q30, 8860, 53), (Q235, 9530, 206), (DSV3, 35996, 296)])
+@pytest.mark.parametrize(("path", "lead", "save"), [(Q30, 395, 53), (Q235, 1065, 206), (DSV3, 2135, 296)])
 def test_a_signal_lead_under_the_plan_is_refused_naming_the_save_time_and_the_key(path, lead, save):
     assert signal_lead(load_config(path)).value == lead
     assert not [p for p in config_problems(load_config(path)).problems if "signal_lead" in p]
@@ -110,9 +110,9 @@ def test_dry_run_shows_every_derived_value_and_the_disk_sync_warning():
         "#   rollout.startup_timeout_s=416 (derived: 180 s + 470.2 GB",
         "#   rollout.request_timeout_s=940 (derived: 120 s + rollout.max_new_tokens=8192 at 10 tokens/s",
         "a timed-out request is sent again from its start",
-        "#   launch.signal_lead_s=9530 (derived: step ~9293 s",
-        "--signal=B:USR1@9530 --requeue",
-        "--shutdown-timeout=9530",
+        "#   launch.signal_lead_s=1065 (derived: step ~828 s",
+        "--signal=B:USR1@1065 --requeue",
+        "--shutdown-timeout=1065",
         (
             "# warning: rollout.weight_sync=auto syncs through the shared filesystem (disk) at every step: 470.2 GB "
             "written + 1880.7 GB read (4 servers), ~264 s per step at launch.fs_bandwidth_gb_s=2"
@@ -147,7 +147,7 @@ def test_a_small_model_gets_no_disk_sync_warning(capsys):
 
 def test_sbatch_args_carry_the_derived_lead_and_name_the_keys_when_the_world_cannot_size_it():
     """``python -m moe_rl.launch sbatch-args`` (launch/slurm/submit.sh): the plan's lead; a set one as it is."""
-    assert "--signal=B:USR1@9530" in sbatch_args(load_config(Q235))
+    assert "--signal=B:USR1@1065" in sbatch_args(load_config(Q235))
     odd = load_config(Q235, ["launch.learner_nodes=3"])  # 24 ranks: not a multiple of etp*ep*pp = 32
     with pytest.raises(LaunchError, match=r"launch\.learner_nodes\*launch\.gpus_per_node = 3\*8"):
         sbatch_args(odd)
