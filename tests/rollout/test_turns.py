@@ -25,15 +25,15 @@ ENV = [400, 12, 3, 88]  # a tool's reply, as tokens
 
 
 async def two_turns(sample: AgentSample, generate: TurnGenerate, context: AgentContext) -> Trajectory:
-    """Turn 1, the environment's tokens, turn 2; ``context.chat_template_kwargs`` carries the test's hooks:
-    ``between`` (called after turn 1) and ``change_prefix`` (a turn-2 prompt that changes an earlier token)."""
+    """Turn 1, the environment's tokens, turn 2; ``sample.extra`` carries the test's hooks: ``between`` (called
+    after turn 1) and ``change_prefix`` (a turn-2 prompt that changes an earlier token)."""
     traj = Trajectory(group_id=sample.group_id)
     await generate(traj, sample.prompt_ids)
     traj.marks["turn1_routes"] = traj.routes.copy()
     traj.marks["turn1_len"] = len(traj)
-    context.chat_template_kwargs.get("between", lambda: None)()
+    sample.extra.get("between", lambda: None)()
     prompt = traj.token_ids.tolist() + ENV
-    if context.chat_template_kwargs.get("change_prefix"):
+    if sample.extra.get("change_prefix"):
         prompt[2] += 1  # a re-rendered template: an earlier token changed, the length unchanged
     await generate(traj, prompt)
     return traj
@@ -41,8 +41,8 @@ async def two_turns(sample: AgentSample, generate: TurnGenerate, context: AgentC
 
 def _run(url, route_spec, *, check_prefix_routes=False, rerender="refuse", **hooks):
     client = RolloutClient([url], route_spec, VOCAB, SAMPLING, max_concurrency=1)
-    agent = load_agent("tests.rollout.test_turns:two_turns", AgentContext(chat_template_kwargs=hooks))
-    sample = AgentSample(prompt_ids=PROMPT, group_id=3)
+    agent = load_agent("tests.rollout.test_turns:two_turns", AgentContext())
+    sample = AgentSample(prompt_ids=PROMPT, group_id=3, extra=hooks)
     (traj,), metrics = asyncio.run(
         run_agents(agent, [sample], client, step=2, rerender=rerender, check_prefix_routes=check_prefix_routes)
     )
