@@ -20,6 +20,7 @@ from moe_rl.preflight import config_problems
 from moe_rl.records import RolloutSample
 from moe_rl.rollout.agents import AgentContext, AgentError, AgentSample, load_agent, load_tools
 from moe_rl.rollout.tool_loop import ToolAgentLoop, parse_tool_calls
+from moe_rl.rollout.turns import Trajectory, route_conflicts, shared_prefix_len
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
 TEMPLATE = (
@@ -186,3 +187,24 @@ def test_agent_and_tool_keys_are_checked_with_one_clear_line(tokenizer):
     cfg = load_config(None, ["rollout.agent=moe_rl.rollout.tool_loop:ToolAgentLoop"])
     assert any("not in the records format yet" in p for p in config_problems(cfg).problems)
     assert not [p for p in config_problems(load_config(None, [])).problems if "rollout.agent" in p]
+
+
+def test_stitching_checks_the_reply_and_compares_routes_as_expert_sets():
+    assert shared_prefix_len(np.array([1, 2, 3]), np.array([1, 2, 4, 5])) == 2
+    assert shared_prefix_len(np.array([1, 2]), np.array([1, 2, 3])) == 2
+    rows = np.array([[[0, 1]], [[2, 3]], [[4, 5]]])
+    assert route_conflicts(rows, rows[:, :, ::-1]) == 0  # top-k order is not a conflict
+    assert route_conflicts(rows, np.array([[[0, 1]], [[2, 4]], [[5, 4]]])) == 1
+    traj = Trajectory()
+    sample = RolloutSample(
+        prompt_ids=np.array([1, 2], np.int32),
+        response_ids=np.array([3], np.int32),
+        rollout_logp=np.zeros(1, np.float32),
+        routes=rows[:2],
+    )
+    traj.add_turn([1, 2], sample, traj.plan_turn([1, 2]))
+    assert traj.plan_turn([1, 2, 3, 9]) == 2  # the boundary row: token 3 was sampled, never forwarded
+    with pytest.raises(ValueError, match="the reply's prompt is not the turn's prompt"):
+        traj.add_turn([1, 2, 3, 9], sample, 2)
+    with pytest.raises(ValueError, match="rollout.agent_rerender='keep'"):
+        traj.plan_turn([1, 2, 3], rerender="keep")

@@ -26,7 +26,8 @@ ENV = [400, 12, 3, 88]  # a tool's reply, as tokens
 
 async def two_turns(sample: AgentSample, generate: TurnGenerate, context: AgentContext) -> Trajectory:
     """Turn 1, the environment's tokens, turn 2; ``sample.extra`` carries the test's hooks: ``between`` (called
-    after turn 1) and ``change_prefix`` (a turn-2 prompt that changes an earlier token)."""
+    after turn 1), ``change_prefix`` (a turn-2 prompt that changes an earlier token) and ``turn2_max`` (turn 2's
+    max_new_tokens)."""
     traj = Trajectory(group_id=sample.group_id)
     await generate(traj, sample.prompt_ids)
     traj.marks["turn1_routes"] = traj.routes.copy()
@@ -35,7 +36,7 @@ async def two_turns(sample: AgentSample, generate: TurnGenerate, context: AgentC
     prompt = traj.token_ids.tolist() + ENV
     if sample.extra.get("change_prefix"):
         prompt[2] += 1  # a re-rendered template: an earlier token changed, the length unchanged
-    await generate(traj, prompt)
+    await generate(traj, prompt, max_new_tokens=sample.extra.get("turn2_max"))
     return traj
 
 
@@ -54,7 +55,9 @@ def _scratch(client, traj):
     gen = traj.segments[-1]
     prompt = traj.token_ids[: len(traj) - len(gen)]
     seed = TurnGenerate(client, step=2).turn_seed(traj.group_id, 1)
-    (out,) = asyncio.run(client.agenerate([prompt], 1, group_ids=[traj.group_id], seeds=[seed]))
+    (out,) = asyncio.run(
+        client.agenerate([prompt], 1, group_ids=[traj.group_id], seeds=[seed], max_new_tokens=[len(gen)])
+    )
     np.testing.assert_array_equal(out.response_ids, gen.token_ids)  # same seed, same weights: same turn
     return out
 
@@ -89,11 +92,13 @@ def test_turn_one_rows_survive_a_weight_update_before_turn_two_and_conflicts_are
             route_spec,
             check_prefix_routes=True,
             between=lambda: update_weights_from_disk([url], model_dir_v2, "v2"),
+            turn2_max=3,
         )
         scratch = _scratch(client, traj)  # under v2, like turn 2
     finally:
         update_weights_from_disk([url], model_dir, "v1")
     t1 = traj.marks["turn1_len"]
+    assert len(traj.segments[3]) <= 3, "the turn's own max_new_tokens"
     assert traj.segments[1].weight_version != "v2" and traj.segments[3].weight_version == "v2"
     # turn 2's prefill (v2) recomputed the prefix with other routes; the trajectory keeps turn 1's own (v1) rows
     differing = (np.sort(scratch.routes[: t1 - 1], -1) != np.sort(traj.marks["turn1_routes"], -1)).any(axis=(1, 2))
