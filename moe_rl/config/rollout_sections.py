@@ -8,7 +8,7 @@ asserts it). It must not import torch or Megatron.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -19,6 +19,7 @@ __all__ = ["ENV_NAME", "ExactKernel", "ReplayConfig", "RolloutConfig", "replay_c
 
 ExactKernel = Literal[tuple(KERNELS)]  # the items of the true-on-policy kernel contract
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"  # an environment variable name
+AGENT_SPEC = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"  # module:name (an agent loop class or function, a tool)
 
 
 class RolloutConfig(Section):
@@ -161,6 +162,33 @@ class RolloutConfig(Section):
         True,
         description="check every batch against the digests of every tensor the servers received (SGLang patch "
         "0014, admin key) and the trainer sent; false: labels only (correction.kl_alarm is the net behind)",
+    )
+
+    agent: str | None = Field(
+        None,
+        pattern=AGENT_SPEC,
+        description="multi-turn rollouts (docs/agents.md, first slice: rollout library only, the trainer refuses "
+        "it until the records carry trajectories): 'module:Class' (built once with the AgentContext, async "
+        "run(sample, generate) -> Trajectory) or 'module:function'; e.g. moe_rl.rollout.tool_loop:ToolAgentLoop. "
+        "None = one response per prompt",
+    )
+    tools: list[Annotated[str, Field(pattern=AGENT_SPEC)]] = Field(
+        default_factory=list, description="tool functions for rollout.agent, each 'module:function' (docs/agents.md)"
+    )
+    agent_max_turns: int = Field(4, ge=1, description="rollout.agent: generated turns per trajectory at most")
+    agent_max_total_tokens: int = Field(
+        1024, ge=2, description="rollout.agent: tokens of a trajectory (prompt, tool and generated) at most"
+    )
+    tool_timeout_s: float = Field(10.0, gt=0, description="rollout.agent: a tool call longer than this is an error")
+    agent_rerender: Literal["refuse", "retokenize"] = Field(
+        "refuse",
+        description="a turn's prompt that changes earlier tokens (a re-rendered chat template): refuse (an error "
+        "naming the position) or retokenize (cut the trajectory back to the shared prefix, mark and count it)",
+    )
+    agent_check_prefix_routes: bool = Field(
+        False,
+        description="rollout.agent: each turn also asks for the prefix's route rows its prefill recomputed and "
+        "counts those that differ from the recorded ones (replay/turn_prefix_route_conflicts); recorded rows win",
     )
 
 

@@ -37,6 +37,7 @@ from moe_rl.exact.preflight import true_on_policy_settings
 from moe_rl.preflight.data import data_files, hf_model_directory, reward_settings
 from moe_rl.preflight.learner import accelerator, learner_features, optimizer_options, process_count
 from moe_rl.preflight.rollout import (
+    agent_loop,
     external_server_key_notes,
     partial_rollout_notes,
     partial_rollouts,
@@ -114,6 +115,7 @@ CONFIG_RULES: tuple[ConfigRule, ...] = (
     eval_and_filters,
     rollout_mode,
     partial_rollouts,
+    agent_loop,
     job_fits,
     true_on_policy_settings,
 )

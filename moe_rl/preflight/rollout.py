@@ -2,7 +2,8 @@
 
 Owns the config rules the rollout client and the producer would refuse (a top-k that samples nothing or
 exceeds the kept-set cap, async mode without servers, partial rollouts outside async mode), the note on
-approximate ``in_place`` pauses, and the environment rule that every ``rollout.addresses`` server answers.
+approximate ``in_place`` pauses, the agent-loop keys (``agent_loop``: importable, and refused by the trainer
+until the records carry trajectories), and the environment rule that every ``rollout.addresses`` server answers.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from collections.abc import Iterable, Mapping
 import httpx
 
 from moe_rl.config import ExperimentConfig
+from moe_rl.rollout.agents import AgentError, load_tools, resolve_spec
 
 __all__ = [
+    "agent_loop",
     "external_server_key_notes",
     "partial_rollout_notes",
     "partial_rollouts",
@@ -32,6 +35,27 @@ def sampling_settings(cfg: ExperimentConfig) -> Iterable[str]:
         yield (
             f"rollout.top_k={r.top_k} exceeds rollout.sampling_mask_max_tokens={r.sampling_mask_max_tokens} "
             "(the largest kept set SGLang returns for replay.keep_sampling_mask); lower top_k or raise the cap"
+        )
+
+
+def agent_loop(cfg: ExperimentConfig) -> Iterable[str]:
+    """``rollout.agent`` / ``rollout.tools`` must import; the trainer cannot train on trajectories yet (issue 56's
+    first slice is the rollout library: ``moe_rl.rollout.agents.run_agents``; docs/agents.md)."""
+    r = cfg.rollout
+    try:
+        if r.agent is not None:
+            resolve_spec(r.agent, "rollout.agent")
+        load_tools(r.tools)
+    except AgentError as err:
+        yield str(err)
+        return
+    if r.tools and r.agent is None:
+        yield "rollout.tools lists tools but rollout.agent is None; the tools are called only by an agent loop"
+    if r.agent is not None:
+        yield (
+            f"rollout.agent={r.agent!r}: multi-turn trajectories are not in the records format yet (docs/agents.md, "
+            "first slice), so the trainer cannot train on them; run the loop from the library "
+            "(moe_rl.rollout.agents.run_agents) or set rollout.agent=null"
         )
 
 

@@ -207,10 +207,9 @@ class RolloutClient:
     def generate(self, prompts: Sequence[Sequence[int]], n: int = 1, **kwargs) -> list[RolloutSample]:
         """Blocking `agenerate` (runs its own event loop).
 
-        The samples leave through a list, not as the main task's result: on exit `asyncio.run` restores
-        the SIGINT handler, and CPython's `signal.signal` formats the old handler (a partial holding the
-        main task) with `repr`, i.e. the repr of every sample's arrays: 7% of the client's time in
-        `bench/profile_rollout.py` before this.
+        The samples leave through a list, not as the main task's result: on exit `asyncio.run` restores the SIGINT
+        handler, and CPython's `signal.signal` formats the old handler (a partial holding the main task) with `repr`,
+        i.e. the repr of every sample's arrays: 7% of the client's time in `bench/profile_rollout.py` before this.
         """
         samples: list[RolloutSample] = []
 
@@ -230,15 +229,21 @@ class RolloutClient:
         seeded: bool = True,
         routes_start_len: Sequence[int] | None = None,
         counters: PartialCounters | None = None,
+        seeds: Sequence[int] | None = None,
+        max_new_tokens: Sequence[int] | None = None,
     ) -> list[RolloutSample]:
         """`len(prompts) * n` samples, or RolloutError; never fewer. `seeded=False` sends no seed. `counters`: where
         this call's ``async/*`` counts go (default: the client's ``partial_counters``).
 
         `routes_start_len[i]` (multi-turn / continued generation): prompt `i`'s samples carry only the
         route rows `[start, P + R - 1)`, the rows before it being known from the earlier turn.
+        `seeds[i]` / `max_new_tokens[i]` (an agent loop's turn, ``n=1``): prompt `i`'s own seed and token budget.
         """
         if n < 1:
             raise ValueError(f"n={n}; expected >= 1 samples per prompt")
+        for name, values in (("seeds", seeds), ("max_new_tokens", max_new_tokens)):
+            if values is not None and (n != 1 or len(values) != len(prompts)):
+                raise ValueError(f"{name} has {len(values)} entries with n={n}; expected one per prompt and n=1")
         group_ids = list(range(len(prompts))) if group_ids is None else list(group_ids)
         if len(group_ids) != len(prompts):
             raise ValueError(f"group_ids has {len(group_ids)} entries; expected one per prompt ({len(prompts)})")
@@ -248,9 +253,11 @@ class RolloutClient:
         starts = [0] * len(prompts) if routes_start_len is None else [int(s) for s in routes_start_len]
         if len(starts) != len(prompts) or any(not 0 <= s <= len(p) for s, p in zip(starts, prompts)):
             raise ValueError(f"routes_start_len={starts}; expected one value in [0, len(prompt)] per prompt")
+        budgets = [None] * len(prompts) if max_new_tokens is None else [int(b) for b in max_new_tokens]
+        seed_of = lambda i, g, j: sample_seed(self.seed, step, g, j) if seeds is None else int(seeds[i])
         jobs = [
-            (np.asarray(p, dtype=np.int32), g, sample_seed(self.seed, step, g, j) if seeded else None, start)
-            for p, g, start in zip(prompts, group_ids, starts)
+            (np.asarray(p, dtype=np.int32), g, seed_of(i, g, j) if seeded else None, start, budget)
+            for i, (p, g, start, budget) in enumerate(zip(prompts, group_ids, starts, budgets))
             for j in range(n)
         ]
         gate = self._slots.gate(step)  # the client's max_concurrency, across the batches of every thread
@@ -291,10 +298,11 @@ class RolloutClient:
         group_id,
         seed,
         start,
+        budget: int | None = None,
         counters: PartialCounters | None = None,
         aborts: OutsideAborts | None = None,
     ) -> RolloutSample:
-        budget, counters = self.sampling.max_new_tokens, counters or self.partial_counters
+        budget, counters = budget or self.sampling.max_new_tokens, counters or self.partial_counters
         attempts = functools.partial(self._attempts, aborts=aborts)
         async with gate:
             sample, aborted = await attempts(http, prompt, group_id, seed, start, budget, counters)
