@@ -333,3 +333,16 @@ def test_a3po_is_refused_by_the_preflight_until_the_step_runs_it():
     assert list(correction_settings(load_config(tiny, ["correction.prox_logp_method=recompute"]))) == []
     (problem,) = correction_settings(load_config(tiny, ["correction.prox_logp_method=loglinear"]))
     assert "correction.prox_logp_method='loglinear'" in problem and "expected 'recompute'" in problem
+
+
+def test_oapl_is_refused_outside_bypass_mode():
+    """OAPL's ratio is to the rollout policy pi_inf (seed 000): in decoupled mode the loss's ratio is to pi_old."""
+    from moe_rl.config import load_config  # noqa: PLC0415 -- only these tests load a config file
+    from moe_rl.preflight import config_problems  # noqa: PLC0415 -- as above
+
+    tiny = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
+    base = ["loss.clip_low=0.2", "loss.clip_high=0.28", "loss.type=oapl"]  # tiny_cpu's GSPO clips: unread by OAPL
+    problems = config_problems(load_config(tiny, [*base, "correction.mode=decoupled"])).problems
+    assert [p for p in problems if p.startswith("loss.type='oapl'") and "expected correction.mode=bypass" in p]
+    problems = config_problems(load_config(tiny, [*base, "correction.mode=bypass"])).problems
+    assert not [p for p in problems if "oapl" in p], problems
