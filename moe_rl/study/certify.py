@@ -80,8 +80,9 @@ def _contract(cfg: ExperimentConfig, served: dict) -> dict:
 
 
 def certify_verdict(numbers: dict) -> tuple[bool, str]:
-    """``(passed, one line)``: passes only in the mode, with every gated number of every row exactly 0.0."""
-    rows = numbers["rows"]
+    """``(passed, one line)``: passes only in the mode, with every gated number of every row exactly 0.0. In
+    normal mode the line gives the config's own rows (``stock``), not the attribution rows."""
+    rows = {n: r for n, r in numbers["rows"].items() if numbers["mode"] == "true_on_policy" or n.startswith("stock")}
     worst = {k: max((r[k] for r in rows.values()), key=lambda v: math.inf if math.isnan(v) else v) for k in GATED}
     tokens = max(r["tokens"] for r in rows.values())
     exact = numbers["mode"] == "true_on_policy"
@@ -91,7 +92,7 @@ def certify_verdict(numbers: dict) -> tuple[bool, str]:
     if passed:
         return True, f"certify: PASS: rollout and learner agree bit for bit ({what} on {tokens} tokens)"
     why = (
-        "normal mode (rollout.true_on_policy=false): a difference is expected there; "
+        "normal mode (rollout.true_on_policy=false) is never certified, a difference is expected there; "
         if not exact
         else "rollout.true_on_policy, but "
         + ("not every contract item is shared on both sides; " if not shared else "")

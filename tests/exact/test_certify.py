@@ -60,9 +60,16 @@ def test_certify_fails_in_normal_bf16_mode_with_the_attribution_table(tmp_path, 
 
 def _numbers(mode="true_on_policy", shared=True, **row):
     base = {"kl_k3": 0.0, "dlogp_max": 0.0, "dlogp_mean": 0.0, "flip_prompt": 0.0, "flip_response": 0.0}
-    numbers = {"mode": mode, "rows": {"all": {**base, "tokens": 16, **row}}}
+    numbers = {"mode": mode, "rows": {"all" if mode == "true_on_policy" else "stock": {**base, "tokens": 16, **row}}}
     if mode == "true_on_policy":
         numbers["contract"] = {k: {"learner": True, "servers": shared or k != "router"} for k in KERNELS}
+    return numbers
+
+
+def _attribution():
+    numbers = _numbers(mode="normal")
+    row = numbers["rows"].pop("stock")
+    numbers["rows"] = {"stock": {**row, "kl_k3": 4e-6}, "+router": {**row, "kl_k3": 5e-6}, "all": row}
     return numbers
 
 
@@ -76,7 +83,8 @@ def _numbers(mode="true_on_policy", shared=True, **row):
         (_numbers(flip_prompt=float("nan")), False, "router flips (prompt)=nan"),
         (_numbers(tokens=0), False, "no response tokens were measured"),
         (_numbers(shared=False), False, "not every contract item is shared on both sides"),
-        (_numbers(mode="normal"), False, "normal mode (rollout.true_on_policy=false): a difference is expected"),
+        (_numbers(mode="normal"), False, "normal mode (rollout.true_on_policy=false) is never certified"),
+        (_attribution(), False, "KL k3=4e-06"),  # the config's own (stock) row, not the attribution rows
     ],
 )
 def test_any_difference_fails_the_verdict(numbers, passed, says):
