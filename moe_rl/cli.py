@@ -190,6 +190,16 @@ def _diagnose(args) -> int:
     return 0
 
 
+def _certify(args) -> int:
+    from moe_rl.study.certify import run_certify  # noqa: PLC0415 -- a subcommand's subsystems load when it runs
+
+    if args.prompts < 1:
+        raise ConfigError(f"certify --prompts={args.prompts}; expected >= 1")
+    cfg = _checked_config(args, env=True)
+    kernels = [k for k in args.kernels.split(",") if k] if args.kernels else None
+    return 0 if run_certify(cfg, args.prompts, kernels=kernels, json_path=args.json)["passed"] else 1
+
+
 def _add_set_alias(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--set",
@@ -282,6 +292,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--kernels", default=None, help="--attribute: comma-separated items (default: all of them)")
     p.set_defaults(func=_diagnose)
+    p = sub.add_parser(
+        "certify",
+        help="gate for CI: the zero-staleness check against a real server; exit 1 on any rollout-vs-learner difference",
+        description="Generate with an SGLang server (started from the config, or rollout.addresses), recompute the "
+        "same tokens with the learner (no update in between) and print max |Δlogp|, KL k3 and router flips. "
+        "Exit 0 only when rollout.true_on_policy is on and every number is exactly 0.0; exit 1 on any difference "
+        "(always in normal mode, where a difference is expected: it then prints the attribution table of "
+        "'moe-rl diagnose --attribute', one server per row, where the config allows); exit 2 on a config error. "
+        "docs/true_on_policy.md, 'certify'.",
+    )
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", metavar="a.b=value")
+    _add_set_alias(p)
+    p.add_argument(
+        "--prompts", type=int, default=16, help="prompts to generate (x rollout.samples_per_prompt; default: 16)"
+    )
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the numbers and the verdict to PATH")
+    p.add_argument(
+        "--kernels", default=None, help="normal mode's attribution table: comma-separated items (default: all)"
+    )
+    p.set_defaults(func=_certify)
     return parser
 
 

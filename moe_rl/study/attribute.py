@@ -25,7 +25,7 @@ from moe_rl.exact.preflight import true_on_policy_settings
 from moe_rl.study.diagnose import generate, learner_logprobs, measure
 from moe_rl.train.loop import RLTrainer
 
-__all__ = ["COLUMNS", "attribution_rows", "render_table", "run_attribute"]
+__all__ = ["COLUMNS", "attribution_rows", "render_table", "row_config", "row_numbers", "run_attribute"]
 
 COLUMNS = {  # key -> header
     "kl_k3": "KL k3",
@@ -49,7 +49,11 @@ def attribution_rows(kernels: list[str] | None = None) -> list[tuple[str, frozen
     ]
 
 
-def _row_config(cfg: ExperimentConfig, items: frozenset[str] | None, scratch: Path) -> ExperimentConfig:
+def row_config(
+    cfg: ExperimentConfig, items: frozenset[str] | None, scratch: Path, num_prompts: int
+) -> ExperimentConfig:
+    """``cfg`` for one zero-staleness row: ``items`` on both sides (None: the mode off), one sync batch of
+    ``num_prompts`` prompts (the batch source reads it when the trainer is built), scratch output."""
     rollout = cfg.rollout.model_copy(
         update={
             "true_on_policy": items is not None,
@@ -60,7 +64,9 @@ def _row_config(cfg: ExperimentConfig, items: frozenset[str] | None, scratch: Pa
         update={
             "rollout": rollout,
             # one batch, generated here and now: the sync source (async would start a rollout process)
-            "train": cfg.train.model_copy(update={"output_dir": str(scratch), "rollout_mode": "sync"}),
+            "train": cfg.train.model_copy(
+                update={"output_dir": str(scratch), "rollout_mode": "sync", "prompts_per_step": num_prompts}
+            ),
             "replay": cfg.replay.model_copy(update={"routing": "r3"}),  # binds the routers: flips are measured
             "logging": cfg.logging.model_copy(update={"progress": False, "tensorboard": False}),
         }
@@ -74,6 +80,11 @@ def _measure_row(cfg: ExperimentConfig, num_prompts: int) -> dict:
         raw = learner_logprobs(trainer, batch, replay_routes=False, keep_mask=False)
     finally:
         trainer.close()
+    return row_numbers(raw)
+
+
+def row_numbers(raw: dict) -> dict:
+    """One row's ``COLUMNS`` (+ ``tokens``) from ``learner_logprobs``'s output (natural routing)."""
     m = measure(raw)  # moe_rl.algo's off-policy metrics, as in the diagnose report and the training log
     flips = raw["flips"]
     return {
@@ -89,6 +100,11 @@ def _measure_row(cfg: ExperimentConfig, num_prompts: int) -> dict:
 def _check_exact_settings(cfg: ExperimentConfig, kernels: list[str] | None = None) -> None:
     """ConfigError (one message, the CLI prints it) for unknown ``kernels`` or a config that cannot be exact."""
 
+    if cfg.rollout.addresses:
+        raise ConfigError(
+            "diagnose --attribute starts one server per row (each row's kernels are chosen at server start); "
+            f"rollout.addresses={list(cfg.rollout.addresses)} would serve every row from one server: leave it unset"
+        )
     unknown = sorted(set(kernels or ()) - KERNELS.keys())
     if unknown:
         raise ConfigError(f"diagnose --kernels: unknown item(s) {unknown}; expected some of {sorted(KERNELS)}")
@@ -112,7 +128,7 @@ def run_attribute(
     rows = {}
     for name, items in attribution_rows(kernels):
         scratch = Path(tempfile.mkdtemp(prefix=f"moe_rl_attribute_{name}_"))
-        rows[name] = _measure_row(_row_config(cfg, items, scratch), num_prompts)
+        rows[name] = _measure_row(row_config(cfg, items, scratch, num_prompts), num_prompts)
         shutil.rmtree(scratch, ignore_errors=True)
         print(f"attribute: {name}: " + ", ".join(f"{k}={rows[name][k]:.3g}" for k in COLUMNS), flush=True)
     numbers = {
@@ -133,21 +149,26 @@ def _removed(value: float, stock: float) -> str:
     return f"{100 * (1 - value / stock):.0f}%" if stock and np.isfinite(stock) else "–"
 
 
-def render_table(numbers: dict) -> str:
-    """Markdown: per row, each metric and (in parentheses) the share of the stock value it removes."""
+def render_table(numbers: dict, labels: dict[str, str] | None = None) -> str:
+    """Markdown: per row, each metric and (in parentheses) the share of the stock value it removes (when a
+    ``stock`` row was measured). ``labels``: row name -> label, for rows other than attribution_rows' own."""
     rows = numbers["rows"]
-    stock = rows["stock"]
+    stock = rows.get("stock")
     head = "| kernels on | " + " | ".join(COLUMNS.values()) + " | tokens |"
     lines = [head, "|" + "---|" * (len(COLUMNS) + 2)]
     for name, r in rows.items():
-        cells = [f"{r[k]:.3g}" if name == "stock" else f"{r[k]:.3g} ({_removed(r[k], stock[k])})" for k in COLUMNS]
-        label = {"stock": "none (stock)", "all": "all (true-on-policy)"}.get(name) or (
+        plain = name == "stock" or stock is None
+        cells = [f"{r[k]:.3g}" if plain else f"{r[k]:.3g} ({_removed(r[k], stock[k])})" for k in COLUMNS]
+        label = {"stock": "none (stock)", "all": "all (true-on-policy)", **(labels or {})}.get(name) or (
             f"`{name[1:]}` alone" if name[0] == "+" else f"all but `{name[1:]}`"
         )
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {r['tokens']} |")
     c = numbers["config"]
     return (
         f"rollout.dtype={c['rollout.dtype']}, precision.params_dtype={c['precision.params_dtype']}, "
-        f"{c['prompts']} prompts x {c['samples_per_prompt']} samples. In parentheses: the share of the stock "
-        "value the row removes (negative: it grew).\n\n" + "\n".join(lines) + "\n"
+        f"{c['prompts']} prompts x {c['samples_per_prompt']} samples."
+        + (" In parentheses: the share of the stock value the row removes (negative: it grew)." if stock else "")
+        + "\n\n"
+        + "\n".join(lines)
+        + "\n"
     )

@@ -146,7 +146,10 @@ def run_diagnose(cfg: ExperimentConfig, num_prompts: int, out_dir: str | Path) -
     cfg = cfg.model_copy(
         update={
             # one batch, generated here and now: the sync source (async would start a rollout process)
-            "train": cfg.train.model_copy(update={"output_dir": str(scratch), "rollout_mode": "sync"}),
+            # prompts_per_step here too: the batch source reads it when the trainer is built
+            "train": cfg.train.model_copy(
+                update={"output_dir": str(scratch), "rollout_mode": "sync", "prompts_per_step": num_prompts}
+            ),
             "replay": cfg.replay.model_copy(update={"routing": "r3"}),  # bind replay; each setting picks its routing
             "logging": cfg.logging.model_copy(update={"progress": False, "tensorboard": False}),
         }

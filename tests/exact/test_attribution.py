@@ -78,6 +78,10 @@ def test_attribute_refuses_a_config_that_cannot_be_exact():
         _check_exact_settings(cfg)
     with pytest.raises(ConfigError, match=r"diagnose --kernels: unknown item\(s\) \['lmhead'\]"):
         _check_exact_settings(_cfg(on=False), ["lm_head", "lmhead"])
+    given = _cfg(on=False)
+    given = given.model_copy(update={"rollout": given.rollout.model_copy(update={"addresses": ["http://h:1"]})})
+    with pytest.raises(ConfigError, match=r"one server per row .* rollout.addresses=\['http://h:1'\]"):
+        _check_exact_settings(given)
 
 
 def test_the_table_gives_each_rows_share_of_the_stock_mismatch():

@@ -9,7 +9,8 @@ ep=1, async), distributed (tiny, ep=2) and disk (cpu_midsize in bf16) -- one tra
 async run a batch may be one version stale, so its tokens are checked against the version that generated
 them (the learner at that version recomputes them offline). Each run
 is a ``moe-rl train`` subprocess as a user runs it; the two tiny runs (1 and 2 ranks) share one
-true-on-policy server of the module (``rollout.addresses``), each pushing its own weights at its start.
+true-on-policy server of the session (tests/exact/conftest.py; ``moe-rl certify``'s test uses it too) through
+``rollout.addresses``, each pushing its own weights at its start.
 
 The check can fail: ``test_one_stock_kernel_breaks_equality`` recomputes step 0's saved records with
 the exact learner (bit-equal) and with one kernel swapped back to Megatron's stock one (non-zero).
@@ -41,54 +42,23 @@ from moe_rl.config import load_config
 from moe_rl.exact.identity import learner_identity, served_identities
 from moe_rl.exact.kernels import kept_token_logprobs
 from moe_rl.learner.exact_spec import ExactRowParallelLinear
-from moe_rl.learner.hf_init import write_random_hf_checkpoint
 from moe_rl.learner.logprobs import response_logprobs
 from moe_rl.learner.model import build_model, forward_logits
 from moe_rl.records import RolloutBatch
 from moe_rl.replay.keep_mask import KeptSets, keep_mask_logprobs, kept_mask
-from moe_rl.rollout.launcher import SGLangServer
-from moe_rl.rollout.server_spec import ServerSpec
 from moe_rl.train.metrics_log import read_metrics
 from tests.conftest import run_to_file
+from tests.exact.conftest import GATE
 
 pytestmark = pytest.mark.sglang
 
 ROOT = Path(__file__).parents[2]
-GATE = [
-    "rollout.true_on_policy=true",
-    "rollout.dtype=float32",
-    "train.minibatches_per_step=1",
-    "replay.keep_sampling_mask=false",
-    "train.steps=2",
-    "train.prompts_per_step=2",
-    "rollout.samples_per_prompt=4",
-    "train.micro_batch_size=4",
-    "rollout.max_new_tokens=8",
-    "checkpoint.save_interval=100",
-    "logging.tensorboard=false",
-    "logging.progress=false",
-    "rollout.startup_timeout_s=600",
-    "rollout.health_timeout_s=300",  # the exact kernels are slow: a loaded CI box must not read that as a hang
-]
 EXACT_KEYS = (
     "offpolicy/log_ratio_abs_max",
     "offpolicy/kl_k3",
     "replay/rollout_vs_natural/prompt/flip_rate",
     "replay/rollout_vs_natural/response/flip_rate",
 )
-
-
-@pytest.fixture(scope="module")
-def tiny_server(tmp_path_factory) -> str:
-    """A true-on-policy SGLang server for configs/tiny_cpu.yaml under GATE (patch 0013's kernels); its URL."""
-
-    cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml", GATE)
-    root = tmp_path_factory.mktemp("exact_server")
-    model = write_random_hf_checkpoint(cfg.model, root / "model", seed=0, dtype="float32")
-    spec = ServerSpec.from_rollout_config(cfg.rollout, model, startup_timeout_s=600)
-    assert spec.true_on_policy and spec.dtype == "float32"
-    with SGLangServer(spec, root / "server.log") as running:
-        yield running.url
 
 
 def _train(out_dir: Path, config: str, *overrides: str, nproc: int = 1) -> list[dict]:

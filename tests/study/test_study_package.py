@@ -8,7 +8,7 @@ from pathlib import Path
 import moe_rl
 from moe_rl.cli import build_parser
 
-STUDY_MODULES = ("ablate", "report", "diagnose", "diagnose_report")
+STUDY_MODULES = ("ablate", "report", "diagnose", "diagnose_report", "attribute", "certify")
 
 
 def test_study_modules_import_from_the_study_package():
@@ -27,3 +27,5 @@ def test_cli_subcommands_still_reach_the_study_flow():
     assert args.func.__name__ == "_ablate"
     args = build_parser().parse_args(["diagnose", "configs/tiny_cpu.yaml"])
     assert args.func.__name__ == "_diagnose"
+    args = build_parser().parse_args(["certify", "configs/tiny_cpu.yaml", "rollout.dtype=float32"])
+    assert args.func.__name__ == "_certify" and args.prompts == 16 and args.overrides == ["rollout.dtype=float32"]
