@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 from moe_rl.learner.dist import free_port
 from moe_rl.learner.hf_init import write_random_hf_checkpoint
 from moe_rl.sizing import job_plan
-from moe_rl.sizing.terms import total_params
+from moe_rl.sizing.terms import hf_tensors_read, total_params
 from tests.distributed.plan_measured_worker import LAYOUTS, MODELS, job_cfg, write_step_records
 
 WORKER = REPO / "tests" / "distributed" / "plan_measured_worker.py"
@@ -36,7 +36,8 @@ WORKER = REPO / "tests" / "distributed" / "plan_measured_worker.py"
 
 def rows(reports: list[dict], model: str, layout: str) -> list[tuple[str, float, float, float]]:
     """``(what, measured, planned, tolerance)`` for one layout: the CI test's rows."""
-    plan = job_plan(job_cfg(model, layout), world=2)
+    cfg = job_cfg(model, layout)
+    plan = job_plan(cfg, world=2)
     r0 = plan.ranks[0]
     out = []
     for r, rep in enumerate(reports):
@@ -46,6 +47,7 @@ def rows(reports: list[dict], model: str, layout: str) -> list[tuple[str, float,
             (f"rank {r} records bytes read (reader's counter)", m["records_read"], r0.host["records"], 0.10),
             (f"rank {r} HF import RssAnon peak", m["hf_import_rss_anon"], r0.host["hf_import"], 0.25),
             (f"rank {r} HF import bytes read (reader's counter)", m["hf_import_read"], r0.hf_read_bytes, 0.10),
+            (f"rank {r} HF tensors read (the reader's log)", m["hf_tensors"], hf_tensors_read(cfg, 0), 0.0),
         ]
     out += [
         ("records bytes per step (os.stat)", reports[0][layout]["records_file"], plan.records_step_bytes, 0.10),
@@ -94,7 +96,7 @@ def main() -> None:
         print(f"{layout} ({times}):")
         for what, real, planned, tol in rows(reports, args.model, layout):
             err = planned / real - 1
-            worst = max(worst, abs(err) / tol)
+            worst = max(worst, abs(err) / tol if tol else float(err != 0))
             print(f"  {what:52s} measured {real:>15,.0f}  planned {planned:>15,.0f}  {err:+7.1%} (tolerance {tol:.0%})")
     print(f"plan_measured_worst_error={worst:.3f} (of its tolerance)")
 

@@ -22,6 +22,10 @@ LOGIT_BYTES = 18
 FP8_CACHE_BYTES = 2  # TE's row-wise and column-wise FP8 copies of each weight: 1 + 1 byte per parameter
 HF_BYTES = 2  # the HF checkpoints the cluster configs load are bf16 (assumed for every HF import)
 PARAM_BYTES = {"float32": 4, "bfloat16": 2}  # precision.params_dtype
+# Anonymous memory the HF import keeps per HF tensor it reads until it ends, not attributed further (the reader's
+# read log, safetensors slice handles, allocator slack): measured, the slope between the ep=2 and dp=2 imports of
+# the 306.6M model (576 more tensors read, 1152 KiB more RssAnon; bench/bench_plan_measured.py).
+HF_TENSOR_OVERHEAD = 2048
 # One records sample: int32 ids per prompt and response token, fp32 log-prob and int32 weight version per
 # response token (moe_rl/records/batch.py); routes uint8 (<= 256 experts) or uint16 per token, MoE layer, top-k.
 ID_BYTES, LOGP_BYTES, VERSION_BYTES = 4, 4, 4
@@ -127,7 +131,21 @@ def hf_import_peak(cfg: ExperimentConfig, stage: int) -> float:
             out.append(packed(2 * shared * h // tp, tp > 1))
     if not all(pattern):
         out += [packed(2 * m.ffn_hidden_size * h // tp, tp > 1), plain(m.ffn_hidden_size * h // tp, tp > 1)]
-    return float(max(out))
+    return float(max(out) + HF_TENSOR_OVERHEAD * hf_tensors_read(cfg, stage))
+
+
+def hf_tensors_read(cfg: ExperimentConfig, stage: int) -> int:
+    """HF tensors a rank of ``stage`` reads (learner/hf_convert.py's name map): per layer q, k, v, o, two norms
+    (+ q/k norms, + q/k/v biases), and an MLP's gate, up, down (a MoE layer: its local experts' and the shared
+    expert's, the router, the expert bias); the embedding on the first stage, final norm and output on the last."""
+    m, p = cfg.model, cfg.parallel
+    per_stage = m.num_layers // p.pp
+    pattern = m.moe_layer_pattern()[stage * per_stage : (stage + 1) * per_stage]
+    attention = 6 + (2 if m.qk_layernorm else 0) + (3 if m.add_qkv_bias else 0)
+    moe = 1 + int(m.moe_router_enable_expert_bias) + 3 * (m.num_moe_experts // p.ep)
+    moe += 3 if m.moe_shared_expert_intermediate_size else 0
+    n = sum(attention + (moe if is_moe else 3) for is_moe in pattern)
+    return n + (1 if stage == 0 else 0) + (2 if stage == p.pp - 1 else 0)
 
 
 def checkpoint_write_buffer(cfg: ExperimentConfig) -> float:

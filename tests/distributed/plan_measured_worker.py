@@ -155,7 +155,7 @@ def measure(cfg: ExperimentConfig, hf_dir: Path, records: Path, scratch: Path) -
     learner = Learner(cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"init_from_hf": None})}))
     with AnonPeak() as peak:
         stats = load_hf_weights(learner.model, hf_dir, cfg.model)
-    out = {"hf_import_rss_anon": peak.increase, "hf_import_read": stats.total_bytes}
+    out = {"hf_import_rss_anon": peak.increase, "hf_import_read": stats.total_bytes, "hf_tensors": len(stats.reads)}
     tokens = torch.randint(0, cfg.model.vocab_size, (1, 17), generator=torch.Generator().manual_seed(rank))
     learner.train_step(  # one optimizer step, so the save writes Adam's moments
         [{"input_ids": tokens[:, :-1], "targets": tokens[:, 1:]}], lambda logp, ent, mb: (-logp.mean(), {})

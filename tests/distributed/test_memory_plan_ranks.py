@@ -15,6 +15,7 @@ import pytest
 from moe_rl.config.memory_plan import data_parallel_sizes, local_params, rank_memory
 from moe_rl.learner.hf_init import write_random_hf_checkpoint
 from moe_rl.sizing import job_plan
+from moe_rl.sizing.terms import hf_tensors_read
 from tests.conftest import one_gpu_per_rank
 from tests.distributed.memory_plan_worker import twin_cfg
 from tests.distributed.plan_measured_worker import LAYOUTS, job_cfg, write_step_records
@@ -115,6 +116,7 @@ def test_plan_predicts_each_ranks_measured_disk_network_records_and_hf_import_by
             (f"rank {r} records bytes read", real["records_read"], rank_plan.host["records"], 0.10),
             (f"rank {r} HF import RssAnon peak", real["hf_import_rss_anon"], rank_plan.host["hf_import"], 0.25),
             (f"rank {r} HF import bytes read", real["hf_import_read"], rank_plan.hf_read_bytes, 0.10),
+            (f"rank {r} HF tensors read", real["hf_tensors"], hf_tensors_read(cfg, 0), 0.0),
         ]
     step = [
         ("records bytes per step", measured[0][layout]["records_file"], plan.records_step_bytes),
