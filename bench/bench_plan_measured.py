@@ -1,7 +1,7 @@
 """The job plan against measurement at 2 ranks on the >= 200M expert-heavy model (issue 53 item 3).
 
 CI checks the same terms on a 17.3M-parameter expert-heavy model (``tests/distributed/test_memory_plan_ranks.py``,
-``-k measured``: the 1.5-minute budget of a 2-core machine); this runs the same worker on the 306.6M model of the
+``-k measured``: the 1.5-minute budget of a 2-core machine); this runs the same worker on the 307.5M model of the
 state issue (6 layers, hidden 256, 64 experts of 1024, vocab 8192; ``--model 300m``) at ep=2 and at dp=2 with the
 distributed optimizer: it writes the bf16 HF checkpoint (~613 MB) and one step's records (16 x 4 samples of 128 +
 128 tokens, R3), runs ``tests/distributed/plan_measured_worker.py`` under torchrun (gloo) and prints, per layout

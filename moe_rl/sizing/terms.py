@@ -24,7 +24,7 @@ HF_BYTES = 2  # the HF checkpoints the cluster configs load are bf16 (assumed fo
 PARAM_BYTES = {"float32": 4, "bfloat16": 2}  # precision.params_dtype
 # Anonymous memory the HF import keeps per HF tensor it reads until it ends, not attributed further (the reader's
 # read log, safetensors slice handles, allocator slack): measured, the slope between the ep=2 and dp=2 imports of
-# the 306.6M model (576 more tensors read, 1152 KiB more RssAnon; bench/bench_plan_measured.py).
+# the 307.5M model (576 more tensors read, 1152 KiB more RssAnon; bench/bench_plan_measured.py).
 HF_TENSOR_OVERHEAD = 2048
 # One records sample: int32 ids per prompt and response token, fp32 log-prob and int32 weight version per
 # response token (moe_rl/records/batch.py); routes uint8 (<= 256 experts) or uint16 per token, MoE layer, top-k.

@@ -46,7 +46,7 @@ from moe_rl.sync.weight_sync import WeightSync
 from moe_rl.train.plan import plan_step
 
 # The CI model: expert-heavy (experts 12.6M of 17.3M parameters), its largest tensor (the 8192 x 256 embedding,
-# 8 MiB in bf16) well above the interpreter's own allocations; the benchmark's 306.6M model: bench/bench_plan_measured.py.
+# 8 MiB in bf16) well above the interpreter's own allocations; the benchmark's 307.5M model: bench/bench_plan_measured.py.
 MODELS = {
     "ci": {
         "num_layers": 4,
