@@ -85,6 +85,16 @@ class JobPlan:
     def worst_host(self) -> RankPlan:
         return max(self.ranks, key=lambda r: r.host_total)
 
+    @property
+    def weight_sync_bytes(self) -> float:
+        """Bytes of one weight sync to each rollout server (``terms.weight_sync_bytes``)."""
+        return terms.weight_sync_bytes(self.cfg)
+
+    @property
+    def records_step_bytes(self) -> float:
+        """Bytes of one step's records file (``terms.records_bytes_per_step``)."""
+        return terms.records_bytes_per_step(self.cfg)
+
     def lines(self) -> list[str]:
         """GPU, host, disk and network lines per rank and per node (``moe-rl plan``, ``launch --dry-run``)."""
         cfg, ln = self.cfg, self.cfg.launch
@@ -150,11 +160,11 @@ class JobPlan:
             f"  HF import read   {_size(hf_read)} | {_size(node * hf_read)}; "
             f"{node * hf_read / (fs * GB):.0f} s at launch.fs_bandwidth_gb_s={fs:g}"
         )
-        sync = terms.total_params(cfg) * terms.HF_BYTES
-        records = terms.records_bytes_per_step(cfg)
+        sync, records = self.weight_sync_bytes, self.records_step_bytes
         out.append("network per step:")
         out.append(
-            f"  weight sync      {_size(sync)} of bf16 weights to each rollout server; {sync / (net * GB):.0f} s at "
+            f"  weight sync      {_size(sync)} of {cfg.precision.params_dtype} weights to each rollout server; "
+            f"{sync / (net * GB):.0f} s at "
             f"launch.network_bandwidth_gb_s={net:g}"
         )
         share = terms.records_bytes_per_rank(cfg, old.dp)

@@ -21,6 +21,11 @@ CUDA_NCCL_OVERHEAD = 3.0e9
 LOGIT_BYTES = 18
 FP8_CACHE_BYTES = 2  # TE's row-wise and column-wise FP8 copies of each weight: 1 + 1 byte per parameter
 HF_BYTES = 2  # the HF checkpoints the cluster configs load are bf16 (assumed for every HF import)
+PARAM_BYTES = {"float32": 4, "bfloat16": 2}  # precision.params_dtype
+# Anonymous memory the HF import keeps per HF tensor it reads until it ends, not attributed further (the reader's
+# read log, safetensors slice handles, allocator slack): measured, the slope between the ep=2 and dp=2 imports of
+# the 307.5M model (576 more tensors read, 1152 KiB more RssAnon; bench/bench_plan_measured.py).
+HF_TENSOR_OVERHEAD = 2048
 # One records sample: int32 ids per prompt and response token, fp32 log-prob and int32 weight version per
 # response token (moe_rl/records/batch.py); routes uint8 (<= 256 experts) or uint16 per token, MoE layer, top-k.
 ID_BYTES, LOGP_BYTES, VERSION_BYTES = 4, 4, 4
@@ -93,10 +98,54 @@ def largest_local_tensor(cfg: ExperimentConfig) -> int:
 
 
 def hf_import_peak(cfg: ExperimentConfig, stage: int) -> float:
-    """Host bytes of the per-rank HF import (learner/hf_import.py): this rank's share in the file's dtype
-    (``HF_BYTES``) read through, plus the largest tensor twice (its slice and its packed gate/up copy)."""
-    params = local_params(cfg, stage)
-    return float(HF_BYTES * (params.dense + params.expert) + 2 * HF_BYTES * largest_local_tensor(cfg))
+    """Anonymous host bytes the per-rank HF import (learner/hf_import.py) adds at its peak: its largest transient.
+
+    A whole HF tensor comes straight from the memory-mapped file (page cache, reclaimable: this rank's share
+    passes through it, ``hf_read_bytes``, but is never held); a tp/etp slice is a copy (``HF_BYTES`` per element);
+    a packed tensor (SwiGLU ``linear_fc1``, ``linear_qkv``) is concatenated into a new one; a tensor in another
+    dtype than ``precision.params_dtype`` is cast to a further copy. So per element: a plain tensor holds the slice
+    (if split) and the cast at once; a packed one the parts (if split) and their concatenation, then the
+    concatenation and the cast. Measured within 25% (RssAnon) by tests/distributed/test_memory_plan_ranks.py.
+    """
+    m, p = cfg.model, cfg.parallel
+    etp = p.tp if p.etp is None else p.etp
+    h, tp = m.hidden_size, p.tp
+    pbytes = PARAM_BYTES[cfg.precision.params_dtype]
+    cast = 0 if pbytes == HF_BYTES else pbytes
+
+    def plain(n: int, split: bool) -> float:
+        return n * ((HF_BYTES if split else 0) + cast)
+
+    def packed(n: int, split: bool) -> float:
+        return n * (HF_BYTES + max(HF_BYTES if split else 0, cast))
+
+    per_stage = m.num_layers // p.pp
+    pattern = m.moe_layer_pattern()[stage * per_stage : (stage + 1) * per_stage]
+    out = [packed((m.num_attention_heads + 2 * m.num_query_groups) * m.kv_channels * h // tp, tp > 1)]
+    if stage == 0 or stage == p.pp - 1:  # embedding / output layer
+        out.append(plain(m.vocab_size * h // tp, tp > 1))
+    if any(pattern):
+        out += [packed(2 * m.moe_ffn_hidden_size * h // etp, etp > 1), plain(m.moe_ffn_hidden_size * h // etp, etp > 1)]
+        shared = m.moe_shared_expert_intermediate_size
+        if shared:
+            out.append(packed(2 * shared * h // tp, tp > 1))
+    if not all(pattern):
+        out += [packed(2 * m.ffn_hidden_size * h // tp, tp > 1), plain(m.ffn_hidden_size * h // tp, tp > 1)]
+    return float(max(out) + HF_TENSOR_OVERHEAD * hf_tensors_read(cfg, stage))
+
+
+def hf_tensors_read(cfg: ExperimentConfig, stage: int) -> int:
+    """HF tensors a rank of ``stage`` reads (learner/hf_convert.py's name map): per layer q, k, v, o, two norms
+    (+ q/k norms, + q/k/v biases), and an MLP's gate, up, down (a MoE layer: its local experts' and the shared
+    expert's, the router, the expert bias); the embedding on the first stage, final norm and output on the last."""
+    m, p = cfg.model, cfg.parallel
+    per_stage = m.num_layers // p.pp
+    pattern = m.moe_layer_pattern()[stage * per_stage : (stage + 1) * per_stage]
+    attention = 6 + (2 if m.qk_layernorm else 0) + (3 if m.add_qkv_bias else 0)
+    moe = 1 + int(m.moe_router_enable_expert_bias) + 3 * (m.num_moe_experts // p.ep)
+    moe += 3 if m.moe_shared_expert_intermediate_size else 0
+    n = sum(attention + (moe if is_moe else 3) for is_moe in pattern)
+    return n + (1 if stage == 0 else 0) + (2 if stage == p.pp - 1 else 0)
 
 
 def checkpoint_write_buffer(cfg: ExperimentConfig) -> float:
@@ -136,3 +185,11 @@ def total_params(cfg: ExperimentConfig) -> int:
     )
     p = local_params(whole, 0)
     return p.dense + p.expert
+
+
+def weight_sync_bytes(cfg: ExperimentConfig) -> float:
+    """Tensor bytes one weight sync sends to each rollout server (every sending rank's buckets together): every
+    parameter in ``precision.params_dtype`` (the learner streams its live weights; ``rollout.weight_quantization``
+    rounds them through FP8 and sends them back in that dtype). The disk transport writes them once, plus each
+    file's safetensors header."""
+    return float(total_params(cfg) * PARAM_BYTES[cfg.precision.params_dtype])

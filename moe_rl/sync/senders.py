@@ -111,6 +111,7 @@ class _Sender:
         self.loaded = dict.fromkeys(self.addresses, 0)
         self.errors: dict[str, str | None] = dict.fromkeys(self.addresses)
         self.count = 0  # buckets this rank sent
+        self.bytes = 0  # tensor bytes of those buckets (each live server gets them all: ``bytes`` per server)
 
     def live(self) -> list[str]:
         return [a for a in self.addresses if self.errors[a] is None]
@@ -124,9 +125,14 @@ class _Sender:
         return {"loaded": self.loaded, "errors": self.errors}
 
 
+def _nbytes(bucket: Sequence[tuple[str, torch.Tensor]]) -> int:
+    return sum(t.numel() * t.element_size() for _, t in bucket)
+
+
 class TensorSender(_Sender):
     def send(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
         self.count += 1
+        self.bytes += _nbytes(bucket)
         live = self.live()
         if not live:
             return
@@ -162,6 +168,7 @@ class GroupSender(_Sender):
 
     def send(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
         self.count += 1
+        self.bytes += _nbytes(bucket)
         live = self.live()
         if not live:
             return
@@ -189,9 +196,11 @@ class DiskSender:
 
     def __init__(self, tmp: str | Path, rank: int):
         self.writer = ShardWriter(tmp, f"model-r{rank:05d}")
+        self.bytes = 0  # tensor bytes written (``writer.total_size``; the files add their safetensors headers)
 
     def send(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
         self.writer.write(dict(bucket))
+        self.bytes = self.writer.total_size
 
     def report(self) -> dict:
         return {"weight_map": self.writer.weight_map, "total_size": self.writer.total_size}

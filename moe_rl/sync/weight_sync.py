@@ -119,6 +119,7 @@ class WeightSync:
         self.pushed = PushedWeights(keys, timeout_s, max(4, keep_pushes))  # digests of the last pushes
         self.digests = digests  # digest every tensor sent (rollout.check_served_weights)
         self.max_foreign_syncs = max_foreign_syncs  # None: a failed push raises its WeightSyncError at once
+        self.sent_bytes = 0  # tensor bytes this rank's sender handed its transport in the last attempt (per server)
 
     @classmethod
     def from_config(
@@ -288,6 +289,7 @@ class WeightSync:
                     sender.send(list(named.items()))
                     del named, bucket
             comm.barrier_if(stream.stages > 1)
+        self.sent_bytes = sender.bytes if sender else 0
         # size: this rank's sender report (per server address; disk: its files' names) and one ~50-byte digest
         # string per tensor it sent, received by rank 0 at its own size (no padding), which keeps them all anyway
         reports = comm.gather((sender.report() if sender else None, digests))

@@ -49,15 +49,24 @@ def test_logits_are_eighteen_bytes_per_element_at_the_micro_batch_tokens(micro_b
     assert job_plan(cfg).worst.gpu["overhead"] == CUDA_NCCL_OVERHEAD == 3e9
 
 
-def test_hf_import_peak_is_own_share_plus_the_largest_tensor_twice():
-    """30B rank: its 0.39B dense + 3.62B expert params read in bf16, plus the vocabulary shard
-    (151936 x 2048 / 4 elements, the largest tensor) as slice and packed copy, 2 B each; a node holds 8."""
+def test_hf_import_peak_is_the_largest_transient_copy_and_the_share_is_read_not_held():
+    """30B rank: bf16 file and bf16 params (no cast copy). Whole tensors come from the mapped file (page cache);
+    the tp-split vocabulary shard (151936 x 2048 / 4 elements) is a sliced copy, 2 B each, larger than the packed
+    qkv (parts and concatenation, 40 x 128 x 2048 / 4 x 4 B) or an expert's fc1 (2 x 768 x 2048 x 2 B). The rank's
+    own 0.39B dense + 3.62B expert params are read (disk line: bf16), not held. The save buffer (the vocabulary
+    shard in fp32) is larger than the import; a node holds 8. Plus 2 KiB kept per HF tensor read (measured) of
+    48 layers x (q, k, v, o, 2 norms, q/k norms, router, 16 local experts x 3) + embedding, final norm, output."""
     plan = job_plan(load_config(Q30))
     r = plan.worst_host
     own = LINEAR_30B + LAYERS * (2 * H + 2 * 128 + 128 * H) + 2 * VOCAB * H // TP + H
-    assert r.host["hf_import"] == 2 * own + 2 * 2 * (VOCAB * H // TP)
-    assert r.host_total == r.host["records"] + r.host["hf_import"]  # the import is larger than the save buffer
+    reads = LAYERS * (8 + 1 + 16 * 3) + 3
+    assert r.host["hf_import"] == 2 * (VOCAB * H // TP) + 2048 * reads
+    assert r.hf_read_bytes == 2 * own
+    assert r.host["checkpoint_buffer"] == 4 * (VOCAB * H // TP)
+    assert r.host_total == r.host["records"] + r.host["checkpoint_buffer"]  # never both at once
     assert r.host["offloaded_optimizer"] == 0  # 30B keeps its optimizer on the GPU
+    fp32 = job_plan(load_config(Q30, ["precision.params_dtype=float32", "precision.fp8=null"])).worst_host
+    assert fp32.host["hf_import"] == (2 + 4) * (VOCAB * H // TP) + 2048 * reads  # the slice and its fp32 cast
 
 
 def test_records_and_save_times_by_hand():

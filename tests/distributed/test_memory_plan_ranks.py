@@ -13,8 +13,12 @@ from pathlib import Path
 import pytest
 
 from moe_rl.config.memory_plan import data_parallel_sizes, local_params, rank_memory
+from moe_rl.learner.hf_init import write_random_hf_checkpoint
+from moe_rl.sizing import job_plan
+from moe_rl.sizing.terms import hf_tensors_read
 from tests.conftest import one_gpu_per_rank
 from tests.distributed.memory_plan_worker import twin_cfg
+from tests.distributed.plan_measured_worker import LAYOUTS, job_cfg, write_step_records
 from tests.distributed.torchrun import run_worker
 
 pytestmark = [pytest.mark.distributed, one_gpu_per_rank(2)]
@@ -73,3 +77,59 @@ def test_distributed_optimizer_state_after_a_step_matches_the_plan(ranks):
     padding = ranks[0]["distributed_shard_30b"]["dense"]["buffer"] - plan.dense_params
     for report in ranks:  # fp32 params: the shards are views of the params; Adam's two fp32 moments per element
         assert abs(report["distributed_optimizer_30b"]["optimizer_bytes"] - plan.optimizer) <= 8 * padding, report
+
+
+# ----------------------------------------------------------------------------------- host, disk and network terms
+# The job plan (moe_rl.sizing) against what the real learner writes, sends, reads and allocates on each of 2 ranks
+# (plan_measured_worker.py measures; nothing there calls the plan): ep=2, and dp=2 with the distributed optimizer.
+MEASURED = Path(__file__).with_name("plan_measured_worker.py")
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> list[dict]:
+    tmp = tmp_path_factory.mktemp("planmeasured")
+    cfg = job_cfg("ci", "ep2")
+    write_random_hf_checkpoint(cfg.model, tmp / "hf", seed=0, dtype="bfloat16")
+    write_step_records(tmp / "step_000000.safetensors", cfg)
+    out = tmp / "report.json"
+    args = ("--out", str(out), "--scratch", str(tmp), "--records", str(tmp / "step_000000.safetensors"))
+    run_worker(MEASURED, *args, timeout=240)
+    return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
+
+
+def within(measured: float, planned: float, tol: float) -> bool:
+    return abs(planned - measured) <= tol * measured
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_plan_predicts_each_ranks_measured_disk_network_records_and_hf_import_bytes(measured, layout):
+    cfg = job_cfg("ci", layout)
+    plan = job_plan(cfg, world=2)
+    rank_plan = plan.ranks[0]
+    rows = []
+    for r, report in enumerate(measured):
+        real = report[layout]
+        assert real["dp"] == 2, real
+        rows += [
+            (f"rank {r} checkpoint bytes", sum(real["checkpoint_files"].values()), rank_plan.checkpoint_bytes, 0.10),
+            (f"rank {r} records bytes read", real["records_read"], rank_plan.host["records"], 0.10),
+            (f"rank {r} HF import RssAnon peak", real["hf_import_rss_anon"], rank_plan.host["hf_import"], 0.25),
+            (f"rank {r} HF import bytes read", real["hf_import_read"], rank_plan.hf_read_bytes, 0.10),
+            (f"rank {r} HF tensors read", real["hf_tensors"], hf_tensors_read(cfg, 0), 0.0),
+        ]
+    step = [
+        ("records bytes per step", measured[0][layout]["records_file"], plan.records_step_bytes),
+        ("tensor sync bytes per step", sum(m[layout]["sync_tensor_sent"] for m in measured), plan.weight_sync_bytes),
+        (
+            "disk sync bytes per step",
+            sum(sum(m[layout]["sync_disk_files"].values()) for m in measured),
+            plan.weight_sync_bytes,
+        ),
+    ]
+    rows += [(*row, 0.10) for row in step]
+    table = "\n".join(
+        f"  {what}: measured {real:,} planned {int(p):,} ({p / real - 1:+.1%})" for what, real, p, _ in rows
+    )
+    bad = [what for what, real, p, tol in rows if not within(real, p, tol)]
+    assert not bad, f"{layout}: plan outside the tolerance for {bad}:\n{table}"
