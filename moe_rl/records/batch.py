@@ -203,6 +203,12 @@ class RolloutBatch:
         path = Path(path)
         if self.held is not None:
             raise RecordError(f"{path}: a batch holding only some samples' rows (a rank's share) is not saved")
+        n = len(self.response_lens)  # the chunk index locates each sample's rows from its lengths
+        for name in ("prompt_lens", "rewards", "group_ids"):
+            if len(getattr(self, name)) != n:
+                raise RecordError(
+                    f"{path}: not written: {name} has {len(getattr(self, name))} entries; expected one per sample ({n})"
+                )
         path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {
             "prompt_ids": self.prompt_ids,

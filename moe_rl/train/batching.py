@@ -89,7 +89,7 @@ def kept_set_outside_fraction(batch: RolloutBatch, group=None) -> float:
     token = np.repeat(np.arange(len(counts)), counts)
     hit = batch.mask_ids == np.repeat(batch.response_ids, counts)
     inside = np.bincount(token[hit], minlength=len(counts)) > 0
-    totals = torch.tensor([int(((~inside) & (counts > 0)).sum()), len(counts)], dtype=torch.float64)
+    totals = torch.tensor([int(((~inside) & (counts > 0)).sum()), len(counts)], dtype=torch.float64, device="cpu")
     if batch.held is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
         totals = totals.to(dev)

@@ -13,16 +13,25 @@ import pytest
 import yaml
 
 from moe_rl.algo.registry import policy_loss_names
+from moe_rl.config import load_config
+from moe_rl.preflight import config_problems
 
 pytestmark = pytest.mark.sglang
 ROOT = Path(__file__).parents[2]
 PRESET = ROOT / "configs/ablation_objectives.yaml"
 
 
-def test_the_preset_grid_covers_every_registered_loss():
+BYPASS_ONLY = {"oapl"}  # the preset's comment gives its own command (correction.mode=bypass)
+
+
+def test_the_preset_grid_covers_every_registered_loss_and_each_cell_passes_the_preflight():
     grid = yaml.safe_load(PRESET.read_text())["grid"]
-    assert sorted(grid["loss"]["type"]) == sorted(policy_loss_names()), "a registered loss.type is missing"
+    types = grid["loss"]["type"]
+    assert sorted(types) == sorted(set(policy_loss_names()) - BYPASS_ONLY), "a registered loss.type is missing"
     assert len(grid["seeds"]) >= 3, "a learning figure is a band over >= 3 seeds"
+    for loss_type in types:  # a cell the preflight refuses would fail the whole grid at its turn
+        assert not config_problems(load_config(PRESET, [f"loss.type={loss_type}"])).problems, loss_type
+    assert not config_problems(load_config(PRESET, ["loss.type=oapl", "correction.mode=bypass"])).problems
 
 
 def test_two_objectives_on_tiny_cpu_train_and_report_their_clip_fractions(tmp_path, device):

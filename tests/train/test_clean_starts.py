@@ -10,6 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import load_file
 
 from moe_rl.cli import main
@@ -19,7 +21,7 @@ from moe_rl.data.prompt import PromptItem
 from moe_rl.learner.dist import init_distributed
 from moe_rl.learner.train_step import Learner
 from moe_rl.preflight import config_problems
-from moe_rl.records import RolloutBatch
+from moe_rl.records import RecordError, RolloutBatch
 from moe_rl.reward import Rewarder, Scores
 from moe_rl.source.producer import AsyncProducer
 from moe_rl.source.step_samples import StepSamples
@@ -89,10 +91,19 @@ def test_records_inspect_names_the_array_that_is_one_row_short(tmp_path, capsys)
     batch = RolloutBatch.load(ROOT / "tests/data/records_tiny_cpu/step_000000.safetensors")
     n = len(batch)
     batch.prompt_lens = batch.prompt_lens[:-1]
-    path = batch.save(tmp_path / "short.safetensors")
-    assert main(["records", "inspect", str(path)]) == 2
+    short = tmp_path / "short.safetensors"
+    with pytest.raises(RecordError, match=rf"not written: prompt_lens has {n - 1} entries; expected one per sample"):
+        batch.save(short)  # format 3 locates each sample's rows: nothing inconsistent is written
+    assert not short.exists()
+    # a file of the previous format (no chunk index) as another writer could leave it, one row short
+    with safe_open(str(ROOT / "tests/data/records_format2/step_000000.safetensors"), "numpy") as f:
+        arrays, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()  # noqa: SIM118 -- safe_open's API
+    n = len(arrays["prompt_lens"])
+    arrays["prompt_lens"] = arrays["prompt_lens"][:-1]
+    save_numpy(arrays, str(short), metadata=meta)
+    assert main(["records", "inspect", str(short)]) == 2
     err = capsys.readouterr().err
-    assert err.strip() == f"error: {path}: prompt_lens has {n - 1} entries; expected one per sample ({n})"
+    assert err.strip() == f"error: {short}: prompt_lens has {n - 1} entries; expected one per sample ({n})"
 
 
 def test_config_validate_on_a_fresh_clone_says_how_to_build_the_example_model(tmp_path, capsys):
