@@ -354,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM stops as Ctrl-C does (launch.signal=TERM: the run's StopRequest takes it over while it is armed)
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, console.raise_terminated)
+    caller_groups = _distributed_initialized()  # an embedding caller's groups (a test's) are not the command's
     try:
         rc = args.func(args)
     except Exception as exc:
@@ -366,8 +367,14 @@ def main(argv: list[str] | None = None) -> int:
         what, rc = (f"terminated ({exc.name})", 128 + exc.signum) if terminated else ("interrupted (Ctrl-C)", 130)
         print(f"{what}: stopped; rerun the same command to resume from the last checkpoint", file=sys.stderr)
         return rc
-    _close_distributed()
+    if not caller_groups:
+        _close_distributed()
     return rc
+
+
+def _distributed_initialized() -> bool:
+    """Whether a default process group exists (without importing torch for commands that never do)."""
+    return "torch.distributed" in sys.modules and sys.modules["torch.distributed"].is_initialized()
 
 
 def _close_distributed() -> None:
