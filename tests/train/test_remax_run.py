@@ -43,7 +43,8 @@ def _greedy_http(url: str, prompt_ids, max_new_tokens: int) -> list[int]:
 
 
 def test_batch_maker_baselines_are_the_greedy_responses_rewards(tmp_path, tiny_cpu_server):
-    cfg = load_config(CONFIG, overrides=[*SMALL, "advantage.estimator=remax", f"rollout.addresses=[{tiny_cpu_server}]"])
+    small = ["train.prompts_per_step=2", "rollout.samples_per_prompt=3", "rollout.max_new_tokens=6"]
+    cfg = load_config(CONFIG, overrides=[*small, "advantage.estimator=remax", f"rollout.addresses=[{tiny_cpu_server}]"])
     n, prompts = cfg.rollout.samples_per_prompt, cfg.train.prompts_per_step
     side = PromptSide.build(cfg, None)
     client = RolloutClient.from_config(cfg, [tiny_cpu_server])
