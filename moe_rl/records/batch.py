@@ -27,7 +27,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import load as load_bytes
 from safetensors.numpy import save_file
 
-from moe_rl.records.batch_checks import validate_batch
+from moe_rl.records.batch_checks import BASELINES, reward_baselines, validate_batch
 from moe_rl.records.chunks import RecordMismatch, chunk_index, digest, verify_chunks
 from moe_rl.records.routes import RecordError, compact_routes, route_dtype
 from moe_rl.records.versions import stack_token_versions
@@ -55,6 +55,7 @@ class RolloutSample:
     data_file: str = ""  # the dataset file of the prompt ("" for the built-in tasks)
     data_row: int = -1  # its row in that file
     token_versions: np.ndarray | None = None  # int32 [R]: the weight version that generated each token
+    reward_baseline: float | None = None  # ReMax: the reward of a greedy response to its prompt (never trained on)
 
 
 def _offsets(lengths: np.ndarray) -> np.ndarray:
@@ -123,6 +124,9 @@ class RolloutBatch:
         has_kept_logp = {s.sampling_logp is not None for s in samples}
         if len(has_routes) > 1 or len(has_masks) > 1 or len(has_kept_logp) > 1:
             raise RecordError("either every sample or none carries routes (and likewise sampling masks)")
+        baselines = [s.reward_baseline for s in samples]
+        if len({b is None for b in baselines}) > 1:
+            raise RecordError("either every sample or none carries a reward_baseline (ReMax's greedy reward)")
         routes = None
         if samples[0].routes is not None:
             if num_experts is None:
@@ -153,7 +157,13 @@ class RolloutBatch:
             data_files=[s.data_file for s in samples] if any(s.data_file for s in samples) else None,
             data_rows=np.array([s.data_row for s in samples], np.int64) if any(s.data_file for s in samples) else None,
             token_versions=stack_token_versions(samples),
+            extra={} if baselines[0] is None else {BASELINES: [float(np.float32(b)) for b in baselines]},
         )
+
+    def reward_baselines(self) -> np.ndarray | None:
+        """Per sample ``[N]`` (float64 of float32 values, as ``rewards``): the reward of a greedy response to its
+        prompt (ReMax's baseline, ``extra["reward_baselines"]``), or None when the records carry none."""
+        return reward_baselines(self)
 
     def sample(self, i: int) -> RolloutSample:
         """View of sample ``i`` (arrays are views into the batch, not copies); a sample not held is refused."""
@@ -178,6 +188,7 @@ class RolloutBatch:
             data_file=self.data_files[i] if self.data_files is not None else "",
             data_row=int(self.data_rows[i]) if self.data_rows is not None else -1,
             token_versions=None if self.token_versions is None else self.token_versions[r[i] : r[i + 1]],
+            reward_baseline=None if BASELINES not in self.extra else float(self.extra[BASELINES][i]),
         )
 
     def samples(self) -> list[RolloutSample]:

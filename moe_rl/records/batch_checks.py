@@ -13,10 +13,11 @@ import numpy as np
 from moe_rl.records.routes import RecordError, check_distinct_experts, compact_routes
 from moe_rl.records.versions import check_token_versions
 
-__all__ = ["LOGPROB_TOLERANCE", "validate_batch"]
+__all__ = ["BASELINES", "LOGPROB_TOLERANCE", "reward_baselines", "validate_batch"]
 
 # Largest log-prob accepted: the SGLang decoder's bound (sglang_meta._checked_logprobs), float rounding above 0.
 LOGPROB_TOLERANCE = 1e-4
+BASELINES = "reward_baselines"  # extra key: per sample, the reward of a greedy response to its prompt (ReMax)
 
 
 def _sample_count(batch) -> int:
@@ -34,6 +35,22 @@ def _sample_count(batch) -> int:
         )
     ]
     return Counter(counts).most_common(1)[0][0]
+
+
+def reward_baselines(batch) -> np.ndarray | None:
+    """``extra["reward_baselines"]`` as float64 ``[N]``, None when absent; a RecordError unless N finite numbers."""
+    raw = batch.extra.get(BASELINES)
+    if raw is None:
+        return None
+    try:
+        out = np.asarray(raw, dtype=np.float64)
+    except (TypeError, ValueError):
+        out = None
+    if out is None or out.shape != (len(batch.rewards),) or not np.isfinite(out).all():
+        raise RecordError(
+            f"extra.{BASELINES} must hold one finite number per sample ({len(batch.rewards)}); got {str(raw)[:80]}"
+        )
+    return out
 
 
 def validate_batch(batch, model_cfg=None) -> None:
@@ -70,6 +87,7 @@ def validate_batch(batch, model_cfg=None) -> None:
             raise RecordError(f"{name} has {len(arr)} entries; expected one per sample ({n})")
     if len(batch.weight_versions) != n or len(batch.finish_reasons) != n:
         raise RecordError(f"weight_versions/finish_reasons must have one entry per sample ({n})")
+    reward_baselines(batch)  # ReMax's: one finite number per sample when present
     if (batch.response_lens < 1).any() or (batch.prompt_lens < 1).any():
         raise RecordError("every sample needs >= 1 prompt token and >= 1 response token")
     held_prompt, held_response = batch.held_lens(batch.prompt_lens), batch.held_lens(batch.response_lens)

@@ -10,25 +10,48 @@ past ``s``); each token's version goes to ``token_versions``; the batch is stamp
 checked against the model and written atomically to ``<records_dir>/step_<s>.safetensors``. Under
 ``rollout.true_on_policy`` the batch also carries every server's kernel identity (``moe_rl.exact.identity``), which
 each learner rank compares with its own when it loads the records.
+
+ReMax (``advantage.estimator: remax``): after a round's sampled responses, one greedy response per prompt
+(temperature 0, no routes or sampling masks, one request per prompt) through a second client of the same servers,
+inside the same ``generate_checked`` call, so it carries the same weight version; ``StepSamples`` scores it into
+the records' ``reward_baselines`` and drops it. It is sent after the sampled ones, as verl's ``gen_max`` follows
+its ``gen``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from moe_rl.exact.identity import EXTRA_KEY, served_identities
 from moe_rl.records import RolloutBatch
 from moe_rl.rollout.auth import tls
+from moe_rl.rollout.client import RolloutClient
 from moe_rl.rollout.partial import PartialCounters
 from moe_rl.source.step_samples import round_group_ids
 from moe_rl.sync.integrity import generate_checked
 
-__all__ = ["BatchMaker", "records_path"]
+__all__ = ["BatchMaker", "greedy_client", "records_path"]
 
 
 def records_path(directory: Path, step: int) -> Path:
     return Path(directory) / f"step_{step:06d}.safetensors"
+
+
+def greedy_client(cfg, client) -> RolloutClient:
+    """ReMax's client: ``client``'s servers, keys and stop tokens at temperature 0 (SGLang: argmax), no routes or
+    sampling masks (the greedy response is only scored)."""
+    return RolloutClient.from_config(
+        cfg,
+        client.addresses,
+        sampling=replace(client.sampling, temperature=0.0),
+        route_spec=None,
+        return_sampling_mask=False,
+        headers=client.headers,
+        admin_headers=client.admin_headers,
+        stop_token_ids=client.stop_token_ids,
+    )
 
 
 class BatchMaker:
@@ -55,6 +78,7 @@ class BatchMaker:
             weight_sync,
             restart,
         )
+        self.greedy = greedy_client(cfg, client) if cfg.advantage.estimator == "remax" else None
 
     def __call__(self, step: int, served: int, drawn: Callable[[], None] = lambda: None) -> Path:
         n, client, partial = self.cfg.rollout.samples_per_prompt, self.client, self.cfg.rollout.partial
@@ -72,10 +96,16 @@ class BatchMaker:
             if (ws := self.weight_sync()) is not None:
                 ws.pushed.check(client.addresses, self.version(now["served"]), newer_ok=partial)
 
+        def sample(ids, groups) -> list:  # n sampled responses a prompt, then (ReMax) its greedy one
+            out = client.generate(ids, n, step=step, group_ids=groups, counters=counters)
+            if self.greedy is not None:
+                out += self.greedy.generate(ids, 1, step=step, group_ids=groups, seeded=False, counters=counters)
+            return out
+
         def generate(prompts, round_):
             ids, groups = [p.ids for p in prompts], round_group_ids(round_, len(prompts))
             return generate_checked(  # the served weight version only; a dead server we launched restarts
-                lambda: client.generate(ids, n, step=step, group_ids=groups, counters=counters),
+                lambda: sample(ids, groups),
                 lambda: self.version(now["served"]),
                 resync=resync,
                 restart=self.restart,

@@ -7,6 +7,13 @@ server restarts are the loop's), the reward of every sample with DAPO's overlong
 dynamic sampling (``train.filter_groups``, ``moe_rl.source.filters``). Without filters a step is one
 round and consumes the random streams exactly as before (round 0 keeps today's prompt and sampling
 seeds; later rounds use their own).
+
+ReMax (``advantage.estimator: remax``): ``generate`` returns, after the round's sampled responses, one greedy
+response per prompt (temperature 0; ``moe_rl.source.batch_maker``). It is scored with the run's reward and the
+same overlong shaping, its reward becomes every sampled response's ``reward_baseline`` (the records'
+``reward_baselines``, read by the estimator: A = r − b), and it is never trained on: it does not enter the
+batch, the group filters or the reward metrics (``reward/greedy_mean`` is its own), as in verl's
+``ray_trainer`` (``gen_max``: ``do_sample=False``, its reward summed into ``reward_baselines``).
 """
 
 from __future__ import annotations
@@ -34,27 +41,44 @@ class StepSamples:
     def __init__(self, cfg, prompts, rewarder):
         self.cfg, self.prompts, self.rewarder = cfg, prompts, rewarder
         self._scoring = threading.Lock()  # async: steps in flight score one at a time (the reward pool has one queue)
+        self.greedy = cfg.advantage.estimator == "remax"  # generate adds one greedy response per prompt
+
+    def _score(self, prompts, samples, per_prompt: int) -> tuple[np.ndarray, object, np.ndarray | None]:
+        """``(rewards with overlong shaping, the scorer's result, the penalties or None)`` of ``samples``."""
+        with self._scoring:
+            scores = self.rewarder.score(
+                [prompts[k // per_prompt] for k in range(len(samples))], [s.response_ids for s in samples]
+            )
+        rewards = np.asarray(scores.rewards, dtype=np.float64)
+        ob, penalty = self.cfg.reward.overlong_buffer, None
+        if ob is not None:
+            penalty = overlong_penalties(
+                [len(s.response_ids) for s in samples], self.cfg.rollout.max_new_tokens, ob.length, ob.penalty
+            )
+            rewards = rewards + penalty
+        return rewards, scores, penalty
 
     def _round(self, step: int, round_: int, generate: Callable, metrics: dict, drawn=lambda: None) -> GroupRound:
         cfg, n = self.cfg, self.cfg.rollout.samples_per_prompt
         prompts = self.prompts.next_prompts(step, cfg.train.prompts_per_step, round=round_)
         drawn()
         samples = generate(prompts, round_)
-        with self._scoring:
-            scores = self.rewarder.score(
-                [prompts[k // n] for k in range(len(samples))], [s.response_ids for s in samples]
-            )
-        rewards = np.asarray(scores.rewards, dtype=np.float64)
-        ob = cfg.reward.overlong_buffer
-        if ob is not None:
-            penalty = overlong_penalties(
-                [len(s.response_ids) for s in samples], cfg.rollout.max_new_tokens, ob.length, ob.penalty
-            )
-            rewards = rewards + penalty
+        greedy = samples[len(prompts) * n :]  # ReMax: one greedy response per prompt after the sampled ones
+        samples = samples[: len(prompts) * n]
+        if len(greedy) != (len(prompts) if self.greedy else 0):
+            raise RuntimeError(f"generate returned {len(greedy)} extra responses; expected {int(self.greedy)} a prompt")
+        rewards, scores, penalty = self._score(prompts, samples, n)
+        if penalty is not None:
             metrics["reward/overlong_penalty_mean"].append(float(penalty.mean()))
             metrics["reward/overlong_frac"].append(float((penalty < 0).mean()))
         for key, value in scores.metrics.items():
             metrics[key].append(value)
+        if self.greedy:  # its reward is every sampled response's baseline; it is not trained on
+            baselines = self._score(prompts, greedy, 1)[0]
+            for k, sample in enumerate(samples):
+                sample.reward_baseline = float(baselines[k // n])
+            metrics["reward/greedy_mean"].append(float(baselines.mean()))
+            metrics["response/greedy_len_mean"].append(float(np.mean([len(s.response_ids) for s in greedy])))
         if cfg.data is not None:  # rows without a label (a reward function declaring needs_label = False)
             metrics["reward/no_label"].append(float(sum(prompts[k // n].label is None for k in range(len(samples)))))
         for k, sample in enumerate(samples):

@@ -203,6 +203,11 @@ class RLTrainer:
                 f"{self.records_dir}: step {step + 1} has {len(batch)} samples; the config asks for "
                 f"{plan.num_samples} (train.prompts_per_step x rollout.samples_per_prompt)"
             )
+        if cfg.advantage.estimator == "remax" and batch.reward_baselines() is None:
+            raise RecordError(
+                f"{self.records_dir}: step {step + 1}'s records carry no reward_baselines (a greedy response's reward "
+                "per prompt, made when advantage.estimator=remax generates them); expected records made with remax"
+            )
         truncated = torch.tensor([f == "length" for f in batch.finish_reasons], dtype=torch.bool)
         width = int(batch.response_lens.max())
         stale = StepStaleness(

@@ -285,4 +285,6 @@ def step_advantages(cfg, batch: RolloutBatch, rewards: torch.Tensor, old: torch.
         src = mu if old is None else old.cpu()
         extra["is_weights"] = torch.exp(((src - mu) * mask).sum(1).clamp(-20, 20)).double()
         extra["grad_sq_norms"] = logit_grad_sq_norm(src, mask).double()
+    if cfg.advantage.estimator == "remax":  # the greedy response's reward per sample (records' reward_baselines)
+        extra["reward_baselines"] = torch.from_numpy(batch.reward_baselines()).double()
     return compute_advantages(cfg.advantage, rewards, cfg.rollout.samples_per_prompt, **extra).float()

@@ -108,7 +108,6 @@ ACTS: dict[str, str] = {
 
 # what the preflight refuses on tiny_cpu today (the function exists; the step does not feed it yet)
 REFUSED = {
-    "adv/remax": "advantage.estimator='remax' needs a greedy response's reward per prompt",
     "adv/optimal_token_baseline": "advantage.estimator='optimal_token_baseline' needs Σ_v π_v² per token",
     "adv/tir_optimal_token_baseline": "advantage.estimator='tir_optimal_token_baseline' needs Σ_v π_v² per token",
     "corr/a3po": "correction.prox_logp_method='loglinear' (A-3PO) needs the training step",
@@ -116,7 +115,8 @@ REFUSED = {
 
 
 def shifted_records(out: Path, sd: float = 0.1, seed: int = 0) -> Path:
-    """The committed records with μ moved by N(0, sd) nats per token (an FP8-sized engine mismatch, both ways).
+    """The committed records with μ moved by N(0, sd) nats per token (an FP8-sized engine mismatch, both ways),
+    and a ReMax ``reward_baselines`` per sample (below).
 
     The saved bf16 rollouts sit within 3e-3 nats of the fp32 learner, where no mask acts; Keep Sampling Mask's
     μ (``sampling_logp``) moves with the same noise."""
@@ -126,6 +126,10 @@ def shifted_records(out: Path, sd: float = 0.1, seed: int = 0) -> Path:
         batch = RolloutBatch.load(f)
         noise = rng.normal(0.0, sd, size=batch.rollout_logp.shape).astype(np.float32)
         batch.rollout_logp = np.minimum(batch.rollout_logp + noise, 0.0)
+        # ReMax's greedy reward per prompt (the saved records predate it): each group's first sample's reward
+        # minus 0.25, so the advantages r - b are neither zero nor a group's centring
+        first = {int(g): float(r) for g, r in reversed(list(zip(batch.group_ids, batch.rewards)))}
+        batch.extra["reward_baselines"] = [first[int(g)] - 0.25 for g in batch.group_ids]
         if batch.sampling_logp is not None:
             batch.sampling_logp = np.minimum(batch.sampling_logp + noise, 0.0)
         batch.save(out / f.name)
