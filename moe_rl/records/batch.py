@@ -10,7 +10,8 @@ token is never forwarded, by the engine or by the learner, so it has no route.
 A batch may hold only some samples' token rows (``held``: a data-parallel rank's share, read by
 ``share.load_share``): the per-sample arrays and the per-response-token ``SHARED`` arrays (``chunks.py``)
 are whole, the ``LOCAL`` ones hold the held samples' rows back to back; ``sample(i)`` of another sample
-is refused.
+is refused. A batch of multi-turn trajectories (format 4) also carries ``role_mask`` / ``loss_mask`` / ``turn_ids``
+per response token (``trajectory.py``: the response is everything after the first prompt).
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ from safetensors.numpy import save_file
 from moe_rl.records.batch_checks import BASELINES, reward_baselines, validate_batch
 from moe_rl.records.chunks import RecordMismatch, chunk_index, digest, verify_chunks
 from moe_rl.records.routes import RecordError, compact_routes, route_dtype
+from moe_rl.records.trajectory import TRAJECTORY_ARRAYS, stack_trajectories
 from moe_rl.records.versions import stack_token_versions
 
-# 2: optional provenance arrays (dataset rows, token versions, fingerprint); 3: a digest per chunk (chunks.py)
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)  # format 1-2 files load whole: every later addition is optional
+# 2: optional provenance arrays (dataset rows, token versions, fingerprint); 3: a digest per chunk (chunks.py);
+# 4: optional multi-turn trajectory arrays (trajectory.py)
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)  # format 1-2 files load whole: every later addition is optional
 REQUIRED_ARRAYS = ("prompt_ids", "prompt_lens", "response_ids", "response_lens", "rollout_logp", "rewards", "group_ids")
 
 
@@ -56,6 +59,11 @@ class RolloutSample:
     data_row: int = -1  # its row in that file
     token_versions: np.ndarray | None = None  # int32 [R]: the weight version that generated each token
     reward_baseline: float | None = None  # ReMax: the reward of a greedy response to its prompt (never trained on)
+    # a multi-turn trajectory (records/trajectory.py; None: single turn): per response token
+    role_mask: np.ndarray | None = None  # uint8 [R]: 1 = generated, 0 = environment
+    loss_mask: np.ndarray | None = None  # uint8 [R]: 1 = trained on (never an environment token)
+    turn_ids: np.ndarray | None = None  # int32 [R]: the turn of its segment
+    agent_reward: float | None = None  # the agent loop's own reward (not stored: it becomes ``reward``)
 
 
 def _offsets(lengths: np.ndarray) -> np.ndarray:
@@ -91,6 +99,9 @@ class RolloutBatch:
     data_files: list[str] | None = None  # per sample: the prompt's dataset file (stored as ids into a name table)
     data_rows: np.ndarray | None = None  # int64 [N]: its row in that file
     token_versions: np.ndarray | None = None  # int32 [sum R]: weight version per response token (version_arrays.py)
+    role_mask: np.ndarray | None = None  # uint8 [sum R] (trajectory.py); these three None: a single-turn batch
+    loss_mask: np.ndarray | None = None  # uint8 [sum R]
+    turn_ids: np.ndarray | None = None  # int32 [sum R]
     held: np.ndarray | None = field(default=None, compare=False)  # int64: the samples whose LOCAL rows it holds
     format_version: int | None = field(default=None, compare=False)  # of the file it was loaded from
 
@@ -158,6 +169,7 @@ class RolloutBatch:
             data_rows=np.array([s.data_row for s in samples], np.int64) if any(s.data_file for s in samples) else None,
             token_versions=stack_token_versions(samples),
             extra={} if baselines[0] is None else {BASELINES: [float(np.float32(b)) for b in baselines]},
+            **stack_trajectories(samples),
         )
 
     def reward_baselines(self) -> np.ndarray | None:
@@ -189,6 +201,7 @@ class RolloutBatch:
             data_row=int(self.data_rows[i]) if self.data_rows is not None else -1,
             token_versions=None if self.token_versions is None else self.token_versions[r[i] : r[i + 1]],
             reward_baseline=None if BASELINES not in self.extra else float(self.extra[BASELINES][i]),
+            **{k: None if getattr(self, k) is None else getattr(self, k)[r[i] : r[i + 1]] for k in TRAJECTORY_ARRAYS},
         )
 
     def samples(self) -> list[RolloutSample]:
@@ -230,7 +243,7 @@ class RolloutBatch:
             "rewards": self.rewards,
             "group_ids": self.group_ids,
         }
-        for name in ("routes", "mask_ids", "mask_offsets", "sampling_logp", "token_versions"):
+        for name in ("routes", "mask_ids", "mask_offsets", "sampling_logp", "token_versions", *TRAJECTORY_ARRAYS):
             if getattr(self, name) is not None:
                 tensors[name] = getattr(self, name)
         meta = {
@@ -322,6 +335,7 @@ class RolloutBatch:
             data_files=data_files,
             data_rows=arrays.get("data_rows"),
             token_versions=arrays.get("token_versions"),
+            **{k: arrays.get(k) for k in TRAJECTORY_ARRAYS},
             format_version=meta["format_version"],
         )
         if batch.routes is not None and batch.routes.dtype != route_dtype(batch.num_experts or 1):

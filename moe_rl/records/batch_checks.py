@@ -11,6 +11,7 @@ from collections import Counter
 import numpy as np
 
 from moe_rl.records.routes import RecordError, check_distinct_experts, compact_routes
+from moe_rl.records.trajectory import check_trajectory, generated_mask
 from moe_rl.records.versions import check_token_versions
 
 __all__ = ["BASELINES", "LOGPROB_TOLERANCE", "reward_baselines", "validate_batch"]
@@ -120,6 +121,7 @@ def validate_batch(batch, model_cfg=None) -> None:
     if not np.isfinite(batch.rewards).all():
         raise RecordError("rewards must be finite")
     check_token_versions(batch)
+    check_trajectory(batch)
     if batch.routes is not None:
         _check_routes(batch)
     if (batch.mask_ids is None) != (batch.mask_offsets is None):
@@ -130,9 +132,13 @@ def validate_batch(batch, model_cfg=None) -> None:
             raise RecordError(
                 "mask_offsets must have one entry per response token + 1, start at 0 and end at len(mask_ids)"
             )
-        sizes = np.diff(offs)
-        if (sizes < 1).any():
-            t = int(np.argmax(sizes < 1))
+        sizes, generated = np.diff(offs), generated_mask(batch)
+        if generated is not None and batch.held is not None:  # a share holds its samples' kept sets only
+            ends = np.cumsum(batch.response_lens.astype(np.int64))
+            generated = np.concatenate([generated[e - n : e] for e, n in zip(ends[batch.held], held_response)])
+        empty = sizes < 1 if generated is None else (sizes < 1) & generated  # environment tokens: none
+        if empty.any():
+            t = int(np.argmax(empty))
             raise RecordError(
                 f"mask_offsets must grow by >= 1 per token (every kept set holds the sampled token); "
                 f"token {t} has a kept set of size {int(sizes[t])}"

@@ -7,7 +7,8 @@ their rows fall into three kinds:
 - per sample (``PER_SAMPLE``: lengths, rewards, groups, dataset rows): one row per sample, read by every
   rank; one chunk ``samples``;
 - per response token, read by every rank (``SHARED``: the behaviour log-probs and token versions, which
-  the step-global statistics need for every sample of a minibatch): one chunk per array;
+  the step-global statistics need for every sample of a minibatch, and format 4's trajectory masks and turn
+  ids, which decide which tokens the loss and its step-global denominator count): one chunk per array;
 - a sample's own rows (``LOCAL``: its token ids, routes and kept sets, the bulk of a file): chunk
   ``sample <i>`` is sample ``i``'s rows of every local array, back to back, read only by the rank that
   trains on it.
@@ -43,7 +44,7 @@ __all__ = [
 ]
 
 PER_SAMPLE = ("prompt_lens", "response_lens", "rewards", "group_ids", "data_rows", "data_file_ids")
-SHARED = ("rollout_logp", "sampling_logp", "token_versions")
+SHARED = ("rollout_logp", "sampling_logp", "token_versions", "role_mask", "loss_mask", "turn_ids")
 LOCAL = ("prompt_ids", "response_ids", "routes", "mask_offsets", "mask_ids")
 MAX_HEADER = 256 << 20  # a header (JSON: names, shapes, per-sample metadata and digests) larger than this is refused
 _DTYPES = {

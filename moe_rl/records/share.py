@@ -16,6 +16,7 @@ import numpy as np
 from moe_rl.records.batch import RolloutBatch, parse_meta, unreadable
 from moe_rl.records.chunks import SHARED, RecordMismatch, RecordsFile
 from moe_rl.records.routes import RecordError
+from moe_rl.records.trajectory import TRAJECTORY_ARRAYS
 
 __all__ = ["SharedRead", "load_share"]
 
@@ -35,7 +36,8 @@ def load_share(
     """Samples ``ids`` (all when None) of ``path``, checked: every chunk read against its digest, the batch's
     structure (``validate``); ``sha256``: the identity rank 0 found (else ``RecordMismatch``); ``num_samples``:
     the count the caller's plan expects; ``shared``: the per-token arrays every rank reads (format 3: one left
-    out is None in the batch, e.g. ``rollout_logp`` where Keep Sampling Mask trains on ``sampling_logp``).
+    out is None in the batch, e.g. ``rollout_logp`` where Keep Sampling Mask trains on ``sampling_logp``; a
+    trajectory's ``role_mask`` / ``loss_mask`` / ``turn_ids`` are always read: they decide what trains).
     Any problem is one ``RecordError`` naming ``path``."""
     path = Path(path)
     try:
@@ -48,7 +50,7 @@ def load_share(
                 return SharedRead(batch, f.bytes_read, f.size)
             if sha256 is not None and f.identity != sha256:
                 raise RecordMismatch(f"content has sha256 {f.identity[:16]}..., expected {sha256[:16]}...")
-            names = tuple(shared)
+            names = tuple(dict.fromkeys((*shared, *TRAJECTORY_ARRAYS)))  # a trajectory's masks: always read
             shared = f.shared(meta, names) | {k: None for k in SHARED if k not in names}
             if "prompt_lens" not in shared or "response_lens" not in shared:
                 raise RecordError("missing arrays ['prompt_lens', 'response_lens']")

@@ -1,4 +1,4 @@
-"""What ``moe-rl records inspect`` prints about one records file: sizes, provenance, routes, masks, versions."""
+"""What ``moe-rl records inspect`` prints about one records file: sizes, provenance, routes, masks, versions, turns."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import numpy as np
 
 from moe_rl.records.batch import RolloutBatch
 from moe_rl.records.fingerprint import fingerprint_id
+from moe_rl.records.trajectory import turn_summary
 from moe_rl.records.versions import token_version_summary
 
 __all__ = ["batch_summary"]
@@ -23,6 +24,7 @@ def batch_summary(batch: RolloutBatch) -> dict:
         **token_version_summary(batch),
         "run_id": batch.run_id,  # the producing run; None in records from before fingerprints
         "fingerprint": batch.fingerprint,
+        **turn_summary(batch),  # multi-turn trajectories (format 4): turns, environment tokens, sample 0's turns
     }
     if batch.fingerprint is not None:
         out["fingerprint_id"] = fingerprint_id(batch.fingerprint)
@@ -39,5 +41,6 @@ def batch_summary(batch: RolloutBatch) -> dict:
         )
     if batch.mask_offsets is not None:
         sizes = np.diff(batch.mask_offsets)
+        sizes = sizes if batch.role_mask is None else sizes[batch.role_mask.astype(bool)]  # generated tokens only
         out.update(mask_size_mean=float(sizes.mean()), mask_size_min=int(sizes.min()), mask_size_max=int(sizes.max()))
     return out

@@ -6,7 +6,8 @@ tensor sync is half-way; its version number is the integer ``s``: the weights at
 ``s``, i.e. after RL steps ``0 … s-1`` of the run (the initial weights are version 0). And the records'
 ``token_versions`` (int32, one per response token): the version that generated each token. Without
 partial rollouts every token of a sample has its sample's version; records written before the array
-existed load with exactly that (``token_versions_of``).
+existed load with exactly that (``token_versions_of``). An environment token of a multi-turn trajectory
+(``trajectory.py``) has version -1: no weights generated it.
 """
 
 from __future__ import annotations
@@ -92,8 +93,9 @@ def check_token_versions(batch) -> None:
             f"token_versions must be a 1-D integer array with one entry per response token "
             f"({tokens}), got {tv.dtype} with shape {tv.shape}"
         )
-    if tv.size and tv.min() < 0:
-        raise RecordError(f"token_versions has a negative version ({int(tv.min())})")
+    generated = tv if batch.role_mask is None else tv[batch.role_mask == 1]  # environment tokens: -1
+    if generated.size and generated.min() < 0:
+        raise RecordError(f"token_versions has a negative version ({int(generated.min())})")
     ends = np.cumsum(batch.response_lens.astype(np.int64))
     for i, label in enumerate(batch.weight_versions):
         version = _sample_version(label)
@@ -122,5 +124,6 @@ def token_version_summary(batch) -> dict:
     if tv is None or not tv.size:
         return {}
     ends = np.cumsum(batch.response_lens.astype(np.int64))
-    spans = [np.unique(tv[e - n : e]).size > 1 for e, n in zip(ends, batch.response_lens)]
-    return {"token_versions": [int(tv.min()), int(tv.max())], "partial_samples": int(sum(spans))}
+    gen = np.ones(tv.shape, bool) if batch.role_mask is None else batch.role_mask.astype(bool)  # environment: -1
+    spans = [np.unique(tv[e - n : e][gen[e - n : e]]).size > 1 for e, n in zip(ends, batch.response_lens)]
+    return {"token_versions": [int(tv[gen].min()), int(tv[gen].max())], "partial_samples": int(sum(spans))}

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.records import RecordError, RolloutBatch
+from moe_rl.records.trajectory import loss_token_mask
 from moe_rl.replay.driver import MicrobatchRoutes
 from moe_rl.replay.keep_mask import KeptSets
 from moe_rl.replay.layout import pack_microbatch_routes
@@ -59,9 +60,18 @@ def response_rows(batch: RolloutBatch, ids: Sequence[int], width: int, *, kept_l
 
 
 def response_row_mask(batch: RolloutBatch, ids: Sequence[int], width: int) -> torch.Tensor:
-    """``mask[n, width]``: True at the response tokens of ``ids``."""
+    """``mask[n, width]``: True at the response tokens of ``ids`` the loss may train on: every one of a single-turn
+    batch, the generated ones of a multi-turn trajectory (``loss_mask``: environment tokens never train)."""
     lens = torch.as_tensor(batch.response_lens[list(ids)].astype(np.int64))
-    return torch.arange(width)[None, :] < lens[:, None]
+    mask = torch.arange(width)[None, :] < lens[:, None]
+    if (loss := loss_token_mask(batch)) is None:
+        return mask
+    offsets = _response_offsets(batch)
+    rows = np.zeros((len(ids), width), dtype=bool)
+    for row, i in enumerate(ids):
+        seg = loss[offsets[i] : offsets[i + 1]]
+        rows[row, : len(seg)] = seg
+    return mask & torch.from_numpy(rows)
 
 
 def check_ksm_records(batch: RolloutBatch) -> None:
@@ -123,7 +133,9 @@ class Microbatch:
     ``tensors`` (what the learner and the loss read): ``input_ids[B, T]``, ``targets[B, T]`` (-1 on
     padding), ``mask[B, T]`` (positions scoring a response token), ``valid[B, T]`` (real
     positions), ``padding_mask[B, T]`` (True = padding; Megatron's convention), ``rollout_logp[B, T]``
-    (μ), ``advantages[B]``, ``kept`` (``KeptSets`` or absent). ``routes`` is what the replay driver
+    (μ), ``advantages[B]``, ``kept`` (``KeptSets`` or absent). In a multi-turn trajectory ``mask`` leaves out the
+    environment tokens (their positions count as ``prompt`` positions in the replay metrics; R3 still replays the
+    recorded route of every position). ``routes`` is what the replay driver
     reads. ``_pos`` maps response rows to microbatch positions.
     """
 
@@ -181,10 +193,10 @@ def build_microbatch(
         rows_t.append(torch.arange(P - 1, P - 1 + R))
         rows_j.append(torch.arange(R))
     host_pos = tuple(torch.cat(x) for x in (rows_b, rows_t, rows_j))
-    mask = torch.zeros(B, T, dtype=torch.bool)
-    mask[host_pos[0], host_pos[1]] = True
-    pos = tuple(x.to(device) for x in host_pos)
     width = int(batch.response_lens[list(ids)].max())
+    mask = torch.zeros(B, T, dtype=torch.bool)  # positions scoring a token the loss trains on (not environment)
+    mask[host_pos[0], host_pos[1]] = response_row_mask(batch, ids, width)[host_pos[0], host_pos[2]]
+    pos = tuple(x.to(device) for x in host_pos)
     mu = response_rows(batch, ids, width, kept_logp=kept_logp)
     tensors = {
         "input_ids": input_ids.to(device),

@@ -1,7 +1,7 @@
 """How stale a step's tokens are, and what that keeps out of the loss (host tensors, like the records).
 
 Owns per-token staleness ``step - token_version`` (the records' ``token_versions``; older records: the
-sample's version on every token), the async guard (a sample whose oldest token is more than
+sample's version on every token; a trajectory's environment tokens have none and count nowhere), the async guard (a sample whose oldest token is more than
 ``train.max_staleness`` versions old is never trained on: kept out of the loss, counted in
 ``async/dropped_stale``), ``correction.max_token_staleness`` (tokens older than that are rejected like any
 other rejection: out of the loss and its denominator) and the metrics ``async/staleness_mean``,
@@ -36,6 +36,12 @@ class StepStaleness:
             for i, (end, n) in enumerate(zip(ends, lens)):
                 self.rows[i, :n] = torch.from_numpy(stale[end - n : end]).to("cpu")
         self.valid = valid = torch.arange(width, device="cpu")[None, :] < torch.from_numpy(lens).to("cpu")[:, None]
+        if self.known and batch.role_mask is not None:  # environment tokens (version -1): no staleness
+            gen = torch.zeros(len(batch), width, dtype=torch.bool, device="cpu")
+            for i, (end, n) in enumerate(zip(np.cumsum(lens), lens)):
+                gen[i, :n] = torch.from_numpy(batch.role_mask[end - n : end].astype(bool))
+            self.valid = valid = valid & gen
+            self.rows = torch.where(gen, self.rows, torch.zeros_like(self.rows))
         oldest = torch.where(valid, self.rows, torch.zeros_like(self.rows)).amax(dim=1)
         self.dropped = (
             (oldest > max_staleness)
@@ -43,7 +49,7 @@ class StepStaleness:
             else torch.zeros(len(batch), dtype=torch.bool, device="cpu")
         )
         self.spans = torch.tensor(
-            [bool((self.rows[i, :n] != self.rows[i, 0]).any()) for i, n in enumerate(lens)], device="cpu"
+            [bool((self.rows[i][valid[i]] != self.rows[i, 0]).any()) for i in range(len(lens))], device="cpu"
         )
 
     def token_keep(self, max_token_staleness: int | None) -> torch.Tensor | None:
