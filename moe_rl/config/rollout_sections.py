@@ -167,8 +167,8 @@ class RolloutConfig(Section):
     agent: str | None = Field(
         None,
         pattern=AGENT_SPEC,
-        description="multi-turn rollouts (docs/agents.md, first slice: rollout library only, the trainer refuses "
-        "it until the records carry trajectories): 'module:Class' (built once with the AgentContext, async "
+        description="multi-turn rollouts (docs/agents.md; the trainer trains on them in train.rollout_mode=sync): "
+        "'module:Class' (built once with the AgentContext, async "
         "run(sample, generate) -> Trajectory) or 'module:function'; e.g. moe_rl.rollout.tool_loop:ToolAgentLoop. "
         "None = one response per prompt",
     )

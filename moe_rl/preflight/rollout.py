@@ -2,8 +2,8 @@
 
 Owns the config rules the rollout client and the producer would refuse (a top-k that samples nothing or
 exceeds the kept-set cap, async mode without servers, partial rollouts outside async mode), the note on
-approximate ``in_place`` pauses, the agent-loop keys (``agent_loop``: importable, and refused by the trainer
-until the records carry trajectories), and the environment rule that every ``rollout.addresses`` server answers.
+approximate ``in_place`` pauses, the agent-loop keys (``agent_loop``: importable; sync mode only, no partial
+rollouts), and the environment rule that every ``rollout.addresses`` server answers.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ def sampling_settings(cfg: ExperimentConfig) -> Iterable[str]:
 
 
 def agent_loop(cfg: ExperimentConfig) -> Iterable[str]:
-    """``rollout.agent`` / ``rollout.tools`` must import; the trainer cannot train on trajectories yet (issue 56's
-    first slice is the rollout library: ``moe_rl.rollout.agents.run_agents``; docs/agents.md)."""
+    """``rollout.agent`` / ``rollout.tools`` must import; the trainer trains on trajectories in sync mode only (async
+    and partial rollouts of agent loops are not built yet; docs/agents.md)."""
     r = cfg.rollout
     try:
         if r.agent is not None:
@@ -51,11 +51,20 @@ def agent_loop(cfg: ExperimentConfig) -> Iterable[str]:
         return
     if r.tools and r.agent is None:
         yield "rollout.tools lists tools but rollout.agent is None; the tools are called only by an agent loop"
-    if r.agent is not None:
+    if r.agent is not None and cfg.train.rollout_mode == "async":
         yield (
-            f"rollout.agent={r.agent!r}: multi-turn trajectories are not in the records format yet (docs/agents.md, "
-            "first slice), so the trainer cannot train on them; run the loop from the library "
-            "(moe_rl.rollout.agents.run_agents) or set rollout.agent=null"
+            f"rollout.agent={r.agent!r} trains in train.rollout_mode=sync only: asynchronous agent rollouts are not "
+            "built yet (docs/agents.md); set train.rollout_mode=sync"
+        )
+    elif r.agent is not None and cfg.advantage.estimator == "remax":
+        yield (
+            f"rollout.agent={r.agent!r} with advantage.estimator=remax: ReMax's greedy baseline response is not "
+            "built for agent loops; choose another advantage.estimator"
+        )
+    elif r.agent is not None and r.partial:
+        yield (
+            f"rollout.agent={r.agent!r} with rollout.partial=true: partial agent rollouts are not built yet "
+            "(docs/agents.md); set rollout.partial=false"
         )
 
 

@@ -1,6 +1,6 @@
 """The agent-loop interface: ``rollout.agent: "module:Class"`` (or a function) and ``rollout.tools``.
 
-Owns what an agent loop receives and how it is found (docs/agents.md, "The interface"; issue 56, first slice):
+Owns what an agent loop receives and how it is found (docs/agents.md, "The interface"; issue 56):
 
 * ``AgentSample``: one prompt of the batch (its messages or token ids, label, group and index in the group).
 * ``AgentContext``: what every loop of a run shares -- the tokenizer, the registered tools, the limits

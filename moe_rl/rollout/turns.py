@@ -1,6 +1,6 @@
 """Multi-turn trajectories: segments of model-generated and environment tokens, stitched turn by turn.
 
-Owns the ``Trajectory`` (issue 56, first slice: rollout side only; records integration comes later) and the
+Owns the ``Trajectory`` (issue 56; stored as records by ``moe_rl.source.agent_batch``, format 4) and the
 rules that keep its routes right across turns (docs/agents.md, "Routing across turns"):
 
 * Token ids are stitched by the **actual shared prefix** of the trajectory so far and the next turn's prompt,

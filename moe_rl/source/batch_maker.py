@@ -15,7 +15,8 @@ ReMax (``advantage.estimator: remax``): after a round's sampled responses, one g
 (temperature 0, no routes or sampling masks, one request per prompt) through a second client of the same servers,
 inside the same ``generate_checked`` call, so it carries the same weight version; ``StepSamples`` scores it into
 the records' ``reward_baselines`` and drops it. It is sent after the sampled ones, as verl's ``gen_max`` follows
-its ``gen``.
+its ``gen``. With ``rollout.agent`` each sample is an agent loop's multi-turn trajectory
+(``moe_rl.source.agent_batch``; sync mode, no ReMax).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from moe_rl.records import RolloutBatch
 from moe_rl.rollout.auth import tls
 from moe_rl.rollout.client import RolloutClient
 from moe_rl.rollout.partial import PartialCounters
+from moe_rl.source.agent_batch import AgentRollouts
 from moe_rl.source.step_samples import round_group_ids
 from moe_rl.sync.integrity import generate_checked
 
@@ -79,6 +81,7 @@ class BatchMaker:
             restart,
         )
         self.greedy = greedy_client(cfg, client) if cfg.advantage.estimator == "remax" else None
+        self.agents = AgentRollouts(cfg) if cfg.rollout.agent else None  # sync mode only (preflight)
 
     def __call__(self, step: int, served: int, drawn: Callable[[], None] = lambda: None) -> Path:
         n, client, partial = self.cfg.rollout.samples_per_prompt, self.client, self.cfg.rollout.partial
@@ -96,7 +99,9 @@ class BatchMaker:
             if (ws := self.weight_sync()) is not None:
                 ws.pushed.check(client.addresses, self.version(now["served"]), newer_ok=partial)
 
-        def sample(ids, groups) -> list:  # n sampled responses a prompt, then (ReMax) its greedy one
+        def sample(ids, groups, prompts) -> list:  # n sampled responses a prompt, then (ReMax) its greedy one
+            if self.agents is not None:  # rollout.agent: one trajectory per sample, turn by turn
+                return self.agents.generate(client, prompts, step, groups)
             out = client.generate(ids, n, step=step, group_ids=groups, counters=counters)
             if self.greedy is not None:
                 out += self.greedy.generate(ids, 1, step=step, group_ids=groups, seeded=False, counters=counters)
@@ -105,7 +110,7 @@ class BatchMaker:
         def generate(prompts, round_):
             ids, groups = [p.ids for p in prompts], round_group_ids(round_, len(prompts))
             return generate_checked(  # the served weight version only; a dead server we launched restarts
-                lambda: sample(ids, groups),
+                lambda: sample(ids, groups, prompts),
                 lambda: self.version(now["served"]),
                 resync=resync,
                 restart=self.restart,
@@ -118,6 +123,8 @@ class BatchMaker:
         batch = self.records.stamp(RolloutBatch.from_samples(samples, num_experts=self.cfg.model.num_moe_experts))
         if self.cfg.rollout.partial:  # async/kv_stale_tokens, … of this batch
             sample_metrics = sample_metrics | counters.drain()
+        if self.agents is not None:  # agent/* counters of this batch's trajectories
+            sample_metrics = sample_metrics | self.agents.drain()
         if sample_metrics:
             batch.extra["reward_metrics"] = sample_metrics  # travels with the records to every rank
         if self.cfg.rollout.true_on_policy:  # the servers' kernel identities, checked by every rank (step_records)

@@ -6,7 +6,8 @@ server restarts are the loop's), the reward of every sample with DAPO's overlong
 (``reward.overlong_buffer``, ``moe_rl.reward.shaping``) added before groups are judged, and DAPO
 dynamic sampling (``train.filter_groups``, ``moe_rl.source.filters``). Without filters a step is one
 round and consumes the random streams exactly as before (round 0 keeps today's prompt and sampling
-seeds; later rounds use their own).
+seeds; later rounds use their own). A trajectory (``rollout.agent``) is scored on its last turn's generated
+tokens, unless its agent loop set its own reward (``moe_rl.source.agent_batch``).
 
 ReMax (``advantage.estimator: remax``): ``generate`` returns, after the round's sampled responses, one greedy
 response per prompt (temperature 0; ``moe_rl.source.batch_maker``). It is scored with the run's reward and the
@@ -25,6 +26,7 @@ from collections.abc import Callable
 import numpy as np
 
 from moe_rl.reward.shaping import overlong_penalties
+from moe_rl.source.agent_batch import reward_ids
 from moe_rl.source.filters import Collected, GroupRound, collect_groups
 
 __all__ = ["StepSamples", "round_group_ids"]
@@ -47,9 +49,12 @@ class StepSamples:
         """``(rewards with overlong shaping, the scorer's result, the penalties or None)`` of ``samples``."""
         with self._scoring:
             scores = self.rewarder.score(
-                [prompts[k // per_prompt] for k in range(len(samples))], [s.response_ids for s in samples]
+                [prompts[k // per_prompt] for k in range(len(samples))], [reward_ids(s) for s in samples]
             )
         rewards = np.asarray(scores.rewards, dtype=np.float64)
+        for k, sample in enumerate(samples):  # an agent loop's own reward (rollout.agent) replaces the scored one
+            if sample.agent_reward is not None:
+                rewards[k] = sample.agent_reward
         ob, penalty = self.cfg.reward.overlong_buffer, None
         if ob is not None:
             penalty = overlong_penalties(

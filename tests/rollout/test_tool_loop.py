@@ -184,8 +184,15 @@ def test_agent_and_tool_keys_are_checked_with_one_clear_line(tokenizer):
     assert [p for p in config_problems(cfg).problems if "rollout.tools" in p] == [
         "rollout.tools='math:nope': 'math' has no 'nope'"
     ]
-    cfg = load_config(None, ["rollout.agent=moe_rl.rollout.tool_loop:ToolAgentLoop"])
-    assert any("not in the records format yet" in p for p in config_problems(cfg).problems)
+    agent = "rollout.agent=moe_rl.rollout.tool_loop:ToolAgentLoop"
+    assert not [p for p in config_problems(load_config(None, [agent])).problems if "rollout.agent" in p]  # sync: trains
+    cfg = load_config(None, [agent, "train.rollout_mode=async", "rollout.addresses=[http://127.0.0.1:1]"])
+    assert [p for p in config_problems(cfg).problems if "rollout.agent" in p] == [
+        (
+            "rollout.agent='moe_rl.rollout.tool_loop:ToolAgentLoop' trains in train.rollout_mode=sync only: "
+            "asynchronous agent rollouts are not built yet (docs/agents.md); set train.rollout_mode=sync"
+        )
+    ]
     assert not [p for p in config_problems(load_config(None, [])).problems if "rollout.agent" in p]
 
 
