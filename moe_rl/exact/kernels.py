@@ -22,7 +22,15 @@ How each op is made row-invariant (torch 2.13 CPU):
   query at a time (the KV split is "one block of all visible keys" in prefill and decode alike), with
   row-wise ``softmax``. A padded / masked row would change the reduction length.
 * routing (``router_logits``/``router_topk``): fp32 logits through ``linear``, ``torch.topk`` on the
-  logits then ``softmax`` over the k selected (Megatron's ``pre_softmax=False`` order).
+  logits then ``softmax`` over the k selected (Megatron's ``pre_softmax=False`` order). ``router_route``
+  covers every router Megatron-Core builds: softmax before top-k (``pre_softmax``, no renormalisation),
+  and the DeepSeek-V3 layout (sigmoid scores on the vector path, a score-correction bias added for the
+  choice only, group-limited top-k, the k sigmoid weights normalised by their sum and scaled by
+  ``moe_router_topk_scaling_factor``); every sum of a few values is an explicit chain of adds in a fixed
+  order (group scores: in descending order; the normalising sum: in ascending expert id, so a replayed
+  route in another slot order gives the same weights).
+* biased projections (``linear_bias``, q/k/v bias): the fp32 accumulation of ``linear`` plus the bias in
+  fp32, rounded once.
 * expert combine (``moe_experts``): the routing weight scales the activation inside each expert
   (Megatron 0.16's ``per_token_scale``), and each token's expert outputs are added to zero in ascending
   expert id, the order of Megatron's unpermute (``scatter_add_`` over expert-sorted rows), in fp32 with
@@ -50,10 +58,12 @@ __all__ = [
     "attention",
     "kept_token_logprobs",
     "linear",
+    "linear_bias",
     "moe_experts",
     "rms_norm",
     "rope_cos_sin",
     "router_logits",
+    "router_route",
     "router_topk",
     "silu",
     "swiglu",
@@ -112,6 +122,15 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
     if x.shape[-1] != w.shape[-1]:
         raise ValueError(f"linear: x has K={x.shape[-1]}, weight has K={w.shape[-1]}")
     return _Linear.apply(x, w, out_dtype or x.dtype)
+
+
+def linear_bias(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``linear`` plus ``bias[N]``, added to the fp32 accumulation and rounded once to ``out_dtype``."""
+    if bias is None:
+        return linear(x, w, out_dtype)
+    return (linear(x, w, torch.float32) + bias.float()).to(out_dtype or x.dtype)
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
@@ -189,6 +208,76 @@ def router_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     """``(weights[M, k] fp32, ids[M, k] int64)``: top-k of the logits, softmax over the k selected."""
     vals, ids = torch.topk(logits, k, dim=-1)
     return torch.softmax(vals, dim=-1, dtype=torch.float32), ids
+
+
+def _chain_sum(v: torch.Tensor) -> torch.Tensor:
+    """``v[..., 0] + v[..., 1] + ...``: a fixed left-to-right order whatever the batch."""
+    out = v[..., 0]
+    for j in range(1, v.shape[-1]):
+        out = out + v[..., j]
+    return out
+
+
+def grouped_topk(scores: torch.Tensor, k: int, num_groups: int | None = None, group_topk: int | None = None):
+    """``(values, ids)`` of the top-k of ``scores[M, E]``; with ``group_topk``, only among the ``group_topk``
+    groups (of ``num_groups`` consecutive experts) whose top ``k // group_topk`` scores sum highest
+    (Megatron's ``group_limited_topk``; the group sum as ``_chain_sum``)."""
+    if not group_topk:
+        return torch.topk(scores, k, dim=-1)
+    M, E = scores.shape
+    per_group = scores.view(M, num_groups, E // num_groups)
+    group_scores = _chain_sum(per_group.topk(k // group_topk, dim=-1)[0])
+    chosen = torch.topk(group_scores, group_topk, dim=-1)[1]
+    mask = torch.zeros(M, num_groups, dtype=torch.bool, device=scores.device).scatter_(1, chosen, True)
+    mask = mask[:, :, None].expand(M, num_groups, E // num_groups).reshape(M, E)
+    return torch.topk(scores.masked_fill(~mask, float("-inf")), k, dim=-1)
+
+
+def router_route(
+    logits: torch.Tensor,
+    k: int,
+    score_function: str = "softmax",
+    pre_softmax: bool = False,
+    expert_bias: torch.Tensor | None = None,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+    scaling_factor: float | None = None,
+    select=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights[M, k] fp32, ids[M, k] int64)`` of fp32 router ``logits[M, E]``, as Megatron-Core routes:
+
+    * softmax, ``pre_softmax=False``: ``router_topk`` (top-k of the logits, softmax over the k);
+    * softmax, ``pre_softmax=True``: softmax over all E, top-k of it, no renormalisation;
+    * sigmoid: scores ``sigmoid(logits)`` (vector path), the choice on ``scores + expert_bias``, weights the
+      chosen scores divided by their sum (``+ 1e-20``, summed in ascending expert id) when ``k > 1``;
+
+    then multiplied by ``scaling_factor``. ``select(choice) -> (_, ids)`` picks the experts instead of
+    ``grouped_topk`` (the learner passes its routing replay through it)."""
+    if select is None:
+
+        def select(choice):
+            return grouped_topk(choice, k, num_groups, group_topk)
+
+    logits = logits.float()
+    if score_function == "softmax" and not pre_softmax:
+        ids = select(logits)[1]
+        weights = torch.softmax(logits.gather(1, ids), dim=-1, dtype=torch.float32)
+    elif score_function == "softmax":
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        ids = select(scores)[1]
+        weights = scores.gather(1, ids)
+    elif score_function == "sigmoid":
+        scores = _blocked(torch.sigmoid, logits, pad_value=0.0)
+        ids = select(scores if expert_bias is None else scores + expert_bias.float())[1]
+        weights = scores.gather(1, ids)
+        if k > 1:
+            by_id = weights.gather(1, torch.argsort(ids, dim=-1))
+            weights = weights / (_chain_sum(by_id)[:, None] + 1e-20)
+    else:
+        raise ValueError(f"router_route: score_function {score_function!r}; expected 'softmax' or 'sigmoid'")
+    if scaling_factor:
+        weights = weights * scaling_factor
+    return weights, ids
 
 
 def moe_experts(

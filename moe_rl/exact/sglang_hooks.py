@@ -9,8 +9,9 @@ replaces, per module instance (no SGLang class is changed):
   with ``kernels.linear`` (logits in fp32);
 * every ``RMSNorm`` with ``kernels.rms_norm`` / ``add_rms_norm`` (residual added in the model dtype);
 * every rotate-half ``RotaryEmbedding`` with ``kernels.rope_cos_sin`` + ``apply_rope``;
-* every MoE block's ``forward_normal`` with ``router_logits`` -> ``router_topk`` (routes captured for
-  ``return_routed_experts`` exactly as upstream) -> ``moe_experts``; dense MLP activations with ``swiglu``;
+* every MoE block's ``forward_normal`` with ``router_logits`` -> ``router_route`` (routes captured for
+  ``return_routed_experts`` exactly as upstream) -> ``moe_experts`` (+ the block's shared expert); dense MLP
+  activations with ``swiglu``; a linear's bias (q/k/v) with ``linear_bias``;
 * the torch-native attention backends' per-request SDPA with ``kernels.attention`` over the cache.
 
 * the sampler's Keep Sampling Mask log-prob (``selected_logprobs``, the sampled token renormalised over
@@ -18,7 +19,7 @@ replaces, per module instance (no SGLang class is changed):
 
 The sampling itself is left as is: with ``--enable-deterministic-inference`` it returns
 ``log_softmax(logits / t)`` (``kernels.token_logprobs``). Anything this module cannot make exact
-(another attention backend, a rope variant, biases, unnormalised top-k) raises ``TrueOnPolicyError``
+(another attention backend, a rope variant, an expert bias, a gated shared expert) raises ``TrueOnPolicyError``
 at start-up, naming the module, instead of serving inexact log-probs.
 """
 
@@ -65,8 +66,6 @@ def install(runner, kernels: frozenset[str] | None = None) -> list[str]:
         qm = getattr(mod, "quant_method", None)
         linear = isinstance(qm, UnquantizedLinearMethod) and hasattr(mod, "weight") and mod.weight.dim() == 2
         if linear and "linear" in on:
-            if getattr(mod, "bias", None) is not None:
-                raise TrueOnPolicyError(f"{name}: linear with a bias is not covered by the exact kernels")
             qm.apply = _exact_linear_apply
             hooked("linear")
         if isinstance(mod, RMSNorm):
@@ -138,9 +137,7 @@ def _kept_set_sampler(sampler):
 
 
 def _exact_linear_apply(layer, x, bias=None):
-    if bias is not None:
-        raise TrueOnPolicyError("linear with a bias is not covered by the exact kernels")
-    return K.linear(x, layer.weight)
+    return K.linear_bias(x, layer.weight, bias)
 
 
 def _lm_head(hidden_states, lm_head, embedding_bias=None, *, out=None):
@@ -178,36 +175,70 @@ def _rope_forward(mod):
     return forward
 
 
+def _route_args(block, cfg, name) -> dict:
+    """``kernels.router_route``'s arguments for an SGLang MoE block (Qwen3: softmax top-k, renormalised or not;
+    GLM-4.5 / DeepSeek-V3 layout: sigmoid, score-correction bias, grouped top-k, routed scaling)."""
+    # SGLang's grouped top-k with a correction bias is DeepSeek-V3's biased_grouped_topk: sigmoid scores whatever
+    # scoring_func says (GLM-4.5 leaves it at 'softmax')
+    score = "sigmoid" if cfg.use_grouped_topk and cfg.correction_bias is not None else cfg.scoring_func
+    if score not in ("softmax", "sigmoid") or (score == "sigmoid" and not cfg.renormalize):
+        raise TrueOnPolicyError(
+            f"{name}: {score} scores with renormalize={cfg.renormalize} are not covered "
+            "(Megatron routes with softmax, or sigmoid with normalised top-k weights)"
+        )
+    if cfg.custom_routing_function is not None or getattr(block, "num_fused_shared_experts", 0):
+        raise TrueOnPolicyError(f"{name}: custom routing or shared experts fused into the routed ones are not covered")
+    bias = getattr(getattr(block, "gate", None), "e_score_correction_bias", None)
+    if cfg.correction_bias is not None and bias is None:
+        raise TrueOnPolicyError(f"{name}: a score-correction bias outside the gate is not covered")
+    return {
+        "score_function": score,
+        "pre_softmax": score == "softmax" and not cfg.renormalize,
+        "num_groups": cfg.num_expert_group if cfg.use_grouped_topk else None,
+        "group_topk": cfg.topk_group if cfg.use_grouped_topk else None,
+        "scaling_factor": getattr(block, "routed_scaling_factor", None) or cfg.routed_scaling_factor,
+    }
+
+
 def _moe_forward(block, name, router: bool = True, experts: bool = True):
     """``forward_normal`` of a MoE block: the shared router (``router``) and / or the shared experts and
-    combine (``experts``); the other part stays SGLang's own (only ``moe-rl diagnose --attribute`` splits them)."""
+    combine (``experts``); the other part stays SGLang's own (only ``moe-rl diagnose --attribute`` splits them).
+    A block's shared expert (GLM-4.5) runs through the hooked linears and SwiGLU and is added to the routed
+    output in the model dtype (Megatron's ``output + shared_expert_output``); the routed scaling is inside
+    the routing weights (Megatron's order), not applied to the output."""
     from sglang.srt.layers.moe.topk import StandardTopKOutput, capture_routed_experts_if_allowed  # noqa: PLC0415 -- SGLang is optional (the rollout engine), heavy to import
 
     cfg = block.topk.topk_config
-    if cfg.use_grouped_topk or not cfg.renormalize or cfg.correction_bias is not None or cfg.scoring_func != "softmax":
-        raise TrueOnPolicyError(
-            f"{name}: only softmax top-k with renormalisation is covered (grouped={cfg.use_grouped_topk}, "
-            f"renormalize={cfg.renormalize}, correction_bias={cfg.correction_bias is not None}, "
-            f"scoring={cfg.scoring_func})"
-        )
+    args = _route_args(block, cfg, name)
     moe = block.experts
     if getattr(moe, "w13_weight_bias", None) is not None or moe.num_local_experts != moe.num_experts:
         raise TrueOnPolicyError(f"{name}: expert biases or expert parallelism inside SGLang are not covered")
+    shared = getattr(block, "shared_experts", None)
+    if getattr(block, "shared_expert_gate", None) is not None:
+        raise TrueOnPolicyError(f"{name}: a gated shared expert is not covered")
 
-    def forward_normal(hidden_states):
+    def forward_normal(hidden_states, *_args, **_kwargs):
         if hidden_states.shape[0] == 0:
             return hidden_states
         if router:
             logits = K.router_logits(hidden_states, block.gate.weight)
-            weights, ids = K.router_topk(logits, cfg.top_k)
+            bias = getattr(block.gate, "e_score_correction_bias", None)
+            weights, ids = K.router_route(logits, cfg.top_k, expert_bias=bias, **args)
             capture_routed_experts_if_allowed(cfg, block.topk.layer_id, ids.to(torch.int32))
             topk = StandardTopKOutput(weights, ids.to(torch.int32), logits)
-        else:  # SGLang's gate and top-k (which capture the routes themselves)
-            topk = block.topk(hidden_states, block.gate(hidden_states)[0])
+        else:  # SGLang's gate and top-k (which capture the routes themselves); the scaling applied here
+            gate = block.gate(hidden_states)  # Qwen3: (logits, bias); GLM-4.5: logits
+            topk = block.topk(hidden_states, gate[0] if isinstance(gate, tuple) else gate)
             weights, ids = topk.topk_weights, topk.topk_ids.long()
-        if experts:
-            return K.moe_experts(hidden_states, weights, ids, moe.w13_weight, moe.w2_weight)
-        return moe(hidden_states, topk)
+            if args["scaling_factor"]:
+                weights = weights * args["scaling_factor"]
+                topk = StandardTopKOutput(weights, topk.topk_ids, topk.router_logits)
+        out = (
+            K.moe_experts(hidden_states, weights, ids, moe.w13_weight, moe.w2_weight)
+            if experts
+            else moe(hidden_states, topk)
+        )
+        return out if shared is None else out + shared(hidden_states)
 
     return forward_normal
 

@@ -2,7 +2,10 @@
 
 Owns ``exact_layer_spec(spec)`` (the local GPT block spec with every linear, norm and core attention
 replaced by a module that calls ``moe_rl.exact.kernels``), ``install_exact_hooks(gpt)`` (the parts a
-spec does not reach: each router's ``gating`` and the output layer, hooked per instance).
+spec does not reach: each router's ``gating`` and ``routing`` and the output layer, hooked per instance;
+``routing`` keeps Megatron's own and turns on, for its call only, ``kernels.router_route`` in place of
+Megatron's ``topk_routing_with_score_function``, which moe_rl replaces once by a function that is the stock
+one outside an exact router).
 ``moe_rl.learner.model`` also sets ``activation_func=kernels.silu`` and builds without Megatron's rope.
 ``GPTModel`` itself is never forked.
 
@@ -15,12 +18,14 @@ what SGLang's cache holds. Attention then runs per sequence with ``kernels.atten
 
 from __future__ import annotations
 
+import contextvars
 import itertools
 
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe import router as megatron_router
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -41,19 +46,26 @@ __all__ = [
 ]
 
 
+def _exact_linear(mod, input_, w):
+    """``kernels.linear_bias``: the layer's bias (q/k/v) inside the fp32 accumulation unless Megatron asked to
+    get it back (``skip_bias_add``)."""
+    if mod.skip_bias_add:
+        return K.linear(input_, w), mod.bias
+    return K.linear_bias(input_, w, mod.bias), None
+
+
 class ExactColumnParallelLinear(ColumnParallelLinear):
-    """``ColumnParallelLinear`` (tp = 1) whose forward is ``kernels.linear``."""
+    """``ColumnParallelLinear`` (tp = 1) whose forward is ``kernels.linear`` / ``linear_bias``."""
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
-        w = self.weight if weight is None else weight
-        return K.linear(input_, w), self.bias if self.skip_bias_add else None
+        return _exact_linear(self, input_, self.weight if weight is None else weight)
 
 
 class ExactRowParallelLinear(RowParallelLinear):
-    """``RowParallelLinear`` (tp = 1) whose forward is ``kernels.linear``."""
+    """``RowParallelLinear`` (tp = 1) whose forward is ``kernels.linear`` / ``linear_bias``."""
 
     def forward(self, input_):
-        return K.linear(input_, self.weight), self.bias if self.skip_bias_add else None
+        return _exact_linear(self, input_, self.weight)
 
 
 class ExactRMSNorm(torch.nn.Module):
@@ -174,6 +186,7 @@ def install_exact_hooks(gpt, rotary_base: float, rotary_dim: int, kernels: froze
         elif isinstance(mod, TopKRouter):
             if "router" in kernels:
                 mod.gating = _gating(mod)
+                mod.routing = _routing(mod)
         elif (
             type(mod) in (ColumnParallelLinear, RowParallelLinear)
             and name != "output_layer"
@@ -201,3 +214,64 @@ def _gating(router):
         return K.router_logits(input, router.weight)
 
     return gating
+
+
+_EXACT_ROUTING = contextvars.ContextVar("moe_rl_exact_routing", default=False)
+_STOCK_TOPK_ROUTING = megatron_router.topk_routing_with_score_function
+
+
+def _topk_routing(
+    logits,
+    topk,
+    use_pre_softmax=False,
+    num_groups=None,
+    group_topk=None,
+    scaling_factor=None,
+    score_function="softmax",
+    expert_bias=None,
+    fused=False,
+    router_replay=None,
+):
+    """Megatron's ``topk_routing_with_score_function`` (same signature and outputs: dense ``probs`` and
+    ``routing_map [tokens, E]``), through ``kernels.router_route`` inside an exact router's ``routing``; the
+    stock function everywhere else. A routing replay picks the experts through Megatron's hook as usual."""
+    if not _EXACT_ROUTING.get():
+        return _STOCK_TOPK_ROUTING(
+            logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function, expert_bias,
+            fused, router_replay,
+        )  # fmt: skip
+
+    def compute(scores, k, n_groups=None, g_topk=None):
+        return K.grouped_topk(scores, k, n_groups, g_topk)
+
+    def select(choice):
+        if router_replay is None:
+            return compute(choice, topk, num_groups, group_topk)
+        return router_replay.get_replay_topk(choice, topk, num_groups, group_topk, compute)
+
+    probs, ids = K.router_route(
+        logits, topk, score_function, use_pre_softmax, expert_bias, num_groups, group_topk, scaling_factor, select
+    )
+    probs = probs.type_as(logits)
+    routing_probs = torch.zeros_like(logits).scatter(1, ids, probs)
+    routing_map = torch.zeros_like(logits, dtype=torch.int32).scatter(1, ids, 1).bool()
+    return routing_probs, routing_map
+
+
+def _routing(router):
+    """``router.routing`` (Megatron's own: z-loss, aux losses, the expert-bias token counts) with its top-k
+    routing through ``kernels.router_route``."""
+    if router.config.moe_router_fusion:
+        raise ValueError("true-on-policy: model.moe_router_fusion=true routes with TE's fused kernel; set it false")
+    if megatron_router.topk_routing_with_score_function is not _topk_routing:
+        megatron_router.topk_routing_with_score_function = _topk_routing
+    stock = router.routing
+
+    def routing(logits, padding_mask=None):
+        token = _EXACT_ROUTING.set(True)
+        try:
+            return stock(logits, padding_mask=padding_mask)
+        finally:
+            _EXACT_ROUTING.reset(token)
+
+    return routing
