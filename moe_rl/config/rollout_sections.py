@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from moe_rl.config.kernels import KERNELS
 from moe_rl.config.section import Section
@@ -107,11 +107,18 @@ class RolloutConfig(Section):
         description="seconds a server may take to become healthy; None = derived from the bytes each server loads "
         "(moe_rl.sizing.defaults: 180 s + the bf16 HF weights at launch.fs_bandwidth_gb_s)",
     )
-    max_concurrency: int = Field(
-        16,
+    max_concurrency: int | None = Field(
+        None,
         ge=1,
         description="requests in flight from the rollout client, all servers and all steps in flight "
-        "together (async: a freed slot goes to the oldest step's request)",
+        "together (async: a freed slot goes to the oldest step's request); None = derived: "
+        "rollout.server_concurrency x the number of servers (moe_rl.sizing.defaults.client_concurrency)",
+    )
+    server_concurrency: int | None = Field(
+        None,
+        ge=1,
+        description="requests in flight per rollout server (slime's --sglang-server-concurrency) when "
+        "rollout.max_concurrency is unset; None = 16 (the old client-wide default: one server sees what it did)",
     )
     sleep_on_idle: bool = Field(
         True,
@@ -190,6 +197,15 @@ class RolloutConfig(Section):
         description="rollout.agent: each turn also asks for the prefix's route rows its prefill recomputed and "
         "counts those that differ from the recorded ones (replay/turn_prefix_route_conflicts); recorded rows win",
     )
+
+    @model_validator(mode="after")
+    def _one_concurrency(self):
+        if self.max_concurrency is not None and self.server_concurrency is not None:
+            raise ValueError(
+                f"rollout.max_concurrency={self.max_concurrency} (all servers together) and rollout.server_concurrency="
+                f"{self.server_concurrency} (per server) are both set; expected one of them (docs/launch.md)"
+            )
+        return self
 
 
 class ReplayConfig(Section):

@@ -2,23 +2,22 @@
 
 Owns the request (sampling params, per-sample `sampling_seed`, log-probs, routed experts,
 sampling masks), bounded concurrency (one pool of slots for every batch in flight, oldest step first:
-``moe_rl.rollout.slots``), the server of each request (``rollout.load_balance``: the one with the
-fewest of this client's requests in flight, or round robin), retries with backoff on
+``moe_rl.rollout.slots``; its size is ``rollout.max_concurrency``, by default ``rollout.server_concurrency`` per
+server: ``moe_rl.sizing.defaults.client_concurrency``), retries with backoff on
 connection errors and 5xx and on requests aborted from outside the run (an admin's ``/abort_request``, or the
 abort of an ``/update_weight_version`` or ``/pause_generation``: sent again, counted, one line per batch), and the
 all-or-nothing rule: a batch either comes back whole or the
 call raises RolloutError. What a reply means (the error classes, its status and body, the sample it decodes to) is
 `moe_rl.rollout.replies`; continuing a reply aborted by a pause is `moe_rl.rollout.partial`; the HTTP session
-(aiohttp, for its CPU per request) is `moe_rl.rollout.http_session`.
+(aiohttp, for its CPU per request) is `moe_rl.rollout.http_session`; which server a request goes to (a group's
+samples to one server, groups balanced by load: ``rollout.load_balance``) is `moe_rl.rollout.dispatch`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import itertools
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ import numpy as np
 from moe_rl.records import RolloutSample, RouteSpec
 from moe_rl.rollout import http_session
 from moe_rl.rollout.auth import ServerKeys
+from moe_rl.rollout.dispatch import LOAD_BALANCE, Dispatch, Group
 from moe_rl.rollout.health import run_watched
 from moe_rl.rollout.partial import (
     PartialCounters,
@@ -48,7 +48,7 @@ from moe_rl.rollout.replies import (
     reply_to_sample,
 )
 from moe_rl.rollout.slots import StepSlots
-from moe_rl.sizing.defaults import request_timeout
+from moe_rl.sizing.defaults import client_concurrency, request_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def sample_seed(base_seed: int, step: int, group_id: int, sample_index: int) -> 
     return int(np.random.SeedSequence(entropy).generate_state(1, np.uint32)[0])
 
 
-LOAD_BALANCE = ("least_outstanding", "round_robin")
+__all__ = ["LOAD_BALANCE", "RolloutClient", "SamplingSettings", "sample_seed"]
 
 
 class RolloutClient:
@@ -131,12 +131,8 @@ class RolloutClient:
         self.pause_mode = None if pause_mode is None else check_pause_mode(pause_mode)
         self.max_continuations = max_continuations
         self.partial_counters = PartialCounters()  # drained by the trainer: async/kv_stale_tokens, ...
-        if load_balance not in LOAD_BALANCE:
-            raise ValueError(f"load_balance={load_balance!r}; expected one of {LOAD_BALANCE}")
         self.load_balance = load_balance
-        self._next_server = itertools.count()
-        self._outstanding = [0] * len(self.addresses)  # requests in flight per server (this client's, all threads)
-        self._outstanding_lock = threading.Lock()  # several steps' batches may be generated at once (async mode)
+        self.dispatch = Dispatch(len(self.addresses), load_balance)  # a group's samples to one server (dispatch.py)
         self._replied: dict[str, float] = {}  # address -> monotonic time of its last reply: not probed meanwhile
         self._top_k = self._wire_top_k(sampling.top_k, sampling_mask_max_tokens)
 
@@ -153,7 +149,7 @@ class RolloutClient:
             "return_sampling_mask": cfg.ksm_active,  # untruncated sampling: KSM is a no-op (the preflight notes it)
             "sampling_mask_max_tokens": r.sampling_mask_max_tokens,
             "request_timeout_s": request_timeout(cfg).value,  # derived from max_new_tokens when unset
-            "max_concurrency": r.max_concurrency,
+            "max_concurrency": client_concurrency(cfg, len(addresses)).value,  # per server x servers when unset
             "max_retries": r.max_retries,
             "headers": ServerKeys.from_rollout_config(r).headers(),
             "admin_headers": ServerKeys.from_rollout_config(r).headers(admin=True),
@@ -255,8 +251,9 @@ class RolloutClient:
             raise ValueError(f"routes_start_len={starts}; expected one value in [0, len(prompt)] per prompt")
         budgets = [None] * len(prompts) if max_new_tokens is None else [int(b) for b in max_new_tokens]
         seed_of = lambda i, g, j: sample_seed(self.seed, step, g, j) if seeds is None else int(seeds[i])
+        groups = [Group(len(p) + (b or self.sampling.max_new_tokens), n) for p, b in zip(prompts, budgets)]
         jobs = [
-            (np.asarray(p, dtype=np.int32), g, seed_of(i, g, j) if seeded else None, start, budget)
+            (np.asarray(p, dtype=np.int32), g, seed_of(i, g, j) if seeded else None, start, budget, groups[i])
             for i, (p, g, start, budget) in enumerate(zip(prompts, group_ids, starts, budgets))
             for j in range(n)
         ]
@@ -299,36 +296,47 @@ class RolloutClient:
         seed,
         start,
         budget: int | None = None,
+        group: Group | None = None,
         counters: PartialCounters | None = None,
         aborts: OutsideAborts | None = None,
     ) -> RolloutSample:
         budget, counters = budget or self.sampling.max_new_tokens, counters or self.partial_counters
-        attempts = functools.partial(self._attempts, aborts=aborts)
-        async with gate:
-            sample, aborted = await attempts(http, prompt, group_id, seed, start, budget, counters)
-            for _ in range(self.max_continuations):
-                k = 0 if sample is None else len(sample.response_ids)
-                if not aborted or k >= budget:
-                    break
-                counters.continued_requests += 1
-                if k == 0:  # ended before its first token (still queued, or in prefill): ask again, same request
-                    sample, aborted = await attempts(http, prompt, group_id, seed, start, budget, counters)
-                    continue
-                head_prompt = continuation_prompt(sample)  # rows before len - 1 came with the aborted reply
-                tail, aborted = await attempts(
-                    http, head_prompt, group_id, continuation_seed(seed, k), len(head_prompt) - 1, budget - k, counters
-                )
-                if tail is not None:  # None: the continuation itself was aborted while queued; send it again
-                    sample = stitch(sample, tail)
-            if aborted and (sample is None or len(sample.response_ids) < budget):
-                raise RolloutRequestError(
-                    f"a sample was aborted by a pause {self.max_continuations + 1} times (max_continuations)"
-                )
+        group = group or Group(len(prompt) + budget, 1)
+        try:
+            async with gate:
+                home = self.dispatch.place(group)  # the group's server, placed by load when its first sample is let in
+                attempts = functools.partial(self._attempts, aborts=aborts, home=home)
+                sample, aborted = await self._continued(attempts, http, prompt, group_id, seed, start, budget, counters)
+        finally:
+            self.dispatch.sample_done(group)
         if aborted:
             sample.finish_reason = "length"  # the whole budget was generated before the abort
         if sample.token_versions is not None and np.unique(sample.token_versions).size > 1:
             counters.partial_samples += 1
         return sample
+
+    async def _continued(self, attempts, http, prompt, group_id, seed, start, budget, counters):
+        """One sample's request and, in ``pause_mode="abort"``, its continuations: (sample, aborted)."""
+        sample, aborted = await attempts(http, prompt, group_id, seed, start, budget, counters)
+        for _ in range(self.max_continuations):
+            k = 0 if sample is None else len(sample.response_ids)
+            if not aborted or k >= budget:
+                break
+            counters.continued_requests += 1
+            if k == 0:  # ended before its first token (still queued, or in prefill): ask again, same request
+                sample, aborted = await attempts(http, prompt, group_id, seed, start, budget, counters)
+                continue
+            head_prompt = continuation_prompt(sample)  # rows before len - 1 came with the aborted reply
+            tail, aborted = await attempts(
+                http, head_prompt, group_id, continuation_seed(seed, k), len(head_prompt) - 1, budget - k, counters
+            )
+            if tail is not None:  # None: the continuation itself was aborted while queued; send it again
+                sample = stitch(sample, tail)
+        if aborted and (sample is None or len(sample.response_ids) < budget):
+            raise RolloutRequestError(
+                f"a sample was aborted by a pause {self.max_continuations + 1} times (max_continuations)"
+            )
+        return sample, aborted
 
     async def _attempts(
         self,
@@ -340,6 +348,7 @@ class RolloutClient:
         max_new_tokens,
         counters: PartialCounters | None = None,
         aborts: OutsideAborts | None = None,
+        home: int | None = None,
     ) -> tuple[RolloutSample | None, bool]:
         """One request with retries: (sample, whether a pause aborted it); the sample is None when a pause
         aborted the request before its first token or while it sat in the waiting queue (``is_queued_abort``:
@@ -347,12 +356,11 @@ class RolloutClient:
         an abort_all's reply is an outside abort (``aborts``): retried like a 5xx, within ``max_retries``."""
         body = self.request_body(prompt, seed, start, max_new_tokens)
         errors = []
-        order = self._server_order()  # a retry moves to the next server in it
+        order = self.dispatch.order(home)  # the group's server first; a retry moves to the next server in it
         for attempt in range(self.max_retries + 1):
             index = order[attempt % len(order)]
             url = self.addresses[index]
-            with self._outstanding_lock:
-                self._outstanding[index] += 1
+            self.dispatch.sending(index)
             try:
                 reply = await self._post(http, url, body)
                 if self.pause_mode != "abort" and is_pause_abort(meta := reply.get("meta_info") or {}):
@@ -369,23 +377,13 @@ class RolloutClient:
             except Retryable as err:
                 errors.append(f"attempt {attempt + 1} at {url}: {err}")
             finally:
-                with self._outstanding_lock:
-                    self._outstanding[index] -= 1
+                self.dispatch.replied(index)
             if attempt < self.max_retries:
                 await asyncio.sleep(self.backoff_s * 2**attempt)
         raise RolloutError(
             f"/generate failed after {self.max_retries + 1} attempts (max_retries={self.max_retries}); "
             + "; ".join(errors)
         )
-
-    def _server_order(self) -> list[int]:
-        """Servers to try for one request: round robin from the next start, or (``least_outstanding``) the ones with
-        the fewest of this client's requests in flight first, round robin among equals."""
-        n, start = len(self.addresses), next(self._next_server)
-        order = [(start + i) % n for i in range(n)]
-        if self.load_balance == "least_outstanding":
-            order.sort(key=lambda i: self._outstanding[i])  # stable: ties keep the round-robin order
-        return order
 
     async def _post(self, http, url: str, body: dict) -> dict:
         try:
