@@ -98,7 +98,8 @@ class RolloutConfig(Section):
     request_timeout_s: float | None = Field(
         None,
         gt=0,
-        description="bound on one /generate request (sent whole, not streamed: it bounds the whole generation); "
+        description="bound on one /generate request: past it the client aborts the request on its server "
+        "(/abort_request by rid) and continues it from the tokens generated (moe_rl.rollout.http_session); "
         "None = derived from rollout.max_new_tokens (moe_rl.sizing.defaults: 120 s + max_new_tokens at 10 tokens/s)",
     )
     startup_timeout_s: float | None = Field(

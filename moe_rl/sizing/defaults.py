@@ -93,8 +93,8 @@ def request_timeout(cfg: ExperimentConfig) -> Derived:
     decode = math.ceil(r.max_new_tokens / MIN_DECODE_TOKENS_PER_S)
     why = (
         f"{REQUEST_BASE_S} s + rollout.max_new_tokens={r.max_new_tokens} at {MIN_DECODE_TOKENS_PER_S} tokens/s "
-        f"({decode} s); one /generate reply bounds the whole generation, and a timed-out request is sent again "
-        f"from its start (rollout.max_retries={r.max_retries})"
+        f"({decode} s); a request still running at the bound is aborted on its server and continued from the "
+        "tokens it generated (not sent again from its start)"
     )
     return _resolve("rollout.request_timeout_s", r.request_timeout_s, REQUEST_BASE_S + decode, why)
 

@@ -116,11 +116,11 @@ def test_a_slow_server_gets_fewer_requests_under_least_outstanding(monkeypatch, 
     async def post(http, url, body):
         sent.append(url)
         await asyncio.sleep(0.04 if url == "http://a" else 0.005)
-        return {}
+        return {}, False  # (reply, ran past its bound)
 
     monkeypatch.setattr(client, "_post", post)
     done = types.SimpleNamespace(response_ids=[], token_versions=None)
-    monkeypatch.setattr(client, "_to_sample", lambda reply, prompt, group_id, url, start=0: done)
+    monkeypatch.setattr(client, "_to_sample", lambda reply, prompt, group_id, url, start=0, own=False: done)
 
     async def run():  # 48 groups of one sample: each placed when its sample takes one of 8 slots
         gate = asyncio.Semaphore(8)
