@@ -295,7 +295,8 @@ class RolloutClient:
                 sample = stitch(sample, tail)
         if aborted and (sample is None or len(sample.response_ids) < budget):
             raise RolloutRequestError(
-                f"a sample was aborted by a pause {self.max_continuations + 1} times (max_continuations)"
+                f"a sample was aborted {self.max_continuations + 1} times (by a pause, or at its bound "
+                f"rollout.request_timeout_s={self.request_timeout_s:g}; max_continuations)"
             )
         return sample, aborted
 
