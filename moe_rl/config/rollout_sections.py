@@ -139,8 +139,9 @@ class RolloutConfig(Section):
     )
     load_balance: Literal["least_outstanding", "round_robin"] = Field(
         "least_outstanding",
-        description="which server a request goes to: the one with the fewest of the client's "
-        "requests in flight (ties: round robin), or plain round robin (bench/bench_load_balance.py)",
+        description="which server a group (one prompt's samples, sent to one server for its prefix cache) goes to: "
+        "the one with the fewest outstanding tokens, then requests in flight (ties: round robin), or plain round "
+        "robin (moe_rl/rollout/dispatch.py)",
     )
     max_retries: int = Field(3, ge=0)
     mem_fraction_static: float = Field(0.05, gt=0, le=1)
