@@ -2,7 +2,8 @@
 
 Runs the CLI (``moe_rl.cli.main(["plan", CONFIG])``), reads the size off each printed line (the first
 ``N GB`` / ``N MB`` of it; for host and disk lines the per-rank and per-node figures) and writes a
-Markdown table. Usage: ``python scripts/sizing_table.py`` (from the repository root).
+Markdown table; a line the plan marks ``[GPU check pending]`` is labelled "needs the GPU check (not run: no GPU
+lent)" (until ``make gpu-check`` has run on a GPU and docs/gpu.md has its figures). Usage: ``python scripts/sizing_table.py`` (from the repository root).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from moe_rl.cli import main
 
 CONFIGS = ("qwen3_30b_a3b", "qwen3_235b_a22b", "deepseek_v3_style")
 SIZE = re.compile(r"(\d+\.\d+) (GB|MB)")
+PENDING: set[str] = set()  # rows some config's plan marks [GPU check pending]
+NEEDS_GPU = " (needs the GPU check; not run: no GPU lent)"
 
 
 def plan_rows(config: str) -> dict[str, str]:
@@ -35,6 +38,8 @@ def plan_rows(config: str) -> dict[str, str]:
         seconds = re.search(r"; (\d+) s at", line)
         value = " / ".join(sizes) + (f" ({seconds.group(1)} s)" if seconds else "")
         rows[f"{section}: {label}"] = value
+        if "[GPU check pending]" in line:
+            PENDING.add(f"{section}: {label}")
     return rows
 
 
@@ -43,7 +48,8 @@ def table() -> str:
     lines = ["| line (GB; host and disk: per rank / per node) | " + " | ".join(CONFIGS) + " |"]
     lines.append("|---" * (len(CONFIGS) + 1) + "|")
     for key in cols[0]:
-        lines.append(f"| {key} | " + " | ".join(c.get(key, "") for c in cols) + " |")
+        label = key + (NEEDS_GPU if key in PENDING else "")
+        lines.append(f"| {label} | " + " | ".join(c.get(key, "") for c in cols) + " |")
     return "\n".join(lines)
 
 

@@ -3,7 +3,8 @@
 A test that must act at a fixed point of a run (replace weights right after the trainer labels a version, answer a
 request the way a broken server would) does it here, in the request path, instead of racing the trainer from a
 thread. ``hook(path, body, reply) -> reply | (status, content) | None`` runs after the upstream answered; a tuple
-replaces the reply.
+replaces the reply. ``request_hook(path, body) -> body | (status, content)`` (optional) may rewrite a request before
+it is forwarded (``hook`` then sees the forwarded body), or answer it itself with a tuple (not forwarded, no hook).
 """
 
 from __future__ import annotations
@@ -17,14 +18,16 @@ from typing import Self
 import httpx
 
 Hook = Callable[[str, bytes, httpx.Response], "tuple[int, bytes] | None"]
+RequestHook = Callable[[str, bytes], "bytes | tuple[int, bytes]"]
 
 
 class Proxy(http.server.ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, upstream: str, hook: Hook):
+    def __init__(self, upstream: str, hook: Hook, request_hook: RequestHook | None = None):
         super().__init__(("127.0.0.1", 0), _Forward)
         self.upstream, self.hook = upstream, hook
+        self.request_hook = request_hook or (lambda path, body: body)
         self.http = httpx.Client(timeout=600)
         self._thread = threading.Thread(target=self.serve_forever, daemon=True)
 
@@ -49,13 +52,20 @@ class Proxy(http.server.ThreadingHTTPServer):
 
 class _Forward(http.server.BaseHTTPRequestHandler):
     def _forward(self) -> None:
-        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length", "connection")}
-        reply = self.server.http.request(self.command, self.server.upstream + self.path, content=body, headers=headers)
-        status, content = self.server.hook(self.path, body, reply) or (reply.status_code, reply.content)
+        body = self.server.request_hook(self.path, self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+        if isinstance(body, tuple):  # answered by the request hook itself
+            status, content, content_type = *body, None
+        else:
+            headers = {
+                k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length", "connection")
+            }
+            url = self.server.upstream + self.path
+            reply = self.server.http.request(self.command, url, content=body, headers=headers)
+            status, content = self.server.hook(self.path, body, reply) or (reply.status_code, reply.content)
+            content_type = reply.headers.get("Content-Type")
         self.send_response(status)
-        if "Content-Type" in reply.headers:
-            self.send_header("Content-Type", reply.headers["Content-Type"])
+        if content_type:
+            self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(content)))
         self.end_headers()
         self.wfile.write(content)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from moe_rl.config.kernels import KERNELS
 from moe_rl.config.section import Section
@@ -98,7 +98,8 @@ class RolloutConfig(Section):
     request_timeout_s: float | None = Field(
         None,
         gt=0,
-        description="bound on one /generate request (sent whole, not streamed: it bounds the whole generation); "
+        description="bound on one /generate request: past it the client aborts the request on its server "
+        "(/abort_request by rid) and continues it from the tokens generated (moe_rl.rollout.http_session); "
         "None = derived from rollout.max_new_tokens (moe_rl.sizing.defaults: 120 s + max_new_tokens at 10 tokens/s)",
     )
     startup_timeout_s: float | None = Field(
@@ -107,11 +108,18 @@ class RolloutConfig(Section):
         description="seconds a server may take to become healthy; None = derived from the bytes each server loads "
         "(moe_rl.sizing.defaults: 180 s + the bf16 HF weights at launch.fs_bandwidth_gb_s)",
     )
-    max_concurrency: int = Field(
-        16,
+    max_concurrency: int | None = Field(
+        None,
         ge=1,
         description="requests in flight from the rollout client, all servers and all steps in flight "
-        "together (async: a freed slot goes to the oldest step's request)",
+        "together (async: a freed slot goes to the oldest step's request); None = derived: "
+        "rollout.server_concurrency x the number of servers (moe_rl.sizing.defaults.client_concurrency)",
+    )
+    server_concurrency: int | None = Field(
+        None,
+        ge=1,
+        description="requests in flight per rollout server (slime's --sglang-server-concurrency) when "
+        "rollout.max_concurrency is unset; None = 16 (the old client-wide default: one server sees what it did)",
     )
     sleep_on_idle: bool = Field(
         True,
@@ -131,8 +139,9 @@ class RolloutConfig(Section):
     )
     load_balance: Literal["least_outstanding", "round_robin"] = Field(
         "least_outstanding",
-        description="which server a request goes to: the one with the fewest of the client's "
-        "requests in flight (ties: round robin), or plain round robin (bench/bench_load_balance.py)",
+        description="which server a group (one prompt's samples, sent to one server for its prefix cache) goes to: "
+        "the one with the fewest outstanding tokens, then requests in flight (ties: round robin), or plain round "
+        "robin (moe_rl/rollout/dispatch.py)",
     )
     max_retries: int = Field(3, ge=0)
     mem_fraction_static: float = Field(0.05, gt=0, le=1)
@@ -190,6 +199,15 @@ class RolloutConfig(Section):
         description="rollout.agent: each turn also asks for the prefix's route rows its prefill recomputed and "
         "counts those that differ from the recorded ones (replay/turn_prefix_route_conflicts); recorded rows win",
     )
+
+    @model_validator(mode="after")
+    def _one_concurrency(self):
+        if self.max_concurrency is not None and self.server_concurrency is not None:
+            raise ValueError(
+                f"rollout.max_concurrency={self.max_concurrency} (all servers together) and rollout.server_concurrency="
+                f"{self.server_concurrency} (per server) are both set; expected one of them (docs/launch.md)"
+            )
+        return self
 
 
 class ReplayConfig(Section):

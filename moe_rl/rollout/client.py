@@ -1,33 +1,34 @@
 """Generate a batch of rollout records from SGLang servers over HTTP `/generate`.
 
-Owns the request (sampling params, per-sample `sampling_seed`, log-probs, routed experts,
-sampling masks), bounded concurrency (one pool of slots for every batch in flight, oldest step first:
-``moe_rl.rollout.slots``), the server of each request (``rollout.load_balance``: the one with the
-fewest of this client's requests in flight, or round robin), retries with backoff on
-connection errors and 5xx and on requests aborted from outside the run (an admin's ``/abort_request``, or the
-abort of an ``/update_weight_version`` or ``/pause_generation``: sent again, counted, one line per batch), and the
-all-or-nothing rule: a batch either comes back whole or the
-call raises RolloutError. What a reply means (the error classes, its status and body, the sample it decodes to) is
-`moe_rl.rollout.replies`; continuing a reply aborted by a pause is `moe_rl.rollout.partial`; the HTTP session
-(aiohttp, for its CPU per request) is `moe_rl.rollout.http_session`.
+Owns sending a batch: bounded concurrency (one pool of slots for every batch in flight, oldest step first:
+``moe_rl.rollout.slots``; its size is ``rollout.max_concurrency``, by default ``rollout.server_concurrency`` per
+server: ``moe_rl.sizing.defaults.client_concurrency``), each sample's request and its continuations (a reply
+aborted by a pause, or by this client when the request ran past ``rollout.request_timeout_s``, is continued from
+its tokens: ``moe_rl.rollout.partial``), retries with backoff on connection errors and 5xx and on requests aborted
+from outside the run (an admin's ``/abort_request``, or the abort of an ``/update_weight_version`` or
+``/pause_generation``: sent again, counted, one line per batch), and the all-or-nothing rule: a batch either comes
+back whole or the call raises RolloutError. What a request asks for (sampling, seeds, the body) is
+`moe_rl.rollout.request`; what a reply means (the error classes, its status and body, the sample it decodes to) is
+`moe_rl.rollout.replies`; the HTTP session (aiohttp, for its CPU per request) and the bound on one request is
+`moe_rl.rollout.http_session`; which server a request goes to (a group's samples to one server, groups balanced
+by load: ``rollout.load_balance``) is `moe_rl.rollout.dispatch`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import itertools
 import logging
-import threading
 import time
+import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from moe_rl.records import RolloutSample, RouteSpec
 from moe_rl.rollout import http_session
 from moe_rl.rollout.auth import ServerKeys
+from moe_rl.rollout.dispatch import LOAD_BALANCE, Dispatch, Group
 from moe_rl.rollout.health import run_watched
 from moe_rl.rollout.partial import (
     PartialCounters,
@@ -47,35 +48,15 @@ from moe_rl.rollout.replies import (
     read_reply,
     reply_to_sample,
 )
+from moe_rl.rollout.request import SamplingSettings, generate_body, sample_seed, wire_top_k
 from moe_rl.rollout.slots import StepSlots
-from moe_rl.sizing.defaults import request_timeout
+from moe_rl.sizing.defaults import client_concurrency, request_timeout
 
 logger = logging.getLogger(__name__)
+ABORT_GRACE_S = 30.0  # a server that sends no reply this long after aborting a request is hung (health_timeout_s)
 
 
-@dataclass(frozen=True)
-class SamplingSettings:
-    """Per-request sampling; `top_k=-1` means no top-k (sent as min(vocab_size, mask cap) when masks are asked for)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 16
-
-    @classmethod
-    def from_rollout_config(cls, rollout) -> SamplingSettings:
-        return cls(rollout.temperature, rollout.top_p, rollout.top_k, rollout.max_new_tokens)
-
-
-def sample_seed(base_seed: int, step: int, group_id: int, sample_index: int) -> int:
-    """The `sampling_seed` of one sample: a uint32 hash of (seed, step, group, index), stable across runs."""
-    entropy = [int(base_seed), int(step), int(group_id), int(sample_index)]
-    if min(entropy) < 0:
-        raise ValueError(f"seed, step, group_id and sample_index must be >= 0; got {entropy}")
-    return int(np.random.SeedSequence(entropy).generate_state(1, np.uint32)[0])
-
-
-LOAD_BALANCE = ("least_outstanding", "round_robin")
+__all__ = ["LOAD_BALANCE", "RolloutClient", "SamplingSettings", "sample_seed"]
 
 
 class RolloutClient:
@@ -92,7 +73,7 @@ class RolloutClient:
         addresses: Sequence[str],
         route_spec: RouteSpec | None,
         vocab_size: int,
-        sampling: SamplingSettings = SamplingSettings(),
+        sampling: SamplingSettings = SamplingSettings(),  # noqa: B008 -- a frozen dataclass (request.py)
         *,
         seed: int = 0,
         return_sampling_mask: bool = True,
@@ -131,14 +112,10 @@ class RolloutClient:
         self.pause_mode = None if pause_mode is None else check_pause_mode(pause_mode)
         self.max_continuations = max_continuations
         self.partial_counters = PartialCounters()  # drained by the trainer: async/kv_stale_tokens, ...
-        if load_balance not in LOAD_BALANCE:
-            raise ValueError(f"load_balance={load_balance!r}; expected one of {LOAD_BALANCE}")
         self.load_balance = load_balance
-        self._next_server = itertools.count()
-        self._outstanding = [0] * len(self.addresses)  # requests in flight per server (this client's, all threads)
-        self._outstanding_lock = threading.Lock()  # several steps' batches may be generated at once (async mode)
+        self.dispatch = Dispatch(len(self.addresses), load_balance)  # a group's samples to one server (dispatch.py)
         self._replied: dict[str, float] = {}  # address -> monotonic time of its last reply: not probed meanwhile
-        self._top_k = self._wire_top_k(sampling.top_k, sampling_mask_max_tokens)
+        self._top_k = wire_top_k(sampling, return_sampling_mask, sampling_mask_max_tokens, vocab_size)
 
     @classmethod
     def from_config(cls, cfg, addresses: Sequence[str], **overrides) -> RolloutClient:
@@ -153,7 +130,7 @@ class RolloutClient:
             "return_sampling_mask": cfg.ksm_active,  # untruncated sampling: KSM is a no-op (the preflight notes it)
             "sampling_mask_max_tokens": r.sampling_mask_max_tokens,
             "request_timeout_s": request_timeout(cfg).value,  # derived from max_new_tokens when unset
-            "max_concurrency": r.max_concurrency,
+            "max_concurrency": client_concurrency(cfg, len(addresses)).value,  # per server x servers when unset
             "max_retries": r.max_retries,
             "headers": ServerKeys.from_rollout_config(r).headers(),
             "admin_headers": ServerKeys.from_rollout_config(r).headers(admin=True),
@@ -164,45 +141,25 @@ class RolloutClient:
         kwargs.update(overrides)
         return cls(addresses, **kwargs)
 
-    def _wire_top_k(self, top_k: int, cap: int) -> int:
-        if not self.return_sampling_mask or top_k != -1:
-            if self.return_sampling_mask and top_k > cap:
-                raise ValueError(f"rollout.top_k={top_k} exceeds rollout.sampling_mask_max_tokens={cap}")
-            return top_k
-        # SGLang returns masks only for a finite top_k <= its cap. Top-p-only sampling sends top_k = cap
-        # (the nucleus, cut at the cap's most likely tokens: the mask is the set really sampled from).
-        if self.vocab_size > cap and self.sampling.top_p >= 1.0:
-            raise ValueError(
-                f"sampling masks with rollout.top_k=-1 and rollout.top_p=1 (untruncated) need "
-                f"rollout.sampling_mask_max_tokens >= vocab size ({self.vocab_size}), got {cap}; request no masks"
-            )
-        return min(self.vocab_size, cap)
-
     def request_body(
         self, prompt_ids: Sequence[int], seed: int | None, routes_start_len: int = 0, max_new_tokens: int | None = None
     ) -> dict:
-        """JSON body of one `/generate` request for `prompt_ids[P]`.
+        """JSON body of one `/generate` request for `prompt_ids[P]` (``moe_rl.rollout.request.generate_body``).
 
         `routes_start_len > 0` (continued generation) asks only for route rows from that position on;
         `max_new_tokens` overrides the sampling settings' (the rest of an aborted sample's budget).
         """
-        params = {
-            "temperature": self.sampling.temperature,
-            "top_p": self.sampling.top_p,
-            "top_k": self._top_k,
-            "max_new_tokens": self.sampling.max_new_tokens if max_new_tokens is None else int(max_new_tokens),
-        }
-        if self.stop_token_ids:
-            params["stop_token_ids"] = self.stop_token_ids
-        if seed is not None:
-            params["sampling_seed"] = seed  # honoured only with --enable-deterministic-inference
-        return {
-            "input_ids": [int(t) for t in prompt_ids],
-            "sampling_params": params,
-            "return_logprob": True,
-            "return_routed_experts": self.route_spec is not None,
-            "return_sampling_mask": self.return_sampling_mask,
-        } | ({"routed_experts_start_len": int(routes_start_len)} if routes_start_len else {})
+        return generate_body(
+            prompt_ids,
+            self.sampling,
+            self._top_k,
+            seed=seed,
+            routes=self.route_spec is not None,
+            masks=self.return_sampling_mask,
+            stop_token_ids=self.stop_token_ids,
+            routes_start_len=routes_start_len,
+            max_new_tokens=max_new_tokens,
+        )
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int = 1, **kwargs) -> list[RolloutSample]:
         """Blocking `agenerate` (runs its own event loop).
@@ -255,8 +212,9 @@ class RolloutClient:
             raise ValueError(f"routes_start_len={starts}; expected one value in [0, len(prompt)] per prompt")
         budgets = [None] * len(prompts) if max_new_tokens is None else [int(b) for b in max_new_tokens]
         seed_of = lambda i, g, j: sample_seed(self.seed, step, g, j) if seeds is None else int(seeds[i])
+        groups = [Group(len(p) + (b or self.sampling.max_new_tokens), n) for p, b in zip(prompts, budgets)]
         jobs = [
-            (np.asarray(p, dtype=np.int32), g, seed_of(i, g, j) if seeded else None, start, budget)
+            (np.asarray(p, dtype=np.int32), g, seed_of(i, g, j) if seeded else None, start, budget, groups[i])
             for i, (p, g, start, budget) in enumerate(zip(prompts, group_ids, starts, budgets))
             for j in range(n)
         ]
@@ -299,36 +257,48 @@ class RolloutClient:
         seed,
         start,
         budget: int | None = None,
+        group: Group | None = None,
         counters: PartialCounters | None = None,
         aborts: OutsideAborts | None = None,
     ) -> RolloutSample:
         budget, counters = budget or self.sampling.max_new_tokens, counters or self.partial_counters
-        attempts = functools.partial(self._attempts, aborts=aborts)
-        async with gate:
-            sample, aborted = await attempts(http, prompt, group_id, seed, start, budget, counters)
-            for _ in range(self.max_continuations):
-                k = 0 if sample is None else len(sample.response_ids)
-                if not aborted or k >= budget:
-                    break
-                counters.continued_requests += 1
-                if k == 0:  # ended before its first token (still queued, or in prefill): ask again, same request
-                    sample, aborted = await attempts(http, prompt, group_id, seed, start, budget, counters)
-                    continue
-                head_prompt = continuation_prompt(sample)  # rows before len - 1 came with the aborted reply
-                tail, aborted = await attempts(
-                    http, head_prompt, group_id, continuation_seed(seed, k), len(head_prompt) - 1, budget - k, counters
-                )
-                if tail is not None:  # None: the continuation itself was aborted while queued; send it again
-                    sample = stitch(sample, tail)
-            if aborted and (sample is None or len(sample.response_ids) < budget):
-                raise RolloutRequestError(
-                    f"a sample was aborted by a pause {self.max_continuations + 1} times (max_continuations)"
-                )
+        group = group or Group(len(prompt) + budget, 1)
+        try:
+            async with gate:
+                home = self.dispatch.place(group)  # the group's server, placed by load when its first sample is let in
+                attempts = functools.partial(self._attempts, aborts=aborts, home=home)
+                sample, aborted = await self._continued(attempts, http, prompt, group_id, seed, start, budget, counters)
+        finally:
+            self.dispatch.sample_done(group)
         if aborted:
             sample.finish_reason = "length"  # the whole budget was generated before the abort
         if sample.token_versions is not None and np.unique(sample.token_versions).size > 1:
             counters.partial_samples += 1
         return sample
+
+    async def _continued(self, attempts, http, prompt, group_id, seed, start, budget, counters):
+        """One sample's request and, in ``pause_mode="abort"``, its continuations: (sample, aborted)."""
+        sample, aborted = await attempts(http, prompt, group_id, seed, start, budget, counters)
+        for _ in range(self.max_continuations):
+            k = 0 if sample is None else len(sample.response_ids)
+            if not aborted or k >= budget:
+                break
+            counters.continued_requests += 1
+            if k == 0:  # ended before its first token (still queued, or in prefill): ask again, same request
+                sample, aborted = await attempts(http, prompt, group_id, seed, start, budget, counters)
+                continue
+            head_prompt = continuation_prompt(sample)  # rows before len - 1 came with the aborted reply
+            tail, aborted = await attempts(
+                http, head_prompt, group_id, continuation_seed(seed, k), len(head_prompt) - 1, budget - k, counters
+            )
+            if tail is not None:  # None: the continuation itself was aborted while queued; send it again
+                sample = stitch(sample, tail)
+        if aborted and (sample is None or len(sample.response_ids) < budget):
+            raise RolloutRequestError(
+                f"a sample was aborted {self.max_continuations + 1} times (by a pause, or at its bound "
+                f"rollout.request_timeout_s={self.request_timeout_s:g}; max_continuations)"
+            )
+        return sample, aborted
 
     async def _attempts(
         self,
@@ -340,27 +310,37 @@ class RolloutClient:
         max_new_tokens,
         counters: PartialCounters | None = None,
         aborts: OutsideAborts | None = None,
+        home: int | None = None,
     ) -> tuple[RolloutSample | None, bool]:
-        """One request with retries: (sample, whether a pause aborted it); the sample is None when a pause
-        aborted the request before its first token or while it sat in the waiting queue (``is_queued_abort``:
-        no routes in the reply, nothing to continue from): it is sent again whole. Outside ``pause_mode="abort"``
-        an abort_all's reply is an outside abort (``aborts``): retried like a 5xx, within ``max_retries``."""
+        """One request with retries: (sample, whether a pause or the request's bound aborted it); the sample is None
+        when the abort came before its first token or while it sat in the waiting queue (``is_queued_abort``:
+        no routes in the reply, nothing to continue from): it is sent again whole. A request past its bound
+        (``request_timeout_s``) is aborted by this client (``http_session.post_generate``) and continued like a
+        pause's abort, in any pause mode. Otherwise, outside ``pause_mode="abort"``, an abort_all's reply is an
+        outside abort (``aborts``): retried like a 5xx, within ``max_retries``."""
         body = self.request_body(prompt, seed, start, max_new_tokens)
         errors = []
-        order = self._server_order()  # a retry moves to the next server in it
+        order = self.dispatch.order(home)  # the group's server first; a retry moves to the next server in it
         for attempt in range(self.max_retries + 1):
             index = order[attempt % len(order)]
             url = self.addresses[index]
-            with self._outstanding_lock:
-                self._outstanding[index] += 1
+            self.dispatch.sending(index)
             try:
-                reply = await self._post(http, url, body)
-                if self.pause_mode != "abort" and is_pause_abort(meta := reply.get("meta_info") or {}):
+                reply, bound_hit = await self._post(http, url, {**body, "rid": uuid.uuid4().hex})
+                meta = reply.get("meta_info") or {}
+                own = bound_hit and is_pause_abort(meta)  # this client aborted it at its bound: continue it
+                if self.pause_mode != "abort" and not own and is_pause_abort(meta):
                     raise Retryable((aborts or OutsideAborts()).count_one(url, meta))
-                paused = self.pause_mode == "abort" and is_pause_abort(reply["meta_info"])
-                if paused and (not reply["output_ids"] or is_queued_abort(reply["meta_info"])):
+                paused = (own or self.pause_mode == "abort") and is_pause_abort(meta)
+                if own:
+                    logger.warning(
+                        "rollout: a request ran past its %g s bound (rollout.request_timeout_s) on %s; aborted there "
+                        "after %d token(s), continued from them (max_continuations=%d)",
+                        *(self.request_timeout_s, url, len(reply["output_ids"]), self.max_continuations),
+                    )
+                if paused and (not reply["output_ids"] or is_queued_abort(meta)):
                     return None, True
-                sample = self._to_sample(reply, prompt, group_id, url, start)
+                sample = self._to_sample(reply, prompt, group_id, url, start, own=own)
                 if self.pause_mode == "in_place":
                     (counters or self.partial_counters).kv_stale_tokens += kv_stale_tokens(
                         reply["meta_info"], len(sample.response_ids)
@@ -369,8 +349,7 @@ class RolloutClient:
             except Retryable as err:
                 errors.append(f"attempt {attempt + 1} at {url}: {err}")
             finally:
-                with self._outstanding_lock:
-                    self._outstanding[index] -= 1
+                self.dispatch.replied(index)
             if attempt < self.max_retries:
                 await asyncio.sleep(self.backoff_s * 2**attempt)
         raise RolloutError(
@@ -378,23 +357,21 @@ class RolloutClient:
             + "; ".join(errors)
         )
 
-    def _server_order(self) -> list[int]:
-        """Servers to try for one request: round robin from the next start, or (``least_outstanding``) the ones with
-        the fewest of this client's requests in flight first, round robin among equals."""
-        n, start = len(self.addresses), next(self._next_server)
-        order = [(start + i) % n for i in range(n)]
-        if self.load_balance == "least_outstanding":
-            order.sort(key=lambda i: self._outstanding[i])  # stable: ties keep the round-robin order
-        return order
-
-    async def _post(self, http, url: str, body: dict) -> dict:
+    async def _post(self, http, url: str, body: dict) -> tuple[dict, bool]:
+        """The reply to ``body`` and whether it ran past its bound (then this client aborted it: http_session)."""
+        grace = self.health_timeout_s or ABORT_GRACE_S
         try:
-            status, raw = await http.post_json(f"{url}/generate", body)
-        except http_session.TransportFailure as err:  # refused, reset, timed out, closed mid-reply
+            status, raw, bound_hit = await http.post_generate(
+                url, body, self.request_timeout_s, grace, self.admin_headers or None
+            )
+        except http_session.TransportFailure as err:  # refused, reset, closed mid-reply, no reply after the abort
             raise Retryable(str(err)) from err
         if status == 200:
             self._replied[url] = time.monotonic()  # the scheduler generated: proof of health (health.py)
-        return read_reply(url, status, raw)
+        return read_reply(url, status, raw), bound_hit
 
-    def _to_sample(self, reply: dict, prompt: np.ndarray, group_id: int, url: str, start: int = 0) -> RolloutSample:
-        return reply_to_sample(reply, prompt, group_id, url, start, self.route_spec, self.vocab_size, self.pause_mode)
+    def _to_sample(
+        self, reply: dict, prompt: np.ndarray, group_id: int, url: str, start: int = 0, own: bool = False
+    ) -> RolloutSample:
+        mode = "abort" if own else self.pause_mode  # an abort of this client's own (the bound) is continued
+        return reply_to_sample(reply, prompt, group_id, url, start, self.route_spec, self.vocab_size, mode)

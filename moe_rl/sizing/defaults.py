@@ -3,7 +3,8 @@
 Owns the one place each derived value is computed (a pure function of the config): ``startup_timeout``
 (``rollout.startup_timeout_s``: a base plus the bytes each server loads at ``launch.fs_bandwidth_gb_s``),
 ``request_timeout`` (``rollout.request_timeout_s``: a base plus ``rollout.max_new_tokens`` at a floor decode
-rate), ``signal_lead`` (``launch.signal_lead_s``: the plan's step + save + stop time, from ``step_time``), the
+rate), ``client_concurrency`` (``rollout.max_concurrency``: ``rollout.server_concurrency`` per server x the
+servers), ``signal_lead`` (``launch.signal_lead_s``: the plan's step + save + stop time, from ``step_time``), the
 weight-sync mode a launch gets and its per-step disk bytes and time (``disk_sync``), the preflight rule
 ``signal_lead_fits`` and the lines ``launch --dry-run``, ``moe-rl plan`` and ``config validate`` print
 (``derived_lines``). The rollout client, the server launcher and the launch script read these values.
@@ -23,6 +24,7 @@ from moe_rl.sizing.plan import job_plan
 
 __all__ = [
     "Derived",
+    "client_concurrency",
     "derived_lines",
     "disk_sync",
     "request_timeout",
@@ -41,6 +43,7 @@ MIN_DECODE_TOKENS_PER_S = 10
 DECODE_TOKENS_PER_S = 30
 # Training FLOP/s one learner GPU sustains (bf16/FP8 MoE on an H100-class card at ~20-40% MFU); an assumption.
 TRAIN_FLOPS_PER_GPU = 2.0e14
+SERVER_CONCURRENCY = 16  # rollout.server_concurrency unset: the old client-wide default, now per server
 STOP_S = 30  # the launch script's cleanup waits this long for the servers to stop (launch/script.py)
 SLURM_MAX_SIGNAL_LEAD_S = 65535  # sbatch --signal=...@sig_time: at most 65535 s
 DISK_SYNC_WARN_S = 10  # a disk weight sync taking this long per step is printed as a warning
@@ -90,10 +93,25 @@ def request_timeout(cfg: ExperimentConfig) -> Derived:
     decode = math.ceil(r.max_new_tokens / MIN_DECODE_TOKENS_PER_S)
     why = (
         f"{REQUEST_BASE_S} s + rollout.max_new_tokens={r.max_new_tokens} at {MIN_DECODE_TOKENS_PER_S} tokens/s "
-        f"({decode} s); one /generate reply bounds the whole generation, and a timed-out request is sent again "
-        f"from its start (rollout.max_retries={r.max_retries})"
+        f"({decode} s); a request still running at the bound is aborted on its server and continued from the "
+        "tokens it generated (not sent again from its start)"
     )
     return _resolve("rollout.request_timeout_s", r.request_timeout_s, REQUEST_BASE_S + decode, why)
+
+
+def client_concurrency(cfg: ExperimentConfig, servers: int | None = None) -> Derived:
+    """``rollout.max_concurrency`` (requests in flight, all servers together): when unset,
+    ``rollout.server_concurrency`` (default ``SERVER_CONCURRENCY``) x the servers (``servers``: the client's own
+    address count; default the config's: ``launch.rollout_nodes``, or ``rollout.addresses``)."""
+    r = cfg.rollout
+    servers = _servers(cfg) if servers is None else servers
+    per = SERVER_CONCURRENCY if r.server_concurrency is None else r.server_concurrency
+    source = "default" if r.server_concurrency is None else "set"
+    why = (
+        f"rollout.server_concurrency={per} ({source}) per server x {servers} server(s); SGLang batches the requests "
+        "each server holds, so the client keeps each one busy (slime's --sglang-server-concurrency)"
+    )
+    return _resolve("rollout.max_concurrency", r.max_concurrency, per * servers, why)
 
 
 def sync_mode(cfg: ExperimentConfig) -> str:
@@ -152,8 +170,8 @@ def step_time(cfg: ExperimentConfig, world: int) -> tuple[float, dict[str, float
     with training.
     """
     r, t = cfg.rollout, cfg.train
-    requests = t.prompts_per_step * r.samples_per_prompt
-    waves = math.ceil(requests / r.max_concurrency)
+    requests, concurrency = t.prompts_per_step * r.samples_per_prompt, int(client_concurrency(cfg).value)
+    waves = math.ceil(requests / concurrency)
     generation = waves * r.max_new_tokens / DECODE_TOKENS_PER_S
     tokens = requests * terms.sample_tokens(cfg)
     per_token = (6 + (2 if t.recompute == "full" else 0)) * t.epochs_per_step
@@ -163,7 +181,7 @@ def step_time(cfg: ExperimentConfig, world: int) -> tuple[float, dict[str, float
     parts = {"generation": generation, "training": training, "weight sync": sync}
     whys = {
         "generation": (
-            f"{requests} requests, rollout.max_concurrency={r.max_concurrency} at a time, "
+            f"{requests} requests, rollout.max_concurrency={concurrency} at a time, "
             f"{r.max_new_tokens} tokens at ~{DECODE_TOKENS_PER_S} tokens/s each"
         ),
         "training": f"{per_token} x {_count(_active_params(cfg))} active params x {tokens} tokens on {world} GPUs",
@@ -227,7 +245,7 @@ def _unset_lead(cfg: ExperimentConfig) -> ExperimentConfig:
 def derived_lines(cfg: ExperimentConfig) -> list[str]:
     """What the dry-run prints: each derived (or set) value and why, and the disk-sync warning."""
     out = ["derived defaults (unset keys take the plan's values; moe_rl/sizing/defaults.py):"]
-    out += [f"  {d.line()}" for d in (startup_timeout(cfg), request_timeout(cfg))]
+    out += [f"  {d.line()}" for d in (startup_timeout(cfg), request_timeout(cfg), client_concurrency(cfg))]
     world = launch_world(cfg)
     if cfg.launch.signal is None:
         out.append(

@@ -54,6 +54,8 @@ RESUME_SAFE_KEYS = (
     "launch.master_port",
     "rollout.request_timeout_s",
     "rollout.startup_timeout_s",
+    "rollout.max_concurrency",  # requests in flight (unset: derived per server; runs before it saved 16)
+    "rollout.server_concurrency",
     "launch.signal_lead_s",  # when the warning comes (unset: derived from the plan; runs before it saved 300)
     "rollout.health_timeout_s",
     "rollout.max_server_restarts",

@@ -61,7 +61,7 @@ def test_a_server_spec_without_a_start_timeout_is_refused_before_anything_starts
 
 @pytest.mark.parametrize(("tokens", "bound"), [(8192, 120 + 820), (4, 120 + 1), (16384, 120 + 1639)])
 def test_request_bound_scales_with_max_new_tokens_and_is_the_clients(tokens, bound):
-    """120 s + max_new_tokens at 10 tokens/s (rounded up): a whole non-streamed generation fits in it."""
+    """120 s + max_new_tokens at 10 tokens/s (rounded up): a whole generation fits in it (past it: continued)."""
     cfg = load_config(Q235, [f"rollout.max_new_tokens={tokens}"])
     assert request_timeout(cfg).value == bound and request_timeout(cfg).derived
     assert RolloutClient.from_config(cfg, ["http://h:1"]).request_timeout_s == bound
@@ -109,7 +109,7 @@ def test_dry_run_shows_every_derived_value_and_the_disk_sync_warning():
         "# derived defaults (unset keys take the plan's values",
         "#   rollout.startup_timeout_s=416 (derived: 180 s + 470.2 GB",
         "#   rollout.request_timeout_s=940 (derived: 120 s + rollout.max_new_tokens=8192 at 10 tokens/s",
-        "a timed-out request is sent again from its start",
+        "a request still running at the bound is aborted on its server and continued from the tokens it generated",
         "#   launch.signal_lead_s=1065 (derived: step ~828 s",
         "--signal=B:USR1@1065 --requeue",
         "--shutdown-timeout=1065",

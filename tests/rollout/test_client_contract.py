@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import types
 
 import pytest
 from hypothesis import given
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from moe_rl.config import ExperimentConfig
 from moe_rl.records import RouteSpec
 from moe_rl.rollout.client import RolloutClient, SamplingSettings, sample_seed
+from moe_rl.rollout.dispatch import Group
 
 SPEC = RouteSpec(num_hidden_layers=2, moe_layer_ids=(0, 1), top_k=2, num_experts=8)
 
@@ -92,14 +94,14 @@ def _balanced_client(balance: str) -> RolloutClient:
     )
 
 
-def test_least_outstanding_picks_the_server_with_fewer_requests_in_flight_and_round_robins_ties():
+def test_least_outstanding_orders_retries_by_requests_in_flight_and_round_robins_ties():
     client = _balanced_client("least_outstanding")
-    assert [client._server_order()[0] for _ in range(4)] == [0, 1, 0, 1], "ties: round robin"
-    client._outstanding = [3, 1]
-    assert [client._server_order() for _ in range(2)] == [[1, 0], [1, 0]], "the less loaded server first"
+    assert [client.dispatch.order()[0] for _ in range(4)] == [0, 1, 0, 1], "ties: round robin"
+    client.dispatch.in_flight = [3, 1]
+    assert [client.dispatch.order() for _ in range(2)] == [[1, 0], [1, 0]], "the less loaded server first"
     rr = _balanced_client("round_robin")
-    rr._outstanding = [3, 1]
-    assert [rr._server_order()[0] for _ in range(2)] == [0, 1], "round robin ignores the load"
+    rr.dispatch.in_flight = [3, 1]
+    assert [rr.dispatch.order()[0] for _ in range(2)] == [0, 1], "round robin ignores the load"
     with pytest.raises(ValueError, match="load_balance='busiest'"):
         _balanced_client("busiest")
 
@@ -114,21 +116,17 @@ def test_a_slow_server_gets_fewer_requests_under_least_outstanding(monkeypatch, 
     async def post(http, url, body):
         sent.append(url)
         await asyncio.sleep(0.04 if url == "http://a" else 0.005)
-        return {}
+        return {}, False  # (reply, ran past its bound)
 
     monkeypatch.setattr(client, "_post", post)
-    monkeypatch.setattr(client, "_to_sample", lambda reply, prompt, group_id, url, start=0: object())
+    done = types.SimpleNamespace(response_ids=[], token_versions=None)
+    monkeypatch.setattr(client, "_to_sample", lambda reply, prompt, group_id, url, start=0, own=False: done)
 
-    async def run():
+    async def run():  # 48 groups of one sample: each placed when its sample takes one of 8 slots
         gate = asyncio.Semaphore(8)
-
-        async def one():
-            async with gate:
-                await client._attempts(None, [1, 2], 0, None, 0, 4)
-
-        await asyncio.gather(*(one() for _ in range(48)))
+        await asyncio.gather(*(client._one(None, gate, [1, 2], 0, None, 0, 4, Group(6, 1)) for _ in range(48)))
 
     asyncio.run(run())
     share = sent.count("http://b") / len(sent)
     assert fast_share[0] <= share <= fast_share[1], (balance, share)
-    assert client._outstanding == [0, 0]
+    assert client.dispatch.in_flight == [0, 0] and client.dispatch.tokens == [0, 0]

@@ -192,9 +192,9 @@ class _RecordingClient(_NoEosClient):
     finishes: list
 
     async def _post(self, http, url, body):
-        reply = await super()._post(http, url, body)
+        reply, bound_hit = await super()._post(http, url, body)
         self.finishes.append(reply["meta_info"].get("finish_reason"))
-        return reply
+        return reply, bound_hit
 
 
 def test_abort_pause_continues_requests_aborted_while_still_queued(sglang_server, route_spec):

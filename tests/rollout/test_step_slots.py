@@ -99,11 +99,11 @@ def test_two_steps_generated_at_once_share_max_concurrency_and_the_older_goes_fi
         await asyncio.sleep(0.02)
         with lock:
             in_flight[0] -= 1
-        return {}
+        return {}, False  # (reply, ran past its bound)
 
     monkeypatch.setattr(client, "_post", post)
     reply = SimpleNamespace(response_ids=[5], token_versions=None)
-    monkeypatch.setattr(client, "_to_sample", lambda reply_, prompt, group_id, url, start=0: reply)
+    monkeypatch.setattr(client, "_to_sample", lambda reply_, prompt, group_id, url, start=0, own=False: reply)
     seeds = {}
     threads = []
     for step in (0, 1):
