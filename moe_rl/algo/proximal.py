@@ -2,8 +2,8 @@
 
 Owns :func:`a3po_proximal_logp`, AReaL's ``prox_logp_method: loglinear`` (A-3PO, Li et al. 2025,
 arXiv:2512.06547; seed 000: "approximates [the proximal anchor] through log-probability interpolation
-weighted by staleness, eliminating a forward pass"). The training step does not call it yet: a run
-with ``correction.prox_logp_method: loglinear`` is refused by the preflight (``moe_rl.config.correction_keys``).
+weighted by staleness, eliminating a forward pass"). The training step calls it per minibatch under
+``correction.prox_logp_method: loglinear`` (``moe_rl.train.update``), in place of the old-log-prob pass.
 """
 
 from __future__ import annotations

@@ -83,8 +83,9 @@ class CorrectionConfig(Section):
     trm_estimator: Literal["k2", "k3"] = Field("k3", description="TRM per-token KL estimate on log(pi_old/mu)")
     prox_logp_method: Literal["recompute", "loglinear"] = Field(
         "recompute",
-        description="proximal anchor pi_old: 'recompute' (the old-log-prob pass) or 'loglinear' (A-3PO, AReaL's name; "
-        "refused by the preflight until the step runs it)",
+        description="proximal anchor pi_old: 'recompute' (the old-log-prob pass) or 'loglinear' (A-3PO, AReaL's name: "
+        "no old-log-prob pass; log mu + alpha (log pi_theta - log mu) per minibatch, alpha from each token's version; "
+        "decoupled mode only)",
     )
     kl_alarm: float | None = Field(
         1e-2,

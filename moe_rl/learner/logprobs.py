@@ -108,8 +108,9 @@ def sum_pi_squared_from_logits(logits: torch.Tensor, *, temperature: float = 1.0
 
     The optimal token baselines' input (``moe_rl.algo.token_baselines``: w_t = 1 − 2π_t + Σ_v π_v²) and the
     exact form of ``logit_grad_sq_norm``. Max-shifted: with e = exp(z − max z), Σπ² = Σe² / (Σe)², both sums
-    all-reduced over the tp shards in one call (verl's ``vocab_parallel_sum_pi_squared``). No gradient; at
-    least fp32 (fp64 logits stay fp64). Not yet called by the trainer (docs/algo.md, "verl 0.9.1's estimators").
+    all-reduced over the tp shards in one call; verl's ``calculate_sum_pi_squared_from_logits`` (exp(lse(2z) −
+    2 lse(z))) on whole logits. No gradient; at least fp32 (fp64 logits stay fp64). Called by the step's
+    old-log-prob pass when the estimator reads it (``moe_rl.train.logprob.make_logprob_fn``).
     """
     if logits.dim() != 3:
         raise ValueError(f"expected logits[B, T, V]; got shape {tuple(logits.shape)}")

@@ -118,19 +118,26 @@ def _run(model, microbatches: list[dict], on_last, forward_only: bool) -> None:
     )
 
 
-def pipeline_logprobs(model, microbatches: list[dict], logprob_fn, temperature: float) -> list[torch.Tensor]:
-    """Forward-only: each microbatch's ``logp[B, T]`` (fp32), computed on the last stage, on every stage."""
+def pipeline_logprobs(model, microbatches: list[dict], logprob_fn, temperature: float, both: bool = False) -> list:
+    """Forward-only: each microbatch's ``logp[B, T]`` (fp32), computed on the last stage, on every stage.
+    ``both``: ``(logp, second)`` pairs with ``logprob_fn``'s second output ``[B, T]`` (fp32) as well."""
     if not microbatches:
         return []
     out: list[torch.Tensor] = []
 
     def on_last(m, mb):
-        logp, _ = logprob_fn(m, mb, temperature)
-        out.append(logp.detach().float())
+        logp, second = logprob_fn(m, mb, temperature)
+        out.append(torch.stack([logp.detach().float(), second.detach().float()]) if both else logp.detach().float())
         return logp, lambda output: (output.new_zeros(()), {})
 
     _run(model, microbatches, on_last, forward_only=True)
     device = model_device(model)
+    if both:
+        pairs = [
+            from_last_stage(out[i] if out else None, (2, *mb["targets"].shape), torch.float32, device)
+            for i, mb in enumerate(microbatches)
+        ]
+        return [(p[0], p[1]) for p in pairs]
     return [
         from_last_stage(out[i] if out else None, mb["targets"].shape, torch.float32, device)
         for i, mb in enumerate(microbatches)

@@ -130,12 +130,15 @@ class Learner:
         MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(cp / num_microbatches, device=device))
 
     def forward_logprobs(
-        self, microbatches: Sequence[Microbatch], logprob_fn: LogprobFn, temperature: float
-    ) -> list[torch.Tensor]:
+        self, microbatches: Sequence[Microbatch], logprob_fn: LogprobFn, temperature: float, both: bool = False
+    ) -> list:
         """Each microbatch's ``logp[B, T]`` from one forward of the current weights (no backward; the
-        caller picks the mode and ``no_grad``). Under pp > 1: Megatron's schedule, on every stage."""
+        caller picks the mode and ``no_grad``). Under pp > 1: Megatron's schedule, on every stage.
+        ``both``: ``(logp, second)`` pairs, ``second[B, T]`` being ``logprob_fn``'s second output (e.g. Σπ²)."""
         if pipeline_size() > 1:
-            return pipeline_logprobs(self.model, list(microbatches), logprob_fn, temperature)
+            return pipeline_logprobs(self.model, list(microbatches), logprob_fn, temperature, both=both)
+        if both:
+            return [tuple(logprob_fn(self.model, mb, temperature)) for mb in microbatches]
         return [logprob_fn(self.model, mb, temperature)[0] for mb in microbatches]
 
     def train_step(

@@ -3,8 +3,8 @@ rollout's kept set (top-k / top-p truncation), for old, current and reference pa
 
 Owns only the math on ``logits[N, V]`` -- whole, or one tensor-parallel rank's vocabulary shard
 ``logits[N, V/tp]`` as Megatron's vocab-parallel output layer returns it (logsumexp over the kept
-ids across tp shards: one max and one sum all-reduce per pass). It must not know about models
-or batches.
+ids across tp shards: one max and one sum all-reduce per pass), and Σ_v π_v² of the same kept-set
+distribution (the optimal token baselines' input). It must not know about models or batches.
 Semantics: seed 000 and field-facts.md "Recurring user bugs" #10 -- the sampled token is
 always part of its kept set, even where the engine's returned mask disagrees at the cutoff.
 """
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-__all__ = ["KeepMaskResult", "KeptSets", "VocabShard", "keep_mask_logprobs", "kept_mask"]
+__all__ = ["KeepMaskResult", "KeptSets", "VocabShard", "keep_mask_logprobs", "kept_mask", "kept_sum_pi_squared"]
 
 
 @dataclass(frozen=True)
@@ -213,3 +213,47 @@ def keep_mask_logprobs(
         sums = torch.zeros(N, dtype=dtype, device=logits.device).index_add(0, seg, torch.exp(vals - row_max[seg]))
         lse[trunc_rows] = (torch.log(shard.sum(sums)) + row_max)[trunc_rows]
     return KeepMaskResult(z_target - lse, outside)
+
+
+@torch.no_grad()
+def kept_sum_pi_squared(
+    logits: torch.Tensor, targets: torch.Tensor, kept: KeptSets, temperature: float = 1.0, tp_group=None
+) -> torch.Tensor:
+    """``logits[N, V]`` -> Σ_{v∈K} π_v² ``[N]`` of softmax(z) renormalised over each row's kept set K.
+
+    K = ``kept ∪ {target}`` as in :func:`keep_mask_logprobs` (an empty row: the full vocabulary), so the π
+    whose squares are summed is the distribution the row's log-prob is of. With e_v = exp(z_v − max_K z):
+    Σπ² = Σ_K e² / (Σ_K e)², both sums over the tp shards (``tp_group``: ``logits`` is this rank's shard).
+    No gradient; at least fp32.
+    """
+    shard = VocabShard.of(logits, tp_group)
+    _check(logits, targets, kept, temperature, V=shard.vocab_size)
+    targets = targets.to(logits.device)
+    N, V = logits.shape[0], shard.vocab_size
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    out = torch.empty(N, dtype=dtype, device=logits.device)
+    rows = torch.arange(N, device=logits.device)
+    lengths = kept.offsets.diff().to(logits.device)
+    full = lengths == 0
+    if bool(full.any()):
+        z = logits[full].to(dtype) / temperature
+        e = torch.exp(z - shard.max(z.amax(dim=-1))[:, None])
+        out[full] = shard.sum(e.pow(2).sum(-1)) / shard.sum(e.sum(-1)).pow(2)
+    trunc_rows = rows[~full]
+    if trunc_rows.numel():
+        ids = kept.ids.to(device=logits.device, dtype=torch.int64)
+        keys = torch.repeat_interleave(rows, lengths) * V + ids
+        keys = torch.unique(torch.cat([keys, trunc_rows * V + targets[trunc_rows]]))
+        seg, ids = keys // V, keys % V
+        here = (ids >= shard.start) & (ids < shard.start + shard.size)
+        seg, cols = seg[here], (ids - shard.start)[here]
+        vals = logits[seg, cols].to(dtype) / temperature
+        row_max = torch.full((N,), float("-inf"), dtype=dtype, device=logits.device)
+        row_max = shard.max(row_max.scatter_reduce(0, seg, vals, reduce="amax", include_self=True))
+        e = torch.exp(vals - row_max[seg])
+        sums = torch.zeros(2, N, dtype=dtype, device=logits.device)
+        sums[0].index_add_(0, seg, e)
+        sums[1].index_add_(0, seg, e * e)
+        sums = shard.sum(sums)
+        out[trunc_rows] = (sums[1] / sums[0].pow(2))[trunc_rows]
+    return out

@@ -133,7 +133,7 @@ class Microbatch:
     ``tensors`` (what the learner and the loss read): ``input_ids[B, T]``, ``targets[B, T]`` (-1 on
     padding), ``mask[B, T]`` (positions scoring a response token), ``valid[B, T]`` (real
     positions), ``padding_mask[B, T]`` (True = padding; Megatron's convention), ``rollout_logp[B, T]``
-    (μ), ``advantages[B]``, ``kept`` (``KeptSets`` or absent). In a multi-turn trajectory ``mask`` leaves out the
+    (μ), ``advantages[B]`` (or ``[B, T]`` from per-token rows), ``kept`` (``KeptSets`` or absent). In a multi-turn trajectory ``mask`` leaves out the
     environment tokens (their positions count as ``prompt`` positions in the replay metrics; R3 still replays the
     recorded route of every position). ``routes`` is what the replay driver
     reads. ``_pos`` maps response rows to microbatch positions.
@@ -171,7 +171,8 @@ def build_microbatch(
 ) -> Microbatch:
     """The learner tensors of samples ``ids`` (see ``Microbatch``), on ``device``.
 
-    ``advantages[N]`` are per sample of the whole batch. ``kept_logp`` takes the kept-set
+    ``advantages[N]`` are per sample of the whole batch, or ``[N, R]`` response rows (per token: they go to
+    ``[B, T]`` like μ). ``kept_logp`` takes the kept-set
     log-probs as μ (Keep Sampling Mask); ``with_kept_sets`` adds the kept sets. Routes (when
     the records have them) stay on the host; the replay binding copies them once per forward.
     """
@@ -204,7 +205,6 @@ def build_microbatch(
         "mask": mask.to(device),
         "valid": valid.to(device),
         "padding_mask": (~valid).to(device),
-        "advantages": advantages[list(ids)].to(device=device, dtype=torch.float32),
         "sample_ids": ids,
     }
     if with_kept_sets:
@@ -215,4 +215,6 @@ def build_microbatch(
         routes = pack_microbatch_routes([s.routes for s in samples], T, num_experts, first_sample=ids[0])
     mb = Microbatch(ids, tensors, MicrobatchRoutes(ids, valid, routes, response=mask), pos)
     tensors["rollout_logp"] = mb.from_rows(mu.to(device))
+    adv = advantages[list(ids)].to(device=device, dtype=torch.float32)
+    tensors["advantages"] = mb.from_rows(adv) if adv.dim() == 2 else adv
     return mb

@@ -5,7 +5,8 @@ matching entropy: under Keep Sampling Mask both the log-prob and the entropy are
 rollout's kept set, so μ, π_old and π_θ all live on the same truncated support (seed 000,
 "Keep Sampling Mask"). Under ``rollout.true_on_policy`` the kept-set log-prob is the server's own
 kernel (``moe_rl.exact.kernels.kept_token_logprobs``), so it equals the rollout's bit for bit.
-Pad tokens are passed to Megatron as ``padding_mask``.
+Pad tokens are passed to Megatron as ``padding_mask``. The old-log-prob pass of the optimal token
+baselines asks for Σ_v π_v² of the same distribution (full vocabulary or kept set) in place of the entropy.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import torch
 from megatron.core import parallel_state as ps
 
 from moe_rl.exact.kernels import kept_token_logprobs
-from moe_rl.learner.logprobs import logprobs_from_logits, uses_exact
+from moe_rl.learner.logprobs import logprobs_from_logits, sum_pi_squared_from_logits, uses_exact
 from moe_rl.learner.model import forward_logits
-from moe_rl.replay.keep_mask import KeptSets, keep_mask_logprobs, kept_mask
+from moe_rl.replay.keep_mask import KeptSets, keep_mask_logprobs, kept_mask, kept_sum_pi_squared
 
 __all__ = ["kept_set_entropy", "make_logprob_fn"]
 
@@ -60,19 +61,27 @@ def _tp_group():
     return ps.get_tensor_model_parallel_group()
 
 
-def make_logprob_fn(keep_sampling_mask: bool, with_entropy: bool):
+def make_logprob_fn(keep_sampling_mask: bool, with_entropy: bool, sum_pi_squared: bool = False):
     """``fn(model, mb, temperature) -> (logp[B, T], entropy[B, T] | None)`` for a microbatch's tensors.
 
     ``keep_sampling_mask`` renormalises over ``mb["kept"]`` (required then: the loop refuses records
-    without kept sets before it gets here).
+    without kept sets before it gets here). ``sum_pi_squared``: the second output is Σ_v π_v² ``[B, T]``
+    (no gradient, all-reduced over the tp shards) of the distribution ``logp`` is of, instead of the entropy.
     """
 
     def logprob_fn(model, mb: dict, temperature: float):
         logits = forward_logits(model, mb["input_ids"], padding_mask=mb.get("padding_mask"))
         if not keep_sampling_mask:
-            return logprobs_from_logits(
-                logits, mb["targets"], temperature=temperature, with_entropy=with_entropy, exact=uses_exact(model)
+            logp, entropy = logprobs_from_logits(
+                logits,
+                mb["targets"],
+                temperature=temperature,
+                with_entropy=with_entropy and not sum_pi_squared,
+                exact=uses_exact(model),
             )
+            if sum_pi_squared:
+                return logp, sum_pi_squared_from_logits(logits, temperature=temperature, tp_group=_tp_group())
+            return logp, entropy
         B, T, V = logits.shape
         targets = mb["targets"].clamp(min=0).reshape(-1)  # pad targets (-1) are outside the loss mask
         flat = logits.reshape(B * T, V)
@@ -81,6 +90,8 @@ def make_logprob_fn(keep_sampling_mask: bool, with_entropy: bool):
         else:
             logp = keep_mask_logprobs(flat, targets, mb["kept"], temperature, tp_group=_tp_group()).logp.view(B, T)
         logp = torch.where(mb["targets"] >= 0, logp, torch.zeros_like(logp))
+        if sum_pi_squared:
+            return logp, kept_sum_pi_squared(flat, targets, mb["kept"], temperature, tp_group=_tp_group()).view(B, T)
         entropy = kept_set_entropy(flat, targets, mb["kept"], temperature).view(B, T) if with_entropy else None
         return logp, entropy
 

@@ -16,7 +16,8 @@ run repeats an uninterrupted one):
    on it); every rank loads its share of it (``StepRecords``: the file rank 0 wrote, the samples the
    step plan gives the rank, each chunk checked, checked against the model). With
    ``train.rollouts_from: DIR`` the records are read from ``DIR`` instead (no server);
-2. GRPO/RLOO advantages; the step plan; in decoupled mode the old-log-prob pass;
+2. the step plan; in decoupled mode the old-log-prob pass (not under A-3PO's interpolation; with Σ_v π_v²
+   when the estimator reads it, which runs it in bypass mode too); the advantages;
 3. ``minibatches_per_step`` optimizer steps (times ``epochs_per_step``) under the replay driver;
 4. export HF weights, push them to every server (``moe_rl.train.weight_push``; in async mode once the
    batch in flight is done), checkpoint every K steps (with the producer's finished-but-untrained records).
@@ -57,7 +58,15 @@ from moe_rl.train.run_identity import resolve_run_id, version_nonce, write_check
 from moe_rl.train.staleness import StepStaleness
 from moe_rl.train.step_metrics import step_metrics
 from moe_rl.train.stop_signal import StopRequest
-from moe_rl.train.update import StepInputs, old_logprob_rows, reference_rows, step_advantages, update_minibatch
+from moe_rl.train.update import (
+    StepInputs,
+    needs_sum_pi_squared,
+    old_logprob_rows,
+    reference_rows,
+    runs_old_logprob_pass,
+    step_advantages,
+    update_minibatch,
+)
 from moe_rl.train.warm_start import apply_warm_start
 from moe_rl.train.weight_push import WeightPusher
 
@@ -190,6 +199,9 @@ class RLTrainer:
             self.cfg, self.prompt_side, self.records, self.records_dir, client, self.weights, self.server_pool
         )
 
+    def _old_rows(self, plan, inputs):
+        return old_logprob_rows(self.cfg, self.learner, self.driver, self.logprob_fn, plan, inputs)
+
     def step(self, client, step: int) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
         plan = self.plan(step)
@@ -226,16 +238,14 @@ class RLTrainer:
         )
         self.driver.begin_step()
         t1 = time.perf_counter()
-        old = ref = None
+        old = ref = scored = spp = None
         alarm_row: dict = {}
-        if cfg.correction.mode == "decoupled":
-            old = old_logprob_rows(cfg, self.learner, self.driver, self.logprob_fn, plan, inputs)
+        if needs_sum_pi_squared(cfg):  # Σ_v π_v² from the same forwards (the token baselines, VCPO exact)
+            scored, spp = old_logprob_rows(cfg, self.learner, self.driver, self.logprob_fn, plan, inputs, True)
+        if runs_old_logprob_pass(cfg):  # decoupled, not A-3PO (its π_prox is interpolated per minibatch)
+            old = scored if scored is not None else self._old_rows(plan, inputs)
         if self.kl_alarm.enabled:  # bypass mode: one forward pass at the current weights to measure it
-            pi = (
-                old
-                if old is not None
-                else old_logprob_rows(cfg, self.learner, self.driver, self.logprob_fn, plan, inputs)
-            )
+            pi = old if old is not None else (scored if scored is not None else self._old_rows(plan, inputs))
             skip, alarm_row = self.kl_alarm.verdict(  # step + 1: the 1-based step of metrics.jsonl
                 step + 1, batch, pi, width, cfg.ksm_active, inputs.staleness
             )
@@ -244,7 +254,7 @@ class RLTrainer:
         if self.reference is not None:
             ref = reference_rows(cfg, self.reference, self.driver, self.logprob_fn, plan, inputs)
         t_old = time.perf_counter() - t1
-        inputs.advantages = step_advantages(cfg, batch, rewards, old, inputs.width)
+        inputs.advantages = step_advantages(cfg, batch, rewards, old if spp is None else scored, inputs.width, spp)
         t2 = time.perf_counter()
         results = [
             update_minibatch(cfg, self.learner, self.driver, self.logprob_fn, mb, inputs, old, ref, epoch)

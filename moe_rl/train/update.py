@@ -12,6 +12,10 @@ whole minibatch, gathered from all data-parallel ranks, in three phases:
    Megatron's gradient finalisation, one optimizer step;
 3. ``policy_loss`` once more on the gathered detached π_θ rows: exact minibatch metrics, and
    the minibatch loss (the sum of the microbatch losses).
+Step inputs beyond the log-probs: Σ_v π_v² per token from the old-log-prob pass when the estimator
+reads it (``needs_sum_pi_squared``: the optimal token baselines, VCPO's exact gradient norm), and under
+``correction.prox_logp_method: loglinear`` (A-3PO) no old-log-prob pass: π_prox is interpolated per
+minibatch between μ and the π_θ of its no-grad pre-pass by each token's weight version.
 Megatron's aux / z losses are per-microbatch means by design: the one exception to
 microbatch invariance (docs/training.md).
 """
@@ -25,16 +29,29 @@ import torch
 
 from moe_rl.algo import compute_advantages, needs_policy_prepass, policy_loss, prepare_corrections
 from moe_rl.algo.advantages import logit_grad_sq_norm
+from moe_rl.algo.proximal import a3po_proximal_logp
 from moe_rl.algo.tensors import masked_sum
 from moe_rl.algo.variance_control import ess_lr_scale
 from moe_rl.learner.pipeline import from_last_stage, is_last_stage, object_from_last_stage
 from moe_rl.records import RolloutBatch
 from moe_rl.train.batching import Microbatch, build_microbatch, response_row_mask, response_rows
 from moe_rl.train.collectives import all_gather_rows, dp_group
+from moe_rl.train.logprob import make_logprob_fn
 from moe_rl.train.plan import MinibatchPlan, StepPlan
 from moe_rl.train.staleness import staleness_kl_metrics
 
-__all__ = ["MinibatchResult", "StepInputs", "old_logprob_rows", "reference_rows", "step_advantages", "update_minibatch"]
+__all__ = [
+    "MinibatchResult",
+    "StepInputs",
+    "needs_sum_pi_squared",
+    "old_logprob_rows",
+    "reference_rows",
+    "runs_old_logprob_pass",
+    "step_advantages",
+    "update_minibatch",
+]
+
+TOKEN_BASELINES = ("optimal_token_baseline", "tir_optimal_token_baseline")
 
 
 @dataclass
@@ -42,7 +59,7 @@ class StepInputs:
     """What every pass of one step reads: the records, per-sample advantages and the row width."""
 
     batch: RolloutBatch
-    advantages: torch.Tensor  # [N] float32, per sample
+    advantages: torch.Tensor  # [N] float32 per sample, or [N, R] per response token (the token baselines)
     width: int  # R: the longest response of the step; every response-row tensor is [*, R]
     device: torch.device
     step: int = 0
@@ -58,6 +75,19 @@ class MinibatchResult:
     grad_norm: float
     lr: float
     metrics: dict[str, float]
+
+
+def runs_old_logprob_pass(cfg) -> bool:
+    """Whether π_old comes from the step's old-log-prob pass: decoupled mode, not A-3PO's interpolation."""
+    return cfg.correction.mode == "decoupled" and cfg.correction.prox_logp_method == "recompute"
+
+
+def needs_sum_pi_squared(cfg) -> bool:
+    """Whether the step computes Σ_v π_v² per token in an old-log-prob pass: the optimal token baselines
+    always (the pass runs for them in bypass / A-3PO too), ``vcpo_opob`` when the pass runs anyway (its
+    ‖∇_z log π‖² is then exact; without the pass it keeps the lower bound on μ)."""
+    est = cfg.advantage.estimator
+    return est in TOKEN_BASELINES or (est == "vcpo_opob" and runs_old_logprob_pass(cfg))
 
 
 def _microbatches(cfg, inputs: StepInputs, id_groups) -> list[Microbatch]:
@@ -91,19 +121,40 @@ def _forward_rows(learner, logprob_fn, mbs: list[Microbatch], temperature: float
     return torch.cat([mb.to_rows(logp.float(), width) for mb, logp in zip(mbs, logps)])
 
 
-def old_logprob_rows(cfg, learner, driver, logprob_fn, plan: StepPlan, inputs: StepInputs) -> torch.Tensor:
+@torch.no_grad()
+def _forward_rows_spp(cfg, learner, mbs: list[Microbatch], width: int) -> torch.Tensor:
+    """No-grad forwards of ``mbs`` -> rows ``[2, n, width]``: log-probs and Σ_v π_v² (full or kept-set softmax)."""
+    fn = make_logprob_fn(cfg.ksm_active, with_entropy=False, sum_pi_squared=True)
+    pairs = learner.forward_logprobs([mb.tensors for mb in mbs], fn, cfg.rollout.temperature, both=True)
+    logp = torch.cat([mb.to_rows(lp.float(), width) for mb, (lp, _) in zip(mbs, pairs)])
+    spp = torch.cat([mb.to_rows(sq.float(), width) for mb, (_, sq) in zip(mbs, pairs)])
+    return torch.stack([logp, spp])
+
+
+def old_logprob_rows(
+    cfg, learner, driver, logprob_fn, plan: StepPlan, inputs: StepInputs, sum_pi_squared: bool = False
+):
     """π_old of every sample of the step as rows ``[N, R]``, identical on every data-parallel rank.
 
     Each rank scores exactly the samples it will update on (``plan.owned_microbatches``) under
     the driver's old-log-prob routing (R3 replays the rollout's routes, R2 records the
-    learner's own); the rows are then all-gathered.
+    learner's own); the rows are then all-gathered. ``sum_pi_squared``: ``(π_old rows, Σ_v π_v² rows)``
+    from the same forwards (the trainer's softmax: full vocabulary, or the kept set under Keep Sampling
+    Mask; summed over the tp shards before the dp gather).
     """
     mbs = _microbatches(cfg, inputs, plan.owned_microbatches)
     learner.model.eval()
     with driver.old_logprob_pass([m.routes for m in mbs]):
-        local = _forward_rows(learner, logprob_fn, mbs, cfg.rollout.temperature, inputs.width)
-    gathered = all_gather_rows(local, dp_group())
+        if sum_pi_squared:
+            local = _forward_rows_spp(cfg, learner, mbs, inputs.width)
+        else:
+            local = _forward_rows(learner, logprob_fn, mbs, cfg.rollout.temperature, inputs.width)
     per_rank = [[i for mb in plan.minibatches for i in mb.shares[r]] for r in range(plan.dp_size)]
+    if sum_pi_squared:
+        gathered = all_gather_rows(torch.cat([local[0], local[1]], dim=1), dp_group())  # one gather: [n, 2R]
+        rows = _rows_by_sample(per_rank, gathered, len(inputs.batch))
+        return rows[:, : inputs.width], rows[:, inputs.width :]
+    gathered = all_gather_rows(local, dp_group())
     return _rows_by_sample(per_rank, gathered, len(inputs.batch))
 
 
@@ -176,11 +227,15 @@ def update_minibatch(
     group = dp_group()
 
     # phase 1: step-global corrections over the whole minibatch
-    policy = None
-    if needs_policy_prepass(cfg.correction, cfg.loss, cfg.optim):  # bypass corrections / ESS, Clip-/KL-Cov: π_θ
+    policy, a3po = None, {}
+    loglinear = cfg.correction.prox_logp_method == "loglinear"
+    if loglinear or needs_policy_prepass(cfg.correction, cfg.loss, cfg.optim):  # bypass corrections / ESS, Cov: π_θ
         learner.model.train()
         with driver.prepass(routes):
             policy = all_gather_rows(_forward_rows(learner, logprob_fn, mbs, cfg.rollout.temperature, width), group)
+    if loglinear:  # A-3PO: π_prox between μ and this minibatch's π_θ, by each token's version (step - staleness)
+        stale = torch.zeros_like(mask, dtype=torch.int64) if inputs.staleness is None else inputs.staleness[ids]
+        old, a3po = a3po_proximal_logp(mu, policy, mask, inputs.step - stale.to(dev), inputs.step)
     source = old if old is not None else (policy if policy is not None else mu)  # plain bypass: nothing reads it
     norm_len = getattr(cfg.loss, "norm_len", None) or cfg.rollout.max_new_tokens
     generator = _generator(inputs, mb_plan, epoch)
@@ -268,23 +323,44 @@ def update_minibatch(
         cov_selected=prep.cov_selected,
         generator=_generator(inputs, mb_plan, epoch),
     )
-    metrics = {k: float(v) for k, v in (prep.metrics | vcpo | metrics).items()}
+    metrics = {k: float(v) for k, v in (prep.metrics | vcpo | a3po | metrics).items()}
     if inputs.staleness is not None and source is not mu:  # bypass without a pre-pass has no π to compare
         metrics |= staleness_kl_metrics(source, mu, mask, inputs.staleness[ids].to(dev))
     return MinibatchResult(metrics["loss/total"], stats.grad_norm, stats.lr, metrics)
 
 
-def step_advantages(cfg, batch: RolloutBatch, rewards: torch.Tensor, old: torch.Tensor | None, width: int):
-    """Per-sample advantages ``[N]`` of a step; VCPO's baseline reads π_old (or μ in bypass mode)."""
+def step_advantages(
+    cfg,
+    batch: RolloutBatch,
+    rewards: torch.Tensor,
+    old: torch.Tensor | None,
+    width: int,
+    sum_pi_squared: torch.Tensor | None = None,
+):
+    """Per-sample advantages ``[N]`` of a step, or ``[N, R]`` rows for the optimal token baselines.
+
+    VCPO's baseline reads π_old (or μ in bypass mode), and Σ_v π_v² rows when given (its gradient norm is
+    then exact); the token baselines read π_old and Σ_v π_v² rows of the old-log-prob pass.
+    """
 
     ids = list(range(len(batch)))
     extra = {"lengths": torch.as_tensor(batch.response_lens.astype("int64"), device="cpu")}
-    if cfg.advantage.estimator == "vcpo_opob":
+    est = cfg.advantage.estimator
+    if est == "vcpo_opob":
         mask = response_row_mask(batch, ids, width)
         mu = response_rows(batch, ids, width, kept_logp=cfg.ksm_active)
         src = mu if old is None else old.cpu()
+        spp = None if (sum_pi_squared is None or old is None) else sum_pi_squared.cpu().double()
         extra["is_weights"] = torch.exp(((src - mu) * mask).sum(1).clamp(-20, 20)).double()
-        extra["grad_sq_norms"] = logit_grad_sq_norm(src, mask).double()
-    if cfg.advantage.estimator == "remax":  # the greedy response's reward per sample (records' reward_baselines)
+        extra["grad_sq_norms"] = logit_grad_sq_norm(src, mask, sum_p_sq=spp).double()
+    if est == "remax":  # the greedy response's reward per sample (records' reward_baselines)
         extra["reward_baselines"] = torch.from_numpy(batch.reward_baselines()).double()
+    if est in TOKEN_BASELINES:
+        if old is None or sum_pi_squared is None:
+            raise ValueError(f"advantage.estimator={est!r} needs π_old and Σ_v π_v² rows from the old-log-prob pass")
+        extra |= {
+            "mask": response_row_mask(batch, ids, width),
+            "old_logp": old.cpu().double(),
+            "sum_pi_squared": sum_pi_squared.cpu().double(),
+        }
     return compute_advantages(cfg.advantage, rewards, cfg.rollout.samples_per_prompt, **extra).float()

@@ -325,14 +325,21 @@ def test_a3po_matches_areal(device):
     torch.testing.assert_close(prox, t["prox_logp"], rtol=1e-6, atol=1e-7)
 
 
-def test_a3po_is_refused_by_the_preflight_until_the_step_runs_it():
+def test_a3po_runs_in_decoupled_mode_and_is_refused_where_it_has_no_anchor_or_pass():
+    """The step runs A-3PO (tests/distributed/test_methods_ranks.py); bypass mode has no π_old to approximate, and
+    R2 records its routes in the old-log-prob pass that A-3PO skips."""
     from moe_rl.config import load_config  # noqa: PLC0415 -- only this test loads a config file
     from moe_rl.config.correction_keys import correction_settings  # noqa: PLC0415 -- as above
 
     tiny = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
-    assert list(correction_settings(load_config(tiny, ["correction.prox_logp_method=recompute"]))) == []
-    (problem,) = correction_settings(load_config(tiny, ["correction.prox_logp_method=loglinear"]))
-    assert "correction.prox_logp_method='loglinear'" in problem and "expected 'recompute'" in problem
+    assert list(correction_settings(load_config(tiny, ["correction.prox_logp_method=loglinear"]))) == []
+    (problem,) = correction_settings(
+        load_config(tiny, ["correction.prox_logp_method=loglinear", "correction.mode=bypass"])
+    )
+    assert problem.startswith("correction.prox_logp_method='loglinear' (A-3PO) approximates decoupled mode's")
+    assert "expected correction.mode=decoupled" in problem
+    (problem,) = correction_settings(load_config(tiny, ["correction.prox_logp_method=loglinear", "replay.routing=r2"]))
+    assert "replay.routing='r2' records the routes it replays" in problem
 
 
 def test_oapl_is_refused_outside_bypass_mode():

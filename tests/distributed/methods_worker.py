@@ -5,7 +5,7 @@ Run: ``torchrun --nproc_per_node=N tests/distributed/methods_worker.py --work DI
 ``methods_table.methods()`` its config replaces the trainer's, the weights, buffers, optimizer, step counter
 and RNG go back to the state after the build, the replay driver, KL alarm, log-prob function and π_ref are
 rebuilt from the method's config, and ``RLTrainer.step`` trains step 1 (the old-log-prob pass, advantages,
-``train.minibatches_per_step`` updates). A method the preflight refuses is not run; its message is kept.
+``train.minibatches_per_step`` updates; ``STEP_OF`` names methods that train another step). A method the preflight refuses is not run; its message is kept.
 ``--also NAME@microN...`` runs method NAME once more at micro_batch_size N (its row is ``NAME@microN``).
 The first method runs again at the end (``repeat``): the reset must give the same numbers bit for bit.
 Rank 0 writes ``DIR/result.json``: ``{"metrics": {method: row}, "refused": {method: message}, "repeat": row,
@@ -33,7 +33,7 @@ from moe_rl.train.kl_alarm import KLAlarm
 from moe_rl.train.logprob import make_logprob_fn
 from moe_rl.train.loop import RLTrainer
 from moe_rl.train.run_dir import reference_policy
-from tests.distributed.methods_table import method_config, methods
+from tests.distributed.methods_table import STEP_OF, method_config, methods
 
 VOLATILE = ("time/", "rollout/tokens_per_s")
 
@@ -65,8 +65,8 @@ class Reset:
         trainer.reference = reference_policy(cfg, learner, trainer.ckpt_dir, trainer.run_id, False) if kl else None
 
 
-def one_step(trainer: RLTrainer) -> dict[str, float]:
-    row = trainer.step(None, 0)
+def one_step(trainer: RLTrainer, step: int = 0) -> dict[str, float]:
+    row = trainer.step(None, step)
     return {k: v for k, v in row.items() if not k.startswith(VOLATILE)}
 
 
@@ -96,7 +96,7 @@ def main() -> None:
             continue
         reset.apply(trainer, cfg)
         t0 = time.perf_counter()
-        row = one_step(trainer)
+        row = one_step(trainer, STEP_OF.get(name.partition("@")[0], 0))
         res["seconds"][name] = round(time.perf_counter() - t0, 3)
         if name == "repeat":
             res["repeat"] = row

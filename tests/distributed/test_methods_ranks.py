@@ -32,9 +32,19 @@ import pytest
 
 from moe_rl.algo import adv_estimator_names, policy_loss_names
 from moe_rl.config import save_config
+from moe_rl.records import RolloutBatch
 from moe_rl.train.metrics_log import read_metrics
+from moe_rl.train.plan import plan_step
 from tests.conftest import one_gpu_per_rank, repo_env
-from tests.distributed.methods_table import ACTS, REFUSED, method_config, methods, shifted_records
+from tests.distributed.methods_table import (
+    A3PO_STEP,
+    ACTS,
+    REFUSED,
+    a3po_token_versions,
+    method_config,
+    methods,
+    shifted_records,
+)
 from tests.distributed.torchrun import REPO, run_worker
 from tests.train.records_fixture import initial_hf_dir
 
@@ -154,3 +164,23 @@ def test_moe_rl_train_runs_three_methods_and_its_first_step_is_the_loops(runs):
         assert all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float)), (name, rows)
         first = {k: v for k, v in rows[0].items() if k in one[name]}
         assert not _differences(one[name], first), (name, _differences(one[name], first))
+
+
+def test_a3po_interpolates_by_each_tokens_version_without_an_old_logprob_pass(inputs, loops):
+    """A-3PO (``correction.prox_logp_method: loglinear``) on step 3's records, token j of an n-token response from
+    version min(2, 3j // n), trained at weights version 2: alpha = (v_θ − 1 − v_μ) / (v_θ − v_μ) is 1/2 on the
+    version-0 tokens (the first ceil(n/3)) and 0 on versions 1 and 2. ``a3po/alpha_mean`` is the step's mean over
+    its 2 minibatches of each minibatch's token mean, so by hand: mean_m(Σ_i ceil(n_i/3) / 2 / Σ_i n_i)."""
+    records, hf, tmp = inputs
+    batch = RolloutBatch.load(records / f"step_{A3PO_STEP:06d}.safetensors")
+    lens = batch.response_lens.astype(int)
+    assert (a3po_token_versions(batch.response_lens)[: lens[0]] == 0).sum() == -(-lens[0] // 3)
+    cfg = method_config("corr/a3po", records, hf, tmp / "unused", micro_batch_size=ONE_RANK_MICRO)
+    plan = plan_step(len(batch), minibatches=2, micro_batch_size=8, seed=cfg.train.seed, step=A3PO_STEP)
+    want = sum(
+        sum(-(-lens[i] // 3) for i in mb.sample_ids) / 2 / lens[list(mb.sample_ids)].sum() for mb in plan.minibatches
+    )
+    for res in loops:
+        row = res["metrics"]["corr/a3po"]
+        assert math.isclose(row["a3po/alpha_mean"], want / 2, rel_tol=1e-6), (row["a3po/alpha_mean"], want / 2)
+        assert row["a3po/prox_minus_behav_mean"] != 0

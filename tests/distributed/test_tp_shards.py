@@ -41,6 +41,16 @@ def test_sum_pi_squared_on_vocab_shards_equals_unsharded(reports):
 
 
 @pytest.mark.distributed
+def test_kept_set_sum_pi_squared_on_vocab_shards_equals_the_kept_softmax(reports):
+    """Keep Sampling Mask's Σ_{v∈K} π_v² (the token baselines' input under tiny_cpu's KSM): rows spanning both
+    shards, one inside a shard, untruncated rows; each rank's half summed over tp is the kept-set softmax's."""
+    for rank, r in enumerate(reports):
+        ksm = r["ksm"]
+        lo, hi = ksm["kept_spp_range"]
+        assert ksm["kept_spp_max_rel_diff"] < 1e-12 and 0 < lo < hi <= 1, (rank, ksm)
+
+
+@pytest.mark.distributed
 def test_tp_shards_gather_to_the_full_state_and_slice_back(reports):
     for rank, r in enumerate(reports):
         g = r["gather"]

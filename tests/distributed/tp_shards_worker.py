@@ -2,7 +2,8 @@
 
 1. Keep Sampling Mask on vocab-sharded logits: each rank holds half the vocabulary; log-probs,
    outside-mask flags and gradients must equal the unsharded computation (float64).
-2. Σ_v π_v² (``sum_pi_squared_from_logits``) on vocab-sharded logits against the unsharded softmax.
+2. Σ_v π_v² (``sum_pi_squared_from_logits``) on vocab-sharded logits against the unsharded softmax, and its
+   kept-set form (``kept_sum_pi_squared``, Keep Sampling Mask) against the softmax over each row's kept set.
 3. HF export gathering: a state dict sharded BY HAND here (column/row/SwiGLU/vocab splits written
    out below, not by the code under test) is gathered by ``gather_tp_shards`` and compared with the
    full one; ``tp_slice`` must give back each rank's hand shard.
@@ -21,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from moe_rl.learner.logprobs import sum_pi_squared_from_logits
 from moe_rl.learner.tp_shards import gather_tp_shards, tp_slice
-from moe_rl.replay.keep_mask import KeptSets, keep_mask_logprobs
+from moe_rl.replay.keep_mask import KeptSets, keep_mask_logprobs, kept_sum_pi_squared
 
 V, N, TP = 40, 9, 2
 
@@ -50,7 +51,16 @@ def ksm_check(rank: int) -> dict:
     got = keep_mask_logprobs(shard, targets, kept, temperature=0.7, tp_group=dist.group.WORLD)
     (got.logp * torch.arange(1, N + 1)).sum().backward()
     ref_grad = ref_logits.grad[:, rank * V // TP : (rank + 1) * V // TP]
+    # Σπ² over each row's support (kept ∪ {target}; all of V when untruncated), by hand from the full logits
+    want = []
+    for i, row in enumerate(rows):
+        support = list(range(V)) if row is None else sorted(set(row) | {int(targets[i])})
+        want.append(torch.softmax(full[i, support] / 0.7, dim=-1).pow(2).sum())
+    want = torch.stack(want)
+    spp = kept_sum_pi_squared(full[:, rank * V // TP : (rank + 1) * V // TP], targets, kept, 0.7, dist.group.WORLD)
     return {
+        "kept_spp_max_rel_diff": float(((spp - want).abs() / want).max()),
+        "kept_spp_range": [float(want.min()), float(want.max())],
         "logp_max_diff": float((got.logp - ref.logp).abs().max()),
         "outside_equal": bool(torch.equal(got.outside_mask, ref.outside_mask)),
         "num_outside": ref.num_outside,

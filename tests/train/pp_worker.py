@@ -6,7 +6,8 @@ Megatron's 1F1B schedule (``Learner.train_step`` / ``forward_logprobs``). Checks
 - ``unbound``: R3 with MoE layer 3's router left out of stage 1's binding: the rollout-vs-dispatched
   flips show on layer 3 only, and both stages log the same per-layer metrics for all 4 layers;
 - ``r2``: R2 records each stage's own layers in the old-log-prob pass and replays them in the update:
-  no flip on any layer, exactly-once consumption checked by the binding;
+  no flip on any layer, exactly-once consumption checked by the binding; the same forwards with Σ_v π_v²
+  (``forward_logprobs(..., both=True)``) give the last stage's log-probs and Σπ² on both stages;
 - ``expert_bias``: each stage's routers move their expert bias by the valid tokens they dispatched;
 - ``export``: the HF checkpoint exported from pp=2 (both stages' layers, global numbers) equals the one
   the same weights give with pp=1 (rank 0 compares; also equal to the imported checkpoint).
@@ -110,6 +111,15 @@ def check_r2(learner, rank: int) -> None:
         old = learner.forward_logprobs(mbs, lambda m, mb, t: _default(m, mb, t), 1.0)
     assert len(old) == 3 and all(o.shape == mb["targets"].shape for o, mb in zip(old, mbs))
     assert all(rec.shape[1] == 2 for rec in driver._r2_records.values()), "R2 records are not this stage's 2 layers"
+    with torch.no_grad():  # Σ_v π_v² beside the log-probs (the token baselines' pass): from the last stage, on both
+        fn = make_logprob_fn(False, with_entropy=False, sum_pi_squared=True)
+        pairs = learner.forward_logprobs(mbs, fn, 1.0, both=True)
+    assert all(torch.equal(lp, o) for (lp, _), o in zip(pairs, old)), "the Σπ² pass gives other log-probs"
+    spp = torch.cat([sq[mb["targets"] >= 0] for (_, sq), mb in zip(pairs, mbs)])
+    assert bool(((spp > 0) & (spp <= 1)).all()), spp
+    both = [None, None]
+    dist.all_gather_object(both, spp.cpu())
+    assert torch.equal(both[0], both[1]), "the two stages hold different Σπ²"
     with driver.update_pass(routes):
         learner.train_step(mbs, loss_fn)
     m = driver.step_metrics()
