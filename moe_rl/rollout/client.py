@@ -188,6 +188,7 @@ class RolloutClient:
         counters: PartialCounters | None = None,
         seeds: Sequence[int] | None = None,
         max_new_tokens: Sequence[int] | None = None,
+        groups: Sequence[Group] | None = None,
     ) -> list[RolloutSample]:
         """`len(prompts) * n` samples, or RolloutError; never fewer. `seeded=False` sends no seed. `counters`: where
         this call's ``async/*`` counts go (default: the client's ``partial_counters``).
@@ -195,6 +196,8 @@ class RolloutClient:
         `routes_start_len[i]` (multi-turn / continued generation): prompt `i`'s samples carry only the
         route rows `[start, P + R - 1)`, the rows before it being known from the earlier turn.
         `seeds[i]` / `max_new_tokens[i]` (an agent loop's turn, ``n=1``): prompt `i`'s own seed and token budget.
+        `groups[i]`: the caller's ``Group`` for prompt `i` (``pending == n``; an agent's turn sets ``prefer``, and
+        reads ``home`` back once the call returns).
         """
         if n < 1:
             raise ValueError(f"n={n}; expected >= 1 samples per prompt")
@@ -212,7 +215,10 @@ class RolloutClient:
             raise ValueError(f"routes_start_len={starts}; expected one value in [0, len(prompt)] per prompt")
         budgets = [None] * len(prompts) if max_new_tokens is None else [int(b) for b in max_new_tokens]
         seed_of = lambda i, g, j: sample_seed(self.seed, step, g, j) if seeds is None else int(seeds[i])
-        groups = [Group(len(p) + (b or self.sampling.max_new_tokens), n) for p, b in zip(prompts, budgets)]
+        if groups is None:
+            groups = [Group(len(p) + (b or self.sampling.max_new_tokens), n) for p, b in zip(prompts, budgets)]
+        elif len(groups) != len(prompts) or any(g.pending != n or g.home is not None for g in groups):
+            raise ValueError(f"groups: expected one unplaced Group per prompt ({len(prompts)}) with pending == n={n}")
         jobs = [
             (np.asarray(p, dtype=np.int32), g, seed_of(i, g, j) if seeded else None, start, budget, groups[i])
             for i, (p, g, start, budget) in enumerate(zip(prompts, group_ids, starts, budgets))

@@ -9,7 +9,8 @@ sample's prompt + token budget), then the fewest requests in flight, ties in rou
 places groups in turn. A group is placed lazily, when a slot frees for it, so the load it sees is the load of the
 moment (a slow server, still holding its groups' tokens, gets fewer new groups). A retry after a failed attempt
 moves to the next server in the order ``order(home)`` gives (home first, the rest by load). With one server every
-request goes to it. The counters are shared by every batch in flight (async mode: several threads), under a lock.
+request goes to it. An agent trajectory's turns (one call each) are pinned to the server of its first turn
+(``Group.prefer``), so each turn's prefill reuses the trajectory's cached prefix. The counters are shared by every batch in flight (async mode: several threads), under a lock.
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ LOAD_BALANCE = ("least_outstanding", "round_robin")
 @dataclass
 class Group:
     """One prompt's samples in one call: ``tokens`` each sample may hold (prompt + budget), ``pending`` samples not
-    finished yet, ``home`` once placed."""
+    finished yet, ``home`` once placed; ``prefer``: the server to place it on regardless of load (an agent
+    trajectory's later turns go where its first turn went: the server that holds its prefix)."""
 
     tokens: int
     pending: int
     home: int | None = None
+    prefer: int | None = None
 
 
 class Dispatch:
@@ -64,7 +67,8 @@ class Dispatch:
         """The group's home (placing it on first call: its samples' tokens count on that server until done)."""
         with self._lock:
             if group.home is None:
-                group.home = self._by_load(self._rotation("place"))[0]
+                pinned = group.prefer is not None and 0 <= group.prefer < self.servers
+                group.home = group.prefer if pinned else self._by_load(self._rotation("place"))[0]
                 self.tokens[group.home] += group.tokens * group.pending
             return group.home
 

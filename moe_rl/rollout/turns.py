@@ -27,6 +27,7 @@ import numpy as np
 
 from moe_rl.records import RolloutSample
 from moe_rl.rollout.client import RolloutClient, sample_seed
+from moe_rl.rollout.dispatch import Group
 
 __all__ = [
     "RERENDER_MODES",
@@ -107,6 +108,7 @@ class Trajectory:
     marks: dict = field(default_factory=dict)
     metrics: Counter = field(default_factory=Counter)
     turns: int = 0
+    server: int | None = None  # the client's index of the server its turns go to (its first turn's placement)
 
     # ---------------------------------------------------------------- views
     @property
@@ -258,6 +260,8 @@ class TurnGenerate:
         prompt_ids = np.asarray(prompt_ids, np.int32)
         ask_from = 0 if self.check_prefix_routes else start
         budget = self.client.sampling.max_new_tokens  # a turn asks for at most this (and at most what is left)
+        budget = max(1, min(int(max_new_tokens or budget), budget))
+        group = Group(len(prompt_ids) + budget, 1, prefer=trajectory.server)  # later turns: the first turn's server
         (sample,) = await self.client.agenerate(
             [prompt_ids],
             1,
@@ -266,6 +270,8 @@ class TurnGenerate:
             seeded=self.seeded,
             routes_start_len=[ask_from],
             seeds=[self.turn_seed(trajectory.group_id, trajectory.turns)],
-            max_new_tokens=[max(1, min(int(max_new_tokens or budget), budget))],
+            max_new_tokens=[budget],
+            groups=[group],
         )
+        trajectory.server = group.home
         return trajectory.add_turn(prompt_ids, sample, start, routes_from=ask_from)
