@@ -5,7 +5,8 @@ Owns ``_serial`` (torch and MKL on one thread for a call), ``_blocked`` (an elem
 torch's vector path), ``_tiled_bmm`` / ``_tile_gemm`` (matmuls made only of ``[ROW_TILE, K] @ [K, N]`` GEMMs)
 and ``_attend`` (softmax attention over fixed key blocks with exact-zero weights for hidden keys). Measured
 row-invariant on torch 2.13 CPU (MKL 2024.2) over row counts, row positions and 1-3 threads, fp32 and bf16
-inputs (``tests/exact/test_kernels.py``). Pure torch, no moe_rl imports: the SGLang server process imports it.
+inputs (``tests/exact/test_fixed_order.py``): measured, not promised by MKL's documentation. Pure torch, no
+moe_rl imports: the SGLang server process imports it.
 """
 
 from __future__ import annotations
