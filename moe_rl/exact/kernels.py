@@ -4,23 +4,24 @@ Owns every op whose rounding decides a token's log-prob or a router decision, wr
 row's result depends only on that row (never on how many rows are computed with it, on the padded
 length, or on whether the row is a prefill or a decode step). The patched SGLang CPU path
 (``moe_rl.exact.sglang_hooks``) and the Megatron-Core learner (``moe_rl.learner.exact_spec``) both
-call these functions, so both sides round identically. Pure torch, no moe_rl imports: the SGLang
-server process imports this module.
+call these functions, so both sides round identically. Pure torch (the fixed-order primitives are in
+``moe_rl.exact.fixed_order``), no other moe_rl imports: the SGLang server process imports this module.
 
 How each op is made row-invariant (torch 2.13 CPU):
 
-* matmul (``linear``): products ``x[m, None, :] * w[None, :, :]`` (an IEEE multiply: identical
-  anywhere) summed over the contiguous last dim with ``sum(-1)``. Torch reduces each output element
-  serially over that dim with a fixed vectorised cascade that depends only on its length, and
-  parallelises over output elements only (there are always several). BLAS would pick a kernel by M.
-* transcendental elementwise ops (``silu``, ``cos``/``sin``, ``pow``): torch's vectorised loop uses
+* matmul (``linear``, the experts of ``moe_experts``): BLAS GEMMs of one fixed shape only, on one
+  thread (``fixed_order._tiled_bmm``): the rows padded to whole tiles of ``ROW_TILE`` rows, one GEMM
+  ``[ROW_TILE, K] @ [K, N]`` per tile, batched. BLAS picks its kernel and blocking by the GEMM's shape and
+  thread count (fp32 ``F.linear`` of 37 rows != 37 single rows); both are now fixed, so a row's result
+  depends only on that row.
+* transcendental elementwise ops (``silu``, ``cos``/``sin``, ``pow``, ``exp``): torch's vectorised loop uses
   SLEEF for whole vectors and the scalar libm function for a tail, which can differ by one ulp, and
   the tail depends on the tensor's size and on the thread split. ``_blocked`` pads to whole blocks of
-  ``BLOCK`` elements (below torch's parallel grain, a multiple of every vector width), so every element
-  takes the vector path.
-* attention (``attention``): each query attends over exactly the keys at positions 0..its own, one
-  query at a time (the KV split is "one block of all visible keys" in prefill and decode alike), with
-  row-wise ``softmax``. A padded / masked row would change the reduction length.
+  ``BLOCK`` elements and runs on one thread, so every element takes the vector path.
+* attention (``attention``, ``attention_decode``): all queries at once over the keys in fixed blocks of
+  ``KEY_BLOCK`` (``fixed_order._attend``): scores and ``p @ [v | 1]`` per block through the tiled GEMM,
+  the blocks' partial sums added in ascending order, every key a query may not see at weight exactly 0
+  (the blocks past its own add exact zeros), so prefill, chunked prefill and decode agree.
 * routing (``router_logits``/``router_topk``): fp32 logits through ``linear``, ``torch.topk`` on the
   logits then ``softmax`` over the k selected (Megatron's ``pre_softmax=False`` order). ``router_route``
   covers every router Megatron-Core builds: softmax before top-k (``pre_softmax``, no renormalisation),
@@ -51,11 +52,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moe_rl.exact.fixed_order import BLOCK, ROW_TILE, _attend, _blocked, _tile_gemm, _tiled_bmm
+
 __all__ = [
     "BLOCK",
     "add_rms_norm",
     "apply_rope",
     "attention",
+    "attention_decode",
     "kept_token_logprobs",
     "linear",
     "linear_bias",
@@ -70,30 +74,16 @@ __all__ = [
     "token_logprobs",
 ]
 
-BLOCK = 8192  # elements per elementwise call: < torch's GRAIN_SIZE (32768), multiple of 64
-_ROW_BUDGET = 1 << 21  # elements of the [rows, N, K] product materialised at once by ``linear``
-
-
-def _blocked(fn, x: torch.Tensor, pad_value: float = 1.0) -> torch.Tensor:
-    """``fn`` applied elementwise with every element on torch's vector path (see module doc)."""
-    flat = x.contiguous().reshape(-1)
-    n = flat.numel()
-    pad = (-n) % BLOCK
-    if pad:
-        flat = torch.cat([flat, flat.new_full((pad,), pad_value)])
-    out = torch.cat([fn(flat[i : i + BLOCK]) for i in range(0, n + pad, BLOCK)]) if n else flat
-    return out[:n].view(x.shape)
-
 
 def _rowwise_matmul(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x2[M, K] @ w[N, K].T`` in fp32 (or the inputs' dtype when wider), each row alone."""
-    M, K = x2.shape
+    """``x2[M, K] @ w[N, K].T`` in fp32 (or the inputs' dtype when wider), each row alone (``_tiled_bmm``)."""
+    M = x2.shape[0]
     N = w.shape[0]
     acc = torch.promote_types(torch.promote_types(x2.dtype, w.dtype), torch.float32)
-    xa, wa = x2.to(acc), w.to(acc)
-    step = max(1, _ROW_BUDGET // max(1, N * K))
-    parts = [(xa[i : i + step, None, :] * wa[None, :, :]).sum(-1) for i in range(0, M, step)]
-    return torch.cat(parts) if parts else xa.new_zeros((0, N))
+    if M == 0:
+        return x2.new_zeros((0, N), dtype=acc)
+    xa, wa = x2.to(acc), w.to(acc).contiguous()  # the weight as [N, K]: one BLAS layout everywhere
+    return _tiled_bmm(xa[None], wa.t()[None])[0]
 
 
 class _Linear(torch.autograd.Function):
@@ -179,24 +169,42 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
     """Causal attention of queries ``q[n, H, d]`` at positions ``start .. start+n-1`` over
     ``k, v [L, Hkv, d]`` (positions ``0 .. L-1``, ``L >= start + n``): query i sees keys
-    ``0 .. start+i``. GQA by head groups; scale ``d ** -0.5``; fp32 inside; output ``[n, H, d]``."""
+    ``0 .. start+i``. GQA by head groups; scale ``d ** -0.5``; fp32 inside; output ``[n, H, d]``.
+    All queries in one pass (``_attend``): prefill, chunked prefill and decode give the same bits."""
     n, H, d = q.shape
     Hkv = k.shape[1]
     if H % Hkv:
         raise ValueError(f"attention: {H} query heads are not a multiple of {Hkv} key/value heads")
     g = H // Hkv
-    scale = d**-0.5
-    kt = k.float().permute(1, 0, 2).contiguous()  # [Hkv, L, d]
-    vt = v.float().permute(1, 2, 0).contiguous()  # [Hkv, d, L]
-    qf = q.float().reshape(n, Hkv, g, d)
-    outs = []
-    for i in range(n):
-        L = start + i + 1
-        s = (qf[i][:, :, None, :] * kt[:, None, :L, :]).sum(-1) * scale  # [Hkv, g, L]
-        p = torch.softmax(s, dim=-1)
-        outs.append((p[:, :, None, :] * vt[:, None, :, :L]).sum(-1))  # [Hkv, g, d]
-    out = torch.stack(outs) if outs else qf.new_zeros((0, Hkv, g, d))
-    return out.reshape(n, H, d).to(q.dtype)
+    if n == 0:
+        return q.new_zeros((0, H, d))
+    L = start + n
+    kf = k[:L].float().permute(1, 0, 2)  # [Hkv, L, d]
+    vf = v[:L].float().permute(1, 0, 2)
+    qf = q.float().reshape(n, Hkv, g, d).permute(1, 0, 2, 3).reshape(Hkv, n * g, d)  # rows: query, then group
+    last_key = (start + torch.arange(n, device=q.device)).repeat_interleave(g)[None]  # [1, n * g]
+    out = _attend(qf, kf, vf, last_key)  # [Hkv, n * g, d]
+    return out.reshape(Hkv, n, g, d).permute(1, 0, 2, 3).reshape(n, H, d).to(q.dtype)
+
+
+def attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """One decode step of ``R`` sequences at once: query ``q[R, H, d]`` of sequence r (at position
+    ``lens[r] - 1``) over its keys ``k, v [R, Lmax, Hkv, d]`` (positions ``0 .. lens[r] - 1``; the rest of the
+    row is ignored). Equal bit for bit to ``attention(q[r:r+1], k[r], v[r], start=lens[r] - 1)``."""
+    R, H, d = q.shape
+    Lmax, Hkv = k.shape[1], k.shape[2]
+    if H % Hkv:
+        raise ValueError(f"attention_decode: {H} query heads are not a multiple of {Hkv} key/value heads")
+    g = H // Hkv
+    if R == 0:
+        return q.new_zeros((0, H, d))
+    lens = lens.to(device=q.device, dtype=torch.long)
+    valid = (torch.arange(Lmax, device=q.device)[None, :] < lens[:, None])[:, :, None, None]
+    kf = torch.where(valid, k.float(), 0.0).permute(0, 2, 1, 3).reshape(R * Hkv, Lmax, d)  # no stale value
+    vf = torch.where(valid, v.float(), 0.0).permute(0, 2, 1, 3).reshape(R * Hkv, Lmax, d)
+    qf = q.float().reshape(R * Hkv, g, d)
+    last_key = (lens - 1).repeat_interleave(Hkv)[:, None].expand(R * Hkv, g)
+    return _attend(qf, kf, vf, last_key).reshape(R, H, d).to(q.dtype)
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -289,12 +297,29 @@ def moe_experts(
     then added to zero in ascending expert id, accumulated in fp32 (as torch's CPU ``scatter_add_`` does for
     bf16) and rounded once to ``x.dtype``."""
     M, k = ids.shape
-    y = torch.zeros(M, k, x.shape[-1], dtype=x.dtype)
-    for e in torch.unique(ids).tolist():
-        rows, slots = (ids == e).nonzero(as_tuple=True)
-        a = swiglu(linear(x[rows], w13[e]))
-        a = (a * weights[rows, slots, None]).to(x.dtype)
-        y[rows, slots] = linear(a, w2[e])
+    H = x.shape[-1]
+    E = w13.shape[0]
+    # every (token, slot) pair grouped by expert, each expert's rows padded to whole tiles of ROW_TILE: all
+    # experts' GEMMs in one ``_tile_gemm`` call, each tile with its expert's weights (as ``linear`` per expert)
+    pair_ids = ids.reshape(-1)
+    order = torch.argsort(pair_ids, stable=True)
+    counts = torch.bincount(pair_ids, minlength=E)
+    tiles_per = (counts + ROW_TILE - 1) // ROW_TILE
+    first = torch.cumsum(counts, 0) - counts  # each expert's first pair in ``order``
+    first_tile = torch.cumsum(tiles_per, 0) - tiles_per
+    sorted_ids = pair_ids[order]
+    dest = first_tile[sorted_ids] * ROW_TILE + torch.arange(order.numel(), device=x.device) - first[sorted_ids]
+    tile_expert = torch.repeat_interleave(torch.arange(E, device=x.device), tiles_per)
+    nt = tile_expert.numel()
+    acc = torch.promote_types(torch.promote_types(x.dtype, w13.dtype), torch.float32)
+    rows = order // k
+    xp = x.new_zeros(nt * ROW_TILE, H).index_copy_(0, dest, x[rows])
+    h = _tile_gemm(xp.to(acc).view(nt, ROW_TILE, H), w13[tile_expert].to(acc).transpose(1, 2)).to(x.dtype)
+    wp = weights.new_zeros(nt * ROW_TILE).index_copy_(0, dest, weights.reshape(-1)[order])
+    a = (swiglu(h.view(nt * ROW_TILE, -1)) * wp[:, None]).to(x.dtype)
+    inter = a.shape[-1]
+    yp = _tile_gemm(a.to(acc).view(nt, ROW_TILE, inter), w2[tile_expert].to(acc).transpose(1, 2)).to(x.dtype)
+    y = x.new_zeros(M * k, H).index_copy_(0, order, yp.view(nt * ROW_TILE, H)[dest]).view(M, k, H)
     order = torch.argsort(ids, dim=-1, stable=True)
     ordered = torch.gather(y, 1, order[:, :, None].expand_as(y))
     # torch's CPU scatter_add_/index_add_ (Megatron's unpermute) accumulate a bf16 output in fp32, in row

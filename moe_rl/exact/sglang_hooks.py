@@ -12,7 +12,8 @@ replaces, per module instance (no SGLang class is changed):
 * every MoE block's ``forward_normal`` with ``router_logits`` -> ``router_route`` (routes captured for
   ``return_routed_experts`` exactly as upstream) -> ``moe_experts`` (+ the block's shared expert); dense MLP
   activations with ``swiglu``; a linear's bias (q/k/v) with ``linear_bias``;
-* the torch-native attention backends' per-request SDPA with ``kernels.attention`` over the cache.
+* the torch-native attention backends' per-request SDPA with ``kernels.attention`` over the cache (decode:
+  every request at once with ``kernels.attention_decode``).
 
 * the sampler's Keep Sampling Mask log-prob (``selected_logprobs``, the sampled token renormalised over
   its kept set) with ``kernels.kept_token_logprobs`` over the kept set SGLang returns.
@@ -294,5 +295,11 @@ def _sdpa_decode(
 ):
     if encoder_lens is not None or is_cross_attn or sliding_window_size is not None:
         raise TrueOnPolicyError("only causal self-attention without a sliding window is covered")
-    ones = torch.ones_like(seq_lens)
-    return _per_request(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ones)
+    n = seq_lens.shape[0]
+    if n == 0:
+        return output
+    # every request's one query at once (kernels.attention_decode: the same bits as one request at a time)
+    tokens = req_to_token[req_pool_indices, : int(seq_lens.max())]
+    out = K.attention_decode(query[:n], k_cache[tokens], v_cache[tokens], seq_lens)
+    output[:n] = out.to(output.dtype)
+    return output

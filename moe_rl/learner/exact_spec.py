@@ -13,7 +13,8 @@ RoPE: the model is built with ``position_embedding_type='none'`` and ``ExactCore
 ``kernels.apply_rope`` to the (q/k-normalised) queries and keys itself, with positions read from the
 attention mask: a query's position is the number of keys it may see minus one (a padded batch's
 causal mask gives 0..T-1, a packed batch's block-diagonal mask restarts at each sequence), exactly
-what SGLang's cache holds. Attention then runs per sequence with ``kernels.attention``.
+what SGLang's cache holds. Attention then runs with ``kernels.attention``: a padded batch (one mask) in one
+call with its sequences as extra heads, a packed batch per sequence.
 """
 
 from __future__ import annotations
@@ -123,14 +124,19 @@ class ExactCoreAttention(MegatronModule):
         if attention_mask is None:
             attention_mask = torch.ones(T, T, dtype=torch.bool, device=query.device).triu(1).view(1, 1, T, T)
         out = query.new_empty(T, B, H, d)
-        for b in range(B):
-            pos = mask_positions(attention_mask, b, T)
+        # one mask for the whole batch (a padded batch): every row in one call, its sequences as extra heads
+        # (the kernels compute each head alone); a packed batch's rows one at a time
+        groups = [range(B)] if attention_mask.shape[0] == 1 else [range(b, b + 1) for b in range(B)]
+        for rows in groups:
+            pos = mask_positions(attention_mask, rows[0], T)
             starts = (pos == 0).nonzero().flatten().tolist() + [T]
+            r = slice(rows[0], rows[-1] + 1)
             for s0, s1 in itertools.pairwise(starts):
                 cos, sin = K.rope_cos_sin(pos[s0:s1], self.rot_dim, self.rotary_base)
-                q = K.apply_rope(query[s0:s1, b], cos, sin)
-                k = K.apply_rope(key[s0:s1, b], cos, sin)
-                out[s0:s1, b] = K.attention(q, k, value[s0:s1, b], start=0)
+                q = K.apply_rope(query[s0:s1, r].reshape(s1 - s0, -1, d), cos, sin)
+                k = K.apply_rope(key[s0:s1, r].reshape(s1 - s0, -1, key.shape[-1]), cos, sin)
+                v = value[s0:s1, r].reshape(s1 - s0, -1, value.shape[-1])
+                out[s0:s1, r] = K.attention(q, k, v, start=0).view(s1 - s0, len(rows), H, d)
         return out.view(T, B, H * d)
 
 
