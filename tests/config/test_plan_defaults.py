@@ -27,6 +27,7 @@ from moe_rl.sizing import request_timeout, signal_lead, startup_timeout
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 Q30, Q235, DSV3 = (CONFIGS / f"{n}.yaml" for n in ("qwen3_30b_a3b", "qwen3_235b_a22b", "deepseek_v3_style"))
 NODES = {"SLURM_JOB_NODELIST": "node[01-20]"}
+DISK = ["rollout.weight_sync=auto"]  # the cluster configs ship weight_sync: distributed; auto picks disk there
 
 # rollout.startup_timeout_s: 180 s + whole model in bf16 at 2 GB/s, rounded up
 STARTUP = {Q30: 180 + 31, Q235: 180 + 236, DSV3: 180 + 675}  # 61.1 / 470.2 / 1349.7 GB: 30.5 / 235.1 / 674.8 s
@@ -71,19 +72,25 @@ def test_request_bound_scales_with_max_new_tokens_and_is_the_clients(tokens, bou
 
 def test_235b_signal_lead_is_step_plus_save_plus_stop_by_hand():
     """64 x 8 = 512 requests, 512 at a time (rollout.max_concurrency): 1 wave of 8192 tokens at 30 tokens/s; training 10 x 22.19B active x
-    512 x 32768 tokens on 64 GPUs at 2e14 FLOP/s (6 + 2 recompute=full + 2 old-log-prob pass); disk sync: 470.2 GB
-    written by 8 learner nodes + read by each server at 2 GB/s; save 411.7 GB per node at 2 GB/s; stop 30 s."""
+    512 x 32768 tokens on 64 GPUs at 2e14 FLOP/s (6 + 2 recompute=full + 2 old-log-prob pass); save 411.7 GB per
+    node at 2 GB/s; stop 30 s. Weight sync as shipped (distributed): 470.2 GB to each server at 25 GB/s; with
+    rollout.weight_sync=auto (disk, the servers are on other hosts): 470.2 GB written by 8 learner nodes + read by
+    each server at 2 GB/s."""
     generation = 1 * 8192 / 30
     training = 10 * 22.19076352e9 * 512 * 32768 / (64 * 2e14)
-    sync = 470.2e9 / (8 * 2e9) + 470.2e9 / 2e9
     save = 411.7e9 / 2e9
+    network = 470.2e9 / 25e9
     lead = signal_lead(load_config(Q235))
-    assert lead.derived and lead.value == math.ceil(generation + training + sync + save + 30) == 1065
-    for words in ("generation 273 s", "training 291 s", "weight sync 264 s", "save 206 s (411.7 GB per node"):
+    assert lead.derived and lead.value == math.ceil(generation + training + network + save + 30) == 819
+    for words in ("generation 273 s", "training 291 s", "weight sync 19 s", "save 206 s (411.7 GB per node"):
         assert words in lead.why
+    disk = 470.2e9 / (8 * 2e9) + 470.2e9 / 2e9
+    lead = signal_lead(load_config(Q235, DISK))
+    assert lead.derived and lead.value == math.ceil(generation + training + disk + save + 30) == 1065
+    assert "weight sync 264 s" in lead.why
 
 
-@pytest.mark.parametrize(("path", "lead", "save"), [(Q30, 395, 53), (Q235, 1065, 206), (DSV3, 2135, 296)])
+@pytest.mark.parametrize(("path", "lead", "save"), [(Q30, 360, 53), (Q235, 819, 206), (DSV3, 1472, 296)])
 def test_a_signal_lead_under_the_plan_is_refused_naming_the_save_time_and_the_key(path, lead, save):
     assert signal_lead(load_config(path)).value == lead
     assert not [p for p in config_problems(load_config(path)).problems if "signal_lead" in p]
@@ -104,7 +111,7 @@ def test_plan_cli_refuses_a_60_s_lead_on_235b_and_says_what_signal_null_does(cap
 
 
 def test_dry_run_shows_every_derived_value_and_the_disk_sync_warning():
-    script = render_launch(load_config(Q235), dry_run=True, env=NODES)
+    script = render_launch(load_config(Q235, DISK), dry_run=True, env=NODES)
     for words in (
         "# derived defaults (unset keys take the plan's values",
         "#   rollout.startup_timeout_s=416 (derived: 180 s + 470.2 GB",
@@ -119,8 +126,9 @@ def test_dry_run_shows_every_derived_value_and_the_disk_sync_warning():
         ),
     ):
         assert words in script, words
-    distributed = render_launch(load_config(Q235, ["rollout.weight_sync=distributed"]), dry_run=True, env=NODES)
-    assert "weight sync 19 s" in distributed and "# warning: rollout.weight_sync" not in distributed
+    shipped = render_launch(load_config(Q235), dry_run=True, env=NODES)  # weight_sync: distributed
+    assert "weight sync 19 s" in shipped and "# warning: rollout.weight_sync" not in shipped
+    assert "--signal=B:USR1@819 --requeue" in shipped
 
 
 @pytest.mark.parametrize(
@@ -132,11 +140,12 @@ def test_dry_run_shows_every_derived_value_and_the_disk_sync_warning():
     ids=["qwen3_30b_a3b", "deepseek_v3_style"],
 )
 def test_dry_run_of_the_other_cluster_configs_shows_their_derived_values(path, disk):
-    script = render_launch(load_config(path), dry_run=True, env=NODES)
+    script = render_launch(load_config(path, DISK), dry_run=True, env=NODES)
     for key, value in (("startup_timeout_s", STARTUP[path]), ("request_timeout_s", 940)):
         assert f"#   rollout.{key}={value} (derived: " in script
-    assert f"#   launch.signal_lead_s={signal_lead(load_config(path)).value} (derived: step ~" in script
+    assert f"#   launch.signal_lead_s={signal_lead(load_config(path, DISK)).value} (derived: step ~" in script
     assert disk in script
+    assert "# warning: rollout.weight_sync" not in render_launch(load_config(path), dry_run=True, env=NODES)
 
 
 def test_a_small_model_gets_no_disk_sync_warning(capsys):
@@ -147,7 +156,7 @@ def test_a_small_model_gets_no_disk_sync_warning(capsys):
 
 def test_sbatch_args_carry_the_derived_lead_and_name_the_keys_when_the_world_cannot_size_it():
     """``python -m moe_rl.launch sbatch-args`` (launch/slurm/submit.sh): the plan's lead; a set one as it is."""
-    assert "--signal=B:USR1@1065" in sbatch_args(load_config(Q235))
+    assert "--signal=B:USR1@819" in sbatch_args(load_config(Q235))
     odd = load_config(Q235, ["launch.learner_nodes=3"])  # 24 ranks: not a multiple of etp*ep*pp = 32
     with pytest.raises(LaunchError, match=r"launch\.learner_nodes\*launch\.gpus_per_node = 3\*8"):
         sbatch_args(odd)

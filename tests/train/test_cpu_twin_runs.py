@@ -53,3 +53,5 @@ def test_cpu_twin_trains_two_steps_on_two_ranks(twin, tmp_path):
         assert m["replay/rollout_vs_dispatched/prompt/flip_rate"] == 0.0
         assert m["replay/rollout_vs_natural/response/flip_rate"] >= 0.0
     assert "Keep Sampling Mask is a no-op" in proc.stderr  # both originals sample untruncated
+    server_log = (tmp_path / "run" / "logs" / "sglang_0.log").read_text(errors="replace")
+    assert "update_weights_from_distributed" in server_log, "the cluster configs sync over the network (distributed)"
