@@ -39,7 +39,7 @@ class StepStaleness:
         if self.known and batch.role_mask is not None:  # environment tokens (version -1): no staleness
             gen = torch.zeros(len(batch), width, dtype=torch.bool, device="cpu")
             for i, (end, n) in enumerate(zip(np.cumsum(lens), lens)):
-                gen[i, :n] = torch.from_numpy(batch.role_mask[end - n : end].astype(bool))
+                gen[i, :n] = torch.from_numpy(batch.role_mask[end - n : end].astype(bool)).to("cpu")
             self.valid = valid = valid & gen
             self.rows = torch.where(gen, self.rows, torch.zeros_like(self.rows))
         oldest = torch.where(valid, self.rows, torch.zeros_like(self.rows)).amax(dim=1)

@@ -354,7 +354,7 @@ def step_advantages(
         extra["is_weights"] = torch.exp(((src - mu) * mask).sum(1).clamp(-20, 20)).double()
         extra["grad_sq_norms"] = logit_grad_sq_norm(src, mask, sum_p_sq=spp).double()
     if est == "remax":  # the greedy response's reward per sample (records' reward_baselines)
-        extra["reward_baselines"] = torch.from_numpy(batch.reward_baselines()).double()
+        extra["reward_baselines"] = torch.from_numpy(batch.reward_baselines()).to("cpu").double()
     if est in TOKEN_BASELINES:
         if old is None or sum_pi_squared is None:
             raise ValueError(f"advantage.estimator={est!r} needs π_old and Σ_v π_v² rows from the old-log-prob pass")
