@@ -135,7 +135,9 @@ def test_no_label_samples_are_counted_per_step(tmp_path):
             "rollout.samples_per_prompt=2",
         ],
     )
-    generate = lambda prompts, r: [SimpleNamespace(response_ids=[5]) for p in prompts for _ in range(2)]
+    generate = lambda prompts, r: [
+        SimpleNamespace(response_ids=[5], turn_ids=None, agent_reward=None) for p in prompts for _ in range(2)
+    ]
     _, metrics = StepSamples(cfg, Rows(), Constant()).make(0, generate)
     assert metrics["reward/no_label"] == 4.0  # 2 of 4 prompts x 2 samples
 

@@ -353,7 +353,9 @@ def test_steps_in_flight_score_one_at_a_time(tmp_path):
 
     cfg = load_config(None, ["train.prompts_per_step=2", "rollout.samples_per_prompt=2"])
     samples = StepSamples(cfg, Rows(), Slow())
-    generate = lambda prompts, r: [SimpleNamespace(response_ids=[5]) for p in prompts for _ in range(2)]
+    generate = lambda prompts, r: [
+        SimpleNamespace(response_ids=[5], turn_ids=None, agent_reward=None) for p in prompts for _ in range(2)
+    ]
     threads = [threading.Thread(target=samples.make, args=(s, generate)) for s in range(4)]
     for t in threads:
         t.start()
