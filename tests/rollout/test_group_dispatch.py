@@ -65,6 +65,15 @@ def test_a_cancelled_sample_of_an_unplaced_group_leaves_no_load_behind():
     assert d.tokens == [0, 0] and g.pending == 0
 
 
+def _servers_of(seen: dict[str, list[tuple[int, ...]]]) -> dict[tuple[int, ...], set[str]]:
+    """Each recorded prompt -> the proxies (servers) it reached."""
+    servers: dict[tuple[int, ...], set[str]] = {}
+    for name, sent in seen.items():
+        for prompt in sent:
+            servers.setdefault(prompt, set()).add(name)
+    return servers
+
+
 @pytest.mark.sglang
 def test_each_group_lands_on_one_server_and_both_servers_are_used(sglang_server, tiny_cpu_server):
     """6 prompts x 3 samples, every request admitted at once (max_concurrency 18): the groups are placed before any
@@ -92,29 +101,11 @@ def test_each_group_lands_on_one_server_and_both_servers_are_used(sglang_server,
         )
         samples = client.generate(prompts, n=3)
     assert len(samples) == 18 and len(seen["a"]) + len(seen["b"]) == 18
-    home = {}
-    for name, sent in seen.items():
-        for prompt in sent:
-            home.setdefault(prompt, set()).add(name)
+    home = _servers_of(seen)
     assert all(len(servers) == 1 for servers in home.values()), f"a group's samples were split: {home}"
     per_server = {name: len(set(sent)) for name, sent in seen.items()}
     assert per_server == {"a": 3, "b": 3}, f"groups per server: {per_server}"
     assert client.dispatch.tokens == [0, 0] and client.dispatch.in_flight == [0, 0]
-
-
-def _recorders():
-    seen: dict[str, list[tuple[int, ...]]] = {"a": [], "b": []}
-    lock = threading.Lock()
-
-    def recorder(name):
-        def hook(path, body, reply):
-            if path == "/generate":
-                with lock:
-                    seen[name].append(tuple(json.loads(body)["input_ids"]))
-
-        return hook
-
-    return seen, recorder
 
 
 @pytest.mark.sglang
@@ -164,10 +155,7 @@ def test_an_agent_trajectorys_turns_stay_on_its_first_turns_server(sglang_server
         for g in range(4):
             sample = AgentSample(prompt_ids=[1 + g, 2, 3, 4 + g], group_id=g)
             trajectories += asyncio.run(run_agents(own_server_busy, [sample], client))[0]
-    servers_of: dict[tuple[int, ...], set[str]] = {}
-    for name, sent in seen.items():
-        for prompt in sent:
-            servers_of.setdefault(prompt, set()).add(name)
+    servers_of = _servers_of(seen)
     assert len(servers_of) == 8, f"expected 8 distinct turn prompts, got {len(servers_of)}"
     homes = []
     for traj in trajectories:
