@@ -10,7 +10,8 @@ places groups in turn. A group is placed lazily, when a slot frees for it, so th
 moment (a slow server, still holding its groups' tokens, gets fewer new groups). A retry after a failed attempt
 moves to the next server in the order ``order(home)`` gives (home first, the rest by load). With one server every
 request goes to it. An agent trajectory's turns (one call each) are pinned to the server of its first turn
-(``Group.prefer``), so each turn's prefill reuses the trajectory's cached prefix. The counters are shared by every batch in flight (async mode: several threads), under a lock.
+(``Group.prefer``), so each turn's prefill reuses the trajectory's cached prefix. The counters are shared by
+every batch in flight (async mode: several threads), under a lock.
 """
 
 from __future__ import annotations

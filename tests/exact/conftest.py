@@ -29,6 +29,25 @@ GATE = [
     "rollout.health_timeout_s=300",  # the exact kernels are slow: a loaded CI box must not read that as a hang
 ]
 
+# The tiny DeepSeek-V3-style layout (GLM-4.5: sigmoid scores + expert bias, grouped top-k, scaling, a shared
+# expert, qkv bias, partial RoPE) as overrides of configs/tiny_cpu.yaml.
+GLM4_LAYOUT = [
+    "model.hf_architecture=Glm4MoeForCausalLM",
+    "model.num_layers=3",
+    "model.first_k_dense_layers=1",
+    "model.num_moe_experts=16",
+    "model.moe_router_topk=4",
+    "model.moe_router_score_function=sigmoid",
+    "model.moe_router_enable_expert_bias=true",
+    "model.moe_router_num_groups=4",
+    "model.moe_router_group_topk=2",
+    "model.moe_router_topk_scaling_factor=2.5",
+    "model.moe_shared_expert_intermediate_size=64",
+    "model.add_qkv_bias=true",
+    "model.rotary_percent=0.5",
+    "model.qk_layernorm=false",
+]
+
 
 @pytest.fixture(scope="session")
 def tiny_server(tmp_path_factory) -> str:

@@ -8,6 +8,7 @@ import pytest
 
 from moe_rl.config import load_config
 from moe_rl.preflight import config_problems
+from tests.exact.conftest import GLM4_LAYOUT
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
 OK = ["rollout.true_on_policy=true", "rollout.dtype=float32", "replay.keep_sampling_mask=false"]
@@ -45,28 +46,10 @@ def test_each_inexact_setting_is_refused_by_name(override, named):
     assert any(p.startswith(named) and "cannot be exact under rollout.true_on_policy" in p for p in problems), problems
 
 
-GLM4 = [
-    "model.hf_architecture=Glm4MoeForCausalLM",
-    "model.num_layers=3",
-    "model.first_k_dense_layers=1",
-    "model.num_moe_experts=16",
-    "model.moe_router_topk=4",
-    "model.moe_router_score_function=sigmoid",
-    "model.moe_router_enable_expert_bias=true",
-    "model.moe_router_num_groups=4",
-    "model.moe_router_group_topk=2",
-    "model.moe_router_topk_scaling_factor=2.5",
-    "model.moe_shared_expert_intermediate_size=64",
-    "model.add_qkv_bias=true",
-    "model.rotary_percent=0.5",
-    "model.qk_layernorm=false",
-]
-
-
 def test_the_deepseek_v3_style_layout_and_pre_softmax_routers_pass():
     """Sigmoid + expert bias + grouped top-k + scaling + shared expert + q/k/v bias + partial RoPE (a tiny
     GLM-4.5) and a pre-softmax Qwen3 router are made exact by the shared kernels: nothing refused."""
-    assert config_problems(load_config(TINY, [*OK, *GLM4, "parallel.ep=2"])).problems == []
+    assert config_problems(load_config(TINY, [*OK, *GLM4_LAYOUT, "parallel.ep=2"])).problems == []
     assert config_problems(load_config(TINY, [*OK, "model.moe_router_pre_softmax=true"])).problems == []
 
 

@@ -18,29 +18,13 @@ from moe_rl.config import load_config
 from moe_rl.learner.hf_init import write_random_hf_checkpoint
 from moe_rl.rollout.launcher import SGLangServer
 from moe_rl.rollout.server_spec import ServerSpec
-from tests.exact.conftest import GATE
+from tests.exact.conftest import GATE, GLM4_LAYOUT
 from tests.exact.test_true_on_policy_e2e import _assert_exact, _train
 
 pytestmark = [pytest.mark.sglang, pytest.mark.distributed]
 
 ROOT = Path(__file__).parents[2]
-GLM4 = [
-    "model.hf_architecture=Glm4MoeForCausalLM",
-    "model.num_layers=3",
-    "model.first_k_dense_layers=1",
-    "model.num_moe_experts=16",
-    "model.moe_router_topk=4",
-    "model.moe_router_score_function=sigmoid",
-    "model.moe_router_enable_expert_bias=true",
-    "model.moe_router_num_groups=4",
-    "model.moe_router_group_topk=2",
-    "model.moe_router_topk_scaling_factor=2.5",
-    "model.moe_shared_expert_intermediate_size=64",
-    "model.add_qkv_bias=true",
-    "model.rotary_percent=0.5",
-    "model.qk_layernorm=false",
-    "model.init_method_std=0.1",
-]
+GLM4 = [*GLM4_LAYOUT, "model.init_method_std=0.1"]
 
 
 @pytest.fixture(scope="module")
