@@ -109,13 +109,16 @@ def test_least_outstanding_orders_retries_by_requests_in_flight_and_round_robins
 @pytest.mark.parametrize(("balance", "fast_share"), [("least_outstanding", (0.7, 1.0)), ("round_robin", (0.5, 0.5))])
 def test_a_slow_server_gets_fewer_requests_under_least_outstanding(monkeypatch, balance, fast_share):
     """A stand-in for two servers (``_post`` and ``_to_sample`` replaced: the point is where requests go, not SGLang):
-    server a answers in 40 ms, b in 5 ms; 8 in flight, 48 requests."""
+    server a answers after 8 turns of the event loop, b after 1; 8 in flight, 48 requests. Time is counted in loop
+    turns, not seconds, so the placement is the same however loaded the machine is (no timer can fire early or late).
+    """
 
     client, sent = _balanced_client(balance), []
 
     async def post(http, url, body):
         sent.append(url)
-        await asyncio.sleep(0.04 if url == "http://a" else 0.005)
+        for _ in range(8 if url == "http://a" else 1):
+            await asyncio.sleep(0)
         return {}, False  # (reply, ran past its bound)
 
     monkeypatch.setattr(client, "_post", post)
