@@ -176,7 +176,7 @@ class RolloutConfig(Section):
     agent: str | None = Field(
         None,
         pattern=AGENT_SPEC,
-        description="multi-turn rollouts (docs/agents.md; the trainer trains on them in train.rollout_mode=sync): "
+        description="multi-turn rollouts (docs/agents.md; sync, async and partial rollout modes): "
         "'module:Class' (built once with the AgentContext, async "
         "run(sample, generate) -> Trajectory) or 'module:function'; e.g. moe_rl.rollout.tool_loop:ToolAgentLoop. "
         "None = one response per prompt",

@@ -2,8 +2,8 @@
 
 Owns the config rules the rollout client and the producer would refuse (a top-k that samples nothing or
 exceeds the kept-set cap, async mode without servers, partial rollouts outside async mode), the note on
-approximate ``in_place`` pauses, the agent-loop keys (``agent_loop``: importable; sync mode only, no partial
-rollouts), and the environment rule that every ``rollout.addresses`` server answers.
+approximate ``in_place`` pauses, the agent-loop keys (``agent_loop``: importable; no ReMax), and the environment
+rule that every ``rollout.addresses`` server answers.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ def sampling_settings(cfg: ExperimentConfig) -> Iterable[str]:
 
 
 def agent_loop(cfg: ExperimentConfig) -> Iterable[str]:
-    """``rollout.agent`` / ``rollout.tools`` must import; the trainer trains on trajectories in sync mode only (async
-    and partial rollouts of agent loops are not built yet; docs/agents.md)."""
+    """``rollout.agent`` / ``rollout.tools`` must import; ReMax's greedy baseline is single-turn (docs/agents.md). Sync,
+    async and partial rollouts all run agent loops."""
     r = cfg.rollout
     try:
         if r.agent is not None:
@@ -51,20 +51,10 @@ def agent_loop(cfg: ExperimentConfig) -> Iterable[str]:
         return
     if r.tools and r.agent is None:
         yield "rollout.tools lists tools but rollout.agent is None; the tools are called only by an agent loop"
-    if r.agent is not None and cfg.train.rollout_mode == "async":
-        yield (
-            f"rollout.agent={r.agent!r} trains in train.rollout_mode=sync only: asynchronous agent rollouts are not "
-            "built yet (docs/agents.md); set train.rollout_mode=sync"
-        )
-    elif r.agent is not None and cfg.advantage.estimator == "remax":
+    if r.agent is not None and cfg.advantage.estimator == "remax":
         yield (
             f"rollout.agent={r.agent!r} with advantage.estimator=remax: ReMax's greedy baseline response is not "
             "built for agent loops; choose another advantage.estimator"
-        )
-    elif r.agent is not None and r.partial:
-        yield (
-            f"rollout.agent={r.agent!r} with rollout.partial=true: partial agent rollouts are not built yet "
-            "(docs/agents.md); set rollout.partial=false"
         )
 
 

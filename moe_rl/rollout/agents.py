@@ -27,6 +27,7 @@ from typing import Any
 from transformers.utils import get_json_schema
 
 from moe_rl.rollout.client import RolloutClient
+from moe_rl.rollout.partial import PartialCounters
 from moe_rl.rollout.turns import Trajectory, TurnGenerate
 
 __all__ = [
@@ -161,13 +162,22 @@ async def run_agents(
     step: int = 0,
     rerender: str = "refuse",
     check_prefix_routes: bool = False,
+    counters: PartialCounters | None = None,
 ) -> tuple[list[Trajectory], dict[str, int]]:
     """Every sample through ``agent`` concurrently; (trajectories in sample order, their summed counters).
-    All or nothing, like the client's batch: the first failure cancels the rest and is raised."""
+    All or nothing, like the client's batch: the first failure cancels the rest and is raised. ``counters``: where
+    the turns' ``async/*`` counts go (``TurnGenerate``). A trajectory whose generated tokens come from more than
+    one weight version (async mode: an update between its turns, or inside one) counts in
+    ``agent/multi_version_trajectories``."""
 
     async def one(sample: AgentSample) -> Trajectory:
         generate = TurnGenerate(
-            client, step=step, index=sample.index, rerender=rerender, check_prefix_routes=check_prefix_routes
+            client,
+            step=step,
+            index=sample.index,
+            rerender=rerender,
+            check_prefix_routes=check_prefix_routes,
+            counters=counters,
         )
         out = await agent(sample, generate)
         if not isinstance(out, Trajectory):
@@ -183,4 +193,5 @@ async def run_agents(
     totals: Counter = Counter()
     for t in trajectories:
         totals.update(t.metrics)
+        totals["agent/multi_version_trajectories"] += len(t.versions()) > 1
     return trajectories, dict(totals)

@@ -28,6 +28,7 @@ import numpy as np
 from moe_rl.records import RolloutSample
 from moe_rl.rollout.client import RolloutClient, sample_seed
 from moe_rl.rollout.dispatch import Group
+from moe_rl.rollout.partial import PartialCounters
 
 __all__ = [
     "RERENDER_MODES",
@@ -139,6 +140,14 @@ class Trajectory:
     def generated_tokens(self) -> int:
         return sum(len(s) for s in self.segments if s.role == "generated")
 
+    def versions(self) -> set:
+        """The weight versions its generated tokens came from (per-token versions; else each turn's label)."""
+        out: set = set()
+        for s in self.segments:
+            if s.role == "generated":
+                out |= {s.weight_version} if s.token_versions is None else {int(v) for v in s.token_versions}
+        return out
+
     def last_generated(self) -> Segment | None:
         return next((s for s in reversed(self.segments) if s.role == "generated"), None)
 
@@ -233,7 +242,12 @@ class TurnGenerate:
     ``await generate(trajectory, prompt_ids, max_new_tokens=None)`` checks the prompt against the trajectory
     (``Trajectory.plan_turn``), requests only the new route rows (``routes_start_len``; every row with
     ``check_prefix_routes``), records the turn and returns its generated segment. Each turn has its own
-    sampling seed, derived from the sample's ``(seed, step, group, index)`` and the turn number.
+    sampling seed, derived from the sample's ``(seed, step, group, index)`` and the turn number. ``counters``: where
+    the turns' ``async/*`` counts go (a batch's own in async mode; default: the client's). In partial-rollout mode a
+    turn ended by a weight-update pause is continued by the client like any request (``moe_rl.rollout.partial``):
+    the continuation asks only for rows from its own prompt's last token on, so the turn still returns exactly
+    rows ``[routes_start_len, ...)`` and the trajectory's earlier rows are untouched; its tokens keep the version
+    that sampled each of them.
     """
 
     def __init__(
@@ -245,11 +259,13 @@ class TurnGenerate:
         rerender: str = "refuse",
         check_prefix_routes: bool = False,
         seeded: bool = True,
+        counters: PartialCounters | None = None,
     ):
         if rerender not in RERENDER_MODES:
             raise ValueError(f"rollout.agent_rerender={rerender!r}; expected one of {RERENDER_MODES}")
         self.client, self.step, self.index = client, step, index
         self.rerender, self.check_prefix_routes, self.seeded = rerender, check_prefix_routes, seeded
+        self.counters = counters
 
     def turn_seed(self, group_id: int, turn: int) -> int:
         base = sample_seed(self.client.seed, self.step, group_id, self.index)
@@ -272,6 +288,7 @@ class TurnGenerate:
             seeds=[self.turn_seed(trajectory.group_id, trajectory.turns)],
             max_new_tokens=[budget],
             groups=[group],
+            counters=self.counters,
         )
         trajectory.server = group.home
         return trajectory.add_turn(prompt_ids, sample, start, routes_from=ask_from)

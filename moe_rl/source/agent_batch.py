@@ -25,7 +25,7 @@ from moe_rl.records.versions import parse_version_label
 from moe_rl.rollout.agents import AgentContext, AgentError, AgentSample, load_agent, run_agents
 from moe_rl.rollout.turns import Trajectory
 
-__all__ = ["AgentRollouts", "reward_ids", "trajectory_sample"]
+__all__ = ["AgentRollouts", "agent_metrics", "reward_ids", "trajectory_sample"]
 
 
 def _versions(seg) -> np.ndarray | None:
@@ -86,7 +86,8 @@ def reward_ids(sample: RolloutSample) -> np.ndarray:
 
 
 class AgentRollouts:
-    """``rollout.agent`` over one round's prompts; ``metrics`` sums the loops' counters (``agent/*``, ``replay/*``)."""
+    """``rollout.agent`` over one round's prompts. Thread-safe: in async mode several steps' batches generate at
+    once (each on its own thread and event loop), so each batch passes its own ``metrics`` and ``counters``."""
 
     def __init__(self, cfg):
         r = cfg.rollout
@@ -98,17 +99,20 @@ class AgentRollouts:
             r.agent_rerender,
             r.agent_check_prefix_routes,
         )
-        self.metrics: Counter = Counter()
 
-    def generate(self, client, prompts, step: int, group_ids=None) -> list[RolloutSample]:
-        """``samples_per_prompt`` trajectories of every prompt (prompt-major, as ``client.generate``)."""
+    def generate(
+        self, client, prompts, step: int, group_ids=None, metrics: Counter | None = None, counters=None
+    ) -> list[RolloutSample]:
+        """``samples_per_prompt`` trajectories of every prompt (prompt-major, as ``client.generate``); the loops'
+        counters (``agent/*``, ``replay/*``) are added to ``metrics``, the turns' ``async/*`` counts to
+        ``counters`` (the batch's ``PartialCounters``; default: the client's)."""
         groups = list(range(len(prompts))) if group_ids is None else list(group_ids)
         samples = [
             AgentSample(prompt_ids=list(p.ids), label=p.label, group_id=g, index=j, extra={"prompt": p})
             for p, g in zip(prompts, groups)
             for j in range(self.n)
         ]
-        trajectories, metrics = asyncio.run(
+        trajectories, counts = asyncio.run(
             run_agents(
                 self.agent,
                 samples,
@@ -116,17 +120,19 @@ class AgentRollouts:
                 step=step,
                 rerender=self.rerender,
                 check_prefix_routes=self.check_prefix_routes,
+                counters=counters,
             )
         )
-        self.metrics.update(metrics)
-        self.metrics["agent/trajectories"] += len(trajectories)
-        self.metrics["agent/turns"] += sum(t.turns for t in trajectories)
+        if metrics is not None:
+            metrics.update(counts)
+            metrics["agent/trajectories"] += len(trajectories)
+            metrics["agent/turns"] += sum(t.turns for t in trajectories)
         return [trajectory_sample(t) for t in trajectories]
 
-    def drain(self) -> dict[str, float]:
-        """The counters since the last drain, as step metrics (``agent/turns_mean`` per trajectory)."""
-        out = {k: float(v) for k, v in self.metrics.items()}
-        if out.get("agent/trajectories"):
-            out["agent/turns_mean"] = out.pop("agent/turns") / out["agent/trajectories"]
-        self.metrics.clear()
-        return out
+
+def agent_metrics(metrics: Counter) -> dict[str, float]:
+    """A batch's agent counters as step metrics (``agent/turns_mean`` per trajectory)."""
+    out = {k: float(v) for k, v in metrics.items()}
+    if out.get("agent/trajectories"):
+        out["agent/turns_mean"] = out.pop("agent/turns") / out["agent/trajectories"]
+    return out

@@ -16,11 +16,14 @@ ReMax (``advantage.estimator: remax``): after a round's sampled responses, one g
 inside the same ``generate_checked`` call, so it carries the same weight version; ``StepSamples`` scores it into
 the records' ``reward_baselines`` and drops it. It is sent after the sampled ones, as verl's ``gen_max`` follows
 its ``gen``. With ``rollout.agent`` each sample is an agent loop's multi-turn trajectory
-(``moe_rl.source.agent_batch``; sync mode, no ReMax).
+(``moe_rl.source.agent_batch``; sync, async and partial rollouts, no ReMax): in async mode a trajectory's turns may
+straddle a weight update when ``rollout.partial`` lets the push pause the batch in flight (each generated token keeps
+its own version); with ``rollout.partial: false`` the push waits for the batch, so each trajectory has one version.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -30,7 +33,7 @@ from moe_rl.records import RolloutBatch
 from moe_rl.rollout.auth import tls
 from moe_rl.rollout.client import RolloutClient
 from moe_rl.rollout.partial import PartialCounters
-from moe_rl.source.agent_batch import AgentRollouts
+from moe_rl.source.agent_batch import AgentRollouts, agent_metrics
 from moe_rl.source.step_samples import round_group_ids
 from moe_rl.sync.integrity import generate_checked
 
@@ -81,7 +84,7 @@ class BatchMaker:
             restart,
         )
         self.greedy = greedy_client(cfg, client) if cfg.advantage.estimator == "remax" else None
-        self.agents = AgentRollouts(cfg) if cfg.rollout.agent else None  # sync mode only (preflight)
+        self.agents = AgentRollouts(cfg) if cfg.rollout.agent else None
 
     def __call__(self, step: int, served: int, drawn: Callable[[], None] = lambda: None) -> Path:
         n, client, partial = self.cfg.rollout.samples_per_prompt, self.client, self.cfg.rollout.partial
@@ -90,6 +93,7 @@ class BatchMaker:
 
         now = {"served": served}  # a re-sync pushes the version the learner's weights are: maybe a newer one
         counters = PartialCounters()  # this batch's (another step may be generating at the same time)
+        agent_counts: Counter = Counter()  # this batch's agent/* counters (likewise)
 
         def resync() -> None:
             if (pushed := self.resync(now["served"])) is not None:
@@ -101,7 +105,7 @@ class BatchMaker:
 
         def sample(ids, groups, prompts) -> list:  # n sampled responses a prompt, then (ReMax) its greedy one
             if self.agents is not None:  # rollout.agent: one trajectory per sample, turn by turn
-                return self.agents.generate(client, prompts, step, groups)
+                return self.agents.generate(client, prompts, step, groups, agent_counts, counters)
             out = client.generate(ids, n, step=step, group_ids=groups, counters=counters)
             if self.greedy is not None:
                 out += self.greedy.generate(ids, 1, step=step, group_ids=groups, seeded=False, counters=counters)
@@ -124,7 +128,7 @@ class BatchMaker:
         if self.cfg.rollout.partial:  # async/kv_stale_tokens, … of this batch
             sample_metrics = sample_metrics | counters.drain()
         if self.agents is not None:  # agent/* counters of this batch's trajectories
-            sample_metrics = sample_metrics | self.agents.drain()
+            sample_metrics = sample_metrics | agent_metrics(agent_counts)
         if sample_metrics:
             batch.extra["reward_metrics"] = sample_metrics  # travels with the records to every rank
         if self.cfg.rollout.true_on_policy:  # the servers' kernel identities, checked by every rank (step_records)

@@ -186,11 +186,14 @@ def test_agent_and_tool_keys_are_checked_with_one_clear_line(tokenizer):
     ]
     agent = "rollout.agent=moe_rl.rollout.tool_loop:ToolAgentLoop"
     assert not [p for p in config_problems(load_config(None, [agent])).problems if "rollout.agent" in p]  # sync: trains
-    cfg = load_config(None, [agent, "train.rollout_mode=async", "rollout.addresses=[http://127.0.0.1:1]"])
+    for mode in (["train.rollout_mode=async"], ["train.rollout_mode=async", "rollout.partial=true"]):  # issue 56
+        cfg = load_config(None, [agent, *mode, "rollout.addresses=[http://127.0.0.1:1]"])
+        assert not [p for p in config_problems(cfg).problems if "rollout.agent" in p], mode
+    cfg = load_config(None, [agent, "advantage.estimator=remax"])
     assert [p for p in config_problems(cfg).problems if "rollout.agent" in p] == [
         (
-            "rollout.agent='moe_rl.rollout.tool_loop:ToolAgentLoop' trains in train.rollout_mode=sync only: "
-            "asynchronous agent rollouts are not built yet (docs/agents.md); set train.rollout_mode=sync"
+            "rollout.agent='moe_rl.rollout.tool_loop:ToolAgentLoop' with advantage.estimator=remax: ReMax's greedy "
+            "baseline response is not built for agent loops; choose another advantage.estimator"
         )
     ]
     assert not [p for p in config_problems(load_config(None, [])).problems if "rollout.agent" in p]
