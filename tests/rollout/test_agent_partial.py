@@ -70,12 +70,10 @@ def test_a_turn_aborted_by_a_weight_update_is_continued_without_touching_earlier
                 run_agents(agent, [AgentSample(prompt_ids=PROMPT, group_id=5)], client, step=1, counters=counters)
             )
         tokens = traj.token_ids.tolist()
-        oracle = {}
-        for version, path in ((0, model_dir), (1, model_dir_v2)):
-            update_weights_from_disk([url], path, f"step-{version}")
-            oracle[version] = _teacher_forced(url, route_spec, PROMPT, tokens[len(PROMPT) :])["routes"]
+        oracle = {1: _teacher_forced(url, route_spec, PROMPT, tokens[len(PROMPT) :])["routes"]}  # served: step-1
     finally:
-        update_weights_from_disk([url], model_dir, "v1")
+        update_weights_from_disk([url], model_dir, "v1")  # the session's checkpoint again: step-0's weights
+    oracle[0] = _teacher_forced(url, route_spec, PROMPT, tokens[len(PROMPT) :])["routes"]
 
     t1, budget = traj.marks["turn1_len"], SAMPLING.max_new_tokens
     turn2_prompt = t1 + len(ENV)
