@@ -21,8 +21,8 @@ be used in a forked child.
 A server whose launcher is gone stops itself and its children (``moe_rl.rollout.orphan_guard``, started
 first thing in ``main`` when ``MOE_RL_PARENT_PID`` is set).
 
-Every server also answers ``GET /moe_rl/kernel_identity`` (``moe_rl.exact.identity``: torch build, CPU capability,
-the true-on-policy items, dtype, deterministic inference), which the learner compares with its own.
+Every server also answers ``GET /moe_rl/kernel_identity`` (``moe_rl.exact.identity``: torch build, CPU capability, MKL's
+code path, the true-on-policy items, dtype, deterministic inference), which the learner compares with its own.
 """
 
 from __future__ import annotations

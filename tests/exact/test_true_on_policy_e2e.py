@@ -21,7 +21,8 @@ from ``kernels.kept_token_logprobs`` on both sides; the learner's stock renormal
 (``keep_mask_logprobs``) on the same exact logits is shown not to be bit-equal.
 
 Kernel identity guard: a learner forced onto ATen's ``default`` CPU kernels against the same server refuses
-step 0's records, naming both identities (``moe_rl.exact.identity``).
+step 0's records, naming both identities (``moe_rl.exact.identity``); so does one forced onto another MKL code
+path (``MKL_ENABLE_INSTRUCTIONS=AVX2``), while this process, on the server's settings, loads them.
 """
 
 from __future__ import annotations
@@ -40,12 +41,13 @@ from safetensors import safe_open
 
 from moe_rl.config import load_config
 from moe_rl.exact import kernels
-from moe_rl.exact.identity import learner_identity, served_identities
+from moe_rl.exact.identity import EXTRA_KEY, learner_identity, served_identities
 from moe_rl.exact.kernels import kept_token_logprobs
 from moe_rl.learner.logprobs import response_logprobs
 from moe_rl.learner.model import build_model, forward_logits
 from moe_rl.records import RolloutBatch
 from moe_rl.replay.keep_mask import KeptSets, keep_mask_logprobs, kept_mask
+from moe_rl.source.step_records import StepRecords
 from moe_rl.train.metrics_log import read_metrics
 from tests.conftest import run_to_file
 from tests.exact.conftest import GATE
@@ -298,3 +300,39 @@ def test_a_learner_on_another_cpu_capability_refuses_the_batch_naming_both_ident
     line = next((x for x in output.splitlines() if "made under another kernel identity" in x), "")
     assert named in line and "step_000000.safetensors" in line and f"server {tiny_server}" in line, output[-3000:]
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or not read_metrics(tmp_path / "run" / "metrics.jsonl")
+
+
+def test_a_learner_on_another_mkl_code_path_refuses_the_batch_and_one_on_the_same_loads_it(tiny_run, tiny_server):
+    """The guard's MKL keys: MKL picks its instruction set at run time, apart from ATen's capability
+    (``MKL_ENABLE_INSTRUCTIONS=AVX2`` moves 80% of tiny's fp32 logits here; docs/true_on_policy.md). A learner
+    process with that variable loads the async run's step-0 records (stamped with the server's identity) as
+    ``moe-rl train`` does (``StepRecords.for_trainer(...).load``): its identity is first shown to differ from the
+    server's, only in ``mkl_isa``; then the load is refused with one line naming both. This process, on the
+    server's settings, loads the same records."""
+    out, _ = tiny_run
+    records = out / "rollouts" / "step_000000.safetensors"
+    served = served_identities([tiny_server])[tiny_server]
+    assert list(RolloutBatch.load(records).extra[EXTRA_KEY].values()) == [served]
+    probe = (
+        "import json, sys\nfrom moe_rl.config import load_config\nfrom moe_rl.exact.identity import learner_identity\n"
+        "from moe_rl.records import RecordError\nfrom moe_rl.source.step_records import StepRecords\n"
+        "cfg = load_config(sys.argv[1], sys.argv[3:])\nprint(json.dumps(learner_identity(cfg)))\n"
+        "try:\n    StepRecords.for_trainer(cfg, 'probe').load(sys.argv[2])\n    print('LOADED')\n"
+        "except RecordError as exc:\n    print('REFUSED', exc)\n"
+    )
+    cfg_args = [str(ROOT / "configs" / "tiny_cpu.yaml"), str(records), *GATE]
+    env = {**os.environ, "MKL_ENABLE_INSTRUCTIONS": "AVX2", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-c", probe, *cfg_args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ident, verdict = proc.stdout.strip().splitlines()[-2:]
+    learner = json.loads(ident)
+    if learner["mkl_isa"] == served["mkl_isa"]:
+        pytest.skip("MKL already runs its AVX2 path here: no other MKL code path to force")
+    assert {k for k in served.keys() | learner.keys() if served.get(k) != learner.get(k)} == {"mkl_isa"}
+    named = f"mkl_isa: server {served['mkl_isa']!r} vs learner {learner['mkl_isa']!r}"
+    assert verdict.startswith("REFUSED ") and "made under another kernel identity" in verdict, proc.stdout[-3000:]
+    assert named in verdict and "step_000000.safetensors" in verdict and f"server {tiny_server}: {{" in verdict
+    cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml", GATE)
+    assert learner_identity(cfg) == served
+    assert StepRecords.for_trainer(cfg, "probe").load(records).samples()  # the same records, loaded
