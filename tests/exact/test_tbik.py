@@ -9,10 +9,17 @@ built on the CPU whatever the ``device`` fixture says.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+from moe_rl.config import load_config
 from moe_rl.exact import kernels as K
+from moe_rl.learner.model import transformer_config_kwargs
+from tests.exact.conftest import GATE
+
+TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
 
 DTYPES = [torch.float32, torch.bfloat16]
 SHAPES = [(96, 64), (64, 2048)]  # (N, K): a small K and one where MKL blocks the reduction
@@ -76,3 +83,16 @@ def test_tp_blocks_must_divide_k():
     x, w = _inputs(torch.float32, 8, 64)
     with pytest.raises(ValueError, match="tp_blocks=3"):
         K.linear(x, w, tp_blocks=3)
+
+
+def test_an_exact_learner_at_tp2_builds_without_te_only_with_whole_experts():
+    """The exact spec's norms are sequence-parallel capable, so tp=2 builds on CPU (sequence parallel on) with
+    ``parallel.etp=1``; with the experts split too (etp defaults to tp) one error names the field; the stock
+    local spec still needs TE."""
+    kw = transformer_config_kwargs(load_config(TINY, [*GATE[:4], "parallel.tp=2", "parallel.etp=1"]))
+    assert kw["tensor_model_parallel_size"] == 2 and kw["sequence_parallel"] and kw["expert_tensor_parallel_size"] == 1
+    with pytest.raises(ValueError, match=r"parallel.tp=2 under rollout.true_on_policy needs parallel.etp=1"):
+        transformer_config_kwargs(load_config(TINY, [*GATE[:4], "parallel.tp=2"]))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"parallel.tp=2 needs Transformer Engine on a GPU"):
+            transformer_config_kwargs(load_config(TINY, ["parallel.tp=2"]))

@@ -20,6 +20,10 @@ Keep Sampling Mask: tiny_cpu as shipped (KSM on, top-p 0.95, top-k 20, R3) in fp
 from ``kernels.kept_token_logprobs`` on both sides; the learner's stock renormalisation
 (``keep_mask_logprobs``) on the same exact logits is shown not to be bit-equal.
 
+Pipeline and tensor parallelism: one 2-rank worker run (``parallel_exact_worker.py``) recomputes step 0's records
+of the async run with the learner at pp=2 (exact; not with stock SDPA on one stage) and at tp=2 (equal to the tp=1
+learner whose row-parallel linears split K into the same 2 blocks, TBIK; not to the unsplit tp=1 server).
+
 Kernel identity guard: a learner forced onto ATen's ``default`` CPU kernels against the same server refuses
 step 0's records, naming both identities (``moe_rl.exact.identity``).
 """
