@@ -49,11 +49,11 @@ def true_on_policy_settings(cfg) -> Iterable[str]:
     # parallel.pp is exact: each stage runs the same per-layer kernels and the hidden states it sends are copies
     if p.tp != 1:
         yield (
-            f"parallel.tp={p.tp} {_WHY} against the server: the exact learner shards its linears over tp ranks with "
-            "a fixed-order (TBIK) combine of each row-parallel linear's fp32 partials, equal to the tp=1 kernel with "
-            "its reduction split into tp blocks (kernels.linear(tp_blocks=tp)), but the server's row-parallel linears "
-            "(o_proj, down_proj) do not split theirs yet (docs/true_on_policy.md, 'Pipeline and tensor "
-            "parallelism'); expected 1"
+            f"parallel.tp={p.tp} {_WHY} against the server yet: the exact learner at tp > 1 (sequence parallel, "
+            "etp=1) combines each row-parallel linear's fp32 partials in a fixed order (TBIK), equal to the tp=1 "
+            "kernel with its K split into tp blocks, but the server's split is not wired (launcher, kernel identity) "
+            "and after a tp=2 update the learner's and the server's weights were seen apart (docs/true_on_policy.md, "
+            "'Pipeline and tensor parallelism'); expected 1"
         )
     if p.cp != 1:
         yield (
