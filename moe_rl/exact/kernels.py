@@ -60,6 +60,7 @@ __all__ = [
     "apply_rope",
     "attention",
     "attention_decode",
+    "combine_partials",
     "kept_token_logprobs",
     "linear",
     "linear_bias",
@@ -106,12 +107,32 @@ class _Linear(torch.autograd.Function):
         return gx, gw, None
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None, tp_blocks: int = 1) -> torch.Tensor:
     """``x[..., K] @ w[N, K].T`` -> ``[..., N]``, row-invariant; accumulated in fp32, cast to ``out_dtype``
-    (default ``x.dtype``)."""
-    if x.shape[-1] != w.shape[-1]:
-        raise ValueError(f"linear: x has K={x.shape[-1]}, weight has K={w.shape[-1]}")
-    return _Linear.apply(x, w, out_dtype or x.dtype)
+    (default ``x.dtype``). ``tp_blocks > 1`` (TBIK): ``K`` split into that many equal blocks, each block's
+    product through the tiled GEMM in fp32, the partials combined by ``combine_partials`` -- what a row-parallel
+    linear over ``tp_blocks`` tensor-parallel ranks computes, each rank holding one block."""
+    K = x.shape[-1]
+    if K != w.shape[-1]:
+        raise ValueError(f"linear: x has K={K}, weight has K={w.shape[-1]}")
+    if tp_blocks == 1:
+        return _Linear.apply(x, w, out_dtype or x.dtype)
+    if tp_blocks < 1 or K % tp_blocks:
+        raise ValueError(f"linear: K={K} does not split into tp_blocks={tp_blocks} equal blocks")
+    b = K // tp_blocks
+    parts = [
+        _Linear.apply(x[..., j * b : (j + 1) * b], w[:, j * b : (j + 1) * b], torch.float32) for j in range(tp_blocks)
+    ]
+    return combine_partials(parts, out_dtype or x.dtype)
+
+
+def combine_partials(parts: list[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    """The fp32 partial products of a K-split linear, added in ascending block (tensor-parallel rank) order,
+    rounded once to ``out_dtype``: the fixed-order reduction of a row-parallel linear."""
+    acc = parts[0].float()
+    for p in parts[1:]:
+        acc = acc + p.float()
+    return acc.to(out_dtype)
 
 
 def linear_bias(

@@ -46,11 +46,26 @@ def true_on_policy_settings(cfg) -> Iterable[str]:
             "computed by the older weights, a forward no single learner version computes (docs/true_on_policy.md, "
             "'What cannot be exact'); use 'retract' or 'abort'"
         )
-    for key in ("tp", "pp", "cp"):
-        if getattr(p, key) != 1:
-            yield f"parallel.{key}={getattr(p, key)} {_WHY}: the shared kernels run unsharded layers; expected 1"
+    # parallel.pp is exact: each stage runs the same per-layer kernels and the hidden states it sends are copies
+    if p.tp != 1:
+        yield (
+            f"parallel.tp={p.tp} {_WHY} against the server yet: the exact learner at tp > 1 (sequence parallel, "
+            "etp=1) combines each row-parallel linear's fp32 partials in a fixed order (TBIK), equal to the tp=1 "
+            "kernel with its K split into tp blocks, but the server's split is not wired (launcher, kernel identity) "
+            "and after a tp=2 update the learner's and the server's weights were seen apart (docs/true_on_policy.md, "
+            "'Pipeline and tensor parallelism'); expected 1"
+        )
+    if p.cp != 1:
+        yield (
+            f"parallel.cp={p.cp} {_WHY}: context parallelism splits a sequence's keys over ranks and merges the "
+            "ranks' partial softmax sums (ring attention) in an order the server's blocked attention over the whole "
+            "sequence does not have; expected 1"
+        )
     if p.etp not in (None, 1):
-        yield f"parallel.etp={p.etp} {_WHY}: expected 1"
+        yield (
+            f"parallel.etp={p.etp} {_WHY}: the experts' down projections would reduce over etp ranks, a split the "
+            "server's expert kernel (kernels.moe_experts) does not make; expected 1"
+        )
     if m.moe_expert_capacity_factor is not None:
         yield (
             f"model.moe_expert_capacity_factor={m.moe_expert_capacity_factor} {_WHY}: token dropping depends on "

@@ -36,6 +36,10 @@ from moe_rl.exact.contract import SERVER_ENV, kernels_from_env
 __all__ = ["ENV", "TrueOnPolicyError", "enabled", "install"]
 
 ENV = "MOE_RL_TRUE_ON_POLICY"
+# TBIK, not wired yet (docs/true_on_policy.md, "Pipeline and tensor parallelism"): every RowParallelLinear splits its
+# K reduction into this many blocks (kernels.linear(tp_blocks=)), as a tp=N exact learner does. Not in the kernel
+# identity and not set by the launcher: the preflight still refuses parallel.tp > 1 under the mode.
+TP_BLOCKS_ENV = "MOE_RL_TRUE_ON_POLICY_TP_BLOCKS"
 MOE = frozenset({"router", "experts"})  # the items a MoE block's forward_normal carries
 
 
@@ -54,6 +58,7 @@ def install(runner, kernels: frozenset[str] | None = None) -> list[str]:
     on = kernels_from_env(os.environ.get(SERVER_ENV)) if kernels is None else kernels
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: PLC0415 -- SGLang is optional (the rollout engine), heavy to import
     from sglang.srt.layers.layernorm import RMSNorm  # noqa: PLC0415 -- SGLang is optional (the rollout engine), heavy to import
+    from sglang.srt.layers.linear import RowParallelLinear  # noqa: PLC0415 -- SGLang is optional (the rollout engine), heavy to import
     from sglang.srt.layers.logits_processor import LogitsProcessor  # noqa: PLC0415 -- SGLang is optional (the rollout engine), heavy to import
     from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod  # noqa: PLC0415 -- SGLang is optional (the rollout engine), heavy to import
     from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding  # noqa: PLC0415 -- SGLang is optional (the rollout engine), heavy to import
@@ -67,7 +72,11 @@ def install(runner, kernels: frozenset[str] | None = None) -> list[str]:
         qm = getattr(mod, "quant_method", None)
         linear = isinstance(qm, UnquantizedLinearMethod) and hasattr(mod, "weight") and mod.weight.dim() == 2
         if linear and "linear" in on:
-            qm.apply = _exact_linear_apply
+            blocks = int(os.environ.get(TP_BLOCKS_ENV, "1"))
+            if blocks > 1 and isinstance(mod, RowParallelLinear):
+                qm.apply = lambda layer, x, bias=None, _b=blocks: _exact_split_apply(layer, x, bias, _b)
+            else:
+                qm.apply = _exact_linear_apply
             hooked("linear")
         if isinstance(mod, RMSNorm):
             if "rmsnorm" in on:
@@ -135,6 +144,13 @@ def _kept_set_sampler(sampler):
         return ids
 
     return forward
+
+
+def _exact_split_apply(layer, x, bias, blocks):
+    """A row-parallel linear as a tp=``blocks`` learner computes it (``ExactRowParallelLinear``)."""
+    if bias is not None:
+        raise TrueOnPolicyError("a row-parallel linear's bias with tp blocks is not covered")
+    return K.linear(x, layer.weight, tp_blocks=blocks)
 
 
 def _exact_linear_apply(layer, x, bias=None):

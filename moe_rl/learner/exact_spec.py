@@ -23,7 +23,14 @@ import contextvars
 import itertools
 
 import torch
+import torch.distributed as dist
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe import router as megatron_router
@@ -55,27 +62,80 @@ def _exact_linear(mod, input_, w):
     return K.linear_bias(input_, w, mod.bias), None
 
 
+def _tp(mod) -> int:
+    """The tensor-parallel ranks ``mod``'s weight is split over (1 for an expert's linear: ``parallel.etp`` is 1)."""
+    return 1 if mod.explicit_expert_comm else mod.tp_group.size()
+
+
+class _FixedOrderReduce(torch.autograd.Function):
+    """Forward: every tp rank's fp32 partial gathered and added in ascending rank order, rounded once
+    (``kernels.combine_partials``, what ``kernels.linear(tp_blocks=tp)`` computes unsharded); backward: the
+    identity, as Megatron's all-reduce (each rank's partial gets the whole output's gradient)."""
+
+    @staticmethod
+    def forward(ctx, partial, group, out_dtype):
+        parts = [torch.empty_like(partial) for _ in range(group.size())]
+        dist.all_gather(parts, partial.contiguous(), group=group)
+        return K.combine_partials(parts, out_dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.float(), None, None
+
+
 class ExactColumnParallelLinear(ColumnParallelLinear):
-    """``ColumnParallelLinear`` (tp = 1) whose forward is ``kernels.linear`` / ``linear_bias``."""
+    """``ColumnParallelLinear`` whose forward is ``kernels.linear`` / ``linear_bias`` on this rank's output
+    columns: the kernel's columns do not depend on the others, so a tp shard's outputs are the unsharded
+    kernel's. At tp > 1 the input is gathered (sequence parallel) or copied as Megatron does."""
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
-        return _exact_linear(self, input_, self.weight if weight is None else weight)
+        tp = _tp(self)
+        if tp > 1:
+            if self.sequence_parallel:
+                input_ = gather_from_sequence_parallel_region(input_, group=self.tp_group)
+            else:
+                input_ = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
+        out, bias = _exact_linear(self, input_, self.weight if weight is None else weight)
+        gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
+        if tp > 1 and gather:
+            out = gather_from_tensor_model_parallel_region(out, group=self.tp_group)
+        return out, bias
 
 
 class ExactRowParallelLinear(RowParallelLinear):
-    """``RowParallelLinear`` (tp = 1) whose forward is ``kernels.linear`` / ``linear_bias``."""
+    """``RowParallelLinear`` whose forward is ``kernels.linear`` / ``linear_bias``. At tp > 1 (TBIK): this rank's
+    K block through the kernel in fp32, the ranks' partials combined in a fixed order (``_FixedOrderReduce``),
+    then scattered over the sequence (sequence parallel). ``tp_blocks`` (default: the tp size) splits an
+    unsharded layer's K the same way, so a tp=1 learner can reproduce a tp=2 one bit for bit."""
+
+    tp_blocks: int | None = None
 
     def forward(self, input_):
-        return _exact_linear(self, input_, self.weight)
+        tp = _tp(self)
+        if tp == 1:
+            if self.tp_blocks in (None, 1):
+                return _exact_linear(self, input_, self.weight)
+            if self.bias is not None:
+                raise ValueError("true-on-policy: a row-parallel linear's bias with tp_blocks > 1 is not covered")
+            return K.linear(input_, self.weight, tp_blocks=self.tp_blocks), None
+        if self.bias is not None:
+            raise ValueError("true-on-policy: a row-parallel linear's bias at tp > 1 is not covered")
+        out = _FixedOrderReduce.apply(K.linear(input_, self.weight, torch.float32), self.tp_group, input_.dtype)
+        if self.sequence_parallel:
+            out = scatter_to_sequence_parallel_region(out, group=self.tp_group)
+        return out, None
 
 
 class ExactRMSNorm(torch.nn.Module):
-    """RMSNorm with ``kernels.rms_norm``; same ``weight`` parameter name as ``torch.nn.RMSNorm``."""
+    """RMSNorm with ``kernels.rms_norm``; same ``weight`` parameter name as ``torch.nn.RMSNorm``. Sequence-parallel
+    capable (unlike Megatron's torch norm): a row's norm needs only that row, and the weight is marked
+    ``sequence_parallel`` so that Megatron all-reduces its gradient over the tp ranks."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
         super().__init__()
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
 
     def forward(self, x):
         return K.rms_norm(x, self.weight, self.eps)
@@ -206,7 +266,11 @@ def install_exact_hooks(gpt, rotary_base: float, rotary_dim: int, kernels: froze
 
         def output_forward(input_, weight=None, runtime_gather_output=None):
             # fp32 logits, as the server's LM head (sglang_hooks._lm_head): in bf16 a bf16 cast here
-            # alone moves a log-prob by up to ~1e-3
+            # alone moves a log-prob by up to ~1e-3. At tp > 1 this rank's vocabulary columns, as Megatron's.
+            if out.tp_group.size() > 1:
+                gather = out.sequence_parallel
+                region = gather_from_sequence_parallel_region if gather else copy_to_tensor_model_parallel_region
+                input_ = region(input_, group=out.tp_group)
             return K.linear(input_, out.weight if weight is None else weight, out_dtype=torch.float32), None
 
         out.forward = output_forward

@@ -12,12 +12,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
-from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+from megatron.core.tensor_parallel.mappings import (
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+)
 
 from moe_rl.exact.kernels import token_logprobs
 from moe_rl.learner.model import forward_logits, unwrap
 
-__all__ = ["logprobs_from_logits", "response_logprobs", "sum_pi_squared_from_logits", "uses_exact"]
+__all__ = ["logprobs_from_logits", "response_logprobs", "sum_pi_squared_from_logits", "uses_exact", "whole_vocab"]
 
 
 def uses_exact(model) -> bool:
@@ -37,6 +40,16 @@ def _all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
         return t
 
     return reduce_from_tensor_model_parallel_region(t, group=group)
+
+
+def whole_vocab(logits: torch.Tensor, group="auto") -> torch.Tensor:
+    """``logits[..., V/tp]`` gathered into whole vocabulary rows ``[..., V]`` (a copy of each shard; backward:
+    each rank keeps its shard's gradient): the exact mode normalises over a whole row in one kernel call, as the
+    server does. Unsharded logits (tp = 1) are returned as they are."""
+    group = _tp_group() if group == "auto" else group
+    if group is None:
+        return logits
+    return gather_from_tensor_model_parallel_region(logits, group=group)
 
 
 def logprobs_from_logits(
@@ -66,9 +79,7 @@ def logprobs_from_logits(
     group = _tp_group() if tp_group == "auto" else tp_group
     targets = targets.to(logits.device)
     if exact:  # rollout.true_on_policy: SGLang's deterministic-sampler log-softmax, bit for bit
-        if group is not None:
-            raise ValueError("exact log-probs need unsharded logits (parallel.tp=1)")
-
+        logits = whole_vocab(logits, group)
         lsm = token_logprobs(logits, temperature)
         picked = lsm.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
         logp = torch.where(targets >= 0, picked, torch.zeros_like(picked))

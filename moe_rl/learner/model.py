@@ -37,6 +37,8 @@ __all__ = [
 ]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# the contract items a tp > 1 exact learner needs: sequence-parallel norms, tp-aware linears, LM head, log-softmax
+_TP_ITEMS = frozenset({"rmsnorm", "linear", "lm_head", "log_softmax"})
 
 
 def use_transformer_engine() -> bool:
@@ -67,10 +69,16 @@ def transformer_config_kwargs(cfg) -> dict:
             f"model.mtp_num_layers={m.mtp_num_layers}: multi-token prediction is not supported by the "
             "moe_rl learner yet; expected 0"
         )
-    if p.tp > 1 and not use_transformer_engine():
+    if p.tp > 1 and not use_transformer_engine() and not _TP_ITEMS <= exact:
         raise ValueError(
             f"parallel.tp={p.tp} needs Transformer Engine on a GPU: Megatron-Core trains MoE with tp > 1 only "
-            "under sequence parallelism, which the local spec's torch norms do not support; use parallel.tp=1 here"
+            "under sequence parallelism, which the local spec's torch norms do not support; use parallel.tp=1 here "
+            "(or the true-on-policy kernels, whose norms are sequence-parallel capable)"
+        )
+    if p.tp > 1 and exact and (p.etp if p.etp is not None else p.tp) != 1:
+        raise ValueError(
+            f"parallel.tp={p.tp} under rollout.true_on_policy needs parallel.etp=1: the exact expert kernels run "
+            "whole experts (no reduction split over expert-tensor-parallel ranks)"
         )
     fp8 = fp8_transformer_fields(prec.fp8)
     if fp8:

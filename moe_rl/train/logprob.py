@@ -15,7 +15,7 @@ import torch
 from megatron.core import parallel_state as ps
 
 from moe_rl.exact.kernels import kept_token_logprobs
-from moe_rl.learner.logprobs import logprobs_from_logits, sum_pi_squared_from_logits, uses_exact
+from moe_rl.learner.logprobs import logprobs_from_logits, sum_pi_squared_from_logits, uses_exact, whole_vocab
 from moe_rl.learner.model import forward_logits
 from moe_rl.replay.keep_mask import KeptSets, keep_mask_logprobs, kept_mask, kept_sum_pi_squared
 
@@ -85,8 +85,10 @@ def make_logprob_fn(keep_sampling_mask: bool, with_entropy: bool, sum_pi_squared
         B, T, V = logits.shape
         targets = mb["targets"].clamp(min=0).reshape(-1)  # pad targets (-1) are outside the loss mask
         flat = logits.reshape(B * T, V)
-        if uses_exact(model):  # the server's kernel (exact mode refuses tp > 1: the logits are whole)
-            logp = kept_token_logprobs(flat, kept_mask(mb["kept"], V, flat.device), targets, temperature).view(B, T)
+        if uses_exact(model):  # the server's kernel, over whole vocabulary rows (gathered at tp > 1)
+            whole = whole_vocab(flat)
+            kept = kept_mask(mb["kept"], whole.shape[-1], flat.device)
+            logp = kept_token_logprobs(whole, kept, targets, temperature).view(B, T)
         else:
             logp = keep_mask_logprobs(flat, targets, mb["kept"], temperature, tp_group=_tp_group()).logp.view(B, T)
         logp = torch.where(mb["targets"] >= 0, logp, torch.zeros_like(logp))

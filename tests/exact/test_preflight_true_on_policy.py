@@ -17,6 +17,7 @@ OK = ["rollout.true_on_policy=true", "rollout.dtype=float32", "replay.keep_sampl
 def test_the_gate_settings_pass():
     assert config_problems(load_config(TINY, OK)).problems == []
     assert config_problems(load_config(TINY, [*OK, "parallel.ep=2"])).problems == []
+    assert config_problems(load_config(TINY, [*OK, "parallel.pp=2"])).problems == []  # stages run the same kernels
     bf16 = ["rollout.dtype=bfloat16", "precision.params_dtype=bfloat16"]
     assert config_problems(load_config(TINY, [*OK, *bf16, "rollout.weight_sync=disk"])).problems == []
 
@@ -37,7 +38,7 @@ def test_tiny_as_shipped_with_keep_sampling_mask_and_its_truncating_sampler_pass
         ("rollout.weight_quantization=fp8_e4m3", "rollout.weight_quantization='fp8_e4m3'"),
         ("parallel.tp=2", "parallel.tp=2"),
         ("model.moe_expert_capacity_factor=1.0", "model.moe_expert_capacity_factor=1.0"),
-        ("parallel.pp=2", "parallel.pp=2"),
+        ("parallel.etp=2", "parallel.etp=2"),
         ("rollout.device=cuda", "rollout.device='cuda'"),
     ],
 )

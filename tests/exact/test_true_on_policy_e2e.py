@@ -20,6 +20,10 @@ Keep Sampling Mask: tiny_cpu as shipped (KSM on, top-p 0.95, top-k 20, R3) in fp
 from ``kernels.kept_token_logprobs`` on both sides; the learner's stock renormalisation
 (``keep_mask_logprobs``) on the same exact logits is shown not to be bit-equal.
 
+Pipeline and tensor parallelism: one 2-rank worker run (``parallel_exact_worker.py``) recomputes step 0's records
+of the async run with the learner at pp=2 (exact; not with stock SDPA on one stage) and at tp=2 (equal to the tp=1
+learner whose row-parallel linears split K into the same 2 blocks, TBIK; not to the unsplit tp=1 server).
+
 Kernel identity guard: a learner forced onto ATen's ``default`` CPU kernels against the same server refuses
 step 0's records, naming both identities (``moe_rl.exact.identity``); so does one forced onto another MKL code
 path (``MKL_ENABLE_INSTRUCTIONS=AVX2``), while this process, on the server's settings, loads them.
@@ -43,6 +47,8 @@ from moe_rl.config import load_config
 from moe_rl.exact import kernels
 from moe_rl.exact.identity import EXTRA_KEY, learner_identity, served_identities
 from moe_rl.exact.kernels import kept_token_logprobs
+from moe_rl.learner.hf_convert import export_hf_state_dict
+from moe_rl.learner.hf_export import write_hf_checkpoint
 from moe_rl.learner.logprobs import response_logprobs
 from moe_rl.learner.model import build_model, forward_logits
 from moe_rl.records import RolloutBatch
@@ -50,6 +56,7 @@ from moe_rl.replay.keep_mask import KeptSets, keep_mask_logprobs, kept_mask
 from moe_rl.source.step_records import StepRecords
 from moe_rl.train.metrics_log import read_metrics
 from tests.conftest import run_to_file
+from tests.distributed.torchrun import run_worker
 from tests.exact.conftest import GATE
 
 pytestmark = pytest.mark.sglang
@@ -237,6 +244,60 @@ def test_one_stock_kernel_breaks_equality(tiny_run, megatron_world, monkeypatch)
     # the stock BLAS matmul round alike on one whole sequence, and so do torch's RMSNorm and the kernel's)
     monkeypatch.setattr(kernels, "attention", _stock_attention)
     assert max_abs_diff(model) > 0.0
+
+
+WORKER = Path(__file__).with_name("parallel_exact_worker.py")
+
+
+@pytest.fixture(scope="module")
+def parallel_recompute(tiny_run, megatron_world, tmp_path_factory) -> tuple[list[dict], int]:
+    """Step 0's records of the tiny async run recomputed by one 2-rank worker run at pp=2, then tp=2, then tp=1
+    (parallel_exact_worker.py); (each rank's report, the records' response tokens). The step-0 weights reach the
+    worker as an HF export, imported per rank."""
+    out, _ = tiny_run
+    tmp = tmp_path_factory.mktemp("parallel_exact")
+    cfg = load_config(ROOT / "configs/tiny_cpu.yaml", overrides=GATE[:4])
+    hf = write_hf_checkpoint(export_hf_state_dict(build_model(cfg).eval(), cfg.model), cfg.model, tmp / "hf")
+    records = out / "rollouts" / "step_000000.safetensors"
+    run_worker(WORKER, str(hf), str(records), str(tmp), timeout=300)
+    tokens = sum(len(x.response_ids) for x in RolloutBatch.load(records).samples())
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in (0, 1)], tokens
+
+
+def _assert_matches_records(run: dict, tokens: int) -> None:
+    assert len(run["logp"]) == tokens
+    assert run["log_ratio_abs_max"] == 0.0 and run["kl_k3"] == 0.0, {k: run[k] for k in ("log_ratio_abs_max", "kl_k3")}
+    assert set(run["flips"].values()) == {0}, run["flips"]
+
+
+@pytest.mark.distributed
+def test_a_pp2_learner_recomputes_the_records_exactly_and_one_stock_kernel_on_one_stage_breaks_it(parallel_recompute):
+    """The learner at pp=2 (2 ranks, one decoder layer per stage, Megatron's 1F1B schedule, the trainer's
+    log-prob pass over padded microbatches) with the step-0 weights recomputes step 0's records of the tp=1
+    server bit for bit: log_ratio_abs_max and kl_k3 exactly 0, no route differs on either stage's MoE layer.
+    With the attention swapped back to stock SDPA on the last stage only, its log-probs differ while stage 0's
+    routes stay equal."""
+    ranks, tokens = parallel_recompute
+    assert [sorted(r["pp2"]["flips"]) for r in ranks] == [["0"], ["1"]]  # each stage its own MoE layer
+    for r in ranks:
+        _assert_matches_records(r["pp2"], tokens)
+    broken = [r["pp2_stock_attention_on_stage_1"] for r in ranks]
+    assert broken[0]["log_ratio_abs_max"] == broken[1]["log_ratio_abs_max"] > 0.0, broken
+    assert broken[0]["flips"] == {"0": 0}, broken  # stage 0 kept the contract
+
+
+@pytest.mark.distributed
+def test_a_tp2_learner_equals_the_tp1_kernel_split_in_the_same_fixed_blocks(parallel_recompute):
+    """TBIK: the learner at tp=2 (sequence parallel, etp=1) gives every log-prob and route of the tp=1 exact
+    learner whose row-parallel linears split K into the same 2 blocks and combine them in the same order
+    (``kernels.linear(tp_blocks=2)``), bit for bit; the tp=1 learner without the split is the server's (the
+    records, exactly), and the tp=2 learner is not (the server does not split its reductions)."""
+    ranks, tokens = parallel_recompute
+    for r in ranks:
+        _assert_matches_records(r["tp1"], tokens)
+        assert r["tp2"]["logp"] == r["tp1_blocks2"]["logp"]
+        assert r["tp2"]["routes"] == r["tp1_blocks2"]["routes"]
+        assert r["tp2"]["log_ratio_abs_max"] > 0.0, r["tp2"]["log_ratio_abs_max"]
 
 
 @pytest.fixture(scope="module")
