@@ -60,7 +60,7 @@ from moe_rl.algo.prefix_losses import (
     minpro_loss,
     prefix_min_log_ratio,
 )
-from moe_rl.algo.proximal import a3po_proximal_logp
+from moe_rl.algo.proximal import a3po_needs_prepass, a3po_proximal_logp
 from moe_rl.algo.registry import (
     AdvantageInputs,
     LossConfigLike,
@@ -141,6 +141,7 @@ __all__ = [
     "SAPOParams",
     "TOPRParams",
     "VESPOParams",
+    "a3po_needs_prepass",
     "a3po_proximal_logp",
     "adv_estimator_names",
     "aggregate",

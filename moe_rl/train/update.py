@@ -14,8 +14,10 @@ whole minibatch, gathered from all data-parallel ranks, in three phases:
    the minibatch loss (the sum of the microbatch losses).
 Step inputs beyond the log-probs: Σ_v π_v² per token from the old-log-prob pass when the estimator
 reads it (``needs_sum_pi_squared``: the optimal token baselines, VCPO's exact gradient norm), and under
-``correction.prox_logp_method: loglinear`` (A-3PO) no old-log-prob pass: π_prox is interpolated per
-minibatch between μ and the π_θ of its no-grad pre-pass by each token's weight version.
+``correction.prox_logp_method: loglinear`` (A-3PO) no old-log-prob pass: π_prox is interpolated between μ and
+sg[π_θ] by each token's weight version, inside each microbatch's loss from the update's own forward (AReaL's
+place: no extra forward), or, when a minibatch-wide correction reads π_prox before the update
+(``a3po_needs_prepass``), from the minibatch's no-grad pre-pass.
 Megatron's aux / z losses are per-microbatch means by design: the one exception to
 microbatch invariance (docs/training.md).
 """
@@ -29,7 +31,7 @@ import torch
 
 from moe_rl.algo import compute_advantages, needs_policy_prepass, policy_loss, prepare_corrections
 from moe_rl.algo.advantages import logit_grad_sq_norm
-from moe_rl.algo.proximal import a3po_proximal_logp
+from moe_rl.algo.proximal import a3po_needs_prepass, a3po_proximal_logp
 from moe_rl.algo.tensors import masked_sum
 from moe_rl.algo.variance_control import ess_lr_scale
 from moe_rl.learner.pipeline import from_last_stage, is_last_stage, object_from_last_stage
@@ -229,28 +231,35 @@ def update_minibatch(
     # phase 1: step-global corrections over the whole minibatch
     policy, a3po = None, {}
     loglinear = cfg.correction.prox_logp_method == "loglinear"
-    if loglinear or needs_policy_prepass(cfg.correction, cfg.loss, cfg.optim):  # bypass corrections / ESS, Cov: π_θ
+    prepass = needs_policy_prepass(cfg.correction, cfg.loss, cfg.optim)  # bypass corrections / ESS, Cov: π_θ
+    prepass = prepass or (loglinear and a3po_needs_prepass(cfg.correction, cfg.loss, cfg.optim))
+    deferred = loglinear and not prepass  # A-3PO's π_prox from the update's forward, per microbatch
+    if prepass:
         learner.model.train()
         with driver.prepass(routes):
             policy = all_gather_rows(_forward_rows(learner, logprob_fn, mbs, cfg.rollout.temperature, width), group)
-    if loglinear:  # A-3PO: π_prox between μ and this minibatch's π_θ, by each token's version (step - staleness)
-        stale = torch.zeros_like(mask, dtype=torch.int64) if inputs.staleness is None else inputs.staleness[ids]
-        old, a3po = a3po_proximal_logp(mu, policy, mask, inputs.step - stale.to(dev), inputs.step)
+    stale = torch.zeros_like(mask, dtype=torch.int64) if inputs.staleness is None else inputs.staleness[ids].to(dev)
+    versions = inputs.step - stale  # A-3PO: each token's weight version v_μ
+
+    def prox(rows, logp_rows):  # A-3PO: π_prox between μ and π_θ, by each token's version
+        return a3po_proximal_logp(mu[rows], logp_rows, mask[rows], versions[rows], inputs.step)
+
+    if loglinear and prepass:
+        old, a3po = prox(slice(None), policy)
+    # deferred: no π_prox yet; no correction here reads it (a3po_needs_prepass), so keep and the denominator are
+    # those of μ; the weights and metrics of μ are replaced after the update (phase 3)
     source = old if old is not None else (policy if policy is not None else mu)  # plain bypass: nothing reads it
     norm_len = getattr(cfg.loss, "norm_len", None) or cfg.rollout.max_new_tokens
     generator = _generator(inputs, mb_plan, epoch)
-    prep = prepare_corrections(
-        cfg.loss,
-        cfg.correction,
-        source,
-        mu,
-        mask,
-        norm_len=norm_len,
-        policy_logp=policy,
-        advantages=adv,
-        generator=generator,
-        loss_mask=loss_mask,
-    )
+
+    def prepare(src, rows=slice(None)):
+        lm = None if loss_mask is None else loss_mask[rows]
+        return prepare_corrections(
+            cfg.loss, cfg.correction, src, mu[rows], mask[rows], norm_len=norm_len, policy_logp=policy,
+            advantages=adv[rows], generator=generator, loss_mask=lm,
+        )  # fmt: skip
+
+    prep = prepare(source)
     lr_scale, vcpo = 1.0, {}
     if getattr(cfg.optim, "ess_lr_scaling", False):
         scale, vcpo = ess_lr_scale(masked_sum(source - mu, mask, dim=1), mask.any(dim=1), cfg.optim.ess_lr_min_scale)
@@ -266,6 +275,10 @@ def update_minibatch(
         keep = m.from_rows(prep.keep[rows]) & t["mask"]
         weights = None if prep.weights is None else m.from_rows(prep.weights[rows])
         old_t = None if old is None else m.from_rows(old[rows])
+        if deferred:  # π_prox of these rows from this forward; their per-token/-sequence IS weights from it
+            old_rows, _ = prox(rows, m.to_rows(logp.detach().float(), width))
+            local = prepare(old_rows, rows).weights
+            old_t, weights = m.from_rows(old_rows), None if local is None else m.from_rows(local)
         ref_t = None if ref is None else m.from_rows(ref[rows])
         cov = None if prep.cov_selected is None else m.from_rows(prep.cov_selected[rows])
         loss, _ = policy_loss(
@@ -307,6 +320,9 @@ def update_minibatch(
     seen_logp, seen_entropy = _rows_from_last_stage(seen_logp, seen_entropy, n_rows, width, dev)
     logp_rows = all_gather_rows(seen_logp, group)
     ent_rows = all_gather_rows(seen_entropy, group) if seen_entropy is not None else None
+    if deferred:  # the π_prox rows every microbatch used, and the corrections' weights and metrics on them
+        old, a3po = prox(slice(None), logp_rows)
+        source, prep = old, prepare(old)
     _, metrics = policy_loss(
         cfg.loss,
         cfg.correction,

@@ -22,6 +22,7 @@ from moe_rl.algo import (
     OAPLParams,
     TOPRParams,
     VESPOParams,
+    a3po_needs_prepass,
     a3po_proximal_logp,
     aspo_loss,
     compute_policy_loss,
@@ -33,7 +34,7 @@ from moe_rl.algo import (
     trm_mask,
     vespo_loss,
 )
-from moe_rl.config import CorrectionConfig, LossConfig
+from moe_rl.config import CorrectionConfig, LossConfig, OptimConfig
 from moe_rl.config.loss_keys import INSTEAD
 
 F64 = torch.float64
@@ -340,6 +341,34 @@ def test_a3po_runs_in_decoupled_mode_and_is_refused_where_it_has_no_anchor_or_pa
     assert "expected correction.mode=decoupled" in problem
     (problem,) = correction_settings(load_config(tiny, ["correction.prox_logp_method=loglinear", "replay.routing=r2"]))
     assert "replay.routing='r2' records the routes it replays" in problem
+
+
+A3PO_PREPASS = [  # (correction / loss / optim settings, whether a minibatch-wide statistic reads π_prox)
+    ({}, False),
+    ({"icepop": True}, False),  # per token: its band weights come from each microbatch's forward
+    ({"icepop": True, "icepop_level": "sequence"}, False),  # per sequence: a microbatch holds whole sequences
+    ({"is_level": "sequence", "is_threshold": 2.0}, False),  # TIS per sequence
+    ({"opsm_delta": 0.01}, False),  # OPSM reads π_θ per microbatch in every mode
+    ({"is_level": "token", "is_threshold": 2.0, "is_batch_normalize": True}, True),  # the minibatch's mean weight
+    ({"rs_mode": "token_k1", "rs_lower": 0.5, "rs_upper": 2.0}, True),  # changes the loss denominator
+    ({"rejection": [{"mode": "seq_max_k2", "upper": 0.02}]}, True),
+    ({"token_veto_threshold": 0.9}, True),
+    ({"trm_delta": 0.02}, True),
+    ({"m2po_tau": 0.04}, True),  # a sort of the minibatch's (log ρ)²
+    ({"loss.type": "clip_cov"}, True),  # a top-k of π_θ over the minibatch
+    ({"optim.ess_lr_scaling": True}, True),  # the minibatch's ESS sets the step's lr
+]
+
+
+@pytest.mark.parametrize(("settings", "needed"), A3PO_PREPASS, ids=lambda v: str(v) if isinstance(v, dict) else "")
+def test_a3po_needs_a_prepass_only_where_a_minibatch_wide_statistic_reads_pi_prox(settings, needed):
+    """Under A-3PO the step interpolates π_prox from the update's own forward (no extra forward, as AReaL) unless a
+    statistic over the whole minibatch reads π_prox before the first backward (tests/distributed/
+    test_methods_ranks.py counts the forwards and checks both paths give the same step)."""
+    corr = {k: v for k, v in settings.items() if "." not in k} | {"prox_logp_method": "loglinear"}
+    loss = LossConfig(type=settings.get("loss.type", "ppo_clip"))
+    optim = OptimConfig(ess_lr_scaling=settings.get("optim.ess_lr_scaling", False))
+    assert a3po_needs_prepass(CorrectionConfig(**corr), loss, optim) is needed
 
 
 def test_oapl_is_refused_outside_bypass_mode():

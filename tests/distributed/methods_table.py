@@ -68,7 +68,10 @@ CORRECTIONS: dict[str, tuple[str, ...]] = {
         "correction.is_threshold=1.1",
         "loss.type=reinforce",
     ),
-    "corr/a3po": ("correction.prox_logp_method=loglinear",),  # trains step 3: A3PO_STEP
+    "corr/a3po": ("correction.prox_logp_method=loglinear",),  # trains step 3: A3PO_STEP; IcePop per microbatch
+    # the same with M2PO at a budget no token exceeds: a minibatch-wide correction, so π_prox comes from a
+    # no-grad pre-pass of each minibatch instead of the update's forward; every other metric must be corr/a3po's
+    "corr/a3po_prepass": ("correction.prox_logp_method=loglinear", "correction.m2po_tau=1e6"),
     "corr/bypass_tis_otb": (  # the token baselines' Σπ² pass in bypass mode, beside a bypass correction's pre-pass
         "correction.mode=bypass",
         "correction.icepop=false",
@@ -121,7 +124,7 @@ REFUSED = {}
 # A-3PO's interpolation acts on tokens at least two versions old: its method trains the records' step 3 (index 2),
 # whose tokens carry versions 0, 1, 2 (``shifted_records``); at weights version 2, alpha = 1/2, 0, 0 on them
 A3PO_STEP = 2
-STEP_OF: dict[str, int] = {"corr/a3po": A3PO_STEP}
+STEP_OF: dict[str, int] = {"corr/a3po": A3PO_STEP, "corr/a3po_prepass": A3PO_STEP}
 
 
 def a3po_token_versions(response_lens: np.ndarray) -> np.ndarray:

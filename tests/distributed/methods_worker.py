@@ -9,7 +9,8 @@ rebuilt from the method's config, and ``RLTrainer.step`` trains step 1 (the old-
 ``--also NAME@microN...`` runs method NAME once more at micro_batch_size N (its row is ``NAME@microN``).
 The first method runs again at the end (``repeat``): the reset must give the same numbers bit for bit.
 Rank 0 writes ``DIR/result.json``: ``{"metrics": {method: row}, "refused": {method: message}, "repeat": row,
-"seconds": {method: s}}``, rows without the per-run timings.
+"seconds": {method: s}, "forwards": {method: n}}``, rows without the per-run timings; ``forwards`` counts the
+step's no-grad forward passes (``learner.forward_logprobs`` calls: the old-log-prob pass, the pre-passes).
 """
 
 from __future__ import annotations
@@ -65,6 +66,18 @@ class Reset:
         trainer.reference = reference_policy(cfg, learner, trainer.ckpt_dir, trainer.run_id, False) if kl else None
 
 
+def count_forwards(learner) -> list[int]:
+    """Count ``learner.forward_logprobs`` calls (the real method runs) in the returned one-element list."""
+    calls, real = [0], learner.forward_logprobs
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    learner.forward_logprobs = counted
+    return calls
+
+
 def one_step(trainer: RLTrainer, step: int = 0) -> dict[str, float]:
     row = trainer.step(None, step)
     return {k: v for k, v in row.items() if not k.startswith(VOLATILE)}
@@ -87,7 +100,8 @@ def main() -> None:
 
     trainer = RLTrainer(config(names[0]))  # initialises the process group (torchrun's env)
     reset = Reset(trainer)
-    res: dict = {"metrics": {}, "refused": {}, "seconds": {}}
+    res: dict = {"metrics": {}, "refused": {}, "seconds": {}, "forwards": {}}
+    forwards = count_forwards(trainer.learner)
     for name in [*names, *args.also, "repeat"]:
         cfg = config(names[0] if name == "repeat" else name)
         problems = config_problems(cfg).problems
@@ -95,9 +109,10 @@ def main() -> None:
             res["refused"][name] = "; ".join(problems)
             continue
         reset.apply(trainer, cfg)
-        t0 = time.perf_counter()
+        t0, n0 = time.perf_counter(), forwards[0]
         row = one_step(trainer, STEP_OF.get(name.partition("@")[0], 0))
         res["seconds"][name] = round(time.perf_counter() - t0, 3)
+        res["forwards"][name] = forwards[0] - n0
         if name == "repeat":
             res["repeat"] = row
         else:

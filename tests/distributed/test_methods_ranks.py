@@ -184,3 +184,16 @@ def test_a3po_interpolates_by_each_tokens_version_without_an_old_logprob_pass(in
         row = res["metrics"]["corr/a3po"]
         assert math.isclose(row["a3po/alpha_mean"], want / 2, rel_tol=1e-6), (row["a3po/alpha_mean"], want / 2)
         assert row["a3po/prox_minus_behav_mean"] != 0
+
+
+def test_a3po_runs_no_extra_forward_unless_a_minibatch_wide_correction_reads_pi_prox(loops):
+    """No-grad forwards per step (``learner.forward_logprobs`` calls): a decoupled method 1 (the old-log-prob pass);
+    A-3PO none (π_prox from each microbatch's update forward, as AReaL; IcePop's weights from it too); A-3PO with
+    M2PO one pre-pass per minibatch (2), since M2PO sorts the whole minibatch's (log ρ)² before its first backward.
+    M2PO's budget there masks nothing, so both A-3PO paths must give the same step, metric for metric."""
+    for res in loops:
+        fwd = res["forwards"]
+        assert (fwd["corr/none"], fwd["corr/a3po"], fwd["corr/a3po_prepass"]) == (1, 0, 2), fwd
+        deferred, prepass = res["metrics"]["corr/a3po"], res["metrics"]["corr/a3po_prepass"]
+        assert prepass["m2po/masked_frac"] == 0
+        assert not _differences(deferred, {k: v for k, v in prepass.items() if not k.startswith("m2po/")})
