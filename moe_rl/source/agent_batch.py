@@ -100,13 +100,13 @@ class AgentRollouts:
         )
         self.metrics: Counter = Counter()
 
-    def generate(self, client, prompts, step: int, group_ids=None) -> list[RolloutSample]:
-        """``samples_per_prompt`` trajectories of every prompt (prompt-major, as ``client.generate``)."""
+    def generate(self, client, prompts, step: int, group_ids=None, n: int | None = None) -> list[RolloutSample]:
+        """``n`` (default ``samples_per_prompt``) trajectories of every prompt (prompt-major, as ``client.generate``)."""
         groups = list(range(len(prompts))) if group_ids is None else list(group_ids)
         samples = [
             AgentSample(prompt_ids=list(p.ids), label=p.label, group_id=g, index=j, extra={"prompt": p})
             for p, g in zip(prompts, groups)
-            for j in range(self.n)
+            for j in range(self.n if n is None else n)
         ]
         trajectories, metrics = asyncio.run(
             run_agents(
