@@ -109,7 +109,9 @@ def build_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
 
 
 def traces(tok, boxes: list[str], tool_fraction: float, seed: int) -> list[tuple[list[int], list[int]]]:
-    """(token ids, loss mask) of one SFT trace per box: a tool trace (``tool_fraction`` of them) or a guess."""
+    """(token ids, loss mask) of one SFT trace per box: a tool trace (``tool_fraction`` of them) or a guess.
+    The SFT draws them afresh for every batch: a box's trace fixed once is memorised over the epochs (which boxes
+    call the tool), and RL's gain on the training boxes then does not carry to the held-out ones."""
     context = AgentContext(tokenizer=tok, tools=load_tools(TOOLS))
     rng, eos, out = random.Random(seed), tok.eos_token_id, []
     for box in boxes:
@@ -182,11 +184,10 @@ def write_model(data_dir: Path, out: Path, sft_steps: int, tool_fraction: float,
     init_distributed(cfg.parallel, environ={})
     learner = Learner(cfg, total_steps=sft_steps)
     device = next(learner.module.parameters()).device
-    seqs = traces(tok, boxes, tool_fraction, seed)
-    print(f"[sft] {sum(1 for _, m in seqs if sum(m) > 3)} of {len(seqs)} traces call the tool", flush=True)
     rng = np.random.default_rng(seed)
     for step in range(sft_steps):
-        batch = [seqs[i] for i in rng.choice(len(seqs), 64, replace=False)]
+        drawn = [boxes[i] for i in rng.choice(len(boxes), 64, replace=False)]
+        batch = traces(tok, drawn, tool_fraction, seed=seed * 100_003 + step)  # tool or guess: drawn per batch
         stats = learner.train_step([sft_batch(batch, tok.pad_token_id, device)], _nll_loss)
         if (step + 1) % 50 == 0 or step + 1 == sft_steps:
             print(
