@@ -3,7 +3,7 @@ directory with its own BPE tokenizer and a tool-capable (Hermes / Qwen3 ``<tool_
 short SFT on tool-call traces.
 
     python scripts/make_agent_example.py data  [--out examples/agent]        # the jsonl files (committed)
-    python scripts/make_agent_example.py model [--out examples/agent/model]  # tokenizer + model + SFT (~1 min)
+    python scripts/make_agent_example.py model [--out examples/agent/model]  # tokenizer + model + SFT (~4 min)
 
 The task: "What is the code in box 482?"; the code is two digits only the tool ``lookup(box)`` knows
 (``moe_rl.tasks.lookup``: a hash of the box number), so without the tool the model can only guess (1 in 100).
@@ -207,8 +207,8 @@ def main() -> None:
     ap.add_argument("what", choices=["data", "model"])
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--data", type=Path, default=ROOT / "examples/agent", help="model: where train.jsonl is")
-    ap.add_argument("--sft-steps", type=int, default=300)
-    ap.add_argument("--tool-fraction", type=float, default=0.25, help="share of SFT traces that call the tool")
+    ap.add_argument("--sft-steps", type=int, default=1000)
+    ap.add_argument("--tool-fraction", type=float, default=0.5, help="share of SFT traces that call the tool")
     args = ap.parse_args()
     if args.what == "data":
         write_data(args.out or ROOT / "examples/agent")
