@@ -3,7 +3,7 @@ VENV ?= $(or $(MOE_RL_VENV),$(CURDIR)/.venv)
 PY := $(VENV)/bin/python
 export MOE_RL_VENV := $(VENV)
 
-.PHONY: install demo test lint bench gpu-check math-example
+.PHONY: install demo test lint bench gpu-check math-example agent-example
 install:
 	bash scripts/install.sh
 
@@ -17,6 +17,13 @@ demo: install
 math-example: install
 	[ -f examples/math/model/config.json ] || $(PY) scripts/make_math_example.py model
 	$(VENV)/bin/moe-rl train configs/math_cpu.yaml train.output_dir=runs/math_cpu/$$(date +%Y%m%d-%H%M%S)
+
+# The multi-turn example (configs/agent_cpu.yaml): a box-lookup task whose answer only a tool knows, a tiny
+# Qwen3-MoE with a tool-calling chat template given a short SFT on tool-call traces (built once into
+# examples/agent/model), then RL with the built-in tool loop and held-out success.
+agent-example: install
+	[ -f examples/agent/model/config.json ] || $(PY) scripts/make_agent_example.py model
+	$(VENV)/bin/moe-rl train configs/agent_cpu.yaml train.output_dir=runs/agent_cpu/$$(date +%Y%m%d-%H%M%S)
 
 test: install
 	$(PY) -m pytest -q tests

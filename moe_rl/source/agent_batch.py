@@ -101,16 +101,16 @@ class AgentRollouts:
         )
 
     def generate(
-        self, client, prompts, step: int, group_ids=None, metrics: Counter | None = None, counters=None
+        self, client, prompts, step: int, group_ids=None, metrics: Counter | None = None, counters=None, n=None
     ) -> list[RolloutSample]:
-        """``samples_per_prompt`` trajectories of every prompt (prompt-major, as ``client.generate``); the loops'
-        counters (``agent/*``, ``replay/*``) are added to ``metrics``, the turns' ``async/*`` counts to
+        """``n`` (default ``samples_per_prompt``) trajectories of every prompt (prompt-major, as ``client.generate``);
+        the loops' counters (``agent/*``, ``replay/*``) are added to ``metrics``, the turns' ``async/*`` counts to
         ``counters`` (the batch's ``PartialCounters``; default: the client's)."""
         groups = list(range(len(prompts))) if group_ids is None else list(group_ids)
         samples = [
             AgentSample(prompt_ids=list(p.ids), label=p.label, group_id=g, index=j, extra={"prompt": p})
             for p, g in zip(prompts, groups)
-            for j in range(self.n)
+            for j in range(self.n if n is None else n)
         ]
         trajectories, counts = asyncio.run(
             run_agents(

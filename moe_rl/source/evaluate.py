@@ -9,6 +9,10 @@ greedy; no routes, no sampling masks), scoring with the run's reward, and the me
 unbiased estimator of Chen et al. 2021 ("Evaluating Large Language Models Trained on Code", eq. 1):
 pass@k = E[1 - C(n - c, k) / C(n, k)] over prompts with n samples of which c are correct.
 
+With ``rollout.agent`` every eval sample is a trajectory of the run's agent loop (its tools and limits, as in
+training) scored like a training trajectory (``agent_batch.reward_ids``: the last turn's generated tokens, or the
+loop's own reward), and ``eval/<name>/turns_mean`` and ``eval/<name>/tool_calls_mean`` say how it got there.
+
 Evaluation never writes training records and changes no training random stream: its sampling seeds
 are keyed by ``EVAL_STEP_BASE + step``. It is callable from outside the synchronous loop (an
 asynchronous producer pauses and calls ``run`` at the version being trained).
@@ -16,6 +20,7 @@ asynchronous producer pauses and calls ``run`` at the version being trained).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,6 +29,7 @@ import numpy as np
 from moe_rl.data.dataset import load_prompt_items, reward_needs_label
 from moe_rl.data.prompt import PromptItem
 from moe_rl.rollout.client import RolloutClient
+from moe_rl.source.agent_batch import AgentRollouts, agent_metrics, reward_ids
 from moe_rl.sync.integrity import check_weight_versions
 
 __all__ = ["EVAL_SALT", "EVAL_STEP_BASE", "Evaluator", "eval_due", "pass_at_k"]
@@ -53,6 +59,7 @@ class Evaluator:
     def __init__(self, cfg, tokenizer, rewarder, prompts=None, log=print):
         self.cfg, self.rewarder = cfg, rewarder
         self.sets = self._sets(tokenizer, prompts, log)
+        self.agents = AgentRollouts(cfg) if cfg.rollout.agent else None  # trajectories of the run's agent loop
 
     def _sets(self, tokenizer, prompts, log) -> list[tuple[str, list]]:
         cfg, e = self.cfg, self.cfg.eval
@@ -98,13 +105,21 @@ class Evaluator:
         e, client, out = self.cfg.eval, self.client(train_client), {}
         k = e.samples_per_prompt
         for name, items in self.sets:
-            samples = client.generate([p.ids for p in items], k, step=EVAL_STEP_BASE + step)
+            if self.agents is None:
+                samples = client.generate([p.ids for p in items], k, step=EVAL_STEP_BASE + step)
+            else:
+                counts: Counter = Counter()
+                samples = self.agents.generate(client, items, EVAL_STEP_BASE + step, metrics=counts, n=k)
+                agent = agent_metrics(counts)
+                out[f"eval/{name}/turns_mean"] = agent["agent/turns_mean"]
+                out[f"eval/{name}/tool_calls_mean"] = agent.get("agent/tool_calls", 0.0) / len(samples)
             if expected_version is not None:
                 check_weight_versions([s.weight_version for s in samples], expected_version)
-            scores = self.rewarder.score(
-                [items[i // k] for i in range(len(samples))], [s.response_ids for s in samples]
-            )
+            scores = self.rewarder.score([items[i // k] for i in range(len(samples))], [reward_ids(s) for s in samples])
             rewards = np.asarray(scores.rewards, dtype=np.float64).reshape(len(items), k)
+            for i, s in enumerate(samples):  # an agent loop's own reward replaces the scored one (as in training)
+                if s.agent_reward is not None:
+                    rewards[i // k, i % k] = s.agent_reward
             correct = (rewards >= e.pass_threshold).sum(axis=1)
             out[f"eval/{name}/reward_mean"] = float(rewards.mean())
             out[f"eval/{name}/pass@1"] = float(np.mean([pass_at_k(k, int(c), 1) for c in correct]))

@@ -108,7 +108,8 @@ def test_every_shipped_config_fits_its_gpus(path):
 
 def test_every_shipped_config_passes_config_validate(capsys):
     assert main(["config", "validate", *map(str, SHIPPED)]) == 0
-    assert capsys.readouterr().out.count("GPU total") >= len(SHIPPED) - 1  # math_cpu: no plan until its model is built
+    # math_cpu, agent_cpu: no plan until their models are built (make math-example / agent-example)
+    assert capsys.readouterr().out.count("GPU total") >= len(SHIPPED) - 2
 
 
 def test_plan_cli_prints_gpu_host_disk_and_network(capsys, monkeypatch):

@@ -17,7 +17,8 @@ from moe_rl.preflight import PreflightError, config_problems, environment_proble
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").rglob("*.yaml"))
 
 
-BUILT_BY_SCRIPT = {"math_cpu.yaml": "examples/math/model"}  # model.hf_path that `make math-example` builds
+# model.hf_path that `make math-example` / `make agent-example` builds -> the fixture building it without its SFT
+BUILT_BY_SCRIPT = {"math_cpu.yaml": "example_model", "agent_cpu.yaml": "agent_example_model"}
 
 
 @pytest.fixture(scope="module")
@@ -33,11 +34,24 @@ def example_model(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def agent_example_model(tmp_path_factory):
+    """The multi-turn example's HF directory without its SFT (tool-calling tokenizer and template, random weights)."""
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("make_agent_example", root / "scripts/make_agent_example.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path_factory.mktemp("agent_example") / "model"
+    script.write_model(root / "examples/agent", out, sft_steps=0, tool_fraction=0.0)
+    return out
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(p.parents[1])))
 def test_every_shipped_config_passes_the_config_rules(path, request):
     overrides = []
     if path.name in BUILT_BY_SCRIPT:  # its model directory is built locally, not committed
-        overrides = [f"model.hf_path={request.getfixturevalue('example_model')}"]
+        overrides = [f"model.hf_path={request.getfixturevalue(BUILT_BY_SCRIPT[path.name])}"]
     assert config_problems(load_config(path, overrides)).problems == []
 
 
