@@ -32,10 +32,10 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from moe_rl.config import ModelConfig, load_config
+from moe_rl.config import load_config
 from moe_rl.learner.dist import init_distributed
 from moe_rl.learner.hf_export import export_hf_checkpoint
-from moe_rl.learner.hf_init import write_random_hf_checkpoint
+from moe_rl.learner.hf_init import write_example_init
 from moe_rl.learner.train_step import Learner
 from moe_rl.rollout.agents import AgentContext, load_tools
 from moe_rl.rollout.tool_loop import env_tokens
@@ -149,29 +149,7 @@ def write_model(data_dir: Path, out: Path, sft_steps: int, tool_fraction: float,
     with open(data_dir / "train.jsonl") as rows:
         boxes = [json.loads(line)["prompt"].rsplit(" ", 1)[1].rstrip("?") for line in rows]
     tok = build_tokenizer()
-    vocab = -(-len(tok) // 64) * 64 + 64  # padded past the tokenizer, as Qwen pads its embeddings
-    model_cfg = ModelConfig(
-        num_layers=2,
-        hidden_size=64,
-        ffn_hidden_size=128,
-        num_attention_heads=4,
-        num_query_groups=2,
-        kv_channels=16,
-        num_moe_experts=8,
-        moe_router_topk=2,
-        moe_ffn_hidden_size=64,
-        vocab_size=vocab,
-        seq_length=128,
-    )
-    init = out.with_name(out.name + ".init")
-    write_random_hf_checkpoint(model_cfg, init, seed=seed)
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        (init / f).unlink(missing_ok=True)  # the digit-task tokenizer hf_init writes
-    tok.save_pretrained(init)
-    ids = {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id, "bos_token_id": None}
-    for name in ("config.json", "generation_config.json"):
-        cfg_json = json.loads((init / name).read_text())
-        (init / name).write_text(json.dumps(cfg_json | ids, indent=2))
+    init = write_example_init(out, tok, seed=seed)
 
     if sft_steps == 0:  # the untrained directory (the tests validate configs/agent_cpu.yaml against it)
         if out.exists():

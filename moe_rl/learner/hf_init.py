@@ -8,11 +8,13 @@ and ``transformers`` load with no hub access.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, Glm4MoeConfig, Qwen3MoeConfig
 
+from moe_rl.config import ModelConfig
 from moe_rl.learner.hf_arch import unsupported_for_hf
 from moe_rl.tasks.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_task_tokenizer
 
@@ -122,3 +124,34 @@ def write_random_hf_checkpoint(
     model.save_pretrained(out_dir, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     build_task_tokenizer(model_cfg.vocab_size).save_pretrained(out_dir)
     return out_dir
+
+
+def write_example_init(out: str | Path, tokenizer, seed: int = 0) -> Path:
+    """The shipped examples' random-init model (``scripts/make_*_example.py``): a 2-layer, 8-expert top-2 Qwen3-MoE
+    of hidden size 64 whose vocabulary is padded past ``tokenizer`` (as Qwen pads its embeddings), written to
+    ``<out>.init`` with ``tokenizer`` and its special-token ids in place of the task tokenizer; returns that path."""
+
+    vocab = -(-len(tokenizer) // 64) * 64 + 64
+    model_cfg = ModelConfig(
+        num_layers=2,
+        hidden_size=64,
+        ffn_hidden_size=128,
+        num_attention_heads=4,
+        num_query_groups=2,
+        kv_channels=16,
+        num_moe_experts=8,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=64,
+        vocab_size=vocab,
+        seq_length=128,
+    )
+    out = Path(out)
+    init = write_random_hf_checkpoint(model_cfg, out.with_name(out.name + ".init"), seed=seed)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (init / f).unlink(missing_ok=True)  # the digit-task tokenizer written above
+    tokenizer.save_pretrained(init)
+    ids = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id, "bos_token_id": None}
+    for name in ("config.json", "generation_config.json"):
+        cfg_json = json.loads((init / name).read_text())
+        (init / name).write_text(json.dumps(cfg_json | ids, indent=2))
+    return init
