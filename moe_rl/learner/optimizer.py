@@ -46,8 +46,28 @@ def wrap_ddp(model, use_distributed_optimizer: bool = False):
     ddp_cfg = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=use_distributed_optimizer
     )
+    _mark_replicated_experts(model)
     with megatron_optimizer_device():
         return DistributedDataParallel(model.config, ddp_cfg, model)
+
+
+def _mark_replicated_experts(model) -> None:
+    """Expert weights reduce over the expert-data-parallel group whenever it is not the data-parallel one.
+
+    Megatron marks an expert weight ``allreduce=False`` (DDP's expert buffer, reduced over the expert-dp group) only
+    when ep > 1 (``tensor_parallel.layers``: ``not (is_expert and expert_parallel)``). At ep = 1 with etp != tp the
+    two groups differ: at tp=2, etp=1 both tp ranks hold every expert and, under sequence parallelism, each trains
+    it on its own half of the tokens, so reduced over the dp group only the two replicas drift apart from the first
+    step (seen: 0.012 after 2 steps at lr 3e-3). Marking them expert weights there too reduces them over the
+    expert-dp group and counts them once in the grad norm (``grad_norm_and_clip``)."""
+
+    if not dist.is_initialized():
+        return
+    if ps.get_expert_data_parallel_world_size() == ps.get_data_parallel_world_size(with_context_parallel=True):
+        return
+    for name, param in model.named_parameters():
+        if ".mlp.experts." in name:
+            param.allreduce = False
 
 
 def uses_megatron_optimizer(optim_cfg) -> bool:

@@ -15,6 +15,9 @@ last stage only; ``tp2``, ``parallel.tp=2, etp=1`` (sequence parallel; the exact
 combine, LM head and whole-vocabulary log-softmax); then, re-initialised at tp=1 (2 data-parallel ranks), the
 stock tp=1 exact learner (``tp1``: what the tp=1 server computes), and the same with every non-expert
 row-parallel linear splitting K into 2 blocks (``tp1_blocks2``: ``tp_blocks=2``, the tp=1 side of TBIK).
+After the tp=2 passes and again after the tp=1 ones, one training step (the mean NLL of the first microbatch's
+response tokens, the same batch on every rank): ``train_tp2`` / ``train_tp1`` hold its grad norm and, at tp=2, the
+largest difference between the two tp ranks' copies of each expert weight (etp=1: every rank holds every expert).
 """
 
 import json
@@ -35,6 +38,7 @@ from moe_rl.learner.dist import destroy_distributed, init_distributed
 from moe_rl.learner.exact_spec import ExactRowParallelLinear
 from moe_rl.learner.train_step import Learner, default_logprob_fn
 from moe_rl.records import RolloutBatch
+from moe_rl.train.warm_start import _nll_loss
 from tests.exact.conftest import GATE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -127,6 +131,21 @@ def recompute(learner, cfg, samples) -> dict:
     }
 
 
+def train_once(learner, samples) -> dict:
+    """One step on the first microbatch (the same on every rank); its grad norm and, over the tp group, the largest
+    difference between the ranks' copies of each expert weight afterwards."""
+    mb = microbatches(samples, ps.get_tensor_model_parallel_world_size())[0]
+    mb["mask"] = (mb["targets"] >= 0).float()
+    stats = learner.train_step([mb], _nll_loss)
+    diff, group = 0.0, ps.get_tensor_model_parallel_group()
+    for name, p in learner.module.named_parameters():
+        if ".mlp.experts." in name and ps.get_tensor_model_parallel_world_size() > 1:
+            parts = [torch.empty_like(p.detach()) for _ in range(group.size())]
+            dist.all_gather(parts, p.detach().contiguous(), group=group)
+            diff = max(diff, max(float((q - parts[0]).abs().max()) for q in parts))
+    return {"grad_norm": float(stats.grad_norm), "expert_replica_diff": diff}
+
+
 def learner(hf_dir: str, *parallel: str):
     cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml", [*GATE[:4], *parallel, f"checkpoint.init_from_hf={hf_dir}"])
     init_distributed(cfg.parallel)
@@ -146,6 +165,7 @@ def main() -> None:
     kernels.attention = stock
     lrn, cfg = learner(hf_dir, "parallel.tp=2", "parallel.etp=1")
     report["tp2"] = recompute(lrn, cfg, samples)
+    report["train_tp2"] = train_once(lrn, samples)
     lrn, cfg = learner(hf_dir, "parallel.etp=1")
     report["tp1"] = recompute(lrn, cfg, samples)
     split = [m for m in lrn.module.modules() if isinstance(m, ExactRowParallelLinear) and not m.is_expert]
@@ -153,6 +173,7 @@ def main() -> None:
     for m in split:
         m.tp_blocks = 2
     report["tp1_blocks2"] = recompute(lrn, cfg, samples)
+    report["train_tp1"] = train_once(lrn, samples)
     rank = dist.get_rank()
     tmp = Path(out_dir) / f".rank{rank}.json.tmp"
     tmp.write_text(json.dumps(report))

@@ -300,6 +300,20 @@ def test_a_tp2_learner_equals_the_tp1_kernel_split_in_the_same_fixed_blocks(para
         assert r["tp2"]["log_ratio_abs_max"] > 0.0, r["tp2"]["log_ratio_abs_max"]
 
 
+@pytest.mark.distributed
+def test_a_tp2_step_keeps_the_expert_replicas_equal_and_counts_them_once_in_the_grad_norm(parallel_recompute):
+    """At tp=2, etp=1, ep=1 both tp ranks hold every expert and each trains it on its own half of the sequence:
+    their gradients must be summed over the expert-data-parallel group (``optimizer._mark_replicated_experts``;
+    Megatron's ``allreduce`` attribute routes experts there only at ep > 1), or the replicas drift apart from the
+    first step. After one step on the same batch: every expert weight equal on both ranks, and the grad norm that
+    of the tp=1 learner (data parallel over the same batch) up to the backward's rounding."""
+    ranks, _ = parallel_recompute
+    for r in ranks:
+        assert r["train_tp2"]["expert_replica_diff"] == 0.0, r["train_tp2"]
+        tp2, tp1 = r["train_tp2"]["grad_norm"], r["train_tp1"]["grad_norm"]
+        assert tp2 == pytest.approx(tp1, rel=1e-6), (tp2, tp1)  # unfixed: 1.2e-5 apart
+
+
 @pytest.fixture(scope="module")
 def ksm_run(tmp_path_factory, tiny_server):
     """tiny_cpu as shipped (KSM on, top-p 0.95, top-k 20, R3) + the gate's fp32 true-on-policy settings, ep=1,
