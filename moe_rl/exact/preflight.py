@@ -51,9 +51,9 @@ def true_on_policy_settings(cfg) -> Iterable[str]:
         yield (
             f"parallel.tp={p.tp} {_WHY} against the server yet: the exact learner at tp > 1 (sequence parallel, "
             "etp=1) combines each row-parallel linear's fp32 partials in a fixed order (TBIK), equal to the tp=1 "
-            "kernel with its K split into tp blocks, but the server's split is not wired (launcher, kernel identity) "
-            "and after a tp=2 update the learner's and the server's weights were seen apart (docs/true_on_policy.md, "
-            "'Pipeline and tensor parallelism'); expected 1"
+            "kernel with its K split into tp blocks, but the server's split is not wired yet (the launcher does not "
+            "set it and the kernel identity does not carry it; by hand a tp=2 run is exact at every step: "
+            "docs/true_on_policy.md, 'Pipeline and tensor parallelism'); expected 1"
         )
     if p.cp != 1:
         yield (
