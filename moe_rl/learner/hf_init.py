@@ -147,11 +147,20 @@ def write_example_init(out: str | Path, tokenizer, seed: int = 0) -> Path:
     )
     out = Path(out)
     init = write_random_hf_checkpoint(model_cfg, out.with_name(out.name + ".init"), seed=seed)
+    return use_tokenizer(init, tokenizer)
+
+
+def use_tokenizer(hf_dir: str | Path, tokenizer) -> Path:
+    """Put ``tokenizer`` in the checkpoint directory ``hf_dir`` in place of the task tokenizer
+    ``write_random_hf_checkpoint`` wrote, with its eos / pad ids (and no bos) in ``config.json`` and
+    ``generation_config.json``; returns ``hf_dir``."""
+
+    hf_dir = Path(hf_dir)
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        (init / f).unlink(missing_ok=True)  # the digit-task tokenizer written above
-    tokenizer.save_pretrained(init)
+        (hf_dir / f).unlink(missing_ok=True)
+    tokenizer.save_pretrained(hf_dir)
     ids = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id, "bos_token_id": None}
     for name in ("config.json", "generation_config.json"):
-        cfg_json = json.loads((init / name).read_text())
-        (init / name).write_text(json.dumps(cfg_json | ids, indent=2))
-    return init
+        cfg_json = json.loads((hf_dir / name).read_text())
+        (hf_dir / name).write_text(json.dumps(cfg_json | ids, indent=2))
+    return hf_dir

@@ -7,14 +7,13 @@ Qwen-style chat template, EOS ``<|im_end|>``, and a model vocabulary padded past
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from moe_rl.config import ModelConfig
-from moe_rl.learner.hf_init import write_random_hf_checkpoint
+from moe_rl.learner.hf_init import use_tokenizer, write_random_hf_checkpoint
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -65,14 +64,5 @@ def tiny_model_config(**overrides):
 def write_tiny_hf_dir(out: Path, chat_template: str | None = CHAT_TEMPLATE, seed: int = 0, **model) -> Path:
     """Weights (random init), config.json, generation_config.json and the BPE tokenizer in ``out``."""
 
-    out = Path(out)
-    write_random_hf_checkpoint(tiny_model_config(**model), out, seed=seed)
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        (out / f).unlink(missing_ok=True)  # the task tokenizer hf_init writes
-    tok = build_tokenizer(chat_template=chat_template)
-    tok.save_pretrained(out)
-    ids = {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id, "bos_token_id": None}
-    for name in ("config.json", "generation_config.json"):
-        data = json.loads((out / name).read_text())
-        (out / name).write_text(json.dumps(data | ids, indent=2))
-    return out
+    out = write_random_hf_checkpoint(tiny_model_config(**model), out, seed=seed)
+    return use_tokenizer(out, build_tokenizer(chat_template=chat_template))
