@@ -21,30 +21,28 @@ CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").rglob("*.yaml
 BUILT_BY_SCRIPT = {"math_cpu.yaml": "example_model", "agent_cpu.yaml": "agent_example_model"}
 
 
+def _unbuilt_example(tmp_path_factory, name: str, **kwargs) -> Path:
+    """``scripts/make_<name>_example.py``'s HF directory without its SFT (its tokenizer, template, random weights)."""
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location(f"make_{name}_example", root / f"scripts/make_{name}_example.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path_factory.mktemp(f"{name}_example") / "model"
+    script.write_model(root / f"examples/{name}", out, sft_steps=0, **kwargs)
+    return out
+
+
 @pytest.fixture(scope="module")
 def example_model(tmp_path_factory):
     """The math example's HF directory without its SFT (tokenizer, chat template, config, random weights)."""
-
-    root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("make_math_example", root / "scripts/make_math_example.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    out = tmp_path_factory.mktemp("math_example") / "model"
-    script.write_model(root / "examples/math", out, sft_steps=0)
-    return out
+    return _unbuilt_example(tmp_path_factory, "math")
 
 
 @pytest.fixture(scope="module")
 def agent_example_model(tmp_path_factory):
     """The multi-turn example's HF directory without its SFT (tool-calling tokenizer and template, random weights)."""
-
-    root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("make_agent_example", root / "scripts/make_agent_example.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    out = tmp_path_factory.mktemp("agent_example") / "model"
-    script.write_model(root / "examples/agent", out, sft_steps=0, tool_fraction=0.0)
-    return out
+    return _unbuilt_example(tmp_path_factory, "agent", tool_fraction=0.0)
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(p.parents[1])))
